@@ -1,0 +1,68 @@
+# Your exercise module, generated from solutions/collectives.py by `python -m labs.stubs`.
+# Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
+"""Exercise 00 (notebooks/00_setup_and_collectives.ipynb): a ring all-reduce from send and recv.
+
+The N ranks sit on a ring; each talks only to its neighbours. The tensor is cut into
+N chunks (``torch.tensor_split``, so any size works: chunks may differ by one element).
+
+    reduce-scatter phase, N-1 rounds: in round s rank r sends chunk (r - s) mod N to
+        rank r+1 and adds the chunk (r - s - 1) mod N it receives from rank r-1.
+        Afterwards rank r holds the full sum of chunk (r + 1) mod N.
+    all-gather phase, N-1 rounds: in round s rank r sends chunk (r + 1 - s) mod N
+        (fully reduced) to rank r+1 and stores chunk (r - s) mod N from rank r-1.
+
+Communication contract, per rank, for a tensor of K bytes: 2 (N-1) rounds, each
+sending one chunk of K/N bytes, so 2 (N-1)/N K bytes in all: ``labs.theory.comm.all_reduce_bytes``.
+Every round sends and receives at once (``dist.batch_isend_irecv``): with blocking
+``send`` first on every rank, all ranks would wait for a receiver and the ring would deadlock.
+
+Reference: Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters
+of workstations" (2009); the Ultra-Scale Playbook, appendix A0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+NOTEBOOK = "00_setup_and_collectives.ipynb"
+
+
+def ring_neighbours(group=None) -> tuple[int, int, int, int]:
+    """(my position in the group, N, global rank of the next rank, global rank of the previous rank)."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    nxt = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
+    prv = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
+    return me, n, nxt, prv
+
+
+def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None) -> None:
+    """Send ``send_buf`` to ``to_rank`` while receiving ``recv_buf`` from ``from_rank``; wait for both."""
+    ops = [dist.P2POp(dist.isend, send_buf, to_rank, group), dist.P2POp(dist.irecv, recv_buf, from_rank, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def ring_reduce_scatter(chunks: list[torch.Tensor], group=None) -> int:
+    """Reduce-scatter phase on a ring, in place on ``chunks`` (this rank's N chunks).
+
+    Afterwards chunk (me + 1) mod N holds the sum over all ranks. Returns that index.
+    Sends N-1 chunks.
+    """
+    raise NotImplementedError("exercise ring_reduce_scatter is not written yet: see its docstring and notebooks/00_setup_and_collectives.ipynb")
+
+
+def ring_all_gather(chunks: list[torch.Tensor], group=None) -> None:
+    """All-gather phase on a ring, in place on ``chunks``: rank r starts owning the reduced
+    chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks."""
+    raise NotImplementedError("exercise ring_all_gather is not written yet: see its docstring and notebooks/00_setup_and_collectives.ipynb")
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks of ``group``, in place, like ``dist.all_reduce``; returns it.
+
+    tensor: any shape, any size (N need not divide it). Chunks are views of a flat copy
+    (``tensor.view(-1)`` when contiguous), so the phases write straight into the result.
+    Bytes sent per rank: 2 (N-1)/N * tensor bytes (exactly, when N divides numel).
+    """
+    raise NotImplementedError("exercise ring_all_reduce is not written yet: see its docstring and notebooks/00_setup_and_collectives.ipynb")

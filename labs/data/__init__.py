@@ -1,0 +1,96 @@
+"""The shipped corpus, a byte-level tokenizer, and seeded batches for one rank or for all.
+
+    x, y = rank_batches(steps=5, batch_size=4, seq_len=32, rank=1, world_size=2)[0]   # rank 1's first batch
+    x, y = global_batches(steps=5, batch_size=4, seq_len=32, world_size=2)[0]        # both ranks' batches, stacked
+
+The data set is the corpus cut into non-overlapping windows of ``seq_len + 1`` bytes
+(inputs and next-byte targets). ``torch.utils.data.DistributedSampler`` gives each rank
+a disjoint slice of one seeded permutation; a step's *global* batch is the ranks'
+batches concatenated in rank order. The single-process reference trains on exactly
+that global batch, which is why data-parallel losses can match it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+CORPUS_PATH = Path(__file__).with_name("corpus.txt")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens: vocabulary 256, nothing to download or train."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens) -> str:
+        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def load_corpus() -> torch.Tensor:
+    """The corpus as a 1-D tensor of token ids (int64)."""
+    return torch.frombuffer(bytearray(CORPUS_PATH.read_bytes()), dtype=torch.uint8).long()
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of the corpus: item i is (x, y), each ``[seq_len]``, y = x shifted by one."""
+
+    def __init__(self, seq_len: int, tokens: torch.Tensor | None = None):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = load_corpus() if tokens is None else tokens
+        self.seq_len = seq_len
+        self.n = (len(self.tokens) - 1) // seq_len
+        if self.n < 1:
+            raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens)")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        chunk = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def make_loader(*, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                dataset: Dataset | None = None) -> tuple[DataLoader, DistributedSampler]:
+    """A loader over this rank's share of the data. Call ``sampler.set_epoch(e)`` each epoch,
+    or every epoch repeats the first one's order (the classic DistributedSampler pitfall)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    dataset = dataset or TokenWindows(seq_len)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                 drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True), sampler
+
+
+def rank_batches(*, steps: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``steps`` batches this rank sees, ``[batch_size, seq_len]`` each, across epochs."""
+    loader, sampler = make_loader(batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size, seed=seed)
+    if len(loader) == 0:
+        raise ValueError(f"batch_size={batch_size} x world_size={world_size} windows of {seq_len} do not fit the corpus")
+    out, epoch = [], 0
+    while len(out) < steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            out.append(tuple(batch))
+            if len(out) == steps:
+                break
+        epoch += 1
+    return out
+
+
+def global_batches(*, steps: int, batch_size: int, seq_len: int, world_size: int = 1,
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's global batch: the ``world_size`` ranks' batches concatenated in rank order,
+    ``[world_size * batch_size, seq_len]``. What a single process must train on to match."""
+    per_rank = [rank_batches(steps=steps, batch_size=batch_size, seq_len=seq_len, rank=r,
+                             world_size=world_size, seed=seed) for r in range(world_size)]
+    return [(torch.cat([per_rank[r][s][0] for r in range(world_size)]),
+             torch.cat([per_rank[r][s][1] for r in range(world_size)])) for s in range(steps)]

@@ -1,0 +1,213 @@
+"""Communication ledger: every collective a rank issues, with its kind and its bytes.
+
+    with CommLedger() as ledger:
+        train_step()
+    ledger.sent_bytes()                  # bytes this rank put on the wire, ring model
+    ledger.calls("all_reduce")           # how many all-reduces
+    ledger.summary()                     # {op: {"calls", "payload_bytes", "sent_bytes"}}
+
+While the ``with`` block runs, the ``torch.distributed`` functions below are wrapped,
+so lab code keeps calling plain ``dist.all_reduce(...)``. Each call records:
+
+* ``payload_bytes``: the size of the tensor handed to the collective (``numel * itemsize``),
+  the ``K`` of the formulas;
+* ``sent_bytes``: what this rank sends under the textbook algorithm for that collective,
+  from the group size ``N`` (the same expressions as ``labs.theory.comm``):
+
+  ============================  ==========================================  =================
+  op                            sent per rank                               K is
+  ============================  ==========================================  =================
+  all_reduce                    2 (N-1)/N K   (ring: reduce-scatter + all-gather)   the tensor
+  reduce_scatter_tensor         (N-1)/N K                                   the full input
+  all_gather_into_tensor        (N-1)/N K                                   the full output
+  broadcast, reduce             (N-1)/N K   (pipelined chain, averaged)      the tensor
+  all_to_all_single             bytes of the rows leaving for other ranks   exact
+  send / isend                  K                                           exact
+  ============================  ==========================================  =================
+
+For point-to-point and all-to-all the figure is exact; for the others it is the
+algorithm's cost, what the course's theory predicts. Our hand-written collectives are
+built from send/recv, so for them the ledger's figure is a true count of bytes sent.
+
+Not seen: collectives issued inside torch's own C++ (DDP's reducer, FSDP2, DTensor's
+functional collectives). ``torch.distributed.tensor.debug.CommDebugMode`` counts those
+calls (not their bytes); the tests use it to cross-check this ledger's counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+# The wrapped functions. Wrapping them both in ``torch.distributed`` and in
+# ``distributed_c10d`` keeps ``P2POp(dist.isend, ...)`` valid (it compares with c10d's names).
+RECORDED_OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
+                "reduce_scatter", "broadcast", "reduce", "all_to_all_single", "send", "isend",
+                "recv", "irecv", "batch_isend_irecv")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective on one rank."""
+    op: str            # e.g. "all_reduce"
+    group_size: int    # N
+    payload_bytes: int  # K: the tensor handed to the call
+    sent_bytes: float   # bytes this rank sends (algorithm model, see module docstring)
+    recv_bytes: float   # bytes this rank receives (point-to-point and all-to-all: exact)
+    phase: str          # the label of the enclosing ``ledger.phase(...)`` block
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def ring_fraction(n: int) -> float:
+    """(N-1)/N: the share of a tensor each rank sends in a ring all-gather or reduce-scatter."""
+    return (n - 1) / n
+
+
+class CommLedger:
+    """Records the collectives this rank issues while active. One ledger at a time per process."""
+
+    _active: "CommLedger | None" = None
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+        self._phase = ""
+        self._originals: dict[tuple[object, str], object] = {}
+        self._depth = threading.local()  # nested calls (batch_isend_irecv -> isend) count once
+
+    # --- context management -------------------------------------------------
+    def __enter__(self) -> "CommLedger":
+        if CommLedger._active is not None:
+            raise RuntimeError("a CommLedger is already recording in this process; nest phases instead")
+        CommLedger._active = self
+        for op in RECORDED_OPS:
+            wrapper = self._wrap(op, getattr(c10d, op))  # one wrapper object, set in both modules
+            for module in (dist, c10d):
+                self._originals[(module, op)] = getattr(module, op)
+                setattr(module, op, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (module, op), original in self._originals.items():
+            setattr(module, op, original)
+        self._originals.clear()
+        CommLedger._active = None
+
+    @contextmanager
+    def phase(self, name: str):
+        """Label the collectives issued inside the block, e.g. ``ledger.phase("backward")``."""
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    # --- queries ----------------------------------------------------------------
+    def calls(self, op: str | None = None, phase: str | None = None) -> int:
+        return len(self._select(op, phase))
+
+    def sent_bytes(self, op: str | None = None, phase: str | None = None) -> float:
+        return sum(r.sent_bytes for r in self._select(op, phase))
+
+    def payload_bytes(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.payload_bytes for r in self._select(op, phase))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per op: number of calls, payload bytes and bytes sent by this rank."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+        for r in self.records:
+            out[r.op]["calls"] += 1
+            out[r.op]["payload_bytes"] += r.payload_bytes
+            out[r.op]["sent_bytes"] += r.sent_bytes
+        return dict(out)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def _select(self, op, phase):
+        return [r for r in self.records if (op is None or r.op == op) and (phase is None or r.phase == phase)]
+
+    # --- recording ----------------------------------------------------------------
+    def _wrap(self, op, original):
+        ledger = self
+
+        def recorded(*args, **kwargs):
+            depth = getattr(ledger._depth, "value", 0)
+            if depth == 0:
+                ledger._record(op, args, kwargs)
+            ledger._depth.value = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ledger._depth.value = depth
+
+        recorded.__wrapped__ = original
+        recorded.__name__ = op
+        return recorded
+
+    def _add(self, op, n, payload, sent, received=0.0):
+        self.records.append(CommRecord(op, n, int(payload), float(sent), float(received), self._phase))
+
+    def _record(self, op, args, kwargs):
+        group = kwargs.get("group")
+        if op == "batch_isend_irecv":
+            for p2p in args[0] if args else kwargs["p2p_op_list"]:
+                name = getattr(p2p.op, "__name__", str(p2p.op))
+                k = _nbytes(p2p.tensor)
+                self._add(name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0)
+            return
+        tensor = args[0] if args else kwargs.get("tensor", kwargs.get("output"))
+        if op in ("send", "isend", "recv", "irecv"):
+            k = _nbytes(tensor)
+            self._add(op, 2, k, k if op in ("send", "isend") else 0, k if op in ("recv", "irecv") else 0)
+            return
+        if group is None and len(args) > 2 and op in ("all_reduce", "broadcast", "reduce"):
+            group = args[2]
+        n = _group_size(group)
+        if op == "all_reduce":
+            k = _nbytes(tensor)
+            self._add(op, n, k, 2 * ring_fraction(n) * k, 2 * ring_fraction(n) * k)
+        elif op in ("broadcast", "reduce"):
+            k = _nbytes(tensor)
+            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
+        elif op == "all_gather_into_tensor":  # (output, input): K is the gathered output
+            k = _nbytes(args[0] if args else kwargs["output_tensor"])
+            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
+        elif op == "reduce_scatter_tensor":  # (output, input): K is the full input
+            k = _nbytes(args[1] if len(args) > 1 else kwargs["input"])
+            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
+        elif op == "all_gather":  # (tensor_list, tensor)
+            k = n * _nbytes(args[1] if len(args) > 1 else kwargs["tensor"])
+            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
+        elif op == "reduce_scatter":  # (output, input_list)
+            k = sum(_nbytes(t) for t in (args[1] if len(args) > 1 else kwargs["input_list"]))
+            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
+        elif op == "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes)
+            self._record_all_to_all(args, kwargs, n)
+
+    def _record_all_to_all(self, args, kwargs, n):
+        output = args[0] if args else kwargs["output"]
+        inp = args[1] if len(args) > 1 else kwargs["input"]
+        out_splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
+        in_splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+        group = kwargs.get("group", args[4] if len(args) > 4 else None)
+        me = dist.get_rank(group)
+        row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)
+        row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
+        in_splits = list(in_splits) if in_splits else [inp.shape[0] // n] * n
+        out_splits = list(out_splits) if out_splits else [output.shape[0] // n] * n
+        sent = sum(s for i, s in enumerate(in_splits) if i != me) * row_in
+        received = sum(s for i, s in enumerate(out_splits) if i != me) * row_out
+        self._add("all_to_all_single", n, _nbytes(inp), sent, received)

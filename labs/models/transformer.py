@@ -1,0 +1,192 @@
+"""The course model: a small decoder-only transformer in the Llama style, read top to bottom.
+
+    RMSNorm -> Attention (rotary positions, grouped-query heads) -> residual
+    RMSNorm -> MLP (SwiGLU: down(silu(gate(x)) * up(x)))      -> residual
+
+Every parallelism in the course is applied to this one model, so it is written to be
+cut: attention has separate q/k/v/o projections (TP splits them by heads), the MLP has
+separate gate/up/down (TP splits them by the hidden dimension), the blocks live in one
+``layers`` list (PP cuts it into stages), and positions come from ``positions`` rather
+than from ``arange(T)`` so a context-parallel rank can hold tokens from the middle of
+the sequence. Module names follow ``transformers``' Llama, so weights copy across
+(``labs.models.hf.to_hf_llama``) and the two give the same logits.
+
+Shape legend: B batch, T sequence, H hidden (n_embd), nh heads, nkv key/value heads,
+hd head dim (H / nh), F MLP hidden (ffn_hidden), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256        # byte-level tokenizer: one token per byte
+    seq_len: int = 64            # longest sequence; sizes the rotary table
+    n_layer: int = 2
+    n_embd: int = 64             # H
+    n_head: int = 8              # nh; head dim = n_embd // n_head
+    n_kv_head: int = 4           # nkv < nh is grouped-query attention; = nh is plain multi-head
+    ffn_hidden: int = 128        # F; Llama uses about 8/3 H rounded up
+    tie_embeddings: bool = False  # share the token embedding with the output head (GPT-2 does)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary positions")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (as Llama does) and cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+    """cos and sin tables for the given token positions: ``[T, hd]`` each."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                 # [T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate pairs of channels by a position-dependent angle. x: [B, n, T, hd]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads and rotary positions."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Each group of nh/nkv query heads shares one key/value head.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, hd]
+        y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, H]
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, F] -> [B, T, H]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding -> n_layer blocks -> final norm -> output head (logits over V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx, targets=None, positions=None):
+        """idx: [B, T] token ids -> logits [B, T, V]; with targets, also the mean cross-entropy."""
+        B, T = idx.shape
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)
+        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.tok_emb(idx)  # [B, T, H]
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))  # [B, T, V]
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Deterministic initialisation from ``seed``, whatever the global RNG state: N(0, std)
+    for linear and embedding weights (output projections scaled by 1/sqrt(2 n_layer), as
+    GPT-2 does), ones for norms. Modules are visited in a fixed order (named_parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    n_layer = getattr(getattr(model, "cfg", None), "n_layer", 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+                continue
+            scale = std / math.sqrt(2 * n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """The course model with weights from ``seed``: same seed, same weights, on every rank."""
+    model = init_weights(Transformer(cfg), seed)
+    return model.to(device=device, dtype=dtype)
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,103 @@
+"""Run a lab from the command line and print its summary.
+
+    python -m labs.run collectives --nproc 4 --json
+    python -m labs.run ddp --nproc 4 --steps 5 --impl solutions --vs-torch
+    torchrun --nproc-per-node 4 -m labs.run ddp --json        # each torchrun rank is a worker
+
+Options every lab takes: ``--nproc``, ``--steps``, ``--impl solutions|labs`` (overrides
+``LABS_IMPL``), ``--json``, ``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``.
+``python -m labs.run LAB --help`` lists the lab's own options.
+
+Exit status: 0 when the lab ran, 1 when it failed, 2 for bad arguments, 3 when an
+exercise is not written yet (one line names the function to write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# Lab name -> experiment module. Each module has run(**options) and add_arguments(parser).
+LABS = {
+    "collectives": "labs.experiments.collectives",   # notebook 00
+    "memory": "labs.experiments.memory",             # notebook 01
+    "ddp": "labs.experiments.ddp",                   # notebook 02
+    "zero": "labs.experiments.zero",                 # notebook 03
+    "tp": "labs.experiments.tp",                     # notebook 04
+    "pp": "labs.experiments.pp",                     # notebook 05
+    "cp": "labs.experiments.cp",                     # notebook 06
+    "moe": "labs.experiments.moe",                   # notebook 07
+    "mesh": "labs.experiments.mesh",                 # notebook 08
+    "infer": "labs.experiments.infer",               # notebook 09
+    "multimodal": "labs.experiments.multimodal",     # notebook 11
+}
+COMMON = ("nproc", "steps", "backend", "vs_torch", "timeout")
+
+
+def build_parser(lab: str | None, module=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labs.run", description="Run a lab and print its summary.")
+    parser.add_argument("lab", choices=sorted(LABS), help="which lab")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: WORLD_SIZE under torchrun, else 4)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (or repetitions)")
+    parser.add_argument("--impl", choices=("solutions", "labs"), default=None,
+                        help="whose exercise code runs (default: the LABS_IMPL switch, else labs)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--vs-torch", action="store_true", help="also time PyTorch's own implementation")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is stopped")
+    if module is not None and hasattr(module, "add_arguments"):
+        module.add_arguments(parser.add_argument_group(f"{lab} options"))
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    lab = next((a for a in argv if not a.startswith("-")), None)
+    if lab not in LABS:
+        build_parser(None).parse_args(argv)  # prints usage and the valid lab names, exits 2
+        return 2
+    try:
+        module = importlib.import_module(LABS[lab])
+    except ModuleNotFoundError as e:
+        if e.name != LABS[lab]:
+            raise
+        print(f"error: lab {lab!r} is not part of this copy of the course yet", file=sys.stderr)
+        return 2
+    args = build_parser(lab, module).parse_args(argv)
+
+    from labs.runtime.impl import set_implementation
+    from labs.runtime.launcher import RankError, under_torchrun
+    from labs.experiments.common import format_summary, to_json
+
+    if args.impl:
+        set_implementation(args.impl)  # ranks inherit the environment
+    if args.nproc is None:
+        args.nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
+    options = {k: v for k, v in vars(args).items() if k not in ("lab", "impl", "json")}
+    is_rank0 = int(os.environ.get("RANK", 0)) == 0
+    try:
+        summary = module.run(**options)
+    except RankError as e:
+        if e.exc_type == "NotImplementedError":
+            print(e.message, file=sys.stderr)
+            return 3
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except NotImplementedError as e:
+        print(e, file=sys.stderr)
+        return 3
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if is_rank0:
+        print(to_json(summary) if args.json else format_summary(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

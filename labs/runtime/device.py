@@ -1,0 +1,41 @@
+"""The device a rank computes on, and a report of what this machine offers."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.distributed as dist
+
+
+def rank_device() -> torch.device:
+    """``cuda:<local rank>`` when the process group runs NCCL, else ``cpu``."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for queued GPU work before reading a clock; nothing to wait for on CPU."""
+    device = device or rank_device()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment_report() -> dict:
+    """What the course will run on here: versions, cores, GPUs and the backend ``launch`` picks."""
+    from labs.runtime.launcher import choose_backend
+    from labs.runtime.impl import implementation
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_cores": os.cpu_count(),
+        "gpus": gpus,
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "backend_for_4_ranks": choose_backend(4),
+        "implementation": implementation(),
+    }

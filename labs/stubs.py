@@ -1,0 +1,117 @@
+"""Generate the learner's exercise modules in ``labs/`` from the reference in ``solutions/``.
+
+    python -m labs.stubs            # rewrite labs/<exercise>.py from solutions/<exercise>.py
+    python -m labs.stubs --check    # exit 1 if labs/ differs from what generation gives
+
+``solutions/`` is the single source. In a solution module, code between the markers
+
+    ### BEGIN SOLUTION
+    ...
+    ### END SOLUTION
+
+is the learner's to write. Generation replaces each marked block with a
+``raise NotImplementedError`` that names the function and its notebook; everything
+else (signatures, docstrings that state the task, helpers) is copied unchanged.
+The markers are nbgrader's, so an nbgrader user reads them at a glance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+LABS = ROOT / "labs"
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+HEADER = ("# Your exercise module, generated from solutions/{name} by `python -m labs.stubs`.\n"
+          "# Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.\n")
+
+
+def _enclosing_functions(source: str) -> dict[int, str]:
+    """Line number -> qualified name of the innermost function containing it."""
+    owner: dict[int, str] = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    for line in range(child.lineno, child.end_lineno + 1):
+                        owner[line] = name
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return owner
+
+
+def _notebook(source: str) -> str:
+    match = re.search(r'^NOTEBOOK = "([^"]+)"', source, re.M)
+    return f"notebooks/{match.group(1)}" if match else "its notebook"
+
+
+def make_stub(source: str, name: str) -> str:
+    """The learner version of one solution module's source."""
+    owners = _enclosing_functions(source)
+    notebook = _notebook(source)
+    out, inside = [HEADER.format(name=name)], False
+    for lineno, line in enumerate(source.splitlines(keepends=True), start=1):
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise ValueError(f"solutions/{name}:{lineno}: {BEGIN} inside another block")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            function = owners.get(lineno)
+            if function is None:
+                raise ValueError(f"solutions/{name}:{lineno}: {BEGIN} outside a function")
+            out.append(f'{indent}raise NotImplementedError("exercise {function} is not written yet: '
+                       f'see its docstring and {notebook}")\n')
+        elif stripped == END:
+            if not inside:
+                raise ValueError(f"solutions/{name}:{lineno}: {END} without {BEGIN}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"solutions/{name}: {BEGIN} is never closed")
+    return "".join(out)
+
+
+def expected_stubs() -> dict[Path, str]:
+    """labs/<name>.py -> generated text, for every exercise module in solutions/."""
+    return {LABS / path.name: make_stub(path.read_text(), path.name)
+            for path in sorted(SOLUTIONS.glob("*.py")) if path.name != "__init__.py"}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labs.stubs", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report drift instead of writing")
+    args = parser.parse_args(argv)
+    drift = 0
+    for path, text in expected_stubs().items():
+        current = path.read_text() if path.exists() else ""
+        if current == text:
+            continue
+        if args.check:
+            drift += 1
+            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), str(path), "generated", lineterm="", n=1)
+            print("\n".join(list(diff)[:40]))
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if args.check and drift:
+        print(f"{drift} learner module(s) differ from solutions/; run `python -m labs.stubs`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pure formulas (no torch): parameters, memory, FLOPs, communication, bubbles, the planner."""

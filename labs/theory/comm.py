@@ -1,0 +1,71 @@
+"""Communication volume of the collectives, per rank: the formulas the ledger is checked against.
+
+Symbols: ``K`` bytes of the tensor the collective is about (the full tensor for all-reduce,
+the full gathered output for all-gather, the full input for reduce-scatter), ``N`` ranks
+in the group. Bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009; the
+Ultra-Scale Playbook, appendix A0) send:
+
+    all-reduce      2 (N-1)/N K    = a reduce-scatter followed by an all-gather
+    reduce-scatter    (N-1)/N K
+    all-gather        (N-1)/N K
+    all-to-all        (N-1)/N K    (even split: keep 1/N, send the rest)
+    broadcast         (N-1)/N K    per rank on average (pipelined chain)
+
+Pure Python: no torch needed.
+"""
+
+from __future__ import annotations
+
+
+def _check(k: float, n: int) -> None:
+    if k < 0:
+        raise ValueError(f"tensor bytes K must be >= 0, got {k}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"group size N must be an integer >= 1, got {n!r}")
+
+
+def all_reduce_bytes(k: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of a K-byte tensor over N ranks."""
+    _check(k, n)
+    return 2 * (n - 1) / n * k
+
+
+def reduce_scatter_bytes(k: float, n: int) -> float:
+    """Bytes each rank sends in a ring reduce-scatter of a K-byte input."""
+    _check(k, n)
+    return (n - 1) / n * k
+
+
+def all_gather_bytes(k: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-gather producing a K-byte output."""
+    _check(k, n)
+    return (n - 1) / n * k
+
+
+def all_to_all_bytes(k: float, n: int) -> float:
+    """Bytes each rank sends in an evenly split all-to-all of a K-byte input."""
+    _check(k, n)
+    return (n - 1) / n * k
+
+
+def broadcast_bytes(k: float, n: int) -> float:
+    """Average bytes per rank in a pipelined-chain broadcast of K bytes."""
+    _check(k, n)
+    return (n - 1) / n * k
+
+
+BYTES_PER_RANK = {"all_reduce": all_reduce_bytes, "reduce_scatter": reduce_scatter_bytes,
+                  "all_gather": all_gather_bytes, "all_to_all": all_to_all_bytes, "broadcast": broadcast_bytes}
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Rounds of neighbour exchange in the ring algorithm: N-1 per phase."""
+    return 2 * (n - 1) if op == "all_reduce" else (n - 1)
+
+
+def bus_bandwidth(op: str, k: float, n: int, seconds: float) -> float:
+    """Bus bandwidth (bytes/s), as nccl-tests defines it: bytes a rank sends over the time.
+    Unlike the algorithm bandwidth K / t, it does not depend on N for an ideal ring."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    return BYTES_PER_RANK[op](k, n) / seconds

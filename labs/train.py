@@ -1,0 +1,128 @@
+"""The single-process reference every lab is checked against, and the pieces labs share with it.
+
+    ref = train_reference(ModelConfig(), TrainConfig(steps=5))
+    ref.losses          # [loss at step 1, ..., loss at step 5]
+    ref.grads           # {name: gradient after step 1's backward}   (return_grads=True)
+    ref.params          # {name: parameter after the last step}
+
+A parallel lab builds the same model from the same seed, trains with the same
+optimizer settings on the same global batches (``labs.data.global_batches``) and
+must reproduce these numbers: bit for bit where the arithmetic is the same, within
+the tolerance in ``TOLERANCES`` where a parallel sum changes the order of additions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from labs.data import global_batches
+from labs.models.transformer import ModelConfig, build_model
+
+# Relative tolerances for comparing a parallel run with the reference, by dtype. In
+# fp32 a sum split across ranks adds the same numbers in another order: each addition
+# rounds to 2^-24 ~ 6e-8 relative, and a few steps of AdamW amplify that to ~1e-6.
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 5
+    batch_size: int = 8             # global batch: sequences per optimizer step, all ranks together
+    seq_len: int = 32
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    seed: int = 0                   # model initialisation
+    data_seed: int = 0              # order of the data
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+
+    def per_rank_batch(self, dp: int) -> int:
+        """Sequences per rank per step when ``dp`` data-parallel ranks share the global batch."""
+        if self.batch_size % dp:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by the data-parallel degree {dp};"
+                             f" use a batch_size that is a multiple of {dp}")
+        return self.batch_size // dp
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW as every lab uses it. ``foreach=False``: the plain per-parameter loop, which
+    works on any mix of tensors (DTensor included) and gives the same numbers everywhere."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
+
+
+def data_for(cfg: TrainConfig, dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of every step, laid out as ``dp`` data-parallel ranks would load it."""
+    return global_batches(steps=cfg.steps, batch_size=cfg.per_rank_batch(dp), seq_len=cfg.seq_len,
+                          world_size=dp, seed=cfg.data_seed)
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float]
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)   # after step 1's backward
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
+
+
+def train_reference(model_cfg: ModelConfig, cfg: TrainConfig, *, dp: int = 1, model: torch.nn.Module | None = None,
+                    return_grads: bool = False) -> ReferenceResult:
+    """Train single-process for ``cfg.steps`` steps; the global batches are laid out as ``dp``
+    ranks would load them (same samples for any ``dp``, in rank order). ``model`` overrides
+    the course model (it must return ``(logits, loss)`` given ``(x, y)``)."""
+    torch.manual_seed(cfg.seed)
+    model = model if model is not None else build_model(model_cfg, seed=cfg.seed)
+    optimizer = make_optimizer(model.parameters(), cfg)
+    result = ReferenceResult(losses=[])
+    for step, (x, y) in enumerate(data_for(cfg, dp)):
+        _, loss = model(x, y)
+        loss.backward()
+        if step == 0 and return_grads:
+            result.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.losses.append(loss.item())
+    result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the relative difference the course's tolerances bound."""
+    scale = b.abs().max().item() or 1.0
+    return (a - b).abs().max().item() / scale
+
+
+def compare_losses(losses: list[float], reference: list[float]) -> dict:
+    """Step-by-step comparison: max absolute and relative difference."""
+    if len(losses) != len(reference):
+        raise ValueError(f"{len(losses)} losses vs {len(reference)} reference losses")
+    diffs = [abs(a - b) for a, b in zip(losses, reference)]
+    return {"max_abs_loss_diff": max(diffs), "max_rel_loss_diff": max(d / abs(b) for d, b in zip(diffs, reference))}
+
+
+def assert_close_tensors(actual: dict, expected: dict, *, dtype=torch.float32, what: str = "parameter",
+                         step: int | None = None, rank: int | None = None) -> float:
+    """Every tensor in ``expected`` matched by name in ``actual`` within ``TOLERANCES[dtype]``
+    (relative to the reference tensor's largest magnitude). Raises naming step, rank,
+    tensor and the difference. Returns the largest relative difference found."""
+    tol = TOLERANCES[dtype]
+    missing = sorted(set(expected) - set(actual))
+    if missing:
+        raise AssertionError(f"{what}s missing from the parallel run: {missing}")
+    worst = 0.0
+    for name, ref in expected.items():
+        got = actual[name]
+        if got.shape != ref.shape:
+            raise AssertionError(f"{what} {name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
+        rel = max_rel_diff(got.double(), ref.double())
+        worst = max(worst, rel)
+        if rel > tol:
+            where = "".join([f" at step {step}" if step is not None else "", f" on rank {rank}" if rank is not None else ""])
+            raise AssertionError(f"{what} {name}{where}: max relative difference {rel:.3e} > tolerance {tol:g}")
+    return worst
