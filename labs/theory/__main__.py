@@ -1,0 +1,58 @@
+"""The course's calculators from the command line (pure formulas, no torch needed).
+
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --precision bf16-mixed --zero 3 --dp 8 --json
+    python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
+    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 --gpu-mem 80 --json
+    python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
+
+Each command's module exposes ``add_arguments(parser)``, ``cli(args) -> dict`` and
+optionally ``format_result(result) -> str`` for the readable (non-JSON) output.
+Invalid input exits with status 2 and one line naming the parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+COMMANDS = {
+    "comm": "labs.theory.comm_cli",      # bytes per rank of a collective
+    "memory": "labs.theory.memory",      # notebook 01: per-rank memory
+    "bubble": "labs.theory.pipeline",    # notebook 05: pipeline bubble
+    "plan": "labs.theory.planner",       # notebook 08: the parallelism planner
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m labs.theory", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    modules = {}
+    for name, path in COMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(path)
+        except ModuleNotFoundError as e:
+            if e.name != path:
+                raise
+            continue  # not part of this copy of the course yet
+        p = sub.add_parser(name, help=(modules[name].__doc__ or "").strip().splitlines()[0])
+        modules[name].add_arguments(p)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    module = modules[args.command]
+    try:
+        result = module.cli(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json or not hasattr(module, "format_result"):
+        print(json.dumps(result))
+    else:
+        print(module.format_result(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
