@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export LABS_IMPL=solutions MPLBACKEND=Agg PYTHONHASHSEED=0
+export LABS_IMPL=solutions PYTHONHASHSEED=0
 exec .venv/bin/python -m pytest "$@"

@@ -18,8 +18,8 @@ so lab code keeps calling plain ``dist.all_reduce(...)``. Each call records:
   op                            sent per rank                               K is
   ============================  ==========================================  =================
   all_reduce                    2 (N-1)/N K   (ring: reduce-scatter + all-gather)   the tensor
-  reduce_scatter_tensor         (N-1)/N K                                   the full input
-  all_gather_into_tensor        (N-1)/N K                                   the full output
+  reduce_scatter_single         (N-1)/N K                                   the full input
+  all_gather_single             (N-1)/N K                                   the full output
   broadcast, reduce             (N-1)/N K   (pipelined chain, averaged)      the tensor
   all_to_all_single             bytes of the rows leaving for other ranks   exact
   send / isend                  K                                           exact
@@ -36,6 +36,8 @@ calls (not their bytes); the tests use it to cross-check this ledger's counts.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from collections import defaultdict
 from contextlib import contextmanager
@@ -47,9 +49,10 @@ import torch.distributed.distributed_c10d as c10d
 
 # The wrapped functions. Wrapping them both in ``torch.distributed`` and in
 # ``distributed_c10d`` keeps ``P2POp(dist.isend, ...)`` valid (it compares with c10d's names).
-RECORDED_OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
-                "reduce_scatter", "broadcast", "reduce", "all_to_all_single", "send", "isend",
-                "recv", "irecv", "batch_isend_irecv")
+# (torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single; both are recorded.)
+RECORDED_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+                "reduce_scatter_tensor", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                "all_to_all_single", "send", "isend", "recv", "irecv", "batch_isend_irecv")
 
 
 @dataclass(frozen=True)
@@ -161,53 +164,55 @@ class CommLedger:
         self.records.append(CommRecord(op, n, int(payload), float(sent), float(received), self._phase))
 
     def _record(self, op, args, kwargs):
-        group = kwargs.get("group")
         if op == "batch_isend_irecv":
-            for p2p in args[0] if args else kwargs["p2p_op_list"]:
+            for p2p in _bind(op, args, kwargs)["p2p_op_list"]:
                 name = getattr(p2p.op, "__name__", str(p2p.op))
                 k = _nbytes(p2p.tensor)
                 self._add(name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0)
             return
-        tensor = args[0] if args else kwargs.get("tensor", kwargs.get("output"))
+        a = _bind(op, args, kwargs)
         if op in ("send", "isend", "recv", "irecv"):
-            k = _nbytes(tensor)
+            k = _nbytes(a["tensor"])
             self._add(op, 2, k, k if op in ("send", "isend") else 0, k if op in ("recv", "irecv") else 0)
             return
-        if group is None and len(args) > 2 and op in ("all_reduce", "broadcast", "reduce"):
-            group = args[2]
-        n = _group_size(group)
+        n = _group_size(a.get("group"))
         if op == "all_reduce":
-            k = _nbytes(tensor)
+            k = _nbytes(a["tensor"])
             self._add(op, n, k, 2 * ring_fraction(n) * k, 2 * ring_fraction(n) * k)
-        elif op in ("broadcast", "reduce"):
-            k = _nbytes(tensor)
-            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
-        elif op == "all_gather_into_tensor":  # (output, input): K is the gathered output
-            k = _nbytes(args[0] if args else kwargs["output_tensor"])
-            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
-        elif op == "reduce_scatter_tensor":  # (output, input): K is the full input
-            k = _nbytes(args[1] if len(args) > 1 else kwargs["input"])
-            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
-        elif op == "all_gather":  # (tensor_list, tensor)
-            k = n * _nbytes(args[1] if len(args) > 1 else kwargs["tensor"])
-            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
-        elif op == "reduce_scatter":  # (output, input_list)
-            k = sum(_nbytes(t) for t in (args[1] if len(args) > 1 else kwargs["input_list"]))
-            self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
-        elif op == "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes)
-            self._record_all_to_all(args, kwargs, n)
+            return
+        if op in ("broadcast", "reduce"):
+            k = _nbytes(a["tensor"])
+        elif op in ("all_gather_single", "all_gather_into_tensor"):  # K is the gathered output
+            k = _nbytes(a["output_tensor"])
+        elif op in ("reduce_scatter_single", "reduce_scatter_tensor"):  # K is the full input
+            k = _nbytes(a["input"])
+        elif op == "all_gather":
+            k = n * _nbytes(a["tensor"])
+        elif op == "reduce_scatter":
+            k = sum(_nbytes(t) for t in a["input_list"])
+        else:  # all_to_all_single
+            self._record_all_to_all(a, n)
+            return
+        self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
 
-    def _record_all_to_all(self, args, kwargs, n):
-        output = args[0] if args else kwargs["output"]
-        inp = args[1] if len(args) > 1 else kwargs["input"]
-        out_splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
-        in_splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
-        group = kwargs.get("group", args[4] if len(args) > 4 else None)
-        me = dist.get_rank(group)
+    def _record_all_to_all(self, a, n):
+        """Exact bytes: the rows of ``input`` bound for other ranks, and those arriving from them."""
+        output, inp = a["output"], a["input"]
+        me = dist.get_rank(a.get("group"))
         row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)
         row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
-        in_splits = list(in_splits) if in_splits else [inp.shape[0] // n] * n
-        out_splits = list(out_splits) if out_splits else [output.shape[0] // n] * n
+        in_splits = list(a.get("input_split_sizes") or [inp.shape[0] // n] * n)
+        out_splits = list(a.get("output_split_sizes") or [output.shape[0] // n] * n)
         sent = sum(s for i, s in enumerate(in_splits) if i != me) * row_in
         received = sum(s for i, s in enumerate(out_splits) if i != me) * row_out
         self._add("all_to_all_single", n, _nbytes(inp), sent, received)
+
+
+@functools.cache
+def _signature(op: str) -> inspect.Signature:
+    return inspect.signature(getattr(c10d, op))
+
+
+def _bind(op: str, args, kwargs) -> dict:
+    """The call's arguments by name, whether passed by position or keyword."""
+    return _signature(op).bind_partial(*args, **kwargs).arguments

@@ -12,8 +12,10 @@ about the parallelism:
   from the already-imported interpreter (~0.1 s for 4 ranks instead of ~9 s of
   ``import torch`` per rank). Functions defined in a notebook work. Otherwise ranks
   are *spawned*, and ``fn`` must be importable (defined in a ``.py`` module);
-* rendezvous: this process hosts a ``TCPStore`` on a port the OS picks, so two
-  launches at once never collide and no port is hard-coded;
+* rendezvous: through a ``FileStore`` in a fresh temporary folder, so two launches
+  at once never collide and no port is hard-coded (gloo and NCCL then connect on
+  ports the OS picks). A ``TCPStore`` hosted here failed about one launch in ten
+  between forked ranks on our 2-core test machine; the file store never did;
 * failure: a rank that raises makes ``launch`` raise :class:`RankError` with that
   rank's traceback; a rank killed by a signal is named with the signal; a run that
   exceeds ``timeout`` raises :class:`LaunchTimeout` naming the ranks still running.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 import signal
 import sys
 import time
@@ -140,28 +143,27 @@ def _check_picklable(fn) -> None:
 
 def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc) -> list:
     ctx = mp.get_context(method)
-    # The parent hosts the rendezvous store: port 0 lets the OS pick a free port.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
     procs, conns = [], []
     bar = _progress_bar(progress, desc)
-    try:
-        for rank in range(nprocs):
-            receive, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, name=f"rank{rank}",
-                            args=(fn, args, rank, nprocs, store.port, backend, timeout, send))
-            p.start()
-            send.close()  # the child holds the only write end: EOF tells us it is gone
-            procs.append(p)
-            conns.append(receive)
-        return _collect(procs, conns, timeout, bar)
-    finally:
-        _kill_all(procs)
-        for c in conns:
-            c.close()
-        if bar is not None:
-            bar.close()
-        del store
+    # Rendezvous through a file in a fresh folder: nothing to collide with, no port to pick.
+    with tempfile.TemporaryDirectory(prefix="labs-launch-") as folder:
+        try:
+            for rank in range(nprocs):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_rank_main, name=f"rank{rank}",
+                                args=(fn, args, rank, nprocs, os.path.join(folder, "store"), backend, timeout,
+                                      child_end, conns + [parent_end]))
+                p.start()
+                child_end.close()  # the child holds the only other end: EOF tells us it is gone
+                procs.append(p)
+                conns.append(parent_end)
+            return _collect(procs, conns, timeout, bar)
+        finally:
+            for c in conns:
+                c.close()  # EOF tells every rank to exit
+            _kill_all(procs)
+            if bar is not None:
+                bar.close()
 
 
 def _collect(procs, conns, timeout, bar) -> list:
@@ -255,14 +257,17 @@ def _death_text(rank, code) -> str:
 
 
 def _kill_all(procs) -> None:
-    """Kill every rank and anything it started (each rank leads its own process group)."""
+    """Stop every rank and anything it started (each rank leads its own process group)."""
+    deadline = time.monotonic() + 2
+    for p in procs:  # ranks exit by themselves once their pipe closes; give them a moment
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.pid is not None and p.exitcode is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                p.kill()
-    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the rank, if still alive, and its children
+        except (ProcessLookupError, PermissionError):
+            pass
         p.join(timeout=5)
 
 
@@ -273,16 +278,18 @@ def _progress_bar(total, desc):
     return tqdm(total=total, desc=desc, leave=True)
 
 
-def _rank_main(fn, args, rank, world_size, port, backend, timeout, conn):
+def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends):
     """Entry point of one launched rank."""
     global _parent_conn
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    for end in parent_ends:  # forked copies of the parent's pipe ends would hide the EOF we wait for
+        end.close()
     _parent_conn = conn
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size))
     try:
-        _init_rank(rank, world_size, backend, timeout, port)
+        _init_rank(rank, world_size, backend, timeout, store_path)
         message = ("ok", _to_cpu(fn(*args)))
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures too
         tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # skip this frame
@@ -291,12 +298,16 @@ def _rank_main(fn, args, rank, world_size, port, backend, timeout, conn):
         payload = pickle.dumps(message)
     except Exception as e:  # an unpicklable result is the rank's error, not a mystery
         payload = pickle.dumps(("error", "TypeError", f"rank result cannot be pickled: {e}", traceback.format_exc()))
-    conn.send_bytes(payload)
-    conn.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        conn.send_bytes(payload)
+        # Stay until the parent has every rank's result (it then closes the pipe). A rank
+        # that exited as soon as its own last collective returned could close its sockets
+        # while a peer is still reading, and the peer would fail with "connection reset".
+        conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
     os._exit(0)  # skip the parent's atexit handlers (a forked Jupyter kernel has plenty)
 
 
@@ -306,12 +317,12 @@ def _to_cpu(result):
     return torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, result)
 
 
-def _init_rank(rank, world_size, backend, timeout, port):
+def _init_rank(rank, world_size, backend, timeout, store_path):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+    store = dist.FileStore(store_path, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
 
@@ -327,9 +338,15 @@ def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> list:
         torch.cuda.set_device(local_rank)
     else:
         torch.set_num_threads(1)
-    if not dist.is_initialized():
+    joined_here = not dist.is_initialized()
+    if joined_here:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     result = fn(*args)
     gathered = [None] * world
-    dist.all_gather_object(gathered, result)
+    dist.all_gather_object(gathered, _to_cpu(result))
+    if joined_here:
+        # Leave together and tear gloo down explicitly: a process that exits with the group
+        # still up can abort in gloo's destructors ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
     return gathered

@@ -60,7 +60,8 @@ def collective_visualizer(op: str = "all_reduce", world_size: int = 4):
         with out:
             out.clear_output(wait=True)
             fig, _ = draw_collective(op_box.value, n_box.value)
-            plt.show(fig)
+            display(fig)
+            plt.close(fig)
 
     op_box.observe(redraw, "value")
     n_box.observe(redraw, "value")

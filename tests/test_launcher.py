@@ -1,0 +1,183 @@
+"""The launcher: results in rank order, failures named and shown, timeouts, no leftovers."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labs import launch
+from labs.runtime import LaunchTimeout, RankError, choose_backend
+from tests.helpers import ROOT, alive, child_pids
+
+
+def rank_and_sum(offset):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item() + offset,
+            "threads": torch.get_num_threads(), "backend": dist.get_backend()}
+
+
+def raise_on_rank_2():
+    if dist.get_rank() == 2:
+        raise ValueError("rank two is unhappy")
+    dist.barrier()
+
+
+def sleep_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def skip_all_reduce_on_rank_1():
+    if dist.get_rank() != 1:
+        dist.all_reduce(torch.ones(1))
+    time.sleep(60)
+
+
+def kill_self_on_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def start_grandchild_then_fail(pid_file):
+    child = subprocess.Popen(["sleep", "300"])
+    with open(f"{pid_file}.{dist.get_rank()}", "w") as f:
+        f.write(str(child.pid))
+    dist.barrier()
+    raise RuntimeError("failing with a grandchild still running")
+
+
+def exit_on_rank_0():
+    if dist.get_rank() == 0:
+        sys.exit(3)
+    dist.barrier()
+
+
+def test_results_come_back_in_rank_order():
+    results = launch(rank_and_sum, 4, 0.5)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["world"] == 4 and r["sum"] == 6.5 for r in results)
+    assert all(r["threads"] == 1 and r["backend"] == "gloo" for r in results)
+
+
+def test_single_rank_and_notebook_style_function():
+    def local_function(x):  # defined inside a function, like a notebook cell: works under fork
+        return x * (dist.get_rank() + 1)
+    assert launch(local_function, 1, 21) == [21]
+
+
+def test_rank_error_names_rank_and_shows_its_traceback():
+    with pytest.raises(RankError) as info:
+        launch(raise_on_rank_2, 4)
+    err = info.value
+    assert err.rank == 2 and err.exc_type == "ValueError"
+    assert "rank two is unhappy" in str(err)
+    assert "raise_on_rank_2" in err.rank_traceback  # the rank's own frames
+    assert not child_pids()
+
+
+def test_timeout_names_the_unfinished_ranks():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(sleep_on_rank_1, 3, timeout=2)
+    assert time.monotonic() - t0 < 10
+    assert info.value.unfinished == [1]
+    assert "rank(s) [1] had not finished" in str(info.value)
+    assert not child_pids()
+
+
+def test_mismatched_collective_fails_within_the_timeout():
+    """Rank 1 skips an all_reduce the others wait on: the launch ends, it does not hang."""
+    t0 = time.monotonic()
+    with pytest.raises((LaunchTimeout, RankError)) as info:
+        launch(skip_all_reduce_on_rank_1, 3, timeout=3)
+    assert time.monotonic() - t0 < 15
+    assert "rank" in str(info.value)
+    assert not child_pids()
+
+
+def test_rank_killed_by_signal_is_reported_with_the_signal():
+    with pytest.raises(RuntimeError, match="rank 1 died from SIGKILL"):
+        launch(kill_self_on_rank_1, 2)
+    assert not child_pids()
+
+
+def test_sys_exit_in_a_rank_is_a_rank_error():
+    with pytest.raises(RankError, match="SystemExit"):
+        launch(exit_on_rank_0, 2)
+
+
+def test_grandchildren_are_killed_too(tmp_path):
+    pid_file = tmp_path / "grandchild"
+    with pytest.raises(RankError):
+        launch(start_grandchild_then_fail, 2, str(pid_file))
+    pids = [int((tmp_path / f"grandchild.{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
+def test_keyboard_interrupt_leaves_nothing_behind_and_next_launch_works():
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(sleep_on_rank_1, 2, timeout=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not child_pids()
+    assert [r["rank"] for r in launch(rank_and_sum, 2, 0)] == [0, 1]
+
+
+def test_two_launches_at_once_do_not_collide():
+    code = ("from tests.test_launcher import rank_and_sum; from labs import launch; "
+            "print(sum(r['sum'] for r in launch(rank_and_sum, 2, 0)))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == ["2.0", "2.0"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(fn=rank_and_sum, nprocs=0), "nprocs must be an integer >= 1"),
+    (dict(fn=rank_and_sum, nprocs=2.5), "nprocs must be an integer >= 1"),
+    (dict(fn="not a function", nprocs=2), "fn must be callable"),
+    (dict(fn=rank_and_sum, nprocs=2, backend="mpi"), "backend='mpi' is not one of"),
+    (dict(fn=rank_and_sum, nprocs=2, timeout=0), "timeout must be a positive"),
+])
+def test_bad_arguments_raise_value_error(kwargs, message):
+    fn, nprocs = kwargs.pop("fn"), kwargs.pop("nprocs")
+    with pytest.raises(ValueError, match=message):
+        launch(fn, nprocs, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without enough GPUs")
+def test_nccl_without_gpus_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs one GPU per rank"):
+        choose_backend(2, "nccl")
+
+
+def test_spawn_refuses_functions_it_cannot_import():
+    def local():
+        return 1
+    with pytest.raises(ValueError, match="Move it into a .py module"):
+        launch(local, 2, start_method="spawn")
+
+
+@pytest.mark.slow
+def test_spawn_path_runs_an_importable_function():
+    """The fallback for macOS, Windows and CUDA-initialised parents: slower (each rank imports torch)."""
+    results = launch(rank_and_sum, 2, 0.0, start_method="spawn", timeout=180)
+    assert [r["sum"] for r in results] == [1.0, 1.0]
