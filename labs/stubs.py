@@ -1,6 +1,7 @@
 """Generate the learner's exercise modules in ``labs/`` from the reference in ``solutions/``.
 
     python -m labs.stubs            # rewrite labs/<exercise>.py from solutions/<exercise>.py
+    python -m labs.stubs ddp zero   # only these exercises
     python -m labs.stubs --check    # exit 1 if labs/ differs from what generation gives
 
 ``solutions/`` is the single source. In a solution module, code between the markers
@@ -85,18 +86,22 @@ def make_stub(source: str, name: str) -> str:
     return "".join(out)
 
 
-def expected_stubs() -> dict[Path, str]:
-    """labs/<name>.py -> generated text, for every exercise module in solutions/."""
-    return {LABS / path.name: make_stub(path.read_text(), path.name)
-            for path in sorted(SOLUTIONS.glob("*.py")) if path.name != "__init__.py"}
+def expected_stubs(names: list[str] | None = None) -> dict[Path, str]:
+    """labs/<name>.py -> generated text, for the exercise modules in solutions/ (all, or ``names``)."""
+    paths = [SOLUTIONS / f"{n}.py" for n in names] if names else sorted(SOLUTIONS.glob("*.py"))
+    for path in paths:
+        if not path.exists():
+            raise SystemExit(f"no exercise solutions/{path.name}")
+    return {LABS / path.name: make_stub(path.read_text(), path.name) for path in paths if path.name != "__init__.py"}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labs.stubs", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="exercise modules to generate (default: all)")
     parser.add_argument("--check", action="store_true", help="report drift instead of writing")
     args = parser.parse_args(argv)
     drift = 0
-    for path, text in expected_stubs().items():
+    for path, text in expected_stubs(args.names).items():
         current = path.read_text() if path.exists() else ""
         if current == text:
             continue

@@ -32,6 +32,19 @@ def new_summary(lab: str, *, nproc: int, backend: str, steps: int, **extra) -> d
     return summary
 
 
+def fill_losses(summary: dict, losses: list[float], reference: list[float], dtype=None) -> dict:
+    """Record a run's losses beside the reference's: ``loss`` and ``reference_loss`` (last step),
+    ``losses``, ``reference_losses``, ``max_abs_loss_diff``, ``max_rel_loss_diff`` and
+    ``matches_reference`` (every step within the tolerance for ``dtype``, fp32 by default)."""
+    import torch
+    from labs.train import TOLERANCES, compare_losses
+    diff = compare_losses(losses, reference)
+    summary.update(loss=losses[-1], reference_loss=reference[-1], losses=list(losses),
+                   reference_losses=list(reference), **diff,
+                   matches_reference=diff["max_rel_loss_diff"] <= TOLERANCES[dtype or torch.float32])
+    return summary
+
+
 def median_time(fn, repeats: int, warmup: int = 1, device=None) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after ``warmup`` runs."""
     for _ in range(warmup):

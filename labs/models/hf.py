@@ -69,7 +69,8 @@ def build_hf_gpt2(*, vocab_size: int = 256, seq_len: int = 64, n_layer: int = 2,
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                        n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config).eval()
 
 
