@@ -26,9 +26,11 @@ def execute(path: Path, timeout: int = 600) -> float:
     os.environ.update(LABS_IMPL="solutions", MPLBACKEND="module://matplotlib_inline.backend_inline",
                       PYTHONHASHSEED="0")
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
-                   store_widget_state=True).execute()
-    nbformat.write(nb, path)
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+                       store_widget_state=True).execute()
+    finally:
+        nbformat.write(nb, path)  # on failure too: the outputs up to the failing cell show what went wrong
     return time.perf_counter() - t0
 
 

@@ -30,6 +30,7 @@ and across nodes.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -53,13 +54,28 @@ class RankError(RuntimeError):
     """A rank raised. ``rank``, ``exc_type`` (e.g. "NotImplementedError"), ``message``
     and ``rank_traceback`` (the text of the rank's traceback) say what happened."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, rank_traceback: str, others: str = ""):
+    def __init__(self, rank: int, exc_type: str, message: str, rank_traceback: str, others: str = "",
+                 stderr_tail: str = ""):
         self.rank, self.exc_type, self.message, self.rank_traceback = rank, exc_type, message, rank_traceback
         text = f"rank {rank} raised {exc_type}: {message}"
         if others:
             text += f"\n({others})"
         text += f"\n\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
+        text += _tail_text(rank, stderr_tail)
         super().__init__(text)
+
+
+class RankDied(RuntimeError):
+    """A rank ended without a result: killed by a signal (``signal_name``) or exited early (``exit_code``)."""
+
+    def __init__(self, rank: int, exit_code: int | None, text: str, stderr_tail: str = ""):
+        self.rank, self.exit_code = rank, exit_code
+        self.signal_name = _signal_name(-exit_code) if exit_code is not None and exit_code < 0 else None
+        super().__init__(text + _tail_text(rank, stderr_tail))
+
+
+def _tail_text(rank: int, tail: str) -> str:
+    return f"\n\n--- last lines rank {rank} wrote to stderr ---\n{tail.rstrip()}" if tail.strip() else ""
 
 
 class LaunchTimeout(TimeoutError):
@@ -93,13 +109,19 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
 
 
 def launch(fn, nprocs: int, *args, backend: str = "auto", timeout: float = 120.0,
-           start_method: str | None = None, progress: int | None = None, desc: str = "steps") -> list:
+           start_method: str | None = None, progress: int | None = None, desc: str = "steps",
+           env: dict[str, str] | None = None) -> list:
     """Run ``fn(*args)`` on ``nprocs`` ranks with the default process group initialised.
 
     Returns the per-rank return values in rank order. ``timeout`` (seconds) bounds the
     whole run and every collective inside it. ``start_method`` forces "fork" or "spawn".
     ``progress=N`` draws a progress bar of N ticks in this process; ranks tick it with
-    :func:`report_progress`.
+    :func:`report_progress`. ``env`` sets environment variables in the ranks before the
+    process group starts (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
+
+    What a rank writes to stderr (Python warnings, torch's C++ logs) is captured: it is
+    replayed here, prefixed with the rank, when the run ends, and the failing rank's last
+    lines are part of the error.
     """
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
@@ -118,7 +140,7 @@ def launch(fn, nprocs: int, *args, backend: str = "auto", timeout: float = 120.0
                          "use start_method='spawn' (fn must then live in a .py module) or restart the kernel")
     if method == "spawn":
         _check_picklable(fn)
-    return _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc)
+    return _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}))
 
 
 def report_progress(n: int = 1) -> None:
@@ -141,32 +163,61 @@ def _check_picklable(fn) -> None:
             " or use start_method='fork' (Linux, CUDA not yet initialised).")
 
 
-def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc) -> list:
+def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) -> list:
     ctx = mp.get_context(method)
     procs, conns = [], []
     bar = _progress_bar(progress, desc)
     # Rendezvous through a file in a fresh folder: nothing to collide with, no port to pick.
     with tempfile.TemporaryDirectory(prefix="labs-launch-") as folder:
+        stderr_paths = [os.path.join(folder, f"rank{r}.stderr") for r in range(nprocs)]
+        succeeded = False
         try:
             for rank in range(nprocs):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 p = ctx.Process(target=_rank_main, name=f"rank{rank}",
                                 args=(fn, args, rank, nprocs, os.path.join(folder, "store"), backend, timeout,
-                                      child_end, conns + [parent_end]))
+                                      child_end, conns + [parent_end], stderr_paths[rank], env))
                 p.start()
                 child_end.close()  # the child holds the only other end: EOF tells us it is gone
                 procs.append(p)
                 conns.append(parent_end)
-            return _collect(procs, conns, timeout, bar)
+            results = _collect(procs, conns, timeout, bar, stderr_paths)
+            succeeded = True
+            return results
         finally:
             for c in conns:
                 c.close()  # EOF tells every rank to exit
-            _kill_all(procs)
+            _kill_all(procs, grace=2.0 if succeeded else 0.0)
             if bar is not None:
                 bar.close()
+            _replay_stderr(stderr_paths)
 
 
-def _collect(procs, conns, timeout, bar) -> list:
+def _read_stderr(path: str, max_lines: int | None = None) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    lines = [line for line in lines if not line.startswith("frame #")]  # C++ stack frames: noise
+    if max_lines:
+        # faulthandler's dump of every thread's stack follows the message that matters: keep its headline only
+        fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+        if fatal is not None:
+            lines = lines[:fatal + 1]
+        lines = lines[-max_lines:]
+    return "\n".join(lines)
+
+
+def _replay_stderr(paths) -> None:
+    """Show what each rank wrote to stderr, prefixed with its rank, on this process's stderr."""
+    for rank, path in enumerate(paths):
+        text = _read_stderr(path)
+        if text.strip():
+            print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
+
+
+def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
     """Wait for every rank's result; raise on the first failure or on timeout."""
     n = len(procs)
     results, errors, deaths = [None] * n, {}, {}
@@ -201,7 +252,7 @@ def _collect(procs, conns, timeout, bar) -> list:
             # give simultaneous failures a moment to arrive, then report the lowest rank.
             _drain(conns, done, errors, deaths, procs, grace=0.3)
             returned = [r for r in range(n) if r in done and r not in errors and r not in deaths]
-            _raise_failure(errors, deaths, returned)
+            _raise_failure(errors, deaths, returned, stderr_paths)
     return results
 
 
@@ -228,7 +279,7 @@ def _drain(conns, done, errors, deaths, procs, grace):
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _raise_failure(errors, deaths, returned):
+def _raise_failure(errors, deaths, returned, stderr_paths):
     """Raise for the root cause: a rank's own exception first, then a death, and only then
     the errors that ranks raise when a peer vanished from under them."""
     primary = [r for r in sorted(errors) if not any(s in errors[r][1] for s in _SECONDARY)]
@@ -238,28 +289,33 @@ def _raise_failure(errors, deaths, returned):
         exc_type, message, tb = errors[rank]
         others = [f"rank {r} raised {errors[r][0]}" for r in sorted(errors) if r != rank]
         others += [_death_text(r, code) for r, code in sorted(deaths.items())]
-        raise RankError(rank, exc_type, message, tb, others="; ".join(others + context))
+        raise RankError(rank, exc_type, message, tb, others="; ".join(others + context),
+                        stderr_tail=_read_stderr(stderr_paths[rank], max_lines=15))
     rank = min(deaths)
     others = [f"rank {r} then raised {errors[r][0]}" for r in sorted(errors)]
-    raise RuntimeError("; ".join([_death_text(rank, deaths[rank])] + others + context)
-                       + ". The other ranks were stopped.")
+    raise RankDied(rank, deaths[rank], "; ".join([_death_text(rank, deaths[rank])] + others + context)
+                   + ". The other ranks were stopped.", stderr_tail=_read_stderr(stderr_paths[rank], max_lines=15))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _death_text(rank, code) -> str:
     if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
+        name = _signal_name(-code)
         hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
         return f"rank {rank} died from {name}{hint}"
     return f"rank {rank} exited with code {code} before returning a result"
 
 
-def _kill_all(procs) -> None:
+def _kill_all(procs, grace: float) -> None:
     """Stop every rank and anything it started (each rank leads its own process group)."""
-    deadline = time.monotonic() + 2
-    for p in procs:  # ranks exit by themselves once their pipe closes; give them a moment
+    deadline = time.monotonic() + grace
+    for p in procs:  # after a success, ranks exit by themselves once their pipe closes
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.pid is None:
@@ -278,7 +334,7 @@ def _progress_bar(total, desc):
     return tqdm(total=total, desc=desc, leave=True)
 
 
-def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends):
+def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends, stderr_path, env):
     """Entry point of one launched rank."""
     global _parent_conn
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
@@ -286,6 +342,16 @@ def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, p
     for end in parent_ends:  # forked copies of the parent's pipe ends would hide the EOF we wait for
         end.close()
     _parent_conn = conn
+    stderr_file = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    sys.stderr.flush()
+    os.dup2(stderr_file, 2)  # C++ logs and Python warnings: captured for the parent to show
+    if getattr(sys.stderr, "fileno", None) is None or _not_fd2(sys.stderr):
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # e.g. a Jupyter stream: write to fd 2 too
+    if faulthandler.is_enabled():  # a crash's Python stack goes to the captured stderr too
+        faulthandler.enable(file=sys.stderr)
+    os.environ.update(env)
+    if "TORCH_DISTRIBUTED_DEBUG" in env:  # read once at import, and this process imported torch before fork
+        dist.set_debug_level_from_env()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     try:
@@ -309,6 +375,13 @@ def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, p
     except (EOFError, OSError):
         pass
     os._exit(0)  # skip the parent's atexit handlers (a forked Jupyter kernel has plenty)
+
+
+def _not_fd2(stream) -> bool:
+    try:
+        return stream.fileno() != 2
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _to_cpu(result):

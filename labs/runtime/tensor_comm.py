@@ -1,0 +1,48 @@
+"""Collectives along any tensor dimension: the layout plumbing under the labs' autograd operators.
+
+    all_gather_along(x, dim=1, group=g)      # [B, T/N, H] on each rank -> [B, T, H], rank order
+    reduce_scatter_along(x, dim=1, group=g)  # [B, T, H] partial sums -> this rank's [B, T/N, H] of the sum
+    split_along(x, dim=-1, group=g)          # this rank's chunk, no communication
+    all_reduce_copy(x, group=g)              # the sum over ranks, in a new tensor
+
+``dist.all_gather_single`` and ``dist.reduce_scatter_single`` work on dim 0 of contiguous
+tensors; these helpers move the chunks of another dimension there and back. None of
+them modifies its input (autograd may still need it). Every rank of ``group`` must call
+them with the same shapes; N must divide ``x.shape[dim]`` for the gather/scatter pair.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_copy(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of ``x`` over the ranks of ``group``, as a new tensor (``x`` is left alone)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def split_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This rank's contiguous 1/N chunk of ``x`` along ``dim`` (no communication)."""
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (one ``all_gather_single``)."""
+    n, x = dist.get_world_size(group), x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank i's x at rows [i*d0, (i+1)*d0)
+    dist.all_gather_single(out, x, group=group)
+    return torch.cat(out.chunk(n), dim=dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Chunk ``rank`` along ``dim`` of the sum over ranks of ``x`` (one ``reduce_scatter_single``)."""
+    n = dist.get_world_size(group)
+    chunks = x.chunk(n, dim)
+    if len(chunks) != n or any(c.shape != chunks[0].shape for c in chunks):
+        raise ValueError(f"reduce_scatter_along: size {x.shape[dim]} of dim {dim} does not split into {n} equal chunks")
+    out = x.new_empty(chunks[0].shape)
+    dist.reduce_scatter_single(out, torch.cat(chunks, dim=0), group=group)  # chunk i lands on rank i
+    return out
