@@ -1,7 +1,11 @@
-"""Memory per rank: parameters, gradients and optimizer state (the training *state*).
+"""Memory per rank: parameters, gradients and optimizer state (the training *state*), and
+``memory_per_rank``, which adds activations under every parallelism (notebook 01's calculator).
 
 Pure Python, no torch: every figure here is a formula, and tests check each one
 against real tensors (``labs.measure.memory``).
+
+    memory_per_rank(PRESETS["llama3-8b"], seq=4096, mbs=1, zero=3, dp=8)   # -> {"total_bytes": ..., ...}
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 --gpu-mem 80 --json
 
 Symbols: Ψ parameters, N data-parallel ranks (``dp``), k optimizer bytes per parameter.
 
@@ -23,12 +27,27 @@ ZeRO (Rajbhandari et al. 2020, §5) shards the state over the N data-parallel ra
 
 With flat-buffer sharding a rank holds ceil(Ψ/N) elements of each sharded buffer
 (the last shard is padded), so ``state_bytes(..., exact_shards=True)`` rounds up.
+
+Model parallelism decides which Ψ a rank holds before ZeRO shards it: tensor parallelism
+(Megatron, Shoeybi et al. 2019) splits q/k/v/o and the MLP matrices 1/tp (by heads and by F)
+and the vocab-parallel embedding and head ceil(V/tp) rows each; norms (and GPT's row-parallel
+biases and position table) are replicated. Pipeline parallelism gives stage s its layers (the
+first L mod pp stages one extra), the first stage the embedding, the last the final norm and
+the head (a tied head is a second copy there when pp > 1). Context parallelism and sequence
+parallelism split activations only; ZeRO shards over the dp ranks only. Activations come
+from ``labs.theory.activations``, times the micro-batches a stage holds at its peak
+(``labs.theory.pipeline.in_flight_microbatches``: all M for AFAB, min(pp - s, M) for 1F1B).
+The rank reported is the stage with the largest total.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from labs.theory.activations import RECOMPUTE, stage_activation_bytes
+from labs.theory.dims import ParallelDims, check_divides, check_positive
+from labs.theory.pipeline import in_flight_microbatches
 
 PRECISIONS = {
     # bytes per parameter: weights the model computes with, their gradients, the fp32 master copy
@@ -154,3 +173,119 @@ def state_bytes(n_params: int, *, precision: str = "fp32", optimizer: str = "ada
     grads = n_params * grad_per_param if zero < 2 else shard * grad_per_param
     optim = n_params * opt_per_param if zero < 1 else shard * opt_per_param
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim, "total_bytes": params + grads + optim}
+
+
+# ----------------------------------------------------------------------------------------------
+# Per rank under tensor, pipeline, context and data parallelism: the calculator of notebook 01.
+
+PP_SCHEDULES = ("1f1b", "afab", "gpipe")
+GIB = 2 ** 30
+
+
+def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
+    """``param_counts`` for one tensor-parallel rank (``tp`` must divide heads, kv-heads and F)."""
+    h, V, F = spec.hidden, math.ceil(spec.vocab_size / tp), spec.ffn
+    if spec.arch == "llama":
+        attention = (2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd) // tp
+        mlp, norms, embedding, final_norm = 3 * h * F // tp, 2 * h, V * h, h
+    else:  # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases replicated)
+        attention = (4 * h * h + 3 * h) // tp + h
+        mlp = (2 * h * F + F) // tp + h
+        norms, embedding, final_norm = 4 * h, V * h + spec.max_positions * h, 2 * h
+    per_layer = attention + mlp + norms
+    head = 0 if spec.tied_embeddings else V * h
+    total = embedding + spec.n_layers * per_layer + final_norm + head
+    return {"embedding": embedding, "attention": attention, "mlp": mlp, "norms": norms, "per_layer": per_layer,
+            "final_norm": final_norm, "head": head, "total": total}
+
+
+def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
+    """Layers of pipeline stage ``stage``: n_layers // pp, one more on the first n_layers % pp stages."""
+    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+
+
+def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO)."""
+    c = param_counts_per_rank(spec, tp=tp)
+    n = layers_on_stage(spec.n_layers, pp, stage) * c["per_layer"]
+    if stage == 0:
+        n += c["embedding"]
+    if stage == pp - 1:
+        tied_copy = math.ceil(spec.vocab_size / tp) * spec.hidden if spec.tied_embeddings and pp > 1 else 0
+        n += c["final_norm"] + c["head"] + tied_copy
+    return n
+
+
+def _check_layout(spec, *, seq, mbs, precision, dp, tp, sp, pp, cp, recompute, microbatches, schedule,
+                  fp32_grad_accum) -> None:
+    check_positive(seq=seq, mbs=mbs)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)  # every degree an integer >= 1
+    dims.check_model(n_head=spec.n_heads, n_kv_head=spec.kv_heads, ffn_hidden=spec.ffn, n_layer=spec.n_layers)
+    if sp and tp == 1:
+        raise ValueError("sp=True splits activations over tensor-parallel ranks but tp=1; use tp >= 2 or sp=False")
+    check_divides(seq, "seq", cp * tp if sp else cp, "cp*tp" if sp else "cp")  # tokens split evenly
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {PP_SCHEDULES}")
+    if microbatches is not None:
+        check_positive(microbatches=microbatches)
+    if fp32_grad_accum and precision != "bf16-mixed":
+        raise ValueError(f"fp32_grad_accum=True only applies to precision='bf16-mixed', not {precision!r}")
+
+
+def memory_per_rank(spec: ModelSpec, *, seq: int, mbs: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
+                    zero: int = 0, dp: int = 1, tp: int = 1, sp: bool = False, pp: int = 1, cp: int = 1,
+                    recompute: str = "none", microbatches: int | None = None, schedule: str = "1f1b",
+                    fp32_grad_accum: bool = False, exact_shards: bool = False) -> dict:
+    """Bytes one rank holds at the peak of a training step: parameters, gradients, optimizer
+    state and saved activations, for the busiest pipeline stage.
+
+    ``microbatches`` (M, default pp) is the number of micro-batches per step: AFAB holds all M
+    at once, 1F1B at most pp - stage. Returns ``params`` (this rank's parameters before ZeRO),
+    ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_bytes``, ``total_bytes``,
+    ``stage``, ``layers``, ``in_flight`` (micro-batches held), ``activations_per_microbatch``
+    (the parts: per_layer, layers, embedding, rotary, final_norm, loss, total) and
+    ``stage_total_bytes`` (every stage's total).
+    """
+    _check_layout(spec, seq=seq, mbs=mbs, precision=precision, dp=dp, tp=tp, sp=sp, pp=pp, cp=cp,
+                  recompute=recompute, microbatches=microbatches, schedule=schedule, fp32_grad_accum=fp32_grad_accum)
+    m = microbatches or pp
+    stages = []
+    for stage in range(pp):
+        n = stage_params(spec, tp=tp, pp=pp, stage=stage)
+        state = state_bytes(n, precision=precision, optimizer=optimizer, zero=zero, dp=dp,
+                            fp32_grad_accum=fp32_grad_accum, exact_shards=exact_shards)
+        layers = layers_on_stage(spec.n_layers, pp, stage)
+        per_mb = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=PRECISIONS[precision]["param"],
+                                        layers=layers, first=stage == 0, last=stage == pp - 1, tp=tp, sp=sp, cp=cp,
+                                        recompute=recompute)
+        in_flight = in_flight_microbatches(schedule, pp, m, stage) if pp > 1 else 1
+        activations = in_flight * per_mb["total"]
+        stages.append({"params": n, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
+                       "optimizer_bytes": state["optimizer_bytes"], "activation_bytes": activations,
+                       "total_bytes": state["total_bytes"] + activations, "stage": stage, "layers": layers,
+                       "in_flight": in_flight, "activations_per_microbatch": per_mb})
+    worst = max(stages, key=lambda s: s["total_bytes"])
+    return {**worst, "stage_total_bytes": [s["total_bytes"] for s in stages]}
+
+
+def fits(total_bytes: float, gpu_mem_gib: float) -> bool:
+    """Whether ``total_bytes`` fit in a GPU with ``gpu_mem_gib`` GiB (2^30 bytes, as nvidia-smi's MiB / 1024).
+    Transient buffers (logits casts, communication buffers, a block recomputed in backward,
+    allocator fragmentation) are not in the total: leave a few GiB of headroom."""
+    if not gpu_mem_gib > 0:
+        raise ValueError(f"gpu_mem must be > 0 GiB, got {gpu_mem_gib!r}")
+    return total_bytes <= gpu_mem_gib * GIB
+
+
+_FRONT_END = ("add_arguments", "cli", "format_result", "model_spec", "verdict", "sweep", "evaluate")
+
+
+def __getattr__(name):
+    """The CLI (``python -m labs.theory memory``) and the widget's helpers live in
+    ``labs.theory.memory_report``; they are reachable from here too."""
+    if name in _FRONT_END:
+        from labs.theory import memory_report
+        return getattr(memory_report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

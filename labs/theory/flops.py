@@ -1,0 +1,76 @@
+"""Training FLOPs per step and model FLOPs utilisation (MFU). Pure Python.
+
+A matmul of an [m, k] by a [k, n] matrix costs 2·m·k·n FLOPs; its backward costs twice that
+(the gradient for the input and the gradient for the weight). A weight with P entries therefore
+costs 6·P FLOPs per token per training step, and attention's two seq-long matmuls (q·kᵀ and
+probabilities·v) cost 2·2·seq·nh·hd per token forward, three times that with backward:
+
+    FLOPs per token = 6·P_matmul + 12·L·nh·hd·seq
+
+P_matmul counts the weights that are multiplied: every weight matrix and the output head (tied
+or not), but not the embedding table (a lookup), norm weights or biases (elementwise). The
+playbook's 6N + 12·L·h·seq uses all N parameters: ~7% high for Llama-3 8B, whose embedding
+has 525 M entries. Causal attention needs only half of the seq x seq products; the usual
+convention (PaLM, Chowdhery et al. 2022, App. B) counts all of them, and so do we. A test
+counts the FLOPs of the course model with ``torch.utils.flop_counter.FlopCounterMode``.
+
+Recomputation makes the hardware do more than the model needs: ``full`` reruns each block's
+forward in backward, about 8 instead of 6 FLOPs per weight: +2·(P_layers - L·h·F) + 4·L·nh·hd·seq
+per token (torch.utils.checkpoint stops once backward has what it needs, so each block's last
+matmul, down_proj, whose output nothing saves, is not rerun);
+``selective`` reruns gpt's attention core (+4·L·nh·hd·seq) and, for llama (which keeps every
+matmul and attention output), only pointwise ops that FLOP counts leave out. MFU counts model
+FLOPs (recompute="none"); hardware FLOPs utilisation (HFU) counts what was executed.
+
+    MFU = FLOPs per step / (step time · peak FLOP/s per GPU · GPUs)
+"""
+
+from __future__ import annotations
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def matmul_params(spec) -> int:
+    """Weights that take part in a matmul: q, k, v, o and the MLP matrices of every layer, and the head."""
+    h, F, L = spec.hidden, spec.ffn, spec.n_layers
+    if spec.arch == "gpt":
+        per_layer = 4 * h * h + 2 * h * F
+    else:
+        per_layer = 2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd + 3 * h * F
+    return L * per_layer + spec.vocab_size * h
+
+
+def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "none") -> float:
+    """Training (forward + backward) FLOPs per token: 6·P_matmul + 12·L·nh·hd·seq, or with
+    ``exact=False`` the playbook's 6·N + 12·L·h·seq; plus what ``recompute`` reruns."""
+    from labs.theory.memory import param_count
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"seq must be an integer >= 1, got {seq!r}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    attention_fwd = 4 * spec.n_layers * spec.n_heads * spec.hd * seq  # q·kᵀ and probabilities·v
+    if exact:
+        flops = 6 * matmul_params(spec) + 3 * attention_fwd
+    else:
+        flops = 6 * param_count(spec) + 12 * spec.n_layers * spec.hidden * seq
+    if recompute == "full":  # one more forward of every block but its last matmul (the head is not checkpointed)
+        layer_weights = matmul_params(spec) - spec.vocab_size * spec.hidden
+        flops += 2 * (layer_weights - spec.n_layers * spec.hidden * spec.ffn) + attention_fwd
+    elif recompute == "selective" and spec.arch == "gpt":
+        flops += attention_fwd
+    return flops
+
+
+def training_flops(spec, *, seq: int, tokens: int, exact: bool = True, recompute: str = "none") -> float:
+    """FLOPs of one training step over ``tokens`` tokens (global batch x sequence length)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+    return flops_per_token(spec, seq=seq, exact=exact, recompute=recompute) * tokens
+
+
+def mfu(flops_per_step: float, *, step_time_s: float, peak_flops: float, n_gpus: int = 1) -> float:
+    """Model FLOPs utilisation: the share of the GPUs' peak the step's useful FLOPs achieve."""
+    for name, value in (("step_time_s", step_time_s), ("peak_flops", peak_flops), ("n_gpus", n_gpus)):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    return flops_per_step / (step_time_s * peak_flops * n_gpus)

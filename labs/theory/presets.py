@@ -1,0 +1,58 @@
+"""Model presets and GPUs for the calculators (notebook 01 and the planner). Pure Python.
+
+Each preset's parameter count equals ``sum(p.numel())`` of the ``transformers`` model built
+from the published config on the meta device (tests/test_theory_memory.py builds them).
+
+GPU memory is what ``nvidia-smi`` reports, in GiB (MiB / 1024): the "80 GB" of an H100 is
+81559 MiB = 79.6 GiB. Peak FLOP/s are the dense bf16 tensor-core figures of the data sheets
+(SXM parts), for MFU.
+"""
+
+from __future__ import annotations
+
+from labs.theory.memory import ModelSpec, param_count
+
+PRESETS: dict[str, ModelSpec] = {
+    # the course model: labs.models.transformer.ModelConfig() with its defaults
+    "tiny": ModelSpec(vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128),
+    "gpt2-small": ModelSpec(arch="gpt", vocab_size=50257, hidden=768, n_layers=12, n_heads=12,
+                            tied_embeddings=True, max_positions=1024),
+    "llama3.2-1b": ModelSpec(vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                             ffn_hidden=8192, tied_embeddings=True),
+    "llama3-8b": ModelSpec(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
+    "llama3-70b": ModelSpec(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672),
+    "llama3-405b": ModelSpec(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                             ffn_hidden=53248),
+}
+
+# name -> (memory in GiB as nvidia-smi reports it, dense bf16 peak TFLOP/s)
+GPUS: dict[str, tuple[float, float]] = {
+    "A100 40GB": (40960 / 1024, 312.0),
+    "A100 80GB": (81920 / 1024, 312.0),
+    "H100 80GB": (81559 / 1024, 989.0),
+    "H200 141GB": (143771 / 1024, 989.0),
+    "RTX 4090 24GB": (24564 / 1024, 165.2),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    """The preset ``name``, or a ValueError listing the valid names."""
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not one of {tuple(PRESETS)}")
+    return PRESETS[name]
+
+
+def gpu_memory_gib(name: str) -> float:
+    if name not in GPUS:
+        raise ValueError(f"gpu={name!r} is not one of {tuple(GPUS)}")
+    return GPUS[name][0]
+
+
+def preset_table() -> str:
+    """The presets' dimensions and exact parameter counts, one per line."""
+    lines = [f"{'preset':<13}{'arch':<6}{'layers':>7}{'hidden':>7}{'heads':>6}{'kv':>4}{'ffn':>7}{'vocab':>8}"
+             f"{'tied':>6}{'parameters':>17}"]
+    for name, s in PRESETS.items():
+        lines.append(f"{name:<13}{s.arch:<6}{s.n_layers:>7}{s.hidden:>7}{s.n_heads:>6}{s.kv_heads:>4}{s.ffn:>7}"
+                     f"{s.vocab_size:>8}{'yes' if s.tied_embeddings else 'no':>6}{param_count(s):>17,}")
+    return "\n".join(lines)
