@@ -154,8 +154,9 @@ class Transformer(nn.Module):
         B, T = idx.shape
         if positions is None:
             positions = torch.arange(T, device=idx.device)
-        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.tok_emb(idx)  # [B, T, H]
+        # tables in the activations' dtype (as transformers' Llama does), or bf16 q/k would turn fp32
+        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype)
         for block in self.layers:
             x = block(x, cos, sin)
         logits = self.lm_head(self.norm(x))  # [B, T, V]
