@@ -4,6 +4,7 @@
     python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
     python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 --gpu-mem 80 --json
     python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
+    python -m labs.theory moe --preset mixtral-8x7b --json
 
 Each command's module exposes ``add_arguments(parser)``, ``cli(args) -> dict`` and
 optionally ``format_result(result) -> str`` for the readable (non-JSON) output.
@@ -21,6 +22,7 @@ COMMANDS = {
     "comm": "labs.theory.comm_cli",      # bytes per rank of a collective
     "memory": "labs.theory.memory",      # notebook 01: per-rank memory
     "bubble": "labs.theory.pipeline",    # notebook 05: pipeline bubble
+    "moe": "labs.theory.moe",            # notebook 07: active vs total parameters, all-to-all bytes
     "plan": "labs.theory.planner",       # notebook 08: the parallelism planner
 }
 
