@@ -22,6 +22,7 @@ COMMANDS = {
     "comm": "labs.theory.comm_cli",      # bytes per rank of a collective
     "memory": "labs.theory.memory",      # notebook 01: per-rank memory
     "bubble": "labs.theory.pipeline",    # notebook 05: pipeline bubble
+    "cp": "labs.theory.context_parallel",  # notebook 06: ring-attention work, K/V bytes, long-context memory
     "moe": "labs.theory.moe",            # notebook 07: active vs total parameters, all-to-all bytes
     "plan": "labs.theory.planner",       # notebook 08: the parallelism planner
 }
