@@ -4,6 +4,7 @@
     reduce_scatter_along(x, dim=1, group=g)  # [B, T, H] partial sums -> this rank's [B, T/N, H] of the sum
     split_along(x, dim=-1, group=g)          # this rank's chunk, no communication
     all_reduce_copy(x, group=g)              # the sum over ranks, in a new tensor
+    shard_weight(linear, dim=0, group=g)     # this rank's block of a weight, tagged partition_dim=0
 
 ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` work on dim 0 of contiguous
 tensors; these helpers move the chunks of another dimension there and back. None of
@@ -46,3 +47,14 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     out = x.new_empty(chunks[0].shape)
     dist.reduce_scatter_single(out, torch.cat(chunks, dim=0), group=group)  # chunk i lands on rank i
     return out
+
+
+def shard_weight(layer: torch.nn.Module, dim: int, group=None) -> torch.nn.Parameter:
+    """This rank's contiguous 1/N block along ``dim`` of ``layer.weight``, as a new Parameter tagged
+    ``partition_dim = dim`` (the ranks' blocks concatenated along it in rank order give the weight back).
+    The layer must have no bias: the course's layers shard weights only."""
+    if getattr(layer, "bias", None) is not None:
+        raise ValueError(f"{type(layer).__name__} has a bias; the tensor-parallel layers take none (Llama has none)")
+    part = torch.nn.Parameter(split_along(layer.weight.detach(), dim, group).clone())
+    part.partition_dim = dim
+    return part
