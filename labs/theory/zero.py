@@ -1,0 +1,274 @@
+"""ZeRO on paper, buffer by buffer and moment by moment: what a rank holds and sends (notebook 03).
+
+    held_bytes([16384, 36992, 36992, 16448], stage=3, dp=4)   # bytes a rank holds between steps
+    peak_param_bytes(units, dp=4, prefetch=True)                # ZeRO-3 forward peak
+    comm_bytes(units, stage=3, dp=4)                            # bytes a rank sends per step
+    step_moments(3, units, dp=4)                                # the visualizer's frames
+
+Pure Python (no torch). Symbols as in ``labs.theory.memory``: Ψ parameters, N data-parallel
+ranks, fp32 training with AdamW (4 bytes per parameter and per gradient, 8 of optimizer
+state). The model is cut into *units* (the embedding, each transformer block, the head);
+each unit's trainable parameters are flattened into one buffer of Ψ_u elements, padded to
+N·S_u with S_u = ceil(Ψ_u / N) so every rank owns an equal shard of S_u elements.
+
+What a rank holds, per unit (the layout of ``solutions/zero.py``):
+
+    stage  parameters        gradients                     optimizer (AdamW)
+    0      Ψ_u               Ψ_u                           2 Ψ_u
+    1      N·S_u (flat)      N·S_u (flat, reduce-scattered in place)   2 S_u
+    2      N·S_u (flat)      S_u                           2 S_u
+    3      S_u               S_u                           2 S_u
+
+Per unit this is ``labs.theory.memory.state_bytes(Ψ_u, zero=stage, dp=N, exact_shards=True)``
+plus the padding (N·S_u − Ψ_u < N elements) of the full flat buffers a collective writes or
+reads (parameters in stages 1–2, gradients in stage 1). When N divides every Ψ_u (the
+course model on 2 or 4 ranks) the padding is zero and the calculator's figure is exact.
+With ``offload`` (ZeRO-Offload, Ren et al. 2021) the optimizer state leaves the device; the
+host holds an fp32 copy of the parameter shard, the gradient shard and the moments
+(16 S_u bytes) and every step moves 4 S_u bytes down (gradients) and 4 S_u up (parameters).
+
+Bytes sent per rank per step (ring figures, ``labs.theory.comm``), P = Σ_u N·S_u · 4 bytes:
+
+    stage 0   all-reduce of the gradients                   2 (N-1)/N · 4Ψ
+    stage 1-2 reduce-scatter of gradients + all-gather of parameters   2 (N-1)/N · P
+    stage 3   all-gather in forward, again in backward, reduce-scatter 3 (N-1)/N · P
+
+ZeRO-3 keeps only shards between uses: during unit k's forward a rank holds every shard,
+unit k in full and (with prefetch) unit k+1 in full: peak = Σ 4 S_u + max_k 4 N (S_k + S_k+1).
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(SC 2020), §5 and §7; Zhao et al., "PyTorch FSDP" (VLDB 2023), §3.
+"""
+
+from __future__ import annotations
+
+import math
+
+from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from labs.theory.memory import ModelSpec, param_counts, state_bytes
+
+STAGES = (0, 1, 2, 3)
+BYTES = 4  # fp32: parameters, gradients and each of Adam's two moments
+KINDS = ("params", "grads", "optimizer")
+
+
+def _check(unit_numels, stage=0, dp=1) -> list[int]:
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not one of {STAGES}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be an integer >= 1, got {dp!r}")
+    if stage > 0 and dp == 1:
+        raise ValueError(f"stage={stage} shards over data-parallel ranks but dp=1; use dp >= 2 or stage=0")
+    units = list(unit_numels)
+    if not units or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in units):
+        raise ValueError(f"unit_numels must be a non-empty list of integers >= 1, got {unit_numels!r}")
+    return units
+
+
+def flat_layout(numel: int, dp: int) -> dict[str, int]:
+    """One flat buffer of ``numel`` elements over ``dp`` ranks: ``shard`` = ceil(numel/dp)
+    elements per rank, ``padded`` = dp·shard, ``padding`` = padded − numel (< dp)."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an integer >= 1, got {numel!r}")
+    _check([numel], 0, dp)
+    shard = math.ceil(numel / dp)
+    return {"numel": numel, "shard": shard, "padded": shard * dp, "padding": shard * dp - numel}
+
+
+def course_units(spec: ModelSpec | None = None) -> list[tuple[str, int]]:
+    """(name, Ψ_u) for the course model's units: embedding, each block, final norm + head."""
+    spec = spec or ModelSpec(vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128)
+    c = param_counts(spec)
+    return ([("embedding", c["embedding"])] + [(f"block {i}", c["per_layer"]) for i in range(spec.n_layers)]
+            + [("norm + head", c["final_norm"] + c["head"])])
+
+
+def held_bytes(unit_numels, *, stage: int, dp: int, offload: bool = False, frozen_numel: int = 0,
+               gradless_numel: int = 0, itemsize: int = BYTES) -> dict:
+    """Bytes a rank holds between steps (after the optimizer step, gradients still held).
+
+    ``params``, ``grads``, ``optimizer`` and ``total`` are device bytes; ``host`` the bytes
+    offloaded to the CPU; ``calculator`` the sum over units of
+    ``labs.theory.memory.state_bytes(Ψ_u, zero=stage, dp=N, exact_shards=True)["total_bytes"]``
+    (optimizer included even when offloaded); ``padding`` the bytes of padding held in full
+    flat buffers; ``frozen_numel`` parameters are replicated and never trained;
+    ``gradless_numel`` trainable parameters never get a gradient (unused in forward), so in
+    stage 0 they hold neither a gradient nor AdamW state (inside a flat buffer they do). ``itemsize``:
+    bytes per element (8 for a float64 check run; the calculator's fp32 figures scale with it).
+    """
+    units = _check(unit_numels, stage, dp)
+    if offload and stage == 0:
+        raise ValueError("offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank")
+    out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
+    for n in units:
+        lay = flat_layout(n, dp)
+        calc = state_bytes(n, precision="fp32", optimizer="adamw", zero=stage, dp=dp, exact_shards=True)
+        calc = {k: v * itemsize // BYTES for k, v in calc.items()}
+        out["calculator"] += calc["total_bytes"]
+        pad = lay["padding"] * itemsize
+        out["params"] += calc["param_bytes"] + (pad if stage in (1, 2) else 0)  # full flat parameter buffer
+        out["grads"] += calc["grad_bytes"] + (pad if stage == 1 else 0)        # full flat gradient buffer
+        out["padding"] += pad * ((stage in (1, 2)) + (stage == 1))
+        if offload:
+            out["host"] += 4 * lay["shard"] * itemsize  # fp32 parameter shard, gradient shard, two moments
+        else:
+            out["optimizer"] += calc["optimizer_bytes"]
+    out["params"] += frozen_numel * itemsize
+    if stage == 0:
+        out["grads"] -= gradless_numel * itemsize
+        out["optimizer"] -= 2 * gradless_numel * itemsize
+        out["calculator"] -= 3 * gradless_numel * itemsize
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def peak_param_bytes(unit_numels, *, dp: int, prefetch: bool = True, itemsize: int = BYTES) -> int:
+    """ZeRO-3: most parameter bytes a rank holds during forward: every shard, the unit being
+    computed in full and, with ``prefetch``, the next unit's all-gather output too."""
+    units = _check(unit_numels, 3, dp)
+    lays = [flat_layout(n, dp) for n in units]
+    shards = sum(lay["shard"] for lay in lays)
+    full = [lay["padded"] for lay in lays]
+    window = [a + b for a, b in zip(full, full[1:])] if prefetch and len(full) > 1 else full
+    return (shards + max(window)) * itemsize
+
+
+def comm_bytes(unit_numels, *, stage: int, dp: int, itemsize: int = BYTES) -> dict[str, float]:
+    """Bytes a rank sends per step, by collective (ring model), and ``psi_equivalent``:
+    the total in units of (N-1)/N · 4Ψ, i.e. 2 for stages 0-2 and 3 for stage 3 (padding aside)."""
+    units = _check(unit_numels, stage, dp)
+    grads = sum(units) * itemsize
+    padded = sum(flat_layout(n, dp)["padded"] for n in units) * itemsize
+    out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if stage == 0:
+        out["all_reduce"] = all_reduce_bytes(grads, dp)
+    else:
+        out["reduce_scatter"] = reduce_scatter_bytes(padded, dp)
+        out["all_gather"] = all_gather_bytes(padded, dp) * (2 if stage == 3 else 1)
+    out["total"] = sum(out.values())
+    out["psi_equivalent"] = out["total"] / ((dp - 1) / dp * grads) if dp > 1 else 0.0
+    return out
+
+
+def offload_bytes(unit_numels, *, dp: int, itemsize: int = BYTES) -> dict[str, int]:
+    """Bytes crossing the host link per step with ZeRO-Offload: gradient shards down, parameter shards up."""
+    shards = sum(flat_layout(n, dp)["shard"] for n in _check(unit_numels, 1, dp)) * itemsize
+    return {"to_host": shards, "to_device": shards, "total": 2 * shards}
+
+
+def stage_table(n_params: int, dp: int, precision: str = "bf16-mixed") -> list[dict]:
+    """The memory wall, stage by stage: state bytes per rank for ``n_params`` on ``dp`` ranks
+    (the calculator's textbook figures; rows for stages 0-3)."""
+    rows = []
+    for stage in STAGES:
+        b = state_bytes(n_params, precision=precision, optimizer="adamw", zero=stage if dp > 1 else 0, dp=dp)
+        rows.append({"stage": stage, **{k: b[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                              "total_bytes")}})
+    return rows
+
+
+def format_stage_table(n_params: int, dp: int, precision: str = "bf16-mixed", gpu_gib: float = 80.0) -> str:
+    """``stage_table`` as text, in GB per rank, with whether the state alone fits in ``gpu_gib``."""
+    lines = [f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks ({gpu_gib:g} GiB GPUs)",
+             f"{'stage':<8}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}   state alone fits?"]
+    for r in stage_table(n_params, dp, precision):
+        fits = "yes" if r["total_bytes"] <= gpu_gib * 2**30 else "no"
+        lines.append(f"ZeRO-{r['stage']:<3}" + "".join(f"{r[k] / 1e9:>9.1f}" for k in (
+            "param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")) + f"   {fits}")
+    return "\n".join(lines)
+
+
+def offload_tradeoff(n_params: int, dp: int, *, stage: int = 3, link_gb_per_s: float = 25.0) -> dict:
+    """ZeRO-Offload in bf16-mixed training, per rank per step: device bytes freed (fp32 master
+    and moments, 12 Ψ/N), bytes over the host link (bf16 gradient shard down, bf16 parameter
+    shard up: 4 Ψ/N) and the seconds that takes at ``link_gb_per_s`` (PCIe 4 x16 ~25 GB/s
+    each way in practice) if nothing overlaps it. The CPU's AdamW time comes on top."""
+    b = state_bytes(n_params, precision="bf16-mixed", optimizer="adamw", zero=stage, dp=dp)
+    moved = 2 * 2 * n_params / dp
+    return {"freed_device_bytes": b["optimizer_bytes"], "left_device_bytes": b["total_bytes"] - b["optimizer_bytes"],
+            "host_link_bytes": moved, "host_link_s": moved / (link_gb_per_s * 1e9)}
+
+
+# --- the visualizer's model of one step ------------------------------------------------------
+# A state is "full", "shard", "prefetch" (full, being gathered ahead of use), "host" or "none".
+
+def _moment(label, collective, params, grads, optim):
+    return {"label": label, "collective": collective, "params": list(params), "grads": list(grads),
+            "optimizer": list(optim)}
+
+
+def step_moments(stage: int, unit_numels, *, dp: int, prefetch: bool = True, offload: bool = False,
+                 names: list[str] | None = None) -> list[dict]:
+    """The moments of one training step, in order, each with every unit's parameter, gradient
+    and optimizer state on a rank (all ranks alike; rank r's shard is the r-th of N), the
+    collective running, and the rank's device ``bytes`` at that moment. The last moment is
+    the end of the step: its bytes equal :func:`held_bytes`."""
+    units = _check(unit_numels, stage, dp)
+    if offload and stage == 0:
+        raise ValueError("offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank")
+    u = len(units)
+    names = names or [f"unit {k}" for k in range(u)]
+    if len(names) != u:
+        raise ValueError(f"names has {len(names)} entries for {u} units")
+    opt = ["host" if offload else ("full" if stage == 0 else "shard")] * u
+    rest_p = "shard" if stage == 3 else "full"
+    rest_g = {0: "full", 1: "full"}.get(stage, "shard")
+    params, grads = [rest_p] * u, [rest_g] * u
+    frames = []
+    for k in range(u):
+        p = list(params)
+        if stage == 3:
+            p[k] = "full"
+            if prefetch and k + 1 < u:
+                p[k + 1] = "prefetch"
+        coll = f"all-gather {names[k]}" + (f", prefetch {names[k + 1]}" if prefetch and k + 1 < u else "") \
+            if stage == 3 else "none"
+        frames.append(_moment(f"forward {names[k]}", coll, p, grads, opt))
+    for k in reversed(range(u)):
+        p = list(params)
+        if stage == 3:
+            p[k] = "full"
+            if prefetch and k > 0:
+                p[k - 1] = "prefetch"
+        grads = list(grads)
+        grads[k] = "full"
+        coll = f"all-gather {names[k]}" + (f", prefetch {names[k - 1]}" if prefetch and k > 0 else "") \
+            if stage == 3 else "none"
+        frames.append(_moment(f"backward {names[k]}", coll, p, grads, opt))
+        if stage >= 2:  # the state right after: unit k's gradient sharded (stage 3: its parameters freed)
+            grads = list(grads)
+            grads[k] = "shard"
+            after = [s if s != "full" or stage < 3 else "shard" for s in p]
+            frames.append(_moment(f"reduce-scatter {names[k]}", f"reduce-scatter grads of {names[k]}",
+                                  after, grads, opt))
+    if stage == 0:
+        frames.append(_moment("all-reduce", "all-reduce every gradient", params, grads, opt))
+    if stage == 1:
+        frames.append(_moment("reduce-scatter", "reduce-scatter every gradient (in place)", params, grads, opt))
+    frames.append(_moment("optimizer step", "copy grad shards to host, params back" if offload else "none",
+                          params, grads, opt))
+    if stage in (1, 2):
+        frames.append(_moment("all-gather", "all-gather the updated parameter shards", params, grads, opt))
+    for f in frames:
+        f["bytes"] = _frame_bytes(f, units, stage, dp)
+    return frames
+
+
+def _frame_bytes(frame, units, stage, dp) -> dict[str, int]:
+    """Device bytes of one moment (and ``host``): a full ZeRO-3 unit sits beside its shard, a
+    stage 2-3 full gradient (autograd's) beside the persistent gradient shard."""
+    out = dict.fromkeys(KINDS + ("host",), 0)
+    for k, n in enumerate(units):
+        lay = flat_layout(n, dp)
+        shard, flat = lay["shard"], (lay["padded"] if stage >= 1 else n)
+        p, g, o = frame["params"][k], frame["grads"][k], frame["optimizer"][k]
+        out["params"] += {"full": flat, "prefetch": flat, "shard": 0}[p] + (shard if stage == 3 else 0)
+        if stage >= 2:
+            out["grads"] += shard + (n if g == "full" else 0)
+        else:
+            out["grads"] += lay["padded"] if stage == 1 else n
+        out["optimizer"] += {"full": 2 * n, "shard": 2 * shard, "host": 0}[o]
+        out["host"] += 4 * shard if o == "host" else 0
+    out = {k: v * BYTES for k, v in out.items()}
+    out["total"] = sum(out[k] for k in KINDS)
+    return out

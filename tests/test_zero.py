@@ -1,0 +1,102 @@
+"""Exercise 03: ZeRO-1/2/3 equal the single-process reference, hold and send what the theory says.
+
+Each run trains 5 AdamW steps on gloo and checks, on every rank: losses and final full
+parameters (by name) against ``labs.train.train_reference``; the bytes held after a step
+against ``labs.theory.zero.held_bytes`` (the memory calculator's figure when N divides every
+unit); the ledger's bytes sent per step against ``comm_bytes``; ZeRO-3's peak parameter bytes
+against ``peak_param_bytes``. Parameters are compared in float64 on 4 ranks: in float32,
+AdamW turns the last-bit differences of a sum split four ways into ~1e-4 relative changes
+of a few elements, for plain data parallelism and torch's FSDP2 alike (see ``run``).
+"""
+
+import pytest
+
+from labs.experiments.zero import run
+from labs.theory.memory import state_bytes
+from labs.theory.zero import comm_bytes
+from labs.runtime.impl import exercise
+from tests.helpers import run_cli, run_json
+
+
+def check(s, *, stage, nproc, calculator: bool):
+    assert s["matches_reference"], (s["losses"], s["reference_losses"])
+    assert s["params_match_reference"], f"{s['worst_param']}: max relative difference {s['max_param_rel_diff']:.2e}"
+    assert s["memory_matches_theory"], (s["state_breakdown"], s["theory_breakdown"])
+    assert s["bytes_match_theory"], (s["comm_bytes_per_rank"], s["theory_comm_bytes_per_rank"])
+    assert s["comm_by_op"].keys() == ({"reduce_scatter_single", "all_gather_single"} if stage else {"all_reduce"})
+    if calculator:  # no padding: the calculator's figure exactly, and 2Ψ / 3Ψ exactly
+        calc = state_bytes(s["n_params"], precision="fp32", optimizer="adamw", zero=stage, dp=nproc,
+                           exact_shards=True)["total_bytes"]
+        assert s["state_bytes_per_rank"] == [calc * (8 if s["dtype"] == "float64" else 4) // 4] * nproc
+        assert s["psi_equivalent"] == pytest.approx(3 if stage == 3 else 2, rel=1e-12)
+    if stage == 3:
+        assert s["peak_matches_theory"], (s["peak_param_bytes_per_rank"], s["theory_peak_param_bytes"])
+        assert s["peak_param_bytes_backward"] == s["peak_param_bytes_per_rank"]
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("nproc, dtype", [(2, "float32"), (4, "float64")])
+def test_course_model_matches_reference_and_theory(stage, nproc, dtype):
+    s = run(nproc=nproc, stage=stage, dtype=dtype, steps=5)
+    check(s, stage=stage, nproc=nproc, calculator=True)
+    assert s["offload"] is False and "host_bytes_per_step" not in s
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("nproc, dtype, offload", [(2, "float32", False), (4, "float64", True)])
+def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload):
+    """8,009 trainable elements (padded on 2 and 4 ranks), a tied weight, a frozen layer, an unused parameter."""
+    s = run(nproc=nproc, stage=stage, dtype=dtype, offload=offload, model="awkward", steps=5)
+    check(s, stage=stage, nproc=nproc, calculator=False)
+    if offload:
+        assert s["state_breakdown"]["optimizer"] == 0 and s["state_breakdown"]["host"] > 0
+        assert s["host_bytes_per_step"] == s["theory_host_bytes_per_step"]
+
+
+@pytest.mark.exercise
+def test_zero3_without_prefetch_holds_one_unit_at_a_time():
+    s = run(nproc=2, stage=3, prefetch=False, steps=5)
+    check(s, stage=3, nproc=2, calculator=True)  # peak = shards + the largest unit, nothing prefetched
+    assert s["theory_peak_param_bytes"] == 4 * (sum(s["unit_numels"]) // 2 + max(s["unit_numels"]))
+
+
+@pytest.mark.exercise
+def test_cli_reports_ours_and_torch_fsdp2_side_by_side():
+    s = run_json("-m", "labs.run", "zero", "--stage", "3", "--nproc", "4", "--vs-torch", "--json")
+    assert s["lab"] == "zero" and s["stage"] == 3 and s["nproc"] == 4
+    assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
+    assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * 4
+    # FSDP2 shards every parameter along dim 0; here each divides by 4, so it holds what we hold
+    assert s["torch_state_bytes_per_rank"] == s["state_bytes_per_rank"]
+    assert s["torch_max_rel_loss_diff"] < 1e-5
+    assert s["theory_comm_bytes_per_rank"] == comm_bytes(s["unit_numels"], stage=3, dp=4)["total"]
+
+
+def test_stage_zero_baseline_is_data_parallel():
+    """Stage 0 (harness code, not an exercise): all-reduce, the whole state on every rank."""
+    s = run(nproc=2, stage=0, steps=5)
+    check(s, stage=0, nproc=2, calculator=True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stage": 4}, "stage=4 is not one of"),
+    ({"stage": 2, "nproc": 1}, "nproc=1"),
+    ({"stage": 0, "offload": True}, "offload=True needs stage"),
+    ({"model": "gpt"}, "model='gpt' is not one of"),
+    ({"dtype": "float16"}, "dtype='float16' is not one of"),
+])
+def test_bad_arguments_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        run(**{"nproc": 2, **kwargs})
+
+
+def test_shard_model_rejects_stage_zero():
+    with pytest.raises(ValueError, match="stage=0 is not one of"):
+        exercise("zero").ZeroConfig(stage=0)
+
+
+def test_cli_bad_stage_exits_2():
+    proc = run_cli("-m", "labs.run", "zero", "--stage", "5")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
