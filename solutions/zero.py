@@ -145,6 +145,7 @@ class _Sharded:
             for u in self.units:
                 self.transfer(u.host.grad, u.shard_param.grad)
         masks = [u.untouched(self.ready.got_grad) for u in self.units]
+        masks = [m if m is None else m.to(t.device) for m, t in zip(masks, targets)]
         kept = [t.detach()[m] if m is not None else None for t, m in zip(targets, masks)]
         self.optimizer.step()
         with torch.no_grad():
