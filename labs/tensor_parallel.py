@@ -181,8 +181,8 @@ def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> 
 
 
 class ParallelBlock(Block):
-    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms and residual adds on
-    x ([B, T/tp, H] with SP, else [B, T, H]); attention and MLP entered once each, outputs back in x's shape."""
+    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms, residual adds (and
+    dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once each, outputs back in x's shape."""
 
     def __init__(self, full: Block, *, group, sequence_parallel=False):
         nn.Module.__init__(self)

@@ -216,7 +216,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ### BEGIN SOLUTION
         softmax, local, elsewhere = ctx.saved_tensors
         grad_logits = softmax.clone()
-        grad_logits[torch.arange(len(local)), local] -= (~elsewhere).to(softmax.dtype)  # - one_hot(target)
+        grad_logits[torch.arange(len(local), device=local.device), local] -= (~elsewhere).to(softmax.dtype)  # - one_hot
         return grad_logits * (grad / len(local)), None, None
         ### END SOLUTION
 
@@ -232,8 +232,8 @@ def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> 
 
 
 class ParallelBlock(Block):
-    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms and residual adds on
-    x ([B, T/tp, H] with SP, else [B, T, H]); attention and MLP entered once each, outputs back in x's shape."""
+    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms, residual adds (and
+    dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once each, outputs back in x's shape."""
 
     def __init__(self, full: Block, *, group, sequence_parallel=False):
         nn.Module.__init__(self)

@@ -79,6 +79,13 @@ def test_collectives_and_bytes_per_rank_match_the_theory(case):
 
 
 @pytest.mark.exercise
+def test_tied_embeddings_share_one_vocab_shard():
+    s = experiment.run(nproc=2, steps=2, sp=True, model_cfg=ModelConfig(tie_embeddings=True))
+    assert s["matches_reference"] and s["max_rel_grad_diff"] <= TOL and s["comm_matches_theory"]
+    assert s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * 2  # the head adds no second shard
+
+
+@pytest.mark.exercise
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallelism_saves_activation_memory(tp):
     without, with_sp = summary(tp, False, "course"), summary(tp, True, "course")
@@ -200,3 +207,19 @@ def test_cli_reports_both_step_times():
     assert s["lab"] == "tp" and s["nproc"] == 4 and s["matches_reference"] and s["comm_matches_theory"]
     assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
     assert s["torch_max_rel_logit_diff_vs_ours"] <= TOL
+
+
+def test_transformers_llama_converts_to_the_course_model_or_says_why_not():
+    from transformers import LlamaConfig
+    from labs.models.hf import build_hf_llama, llama_config
+    from labs.models.hf_convert import course_config_from_hf, course_model_from
+    cfg = ModelConfig(tie_embeddings=True, rope_theta=500000.0)
+    hf = build_hf_llama(cfg, seed=3)
+    course = course_model_from(hf)
+    assert course.cfg == cfg
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(course(idx), hf(input_ids=idx).logits)  # the same model, bit for bit
+    with pytest.raises(ValueError, match=r"\['attention_bias', 'head_dim'\]"):
+        course_config_from_hf(LlamaConfig(**{**llama_config(cfg).to_dict(), "attention_bias": True, "head_dim": 16}))
+    with pytest.raises(ValueError, match="course Transformer or a transformers LlamaForCausalLM"):
+        course_model_from(torch.nn.Linear(2, 2))

@@ -160,7 +160,8 @@ def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = 
                     logits, loss = model(x, y)
                 with ledger.phase("backward"), ctx():
                     loss.backward()
-            out["comm"] = [(r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes) for r in ledger.records]
+            out["comm"] = [(r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes)
+                           for r in ledger.records]
             out["saved_bytes"] = saved.bytes
         else:
             with ctx():
@@ -184,8 +185,10 @@ def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = 
 
 def tp_worker(full, cfg: TrainConfig, sp: bool, vs_torch: bool) -> dict:
     """One rank: our tensor parallelism (and torch's, with ``vs_torch``) trained on the reference's batches."""
+    device = rank_device()
+    full = full.to(device)  # this rank's own copy (forked, or its own process under torchrun)
     tp_model = exercise("tensor_parallel").apply_tensor_parallel(full, sequence_parallel=sp)
-    batches = data_for(cfg)
+    batches = [(x.to(device), y.to(device)) for x, y in data_for(cfg)]
     ours = _train(tp_model, batches, cfg, measure=True)
     ours["partition_dims"] = {n: getattr(p, "partition_dim", None) for n, p in tp_model.named_parameters()}
     if vs_torch:
@@ -242,8 +245,8 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
                       progress=steps * (2 if vs_torch else 1), desc=f"tp={nproc}{' +sp' if sp else ''}")
 
     spec, tol = model_spec(cfg), TOLERANCES[torch.float32]
-    s = new_summary("tp", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, model=model, sp=sp, tp=nproc,
-                    batch_size=batch_size, seq_len=seq_len)
+    s = new_summary("tp", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, model=model, sp=sp,
+                    tp=nproc, batch_size=batch_size, seq_len=seq_len)
     fill_losses(s, per_rank[0]["losses"], ref.losses)
     logits = torch.cat([r["logits"] for r in per_rank], dim=-1)
     s["max_rel_logit_diff"] = max_rel_diff(logits, ref_logits)

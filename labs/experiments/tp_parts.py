@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labs.models.transformer import ModelConfig, build_model, rotary_cos_sin
+from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch
 from labs.train import max_rel_diff
@@ -39,20 +40,20 @@ def split_matmul_demo(*, tp: int = 2, seed: int = 0) -> dict:
 
 
 def _inputs(shape, n, salt):
-    """Every rank's input and upstream gradient (float64, seeded by rank), rebuilt identically everywhere."""
-    xs = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * salt + i), dtype=torch.float64)
-          for i in range(n)]
-    return xs
+    """Every rank's tensor (float64, seeded by rank and ``salt``), rebuilt identically on every rank."""
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(100 * salt + i), dtype=torch.float64)
+            for i in range(n)]
 
 
 def _check_op(op, x_shape, g_shape, expected_out, expected_grad, salt):
-    n, r = dist.get_world_size(), dist.get_rank()
+    """Apply ``op`` to this rank's input, backpropagate this rank's upstream gradient, compare both results."""
+    n, r, device = dist.get_world_size(), dist.get_rank(), rank_device()
     xs, gs = _inputs(x_shape, n, salt), _inputs(g_shape, n, salt + 50)
-    x = xs[r].clone().requires_grad_()
+    x = xs[r].to(device).requires_grad_()
     out = op.apply(x, dist.group.WORLD)
-    out.backward(gs[r])
-    return {"forward": max_rel_diff(out.detach(), expected_out(xs, r, n)),
-            "backward": max_rel_diff(x.grad, expected_grad(gs, r, n))}
+    out.backward(gs[r].to(device))
+    return {"forward": max_rel_diff(out.detach().cpu(), expected_out(xs, r, n)),
+            "backward": max_rel_diff(x.grad.cpu(), expected_grad(gs, r, n))}
 
 
 def operators_worker() -> dict:
@@ -107,13 +108,13 @@ def _compare(parallel, full, inp, *, local_in=None, local_out=None, call=None) -
 def layers_worker(sp: bool, seed: int) -> dict:
     """Each layer of the lab against the same layer of the full model, on this rank."""
     tp = exercise("tensor_parallel")
-    group, n, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    group, n, r, device = dist.group.WORLD, dist.get_world_size(), dist.get_rank(), rank_device()
     cfg, B, T = ModelConfig(), 2, 8
-    full = build_model(cfg, seed)
+    full = build_model(cfg, seed, device=device)
     attn, mlp = full.layers[0].attn, full.layers[0].mlp
     g = torch.Generator().manual_seed(seed + 1)
-    x, h = torch.randn(B, T, cfg.n_embd, generator=g), torch.randn(B, T, cfg.ffn_hidden, generator=g)
-    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T), generator=g) for _ in range(2))
+    x, h = (torch.randn(B, T, d, generator=g).to(device) for d in (cfg.n_embd, cfg.ffn_hidden))
+    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2))
     last, seq = (lambda t: t.chunk(n, -1)[r]), (lambda t: t.chunk(n, 1)[r])  # this rank's slice of a full tensor
     out = {
         "ColumnParallelLinear": _compare(tp.ColumnParallelLinear(attn.q_proj, group=group), attn.q_proj, x,
@@ -125,7 +126,7 @@ def layers_worker(sp: bool, seed: int) -> dict:
         "VocabParallelEmbedding": _compare(tp.VocabParallelEmbedding(full.tok_emb, group=group, sequence_parallel=sp),
                                            full.tok_emb, idx, local_out=seq if sp else None),
     }
-    logits = torch.randn(B * T, cfg.vocab_size, generator=g, requires_grad=True)
+    logits = torch.randn(B * T, cfg.vocab_size, generator=g).to(device).requires_grad_()
     local = last(logits.detach()).requires_grad_()
     loss = tp.VocabParallelCrossEntropy.apply(local, targets.flatten(), group)
     loss.backward()
@@ -133,7 +134,7 @@ def layers_worker(sp: bool, seed: int) -> dict:
     reference.backward()
     out["VocabParallelCrossEntropy"] = {"forward": max_rel_diff(loss.detach(), reference.detach()),
                                         "backward": max_rel_diff(local.grad, last(logits.grad))}
-    cos, sin = rotary_cos_sin(torch.arange(T), cfg.head_dim, cfg.rope_theta)
+    cos, sin = rotary_cos_sin(torch.arange(T, device=device), cfg.head_dim, cfg.rope_theta)
     block = tp.apply_tensor_parallel(full, group=group, sequence_parallel=sp).layers[0]
     out["ParallelBlock" + (" (SP)" if sp else "")] = _compare(
         block, full.layers[0], x, local_in=seq if sp else None, local_out=seq if sp else None,

@@ -22,15 +22,16 @@ def course_config_from_hf(config) -> ModelConfig:
     """The ``ModelConfig`` of a ``transformers.LlamaConfig``."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    unsupported = {"attention_bias": bool(getattr(config, "attention_bias", False)),
-                   "mlp_bias": bool(getattr(config, "mlp_bias", False)),
-                   "rope_type": rope.get("rope_type", "default") != "default",
-                   "hidden_act": getattr(config, "hidden_act", "silu") != "silu",
-                   "head_dim": (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-                   * config.num_attention_heads != config.hidden_size}
-    if any(unsupported.values()):
-        raise ValueError(f"this Llama config differs from the course model in {[k for k, v in unsupported.items() if v]};"
-                         " supported: no biases, default rotary, silu, head_dim = hidden_size / num_attention_heads")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    unsupported = [name for name, differs in (
+        ("attention_bias", bool(getattr(config, "attention_bias", False))),
+        ("mlp_bias", bool(getattr(config, "mlp_bias", False))),
+        ("rope_type", rope.get("rope_type", "default") != "default"),
+        ("hidden_act", getattr(config, "hidden_act", "silu") != "silu"),
+        ("head_dim", head_dim * config.num_attention_heads != config.hidden_size)) if differs]
+    if unsupported:
+        raise ValueError(f"this Llama config differs from the course model in {unsupported}; supported: no biases, "
+                         "default rotary, silu, head_dim = hidden_size / num_attention_heads")
     return ModelConfig(vocab_size=config.vocab_size, seq_len=config.max_position_embeddings,
                        n_layer=config.num_hidden_layers, n_embd=config.hidden_size,
                        n_head=config.num_attention_heads,

@@ -54,7 +54,8 @@ def check(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: in
     """ValueError unless the course's TP applies: a Llama-style spec, tp dividing heads, kv heads, hidden,
     F and vocabulary, and with SP the sequence."""
     if spec.arch != "llama":
-        raise ValueError(f"spec.arch={spec.arch!r}: the tensor-parallel lab models the course's Llama; use arch='llama'")
+        raise ValueError(f"spec.arch={spec.arch!r}: the tensor-parallel lab models the course's Llama; "
+                         "use arch='llama'")
     check_positive(tp=tp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
     ParallelDims(tp=tp).check_model(n_head=spec.n_heads, n_kv_head=spec.kv_heads, n_embd=spec.hidden,
                                     ffn_hidden=spec.ffn, vocab_size=spec.vocab_size)
@@ -108,12 +109,14 @@ def block_flow(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, se
                    "backward_sent_bytes": all_reduce_bytes(H * dtype_bytes, tp)}] if sp else [])
     flow = [compute("input x", x_shape, x_layout), compute("attn_norm", x_shape, x_layout), *norm_grad,
             _collective(f, F_OP[sp], k, tp, "attention input"), compute("attention input", (B, T, H), "replicated"),
-            compute("q_proj", (B, T, nh * hd), "split heads"), compute("k_proj, v_proj", (B, T, nkv * hd), "split heads"),
+            compute("q_proj", (B, T, nh * hd), "split heads"),
+            compute("k_proj, v_proj", (B, T, nkv * hd), "split heads"),
             compute("attention (SDPA)", (B, T, nh * hd), "split heads"),
             compute("o_proj", (B, T, H), "partial sums"), _collective(g, G_OP[sp], k, tp, "attention output"),
             compute("x + attention", x_shape, x_layout), compute("mlp_norm", x_shape, x_layout), *norm_grad,
             _collective(f, F_OP[sp], k, tp, "MLP input"), compute("MLP input", (B, T, H), "replicated"),
-            compute("gate_proj, up_proj", (B, T, F // tp), "split F"), compute("silu(gate) * up", (B, T, F // tp), "split F"),
+            compute("gate_proj, up_proj", (B, T, F // tp), "split F"),
+            compute("silu(gate) * up", (B, T, F // tp), "split F"),
             compute("down_proj", (B, T, H), "partial sums"), _collective(g, G_OP[sp], k, tp, "MLP output"),
             compute("x + MLP", x_shape, x_layout)]
     return flow
@@ -221,7 +224,8 @@ def layer_comm_vs_compute(spec: ModelSpec, *, tp: int, seq: int, mbs: int = 1, d
     on the critical path between matmuls, so ``comm_s / compute_s`` is roughly the slowdown they add."""
     check_positive(tp=tp, seq=seq, mbs=mbs, dtype_bytes=dtype_bytes)
     if link_gbs <= 0 or peak_tflops <= 0 or not 0 < mfu <= 1:
-        raise ValueError(f"link_gbs and peak_tflops must be > 0 and mfu in (0, 1]; got {link_gbs}, {peak_tflops}, {mfu}")
+        raise ValueError(f"link_gbs and peak_tflops must be > 0 and mfu in (0, 1]; "
+                         f"got {link_gbs}, {peak_tflops}, {mfu}")
     k = mbs * seq * spec.hidden * dtype_bytes
     sent = 4 * all_reduce_bytes(k, tp)
     tokens = mbs * seq
