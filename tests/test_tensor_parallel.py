@@ -74,6 +74,7 @@ def test_collectives_and_bytes_per_rank_match_the_theory(case):
     assert s["comm_matches_theory"], (s["comm"], s["theory_comm"])  # every rank: calls, payload, bytes sent
     assert s["comm_bytes_per_rank"] == [s["theory_comm_bytes_per_rank"]] * tp
     assert s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * tp
+    assert s["param_bytes_per_rank"][0] == experiment.memory_vs_calculator(s)["params"]["calculator"]  # notebook 01
     assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * tp
     assert s["saved_activation_bytes"] == [s["theory_saved_activation_bytes"]] * tp
 
@@ -97,6 +98,13 @@ def test_sequence_parallelism_saves_activation_memory(tp):
     region = sum(parts[0]["per_block"][k] for k in norm_terms) * 2 + sum(v for k, v in parts[0]["outside"].items()
                                                                           if k.startswith("final norm"))
     assert without["saved_activation_bytes"][0] - saved == region * (1 - 1 / tp)
+    # The memory calculator (notebook 01) models Megatron's SP, which also keeps the column-parallel inputs (2 per
+    # block and the head's) sequence-sharded and gathers them again in backward: its saving is larger by exactly those.
+    calculator = {sp_: experiment.memory_vs_calculator(s)["saved activations"]["calculator"]
+                  for sp_, s in ((False, without), (True, with_sp))}
+    gathered_inputs = (2 * theory.COURSE_MODEL.n_layers + 1) * 8 * 32 * 64 * 4
+    assert (calculator[False] - calculator[True]) - (without["saved_activation_bytes"][0] - saved) == \
+        gathered_inputs * (1 - 1 / tp)
 
 
 def block_collectives(sp: bool) -> dict:

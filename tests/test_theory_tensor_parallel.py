@@ -9,13 +9,15 @@ import pytest  # noqa: E402
 from labs.models.transformer import ModelConfig, build_model  # noqa: E402
 from labs.theory import tensor_parallel as theory  # noqa: E402
 from labs.theory.memory import ModelSpec  # noqa: E402
+from labs.theory.presets import PRESETS  # noqa: E402
 
 SPEC = theory.COURSE_MODEL
-LLAMA3_70B = ModelSpec(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672)
+LLAMA3_70B = PRESETS["llama3-70b"]
 
 
 def test_course_spec_is_the_course_model():
     cfg = ModelConfig()
+    assert SPEC == PRESETS["tiny"]
     assert (SPEC.vocab_size, SPEC.hidden, SPEC.n_layers, SPEC.n_heads, SPEC.kv_heads, SPEC.ffn) == (
         cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.ffn_hidden)
 

@@ -39,13 +39,13 @@ from __future__ import annotations
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
 from labs.theory.memory import ModelSpec, param_counts
+from labs.theory.presets import PRESETS
 
 SENT = {"all_reduce": all_reduce_bytes, "all_gather": all_gather_bytes, "reduce_scatter": reduce_scatter_bytes}
 # What replaces f and g with sequence parallelism: (forward op, backward op)
 F_OP = {False: (None, "all_reduce"), True: ("all_gather", "reduce_scatter")}
 G_OP = {False: ("all_reduce", None), True: ("reduce_scatter", "all_gather")}
-# labs.models.transformer.ModelConfig()'s dimensions: the course model
-COURSE_MODEL = ModelSpec(vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128)
+COURSE_MODEL = PRESETS["tiny"]  # labs.models.transformer.ModelConfig()'s dimensions
 # Nominal one-direction bandwidth per GPU (GB/s): the two kinds of link a TP group can sit on.
 LINKS = {"NVLink 4 (H100 SXM, in a node)": 450.0, "InfiniBand NDR 400 Gb/s (between nodes)": 50.0}
 
