@@ -1,8 +1,12 @@
-"""Pipeline schedules on paper: bubble fraction and activations held per stage. Pure Python.
+"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart. Pure Python.
+
+    python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
+    simulate("interleaved", 4, 8, virtual=2)["bubble_fraction"]     # 3/19, from the schedule itself
 
 Symbols: P stages (ranks), M micro-batches per step, V virtual stages (model chunks) per
 rank for the interleaved schedule; t_f and t_b the forward and backward time of one
-micro-batch on one stage (one chunk's share for interleaved).
+micro-batch through one rank's whole share of the layers (an interleaved chunk holds
+1/V of it, so one chunk's forward takes t_f/V).
 
 Bubble (the Ultra-Scale Playbook, "Pipeline parallelism"; Narayanan et al. 2021, §2.2):
 
@@ -10,26 +14,46 @@ Bubble (the Ultra-Scale Playbook, "Pipeline parallelism"; Narayanan et al. 2021,
                           bubble / ideal = (P-1)/M;  idle share of the step = (P-1)/(M+P-1)
     interleaved 1F1B:     the idle time shrinks by V:  bubble / ideal = (P-1)/(V M);
                           idle share = (P-1)/(V M + P-1)
+    naive (inference):    one forward of the whole batch, device after device: (P-1)/P idle
+
+The formulas assume every stage costs the same and communication is free. ``simulate``
+runs each rank's operations in the schedule's order, every operation as soon as its
+input exists, and measures the idle share of the resulting chart: it equals the
+formulas for any t_b/t_f (a test checks it), and the lab's measured timelines are
+compared with it.
 
 Activation memory: AFAB runs every forward before any backward, so each stage holds
-the activations of all M micro-batches; 1F1B starts backwards after a warm-up of P-s
+the activations of all M micro-batches; 1F1B starts backwards after a warm-up of P-s-1
 forwards on stage s (0-based), so stage s holds at most min(P-s, M) (the first stage
-holds the most, P).
+holds the most, P). Interleaved (Megatron-LM's order) counts chunk micro-batches.
+
+Point-to-point bytes per step: every micro-batch's activation [B/M, T, H] crosses each
+stage boundary forward and its gradient crosses it backward, so a rank sends
+B·T·H·itemsize per boundary it feeds, per direction (``p2p_bytes_per_rank``).
 """
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "afab", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved")
+Op = tuple  # ("F" | "B", microbatch, chunk)
 
 
-def _check(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    for name, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
+def _positive(**values) -> None:
+    for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
+    """Raise ValueError naming the parameter when the combination is not a valid schedule."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    _positive(stages=stages, microbatches=microbatches, virtual=virtual)
     if schedule != "interleaved" and virtual != 1:
         raise ValueError(f"virtual={virtual} only applies to schedule='interleaved'; use virtual=1")
+    if schedule == "naive" and microbatches != 1:
+        raise ValueError(f"schedule='naive' runs the whole batch as one: microbatches={microbatches}, use "
+                         "microbatches=1 (or schedule='gpipe' to split the batch)")
     if schedule == "interleaved" and microbatches % stages:
         raise ValueError(f"interleaved 1F1B needs microbatches divisible by stages: microbatches={microbatches}, "
                          f"stages={stages}; use a multiple of {stages}")
@@ -37,16 +61,14 @@ def _check(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Idle share of the step's total time on each rank: (P-1)/(V·M + P-1)."""
-    _check(schedule, stages, microbatches, virtual)
-    v = virtual if schedule == "interleaved" else 1
-    return (stages - 1) / (v * microbatches + stages - 1)
+    check_schedule(schedule, stages, microbatches, virtual)
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 def bubble_over_ideal(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Bubble time relative to the ideal (bubble-free) time: (P-1)/(V·M)."""
-    _check(schedule, stages, microbatches, virtual)
-    v = virtual if schedule == "interleaved" else 1
-    return (stages - 1) / (v * microbatches)
+    check_schedule(schedule, stages, microbatches, virtual)
+    return (stages - 1) / (virtual * microbatches)
 
 
 def in_flight_microbatches(schedule: str, stages: int, microbatches: int, stage: int = 0, virtual: int = 1) -> int:
@@ -54,23 +76,323 @@ def in_flight_microbatches(schedule: str, stages: int, microbatches: int, stage:
 
     AFAB: all M. 1F1B: min(P - stage, M). Interleaved: each rank runs V chunks; its
     warm-up is (P - stage - 1)·2 + (V - 1)·P forwards (Megatron-LM's schedule), counted
-    in chunk micro-batches, plus the one in its first steady-state step.
+    in chunk micro-batches, plus the one in its first steady-state step. Naive: 1.
     """
-    _check(schedule, stages, microbatches, virtual)
+    check_schedule(schedule, stages, microbatches, virtual)
     if not 0 <= stage < stages:
         raise ValueError(f"stage={stage} is outside 0..{stages - 1}")
-    if schedule in ("gpipe", "afab"):
+    if schedule in ("gpipe", "afab", "naive"):
         return microbatches
     if schedule == "1f1b":
         return min(stages - stage, microbatches)
-    warmup = (stages - stage - 1) * 2 + (virtual - 1) * stages
-    return min(warmup + 1, virtual * microbatches)
+    return min(interleaved_warmup(stages, microbatches, stage, virtual) + 1, virtual * microbatches)
 
 
 def step_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b: float, virtual: int = 1) -> float:
-    """Time of one step when every stage takes t_f / t_b per micro-batch (per chunk for
-    interleaved, whose chunks are 1/V of a stage): ideal time plus the bubble."""
-    _check(schedule, stages, microbatches, virtual)
-    v = virtual if schedule == "interleaved" else 1
+    """Time of one step when every stage takes t_f / t_b per micro-batch: the ideal time
+    M (t_f + t_b) plus the bubble (P-1)(t_f + t_b)/V. Naive runs forwards only: P t_f."""
+    check_schedule(schedule, stages, microbatches, virtual)
+    if schedule == "naive":
+        return stages * t_f
     per_microbatch = t_f + t_b
-    return microbatches * per_microbatch + (stages - 1) * per_microbatch / v
+    return microbatches * per_microbatch + (stages - 1) * per_microbatch / virtual
+
+
+# --- the schedules, operation by operation -------------------------------------------------
+
+def interleaved_warmup(stages: int, microbatches: int, rank: int, virtual: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward (Megatron-LM): 2(P-r-1) + (V-1)P."""
+    return min(2 * (stages - rank - 1) + (virtual - 1) * stages, virtual * microbatches)
+
+
+def interleaved_op(k: int, stages: int, virtual: int, forward: bool) -> tuple[int, int]:
+    """(micro-batch, chunk) of a rank's k-th forward (or backward) in interleaved 1F1B: groups of
+    P micro-batches go through chunk 0, then chunk 1, ...; backwards visit the chunks in reverse."""
+    group, within = divmod(k, stages * virtual)
+    chunk = within // stages
+    return group * stages + within % stages, (chunk if forward else virtual - 1 - chunk)
+
+
+def schedule_ops(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Op]]:
+    """Each rank's operations in the order it runs them: ``[("F", mb, chunk), ("B", mb, chunk), ...]``.
+
+    Chunk c of rank r is virtual stage c·P + r (chunk 0 unless interleaved)."""
+    check_schedule(schedule, stages, microbatches, virtual)
+    M, order = microbatches, []
+    for r in range(stages):
+        if schedule == "naive":
+            ops = [("F", 0, 0)]
+        elif schedule in ("gpipe", "afab"):
+            ops = [("F", i, 0) for i in range(M)] + [("B", i, 0) for i in range(M)]
+        elif schedule == "1f1b":
+            warmup = min(stages - r - 1, M)
+            ops = [("F", i, 0) for i in range(warmup)]                          # warm-up
+            for i in range(M - warmup):                                         # steady state
+                ops += [("F", warmup + i, 0), ("B", i, 0)]
+            ops += [("B", i, 0) for i in range(M - warmup, M)]                  # cool-down
+        else:
+            total, warmup = virtual * M, interleaved_warmup(stages, M, r, virtual)
+            fwd = [("F", *interleaved_op(k, stages, virtual, True)) for k in range(total)]
+            bwd = [("B", *interleaved_op(k, stages, virtual, False)) for k in range(total)]
+            ops = fwd[:warmup]
+            for k in range(total - warmup):
+                ops += [fwd[warmup + k], bwd[k]]
+            ops += bwd[total - warmup:]
+        order.append(ops)
+    return order
+
+
+def _needs(name: str, mb: int, vs: int, last: int) -> list[tuple]:
+    """The operations whose results (name, micro-batch, virtual stage) an operation needs."""
+    if name == "F":
+        return [("F", mb, vs - 1)] if vs > 0 else []
+    return [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < last else [])
+
+
+def simulate(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float = 1.0,
+             t_b: float = 2.0, t_delay: float = 0.0) -> dict:
+    """Run the schedule on paper: each rank takes its operations in order, each as soon as its
+    input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
+    (what holds a real operation up: a message's latency, a busy CPU). Returns ``events`` (dicts with
+    rank, name, microbatch, chunk, start, end), ``makespan``, ``bubble_fraction`` (idle share of
+    ranks x makespan) and ``in_flight`` (peak micro-batches held, per rank)."""
+    if not (t_f > 0 and t_b >= 0 and t_delay >= 0):
+        raise ValueError(f"t_f must be > 0, t_b and t_delay >= 0; got t_f={t_f!r}, t_b={t_b!r}, t_delay={t_delay!r}")
+    order = schedule_ops(schedule, stages, microbatches, virtual)
+    cost = {"F": t_f / virtual, "B": t_b / virtual}
+    last = stages * virtual - 1
+    end, free, nxt, events = {}, [0.0] * stages, [0] * stages, []
+    while any(nxt[r] < len(order[r]) for r in range(stages)):
+        progressed = False
+        for r in range(stages):
+            while nxt[r] < len(order[r]):
+                name, mb, chunk = order[r][nxt[r]]
+                vs = chunk * stages + r
+                needs = _needs(name, mb, vs, last)
+                if any(n not in end for n in needs):
+                    break  # its input is not computed yet: the next rank in line may be able to go
+                start = max([free[r]] + [end[n] for n in needs]) + t_delay
+                free[r] = end[(name, mb, vs)] = start + cost[name]
+                events.append({"rank": r, "name": name, "microbatch": mb, "chunk": chunk, "start": start,
+                               "end": free[r]})
+                nxt[r] += 1
+                progressed = True
+        assert progressed, f"schedule {schedule} deadlocks"  # an internal invariant, tested for every schedule
+    return {"events": events, "makespan": max(e["end"] for e in events), "bubble_fraction": idle_share(events),
+            "in_flight": [peak_in_flight(ops) for ops in order]}
+
+
+def idle_share(events: list[dict]) -> float:
+    """1 - busy / (ranks x makespan) over "F"/"B" events: the bubble fraction of a chart."""
+    work = [e for e in events if e["name"] in ("F", "B")]
+    ranks = {e["rank"] for e in work}
+    span = max(e["end"] for e in work) - min(e["start"] for e in work)
+    return 1.0 - sum(e["end"] - e["start"] for e in work) / (len(ranks) * span)
+
+
+def fit_timeline(events: list[dict], schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+    """What a measured chart says about its machine: the median forward and backward time of a
+    rank's share of the layers (``t_forward``, ``t_backward``); the mean delay of an operation,
+    how long after it could have started (its rank free, its input computed) it did start
+    (``t_delay``: a message's latency, a busy CPU, a neighbour slow to take a blocking send);
+    and the bubble the schedule has with exactly those (``bubble_fraction``)."""
+    check_schedule(schedule, stages, microbatches, virtual)
+    last, done, delays = stages * virtual - 1, {}, []
+    durations = {"F": [], "B": []}
+    for e in events:
+        done[(e["name"], e["microbatch"], e["chunk"] * stages + e["rank"])] = e
+        durations[e["name"]].append(e["end"] - e["start"])
+    for rank in range(stages):
+        previous_end = None
+        for e in sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"]):
+            ready = [done[n]["end"] for n in _needs(e["name"], e["microbatch"], e["chunk"] * stages + rank, last)
+                     if n in done] + ([previous_end] if previous_end is not None else [])
+            if ready:  # a rank's very first operation without inputs starts when the rank does
+                delays.append(max(0.0, e["start"] - max(ready)))
+            previous_end = e["end"]
+    t_f, t_b = (_median(durations[k]) * virtual for k in ("F", "B"))
+    t_delay = sum(delays) / len(delays) if delays else 0.0
+    sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_delay)
+    return {"t_forward": t_f, "t_backward": t_b, "t_delay": t_delay, "bubble_fraction": sim["bubble_fraction"]}
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    if not values:
+        return 0.0
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def peak_in_flight(ops: list[Op]) -> int:
+    """Most forwards done whose backward is not: the micro-batches (chunk micro-batches) held at once."""
+    held = peak = 0
+    for name, *_ in ops:
+        held += 1 if name == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+# --- splitting the layers into stages ------------------------------------------------------
+
+def balanced_plan(layer_costs: list[int], stages: int, *, first_extra: int = 0, last_extra: int = 0) -> tuple:
+    """Layers per stage, contiguous, minimising the largest stage's cost (e.g. parameters);
+    the first stage also carries ``first_extra`` (the embedding), the last ``last_extra``
+    (final norm and head). Every stage gets at least one layer."""
+    _positive(stages=stages)
+    n = len(layer_costs)
+    if stages > n:
+        raise ValueError(f"stages={stages} but the model has only {n} layers; use stages <= {n}")
+    prefix = [0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: (largest stage cost, plan) splitting the first i layers into s stages
+    best = {(0, 0): (0, ())}
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            options = []
+            for j in range(s - 1, i):
+                if (s - 1, j) in best:
+                    cost = prefix[i] - prefix[j] + (first_extra if s == 1 else 0) + (last_extra if s == stages else 0)
+                    prev_cost, plan = best[(s - 1, j)]
+                    options.append((max(prev_cost, cost), plan + (i - j,)))
+            best[(s, i)] = min(options)
+    return best[(stages, n)][1]
+
+
+def fill_plan(layer_costs: list[int], stages: int, *, capacity: int, first_extra: int = 0,
+              last_extra: int = 0) -> tuple:
+    """Fill device 0 up to ``capacity``, then device 1, ... (the sequential placement behind
+    ``device_map="auto"``). The first device also holds ``first_extra``, the last ``last_extra``;
+    devices after the fill ends hold no layers (only the last one's head)."""
+    _positive(stages=stages, capacity=capacity)
+    plan = _fill(layer_costs, stages, capacity, first_extra, last_extra)
+    if plan is None:
+        lo, hi = 1, sum(layer_costs) + first_extra + last_extra
+        while lo < hi:  # the smallest capacity that fits: filling is monotone in capacity
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _fill(layer_costs, stages, mid, first_extra, last_extra) else (mid + 1, hi)
+        raise ValueError(f"capacity={capacity} is too small to place the model on {stages} devices; "
+                         f"use capacity >= {lo}")
+    return plan
+
+
+def _fill(layer_costs, stages, capacity, first_extra, last_extra):
+    plan, used = [0] * stages, [0] * stages
+    used[0] += first_extra
+    used[-1] += last_extra
+    if max(used) > capacity:
+        return None
+    s = 0
+    for cost in layer_costs:
+        while used[s] + cost > capacity:
+            s += 1
+            if s == stages:
+                return None
+        plan[s] += 1
+        used[s] += cost
+    return tuple(plan)
+
+
+def plan_costs(layer_costs, plan, first_extra=0, last_extra=0) -> list[int]:
+    """Cost of each stage under ``plan`` (layers per stage)."""
+    if sum(plan) != len(layer_costs) or any(n < 0 for n in plan):
+        raise ValueError(f"plan={tuple(plan)} must assign all {len(layer_costs)} layers, >= 0 per stage")
+    out, i = [], 0
+    for s, n in enumerate(plan):
+        out.append(sum(layer_costs[i:i + n]) + (first_extra if s == 0 else 0)
+                   + (last_extra if s == len(plan) - 1 else 0))
+        i += n
+    return out
+
+
+def p2p_bytes_per_rank(schedule: str, stages: int, rank: int, *, batch: int, seq_len: int, hidden: int,
+                       itemsize: int = 4, virtual: int = 1) -> int:
+    """Bytes rank ``rank`` sends in one step: B·T·H·itemsize for every chunk whose output goes on
+    to another virtual stage (forward) and every chunk whose input came from one (backward)."""
+    if not 0 <= rank < stages:
+        raise ValueError(f"rank={rank} is outside 0..{stages - 1}")
+    per_boundary = batch * seq_len * hidden * itemsize
+    forward = virtual - (1 if rank == stages - 1 else 0)
+    backward = 0 if schedule == "naive" else virtual - (1 if rank == 0 else 0)
+    return (forward + backward) * per_boundary
+
+
+def pp_vs_tp(*, layers: int, hidden: int, seq_len: int, batch: int, degree: int, itemsize: int = 2,
+             bandwidth: float = 50e9) -> dict:
+    """Bytes one rank sends per step when ``degree`` ranks split a model's ``layers`` by pipeline
+    or by tensor parallelism, and the seconds that takes at ``bandwidth`` (bytes/s per rank;
+    50e9 = 400 Gb/s, one InfiniBand NIC per GPU, the usual link *between* nodes).
+
+    PP (a middle stage): the batch's activations [B, T, H] forward and their gradients
+    backward, once per step whatever M: 2·B·T·H·itemsize.
+    TP (Megatron): two all-reduces of [B, T, H] per layer in forward and two in backward, each
+    2(N-1)/N·B·T·H·itemsize on a ring, on every one of the L layers: 8·L·(N-1)/N·B·T·H·itemsize.
+    """
+    _positive(layers=layers, hidden=hidden, seq_len=seq_len, batch=batch, degree=degree, itemsize=itemsize)
+    activation = batch * seq_len * hidden * itemsize
+    pp = 2 * activation
+    tp = 8 * layers * (degree - 1) / degree * activation
+    return {"pp_bytes_per_rank": pp, "tp_bytes_per_rank": tp, "tp_over_pp": tp / pp,
+            "pp_seconds": pp / bandwidth, "tp_seconds": tp / bandwidth, "tp_collectives_per_step": 4 * layers,
+            "bandwidth": bandwidth}
+
+
+def format_pp_vs_tp(r: dict) -> str:
+    return "\n".join([
+        f"pipeline parallel: {r['pp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['pp_seconds']:7.3f} s "
+        f"at {r['bandwidth'] / 1e9:g} GB/s (point to point, overlaps with other micro-batches' compute)",
+        f"tensor parallel:   {r['tp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['tp_seconds']:7.3f} s "
+        f"({r['tp_collectives_per_step']} all-reduces on the critical path)",
+        f"TP sends {r['tp_over_pp']:.0f}x the bytes of PP"])
+
+
+# --- the `bubble` command of python -m labs.theory -----------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULES)}")
+    parser.add_argument("--stages", type=int, required=True, help="P: pipeline stages (ranks)")
+    parser.add_argument("--microbatches", type=int, required=True, help="M: micro-batches per step")
+    parser.add_argument("--virtual", type=int, default=1, help="V: model chunks per rank (interleaved only)")
+    parser.add_argument("--t-forward", type=float, default=1.0, help="forward time of one micro-batch per stage")
+    parser.add_argument("--t-backward", type=float, default=2.0, help="backward time of one micro-batch per stage")
+
+
+def figures(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float = 1.0,
+            t_b: float = 2.0) -> dict:
+    """Everything the calculator shows: formula and simulated bubble, step times, activations held."""
+    t_b = 0.0 if schedule == "naive" else t_b  # inference: forwards only
+    sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b)
+    held = [in_flight_microbatches(schedule, stages, microbatches, s, virtual) for s in range(stages)]
+    return {"schedule": schedule, "stages": stages, "microbatches": microbatches, "virtual": virtual,
+            "t_forward": t_f, "t_backward": t_b,
+            "bubble_fraction": bubble_fraction(schedule, stages, microbatches, virtual),
+            "bubble_over_ideal": bubble_over_ideal(schedule, stages, microbatches, virtual),
+            "simulated_bubble_fraction": sim["bubble_fraction"],
+            "step_time": step_time(schedule, stages, microbatches, t_f, t_b, virtual),
+            "simulated_step_time": sim["makespan"],
+            "in_flight_microbatches": held,
+            # activations held, in units of one micro-batch's activations on one whole stage
+            "activation_microbatches_per_stage": [h / virtual for h in held],
+            # the rule of thumb: at least 4 micro-batches per stage keeps the bubble small
+            "rule_microbatches": 4 * stages,
+            "rule_bubble_fraction": None if schedule == "naive" else bubble_fraction(
+                schedule, stages, max(microbatches, 4 * stages), virtual)}
+
+
+def cli(args) -> dict:
+    return figures(args.schedule, args.stages, args.microbatches, args.virtual, args.t_forward, args.t_backward)
+
+
+def format_result(r: dict) -> str:
+    v = f", V={r['virtual']}" if r["schedule"] == "interleaved" else ""
+    return "\n".join([
+        f"{r['schedule']}: P={r['stages']}, M={r['microbatches']}{v}, t_f={r['t_forward']:g}, t_b={r['t_backward']:g}",
+        f"bubble fraction     {r['bubble_fraction']:.4f}  (idle share of the step; simulated "
+        f"{r['simulated_bubble_fraction']:.4f})",
+        f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
+        f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
+        f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
+    ] + ([] if r["rule_bubble_fraction"] is None else [
+        f"rule of thumb       M >= 4P = {r['rule_microbatches']} micro-batches: bubble fraction "
+        f"{r['rule_bubble_fraction']:.4f}"]))
