@@ -16,11 +16,13 @@ Bubble (the Ultra-Scale Playbook, "Pipeline parallelism"; Narayanan et al. 2021,
                           idle share = (P-1)/(V M + P-1)
     naive (inference):    one forward of the whole batch, device after device: (P-1)/P idle
 
-The formulas assume every stage costs the same and communication is free. ``simulate``
-runs each rank's operations in the schedule's order, every operation as soon as its
-input exists, and measures the idle share of the resulting chart: it equals the
-formulas for any t_b/t_f (a test checks it), and the lab's measured timelines are
-compared with it.
+The formulas assume every stage costs the same and an operation starts the moment its
+input exists. ``simulate`` runs each rank's operations in the schedule's order, every
+operation as soon as its input exists, and measures the idle share of the resulting chart:
+it equals the formulas for any t_b/t_f (a test checks it). With ``t_delay`` every operation
+starts that much later, as real ones do (message latency, a busy CPU); ``fit_timeline``
+reads the operation times and that delay off a measured chart, which explains the gap
+between a measured bubble and the formula.
 
 Activation memory: AFAB runs every forward before any backward, so each stage holds
 the activations of all M micro-batches; 1F1B starts backwards after a warm-up of P-s-1
@@ -34,8 +36,9 @@ B·T·H·itemsize per boundary it feeds, per direction (``p2p_bytes_per_rank``).
 
 from __future__ import annotations
 
+from statistics import median
+
 SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved")
-Op = tuple  # ("F" | "B", microbatch, chunk)
 
 
 def _positive(**values) -> None:
@@ -113,7 +116,7 @@ def interleaved_op(k: int, stages: int, virtual: int, forward: bool) -> tuple[in
     return group * stages + within % stages, (chunk if forward else virtual - 1 - chunk)
 
 
-def schedule_ops(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Op]]:
+def schedule_ops(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[tuple]]:
     """Each rank's operations in the order it runs them: ``[("F", mb, chunk), ("B", mb, chunk), ...]``.
 
     Chunk c of rank r is virtual stage c·P + r (chunk 0 unless interleaved)."""
@@ -210,21 +213,13 @@ def fit_timeline(events: list[dict], schedule: str, stages: int, microbatches: i
             if ready:  # a rank's very first operation without inputs starts when the rank does
                 delays.append(max(0.0, e["start"] - max(ready)))
             previous_end = e["end"]
-    t_f, t_b = (_median(durations[k]) * virtual for k in ("F", "B"))
+    t_f, t_b = (median(durations[k] or [0.0]) * virtual for k in ("F", "B"))
     t_delay = sum(delays) / len(delays) if delays else 0.0
     sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_delay)
     return {"t_forward": t_f, "t_backward": t_b, "t_delay": t_delay, "bubble_fraction": sim["bubble_fraction"]}
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    if not values:
-        return 0.0
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
-def peak_in_flight(ops: list[Op]) -> int:
+def peak_in_flight(ops: list[tuple]) -> int:
     """Most forwards done whose backward is not: the micro-batches (chunk micro-batches) held at once."""
     held = peak = 0
     for name, *_ in ops:

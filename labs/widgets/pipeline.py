@@ -58,13 +58,17 @@ def draw_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 
            + f" (paper): bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)")
     held = result["activation_microbatches_per_stage"]
     ax = axes[0][1]
-    ax.barh(range(stages), held, color="tab:purple")
-    ax.set_ylim(stages - 0.5, -0.5)
-    ax.set_yticks([])
     ax.set_title("activations held\n(micro-batches of a stage)", fontsize=8)
-    for r, h in enumerate(held):
-        ax.text(h, r, f" {h:g}", va="center", fontsize=7)
-    ax.set_xlim(0, max(held) * 1.35)
+    if schedule == "naive":  # inference keeps nothing for a backward
+        ax.axis("off")
+        ax.text(0.5, 0.5, "inference:\nnothing kept\nfor backward", ha="center", va="center", fontsize=8)
+    else:
+        ax.barh(range(stages), held, color="tab:purple")
+        ax.set_ylim(stages - 0.5, -0.5)
+        ax.set_yticks([])
+        for r, h in enumerate(held):
+            ax.text(h, r, f" {h:g}", va="center", fontsize=7)
+        ax.set_xlim(0, max(held) * 1.35)
     if measured:
         _draw_measured(axes[1], measured, stages, virtual, t_f)
         axes[1][0].set_xlim(axes[0][0].get_xlim()[0], max(axes[0][0].get_xlim()[1], axes[1][0].get_xlim()[1]))
@@ -89,7 +93,9 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
            f"{summary['delay_bubble_fraction']:.1%}", scale=scale, t0=t0)
     held = summary.get("microbatches_held")
     ax = axes[1]
-    if held:
+    if not held:
+        ax.axis("off")
+    else:
         ax.barh(range(stages), [h / virtual for h in held], color="tab:green")
         for r, h in enumerate(held):
             ax.text(h / virtual, r, f" {h / virtual:g}", va="center", fontsize=7)
@@ -97,12 +103,6 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
         ax.set_title("measured (saved tensors)", fontsize=8)
     ax.set_ylim(stages - 0.5, -0.5)
     ax.set_yticks([])
-
-
-def matches(summary: dict | None, schedule: str, stages: int, microbatches: int, virtual: int) -> bool:
-    """Whether a measured summary was run with these settings."""
-    return bool(summary) and (summary["schedule"], summary["nproc"], summary["microbatches"], summary["virtual"]) \
-        == (schedule, stages, microbatches, virtual)
 
 
 def measure(schedule: str, stages: int, microbatches: int, virtual: int, t_f: float, t_b: float,
