@@ -1,0 +1,51 @@
+"""Hidden checks for exercise 00 (graded, never released): the ring all-reduce on a process *subgroup*.
+
+The public tests use the default group only. Here the ring must take its neighbours from ``group``
+(global ranks of the group's members) and leave ranks outside the group untouched.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labs import launch
+from labs.runtime import exercise
+
+pytestmark = pytest.mark.exercise
+
+
+def subgroup_case(members):
+    ring = exercise("collectives")
+    group = dist.new_group(members)  # every rank must take part in creating the group
+    rank = dist.get_rank()
+    x = torch.arange(10, dtype=torch.int64) * (rank + 1) + 100 * rank
+    original = x.clone()
+    if rank not in members:
+        return {"rank": rank, "member": False, "unchanged": True, "expected": original, "ours": original}
+    expected = x.clone()
+    dist.all_reduce(expected, group=group)
+    out = ring.ring_all_reduce(x, group=group)
+    return {"rank": rank, "member": True, "same_object": out is x, "expected": expected, "ours": x}
+
+
+@pytest.mark.parametrize("members", [[1, 3], [0, 2, 3]])
+def test_ring_all_reduce_on_a_subgroup_equals_dist_all_reduce(members):
+    for r in launch(subgroup_case, 4, members, timeout=60):
+        if r["member"]:
+            assert r["same_object"], "ring_all_reduce must work in place and return its argument"
+            assert torch.equal(r["ours"], r["expected"]), (
+                f"rank {r['rank']} in group {members}: got {r['ours'].tolist()}, expected {r['expected'].tolist()}")
+
+
+def test_single_rank_group_in_this_process(tmp_path):
+    """N = 1, without launching: the tensor comes back as is (same object, same values), nothing sent.
+    Runs the learner's module in the test process itself (kept last: it initialises torch.distributed here)."""
+    ring = exercise("collectives")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).view(2, 3)
+        out = ring.ring_all_reduce(x)
+        assert out is x and torch.equal(x, torch.arange(6.0).view(2, 3))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,272 @@
+"""Write the student release of the course: the same course, without the answers.
+
+    python -m labs.release OUT_DIR             # a folder students clone or unpack
+    python -m labs.release OUT_DIR --archive   # ... and OUT_DIR.zip next to it
+
+What the release holds, and how it differs from this (the instructor's) repository:
+
+==========================  =================================================================
+``labs/<exercise>.py``      the learner stubs, generated from ``solutions/`` (``labs.stubs``),
+                            whatever ``labs/`` holds here
+``notebooks/NN_*.ipynb``    outputs, execution counts and widget state cleared
+``tests/``                  the public tests: each lab's tests (``tests/test_<exercise>*.py``)
+                            and the runtime tests; not the instructor-only files below
+``conftest.py``             defaults ``LABS_IMPL`` to ``labs`` (here it defaults to solutions)
+``scripts/test.sh``         runs the suite on the learner's code (here: on the solutions)
+``README.md``               a first paragraph saying this is the student release
+``.release.json``           the course commit it came from, its exercises, notebooks and tests
+not shipped                 ``solutions/``, ``hidden_tests/``, ``.ci/``; the instructor tools
+                            ``labs/release.py``, ``labs/grade.py``, ``labs/grading/``,
+                            ``labs/stubs.py``, ``scripts/execute_notebooks.py``,
+                            ``scripts/nbbuild.py`` and any other script that selects the
+                            solutions (e.g. GPU validation); the instructor-only tests
+                            (``INSTRUCTOR_TESTS`` and any other test file that uses the
+                            ``solutions`` package)
+==========================  =================================================================
+
+Everything else (runtime, models, data, measurement, theory, widgets, experiments) ships as is.
+Files are taken as git sees them (tracked plus untracked, minus ``.gitignore``), so build outputs,
+``.venv`` and authoring scripts never leak. ``check_release`` states the rules as checks;
+``python -m labs.grade`` grades submissions made from this release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from labs import stubs
+from labs.runtime.impl import EXERCISES
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ".release.json"
+NOT_SHIPPED_DIRS = ("solutions", "hidden_tests", ".ci", "notebooks/src", "out", "labs/grading")
+INSTRUCTOR_TOOLS = ("labs/release.py", "labs/grade.py", "labs/stubs.py", "scripts/execute_notebooks.py",
+                    "scripts/nbbuild.py")
+# Tests that check the course itself rather than the learner's work, or need solutions/.
+INSTRUCTOR_TESTS = ("tests/test_stubs.py", "tests/test_release.py", "tests/test_grade.py", "tests/test_browser.py",
+                    "tests/test_run_cli.py")
+REWRITTEN = ("conftest.py", "tests/conftest.py", "scripts/test.sh", "scripts/course.sh", "README.md")
+USES_SOLUTIONS = re.compile(r"(^|\W)(import|from)\s+solutions\b|[\"']solutions[\"']|LABS_IMPL\W{0,4}solutions", re.M)
+RELEASE_CONFTEST = '''"""Test settings of the student release: your code in labs/ runs (LABS_IMPL defaults to labs)."""
+
+import os
+
+os.environ.setdefault("LABS_IMPL", "labs")
+'''
+README_BANNER = ("> **Student release.** The reference solutions are not included: every exercise module in `labs/` "
+                 "is yours to write, and the tests and notebooks run your code (`LABS_IMPL=labs`, the default). "
+                 "`bash scripts/test.sh` runs the public tests.\n\n")
+
+
+def exercise_names(root: Path = ROOT) -> list[str]:
+    """The exercises this course has: a solution module ``solutions/<name>.py`` for a name in ``EXERCISES``."""
+    return [name for name in EXERCISES if (root / "solutions" / f"{name}.py").exists()]
+
+
+def exercise_notebook(name: str, root: Path = ROOT) -> str | None:
+    """The notebook file the solution module of ``name`` names in ``NOTEBOOK = "..."``."""
+    match = re.search(r'^NOTEBOOK = "([^"]+)"', (root / "solutions" / f"{name}.py").read_text(), re.M)
+    return match.group(1) if match else None
+
+
+def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
+    """The exercise a test file belongs to, by name: ``test_<exercise>.py`` or ``test_<exercise>_<more>.py``
+    (``test_<exercise>_hidden.py`` in hidden tests). The longest matching name wins (``tensor_parallel``
+    before a shorter one that prefixes it)."""
+    for name in sorted(exercises, key=len, reverse=True):
+        if path.stem == f"test_{name}" or path.stem.startswith(f"test_{name}_"):
+            return name
+    return None
+
+
+def source_files(root: Path = ROOT) -> list[str]:
+    """Repository files as git sees them (tracked and untracked, .gitignore applied), relative paths."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout
+        names = [n for n in out.split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk, skipping the usual build outputs
+        skip = {".git", ".venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", "build"}
+        names = [p.relative_to(root).as_posix() for p in root.rglob("*")
+                 if p.is_file() and not skip & set(p.relative_to(root).parts) and not p.name.endswith(".pyc")]
+    return sorted(n for n in set(names) if (root / n).is_file() and not (root / n).is_symlink())
+
+
+def is_public_test(rel: str, text: str, exercises: list[str]) -> bool:
+    """A test file ships when it is a lab's test file, or a runtime test that does not need solutions/."""
+    if rel in INSTRUCTOR_TESTS:
+        return False
+    name = Path(rel).name
+    if not name.startswith("test_") or lab_of_test_file(Path(rel), exercises):
+        return True
+    return not USES_SOLUTIONS.search(text)
+
+
+def clear_notebook(text: str) -> str:
+    """A notebook as a learner should first see it: no outputs, no execution counts, no widget state."""
+    nb = nbformat.reads(text, as_version=4)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nbformat.writes(nb) + "\n"
+
+
+def learner_test_script(text: str) -> str:
+    """scripts/test.sh for the release: the learner's code by default, never the (absent) solutions."""
+    new = text.replace("LABS_IMPL=solutions", 'LABS_IMPL="${LABS_IMPL:-labs}"')
+    new = re.sub(r"against the reference\s+solutions", "against your code in labs/", new)
+    if new == text:
+        raise ValueError("scripts/test.sh no longer sets LABS_IMPL=solutions; update labs.release.learner_test_script")
+    return new
+
+
+def _transform(rel: str, text: str) -> str:
+    if rel.startswith("notebooks/") and rel.endswith(".ipynb"):
+        return clear_notebook(text)
+    if rel == "conftest.py":
+        return RELEASE_CONFTEST
+    if rel == "tests/conftest.py":  # its docstring describes the instructor's root conftest
+        return text.replace("../conftest.py selects solutions", "../conftest.py selects your code in labs/")
+    if rel == "scripts/test.sh":
+        return learner_test_script(text)
+    if rel == "scripts/course.sh":  # its hint about running the solutions does not apply without them
+        return "".join(line for line in text.splitlines(keepends=True) if "LABS_IMPL=solutions" not in line)
+    if rel == "README.md":
+        lines = text.split("\n", 2)  # keep the title first
+        return "\n".join(lines[:2]) + "\n" + README_BANNER + (lines[2] if len(lines) > 2 else "")
+    return text
+
+
+def release_plan(root: Path = ROOT) -> dict[str, str | Path]:
+    """Release path -> its text (a transformed or generated file) or the source Path to copy as is."""
+    exercises = exercise_names(root)
+    stub_names = {f"labs/{name}.py" for name in EXERCISES}
+    plan: dict[str, str | Path] = {}
+    for rel in source_files(root):
+        top = [d for d in NOT_SHIPPED_DIRS if rel == d or rel.startswith(d + "/")]
+        if top or rel in INSTRUCTOR_TOOLS or rel in stub_names:
+            continue
+        path = root / rel
+        if rel.startswith("tests/") and rel.endswith(".py") and not is_public_test(rel, path.read_text(), exercises):
+            continue
+        if rel.startswith("scripts/") and rel not in REWRITTEN and USES_SOLUTIONS.search(path.read_text()):
+            continue  # an instructor's script (it selects the solutions)
+        if rel.endswith((".py", ".sh", ".md", ".ipynb")):
+            plan[rel] = _transform(rel, path.read_text())
+        else:
+            plan[rel] = path
+    for name in exercises:  # the stubs, generated from solutions/ whatever labs/ holds now
+        plan[f"labs/{name}.py"] = generated_stub(name, root)
+    return plan
+
+
+def generated_stub(name: str, root: Path = ROOT) -> str:
+    """The learner module for exercise ``name``, generated from ``solutions/<name>.py``."""
+    try:
+        return stubs.make_stub((root / "solutions" / f"{name}.py").read_text(), f"{name}.py")
+    except (SyntaxError, ValueError) as exc:
+        raise ValueError(f"solutions/{name}.py: cannot generate its stub: {exc}") from None
+
+
+def _commit(root: Path) -> dict:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+    except OSError:
+        return {"commit": None, "dirty": None}
+
+
+def build_release(out: Path, root: Path = ROOT) -> dict:
+    """Write the student release into the empty or missing folder ``out``; returns its manifest."""
+    out = Path(out).resolve()
+    if out == root or root.is_relative_to(out):
+        raise ValueError(f"OUT_DIR={out} would contain the course itself; choose a folder outside {root}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"OUT_DIR={out} is not empty; remove it or pass --force")
+    plan = release_plan(root)
+    inside = out.relative_to(root).as_posix() + "/" if out.is_relative_to(root) else None
+    for rel, content in plan.items():
+        if inside and rel.startswith(inside):
+            continue
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, Path):
+            shutil.copy2(content, target)
+        else:
+            target.write_text(content)
+    exercises = exercise_names(root)
+    manifest = {"course": "LLM Parallelism Labs (student release)", **_commit(root),
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "exercises": {name: exercise_notebook(name, root) for name in exercises},
+                "notebooks": sorted(r for r in plan if r.startswith("notebooks/") and r.endswith(".ipynb")),
+                "public_tests": sorted(r for r in plan if r.startswith("tests/test_"))}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def check_release(path: Path, root: Path = ROOT) -> list[str]:
+    """Problems with the release at ``path`` (empty when it follows every rule in the module docstring)."""
+    path, problems = Path(path), []
+    for d in ("solutions", "hidden_tests", ".ci", "labs/grading"):
+        if (path / d).exists():
+            problems.append(f"{d}/ is in the release")
+    for rel in (*INSTRUCTOR_TOOLS, *INSTRUCTOR_TESTS):
+        if (path / rel).exists():
+            problems.append(f"instructor-only {rel} is in the release")
+    for name in exercise_names(root):
+        stub = generated_stub(name, root)
+        shipped = path / "labs" / f"{name}.py"
+        if not shipped.exists() or shipped.read_text() != stub:
+            problems.append(f"labs/{name}.py is not the generated stub")
+    for nb_path in sorted((path / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(nb_path, as_version=4)
+        if "widgets" in nb.metadata or any(c.get("outputs") or c.get("execution_count") for c in nb.cells):
+            problems.append(f"notebooks/{nb_path.name} has outputs or widget state")
+    for f in [path / "conftest.py", *sorted((path / "scripts").glob("*"))]:
+        if f.is_file() and USES_SOLUTIONS.search(f.read_text()):
+            problems.append(f"{f.relative_to(path)} selects the solutions")
+    for f in sorted((path / "tests").glob("test_*.py")):
+        for lineno, line in enumerate(f.read_text().splitlines(), 1):
+            if USES_SOLUTIONS.search(line):
+                problems.append(f"tests/{f.name}:{lineno} uses the solutions, absent from the release")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labs.release", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, metavar="OUT_DIR", help="folder to write (must be empty or missing)")
+    parser.add_argument("--archive", action="store_true", help="also write OUT_DIR.zip")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    try:
+        if args.force and out.exists() and out != ROOT and not ROOT.is_relative_to(out):
+            shutil.rmtree(out)
+        manifest = build_release(out)
+    except ValueError as exc:
+        parser.error(str(exc))
+    problems = check_release(out)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    print(f"wrote {out}: {len(manifest['exercises'])} exercise stubs, {len(manifest['notebooks'])} notebooks, "
+          f"{len(manifest['public_tests'])} public test files")
+    if args.archive:
+        archive = shutil.make_archive(str(out), "zip", root_dir=out.parent, base_dir=out.name)
+        print(f"wrote {archive}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
