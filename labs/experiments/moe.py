@@ -20,7 +20,6 @@ layer is compared with ``transformers``' ``MixtralSparseMoeBlock`` in the tests 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from labs.experiments.common import fill_losses, new_summary
 from labs.measure import CommLedger, state_bytes
 from labs.models.moe import MoEConfig, build_moe_model, swap_mlp
 from labs.models.transformer import ModelConfig, count_params, init_weights
-from labs.runtime.device import rank_device, synchronize
+from labs.runtime.device import one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import moe as theory
@@ -43,18 +42,6 @@ from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff, tr
 
 # One MoE layer for the layer check: small enough for 4 ranks on 2 cores, big enough to route.
 LAYER_CFG = ModelConfig(n_embd=32, ffn_hidden=64, n_head=4, n_kv_head=2)
-
-
-@contextmanager
-def one_thread():
-    """Run this process's single-process work (the reference) on one thread, as every rank does. On a
-    loaded 2-core machine two OpenMP threads spin against the ranks and a tiny step takes 50x longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def model_spec(cfg: ModelConfig, moe: MoEConfig) -> theory.MoESpec:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from labs.experiments.common import fill_losses, new_summary
 from labs.measure import CommLedger, Timeline, idle_fraction, state_bytes
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import synchronize
+from labs.runtime.device import one_thread, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import pipeline as theory
@@ -304,18 +304,6 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
                       backward_ratio, vs_torch, backend=backend, timeout=timeout, progress=steps, desc=schedule)
     return summarize(per_rank, ref, schedule=schedule, model_cfg=model_cfg, cfg=cfg, microbatches=microbatches,
                      virtual=virtual, plan=plan, op_time=op_time, backward_ratio=backward_ratio, vs_torch=vs_torch)
-
-
-@contextmanager
-def one_thread():
-    """Run the block on one intra-op thread, as the ranks do. The tiny reference model gains
-    nothing from more, and on a busy 2-core machine torch's spinning worker threads make it 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def reference_run(model_cfg: ModelConfig, cfg: TrainConfig):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from labs.experiments.common import fill_losses, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import rank_device, synchronize
+from labs.runtime.device import one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import memory as memory_theory
@@ -83,18 +83,6 @@ def reference_name(name: str, model: str) -> str:
         return name
     from labs.models.hf import hf_llama_name
     return "hf." + hf_llama_name(name)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run the single-process reference on one thread: on a tiny model, and on a busy 2-core laptop, a second
-    intra-op thread costs far more than it saves (10x slower measured here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def check_args(cfg: ModelConfig, *, nproc: int, sp: bool, model: str, train: TrainConfig) -> None:

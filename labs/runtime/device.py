@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,19 @@ def synchronize(device: torch.device | None = None) -> None:
     device = device or rank_device()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def one_thread():
+    """Run the block on one intra-op thread, as every launched rank does. The course's tiny
+    single-process references gain nothing from more threads, and while ranks run on a busy
+    2-core machine, torch's spinning OpenMP workers make a reference step 10-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def environment_report() -> dict:
