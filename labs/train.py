@@ -19,6 +19,7 @@ import torch
 
 from labs.data import global_batches
 from labs.models.transformer import ModelConfig, build_model
+from labs.runtime.device import one_thread
 
 # Relative tolerances for comparing a parallel run with the reference, by dtype. In
 # fp32 a sum split across ranks adds the same numbers in another order: each addition
@@ -81,6 +82,11 @@ def train_reference(model_cfg: ModelConfig, cfg: TrainConfig, *, dp: int = 1, mo
     """Train single-process for ``cfg.steps`` steps; the global batches are laid out as ``dp``
     ranks would load them (same samples for any ``dp``, in rank order). ``model`` overrides
     the course model (it must return ``(logits, loss)`` given ``(x, y)``)."""
+    with one_thread():  # as the ranks run: same arithmetic, and no thread contention with them
+        return _train_reference(model_cfg, cfg, dp=dp, model=model, return_grads=return_grads)
+
+
+def _train_reference(model_cfg, cfg, *, dp, model, return_grads) -> ReferenceResult:
     torch.manual_seed(cfg.seed)
     model = model if model is not None else build_model(model_cfg, seed=cfg.seed)
     optimizer = make_optimizer(model.parameters(), cfg)
