@@ -242,5 +242,5 @@ def format_result(r: dict) -> str:
         lines.append(f"{mode:<10} cache/rank {max(m['kv_cache_bytes_per_rank']) / GIB:7.2f} GiB, room for "
                      f"{m['capacity_tokens']:>9,} positions; {m['latency_s'] * 1e3:7.2f} ms/token, "
                      f"{m['tokens_per_s']:8.0f} tokens/s ({m['pipelined_tokens_per_s']:.0f} with {r['degree']} "
-                     f"batches in flight)")
+                     f"batches in flight){'' if m['fits'] else ', DOES NOT FIT'}")
     return "\n".join(lines)
