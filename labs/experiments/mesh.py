@@ -1,0 +1,265 @@
+"""Experiment 08: the 4D mesh and the composed training step, checked against the single-process reference.
+
+    summary = run(nproc=8, dp=2, tp=2, pp=2)     # python -m labs.run mesh --nproc 8 --dp 2 --tp 2 --pp 2 --json
+    summary = run(nproc=8, dp=2, tp=2, cp=2, zero=3)
+    groups_table(dp=2, tp=2, pp=2)                # which ranks share which group, without processes
+
+Checks, on ``nproc`` ranks (a tiny course model, a few steps, fp32 on gloo):
+* groups: the lab's ``dist.new_group`` groups equal torch's ``init_device_mesh("cpu", (dp, pp, cp, tp))``
+  groups (and its flattened ("dp", "cp") group), on every rank;
+* losses: every step's global loss (mean over the last stage's dp·cp ranks) within 1e-5 relative of
+  ``labs.train.train_reference`` on the same seed and global batches;
+* gradients after step 1: what ZeRO averaged over dp·cp, reassembled from the TP shards and the PP
+  stages, equals the reference's gradient by name (AdamW divides each gradient by its own size, so a
+  gradient off by a constant factor would leave the losses unchanged: only this check sees it);
+* bytes: each rank's ledger, split by the group each collective ran on, equals each lab's theory:
+  tp ``labs.theory.tensor_parallel.collectives``, cp ``labs.theory.context_parallel.ring_bytes_per_rank``,
+  pp one activation [B/dp/M, T, H] per micro-batch per direction a stage feeds, dp_cp
+  ``labs.theory.zero.comm_bytes``; state bytes held equal ``labs.theory.zero.held_bytes``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from labs.experiments.common import fill_losses, new_summary
+from labs.measure import CommLedger, SavedActivations, state_bytes
+from labs.measure.ledger import _bind
+from labs.models.transformer import ModelConfig
+from labs.runtime.impl import exercise
+from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.theory import context_parallel as cp_theory
+from labs.theory import tensor_parallel as tp_theory
+from labs.theory import zero as zero_theory
+from labs.theory.comm import all_gather_bytes
+from labs.theory.dims import AXES, ParallelDims, check_positive
+from labs.theory.memory import ModelSpec
+from labs.theory.pipeline import p2p_bytes_per_rank
+from labs.train import TOLERANCES, TrainConfig, data_for, max_rel_diff, train_reference
+
+AXIS_NAMES = ("tp", "cp", "pp", "dp_cp")
+
+
+def model_config(layers: int = 2) -> ModelConfig:
+    """The composed lab's model: 8 query / 4 key-value heads of 4 dims (TP up to 4), F = 64, V = 256."""
+    return ModelConfig(n_layer=layers, n_embd=32, n_head=8, n_kv_head=4, ffn_hidden=64, seq_len=32)
+
+
+def groups_table(**degrees) -> dict[str, list[list[int]]]:
+    """Every group of the mesh by name (tp, cp, pp, dp, dp_cp), from the lab's ``group_ranks``."""
+    lab = exercise("mesh")
+    dims = ParallelDims(**degrees)
+    return {name: lab.group_ranks(dims, axes) for name, axes in lab.GROUPS.items()}
+
+
+class AxisLedger(CommLedger):
+    """A ``CommLedger`` that also notes which mesh group each collective ran on."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.named = [(g, name) for name, g in mesh.groups.items() if g is not None and name != "dp"]
+        self.axes: list[str] = []
+
+    def _record(self, op, args, kwargs):
+        a = _bind(op, args, kwargs)
+        group = a["p2p_op_list"][0].group if op == "batch_isend_irecv" else a.get("group")
+        before = len(self.records)
+        super()._record(op, args, kwargs)
+        axis = next((name for g, name in self.named if g is group), "world")
+        self.axes += [axis] * (len(self.records) - before)
+
+    def by_axis(self) -> dict[str, float]:
+        out = dict.fromkeys(AXIS_NAMES, 0.0)
+        for axis, r in zip(self.axes, self.records):
+            out[axis] = out.get(axis, 0.0) + r.sent_bytes
+        return out
+
+
+class GradProbe:
+    """Stands in for the composed optimizer: after its first ``step`` keeps the gradient it averaged,
+    this rank's shard of every unit (ZeRO) or every ``.grad`` (plain AdamW); ``gathered`` rebuilds
+    whole (TP-local) gradients by name from the shards with an all-gather over dp_cp (harness traffic,
+    run after the ledger closes). ``held``: the training state's bytes at the last step's peak, with
+    the gradients complete, just before the optimizer runs."""
+
+    def __init__(self, inner, module):
+        self.inner, self.module, self.shards, self.grads, self.held = inner, module, None, None, None
+
+    def step(self):
+        units = getattr(self.inner, "units", None)
+        if units is not None:
+            from labs.experiments.zero import held_bytes
+            self.held = held_bytes(self.module, self.inner)["total"]
+        else:
+            self.held = state_bytes(self.module, self.inner)["total"]
+        if units is None and self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in self.module.named_parameters() if p.grad is not None}
+        self.inner.step()
+        if units is not None and self.shards is None:
+            self.shards = [(u.full_grad[u.lo: u.hi] if u.full_grad is not None else u.shard_grad).detach().clone()
+                           for u in units]
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def gathered(self, group) -> dict[str, torch.Tensor]:
+        if self.grads is not None:
+            return self.grads
+        names, out = {p: n for n, p in self.module.named_parameters()}, {}
+        for u, shard in zip(self.inner.units, self.shards):
+            flat = torch.empty(u.padded, dtype=shard.dtype)
+            dist.all_gather_single(flat, shard, group=group)
+            out.update({names[p]: v.clone() for p, v in zip(u.params, u.views(flat))})
+        return out
+
+
+def torch_mesh_ranks(dims: ParallelDims) -> dict[str, list[int]]:
+    """This rank's groups in torch's own ``init_device_mesh`` with the same (dp, pp, cp, tp) order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", tuple(dims.degrees[a] for a in AXES), mesh_dim_names=AXES)
+    out = {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in AXES if dims.degrees[a] > 1}
+    if dims.dp * dims.cp > 1:
+        out["dp_cp"] = dist.get_process_group_ranks(mesh["dp", "cp"]._flatten("dp_cp").get_group())
+    return out
+
+
+def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, microbatches: int | None) -> dict:
+    lab = exercise("mesh")
+    dims = lab.check_mesh(world_size=dist.get_world_size(), **degrees)
+    mesh = lab.build_mesh(dims)
+    torch_ranks = torch_mesh_ranks(dims)
+    c = lab.compose(model_cfg, mesh, cfg, zero=zero, microbatches=microbatches)
+    inner = c.optimizer
+    c.optimizer = probe = GradProbe(inner, c.module)
+    ledger, losses, times = AxisLedger(mesh), [], []
+    saved = SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()  # 1F1B: no single peak
+    for step, (x, y) in enumerate(data_for(cfg, dims.dp)):
+        t0 = time.perf_counter()
+        with ledger if step == 0 else nullcontext(), saved if step == 0 else nullcontext():
+            losses.append(lab.train_step(c, x, y))
+        times.append(time.perf_counter() - t0)
+        report_progress()
+    units = getattr(inner, "units", None)
+    if units is not None:
+        numels = [u.numel for u in units]
+        theory_held = zero_theory.held_bytes(numels, stage=zero, dp=mesh.size("dp_cp"))["total"]
+    else:
+        numels = [sum(p.numel() for p in c.module.parameters())]
+        theory_held = 16 * numels[0]  # fp32 parameters and gradients, AdamW's two moments
+    grads = probe.gathered(mesh.groups["dp_cp"])  # collective over dp_cp: every rank takes part
+    keep = mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0  # the others hold the same averaged gradient
+    return {"rank": mesh.rank, "coords": mesh.coords, "ranks": mesh.ranks, "torch_ranks": torch_ranks,
+            "losses": losses, "grads": grads if keep else None, "sent_by_axis": ledger.by_axis(), "unit_numels": numels,
+            "layers": [int(k) for k in getattr(c.module, "layers", {}).keys()] if dims.pp > 1 else None,
+            "microbatches": c.microbatches, "held": probe.held, "theory_held": theory_held,
+            "activation_bytes": getattr(saved, "bytes", None),
+            "step_time_s": statistics.median(times[1:] or times)}
+
+
+def theory_bytes(r: dict, dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainConfig, zero: int) -> dict:
+    """Bytes rank ``r`` should send per step along each axis, from each lab's own theory."""
+    spec = ModelSpec(vocab_size=model_cfg.vocab_size, hidden=model_cfg.n_embd, n_layers=model_cfg.n_layer,
+                     n_heads=model_cfg.n_head, n_kv_heads=model_cfg.n_kv_head, ffn_hidden=model_cfg.ffn_hidden)
+    b, T, m = cfg.batch_size // dims.dp, cfg.seq_len, r["microbatches"]
+    out = dict.fromkeys(AXIS_NAMES, 0.0)
+    p = r["coords"]["pp"]
+    first, last = p == 0, p == dims.pp - 1
+    if dims.tp > 1 and dims.pp == 1:  # every collective of the tensor-parallel model, SP, T/cp tokens
+        out["tp"] = sum(x["sent_bytes"] for x in tp_theory.collectives(spec, tp=dims.tp, sp=True, batch=b,
+                                                                        seq=T // dims.cp))
+    elif dims.tp > 1:  # a stage's share, no SP; the head gathers whole logits instead of the vocab-parallel loss
+        calls = tp_theory.collectives(spec, tp=dims.tp, sp=False, batch=b // m, seq=T)
+        mine = [x for x in calls if any(x["where"].startswith(f"layers.{i}.") for i in r["layers"])
+                or (first and x["where"] == "tok_emb") or (last and x["where"] == "lm_head input")]
+        gather = all_gather_bytes(b // m * T * model_cfg.vocab_size * 4, dims.tp) if last else 0.0
+        out["tp"] = m * (sum(x["sent_bytes"] for x in mine) + gather)
+    if dims.cp > 1:
+        kv = cp_theory.kv_bytes(batch=b, seq_len=T, n_kv_head=model_cfg.n_kv_head // dims.tp,
+                                head_dim=model_cfg.head_dim)
+        out["cp"] = model_cfg.n_layer * cp_theory.ring_bytes_per_rank(cp=dims.cp, kv=kv)["total"]
+    if dims.pp > 1:  # activations on, gradients back: [B/dp, T, H] per direction a stage feeds
+        out["pp"] = p2p_bytes_per_rank("1f1b", dims.pp, p, batch=b, seq_len=T, hidden=model_cfg.n_embd)
+    if dims.dp * dims.cp > 1:
+        out["dp_cp"] = zero_theory.comm_bytes(r["unit_numels"], stage=zero, dp=dims.dp * dims.cp)["total"]
+    return out
+
+
+def assemble_grads(per_rank: list[dict], reference: dict, tp: int) -> dict[str, torch.Tensor]:
+    """Whole gradients by name from the ranks with dp = cp = 0: TP shards joined along the dimension
+    where their shape differs from the reference's, in tp order; replicated ones taken from tp = 0."""
+    out = {}
+    for name, ref in reference.items():
+        shards = sorted(((r["coords"]["tp"], r["grads"][name]) for r in per_rank
+                         if r["grads"] is not None and name in r["grads"]), key=lambda t: t[0])
+        if not shards:
+            continue
+        local = shards[0][1]
+        dims = [i for i, (a, b) in enumerate(zip(local.shape, ref.shape)) if a != b]
+        out[name] = torch.cat([g for _, g in shards], dim=dims[0]) if dims else local
+    return out
+
+
+def warm_imports() -> None:
+    """Import here, once, what every forked rank would otherwise import by itself (seconds each on 2
+    cores): the labs, torch's device mesh, and ``torch._dynamo``, which building AdamW pulls in."""
+    for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "zero"):
+        exercise(name)
+    for module in ("torch._dynamo", "torch.distributed.device_mesh", "labs.experiments.zero"):
+        importlib.import_module(module)
+
+
+def run(*, nproc: int = 8, steps: int = 3, backend: str = "auto", vs_torch: bool = False, timeout: float = 300.0,
+        dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 1, microbatches: int | None = None,
+        layers: int = 2, gpus_per_node: int | None = None) -> dict:
+    """Train the composed model ``steps`` steps on a dp x tp x pp x cp mesh of ``nproc`` ranks and check
+    it (see the module docstring). ``gpus_per_node`` checks that TP groups can be placed inside nodes.
+    ``vs_torch`` is accepted for the common interface: torch's ``init_device_mesh`` is always compared."""
+    check_positive(steps=steps, layers=layers)
+    lab = exercise("mesh")
+    dims = lab.check_mesh(world_size=nproc, gpus_per_node=gpus_per_node, dp=dp, tp=tp, pp=pp, cp=cp)
+    model_cfg, cfg = model_config(layers), TrainConfig(steps=steps, batch_size=8, seq_len=32)
+    lab.check_composition(lab.Mesh(dims, 0), model_cfg, cfg, zero=zero,
+                          microbatches=microbatches or (2 * pp if pp > 1 else 1))
+    warm_imports()
+    per_rank = launch(worker, nproc, dims.degrees, model_cfg, cfg, zero, microbatches, backend=backend,
+                      timeout=timeout, progress=steps, desc=f"mesh dp{dp} tp{tp} pp{pp} cp{cp}")
+    ref = train_reference(model_cfg, cfg, dp=dp, return_grads=True)
+    s = new_summary("mesh", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, degrees=dims.degrees,
+                    zero=zero, microbatches=per_rank[0]["microbatches"], layers=layers)
+    last = [r for r in per_rank if r["coords"]["pp"] == pp - 1 and r["coords"]["tp"] == 0]
+    fill_losses(s, [statistics.fmean(r["losses"][i] for r in last) for i in range(steps)], ref.losses)
+    grads = assemble_grads(per_rank, ref.grads, tp)
+    diffs = {n: max_rel_diff(g.double(), ref.grads[n].double()) for n, g in grads.items()}
+    worst = max(diffs, key=diffs.get)
+    theory = [theory_bytes(r, dims, model_cfg, cfg, zero) for r in per_rank]
+    s.update(
+        groups=groups_table(**dims.degrees), rank_coords=[r["coords"] for r in per_rank],
+        groups_match_torch=all({k: r["ranks"][k] for k in r["torch_ranks"]} == r["torch_ranks"] for r in per_rank),
+        grads_compared=len(grads), grads_match_reference=len(grads) == len(ref.grads) and diffs[worst] <= TOLERANCES[
+            torch.float32], max_rel_grad_diff=diffs[worst], worst_grad=worst,
+        comm_bytes_by_axis=[r["sent_by_axis"] for r in per_rank], theory_comm_bytes_by_axis=theory,
+        comm_bytes_per_rank=[sum(r["sent_by_axis"].values()) for r in per_rank],
+        theory_comm_bytes_per_rank=[sum(t.values()) for t in theory],
+        state_bytes_per_rank=[r["held"] for r in per_rank], theory_state_bytes_per_rank=[r["theory_held"]
+                                                                                         for r in per_rank],
+        activation_bytes_per_rank=[r["activation_bytes"] for r in per_rank],
+        step_time_s=max(r["step_time_s"] for r in per_rank))
+    s["bytes_match_theory"] = all(abs(m.get(a, 0.0) - t[a]) < 1 for m, t in zip(s["comm_bytes_by_axis"], theory)
+                                  for a in AXIS_NAMES) and all(m.get("world", 0.0) == 0 for m in s["comm_bytes_by_axis"])
+    s["state_matches_theory"] = s["state_bytes_per_rank"] == s["theory_state_bytes_per_rank"]
+    return s
+
+
+def add_arguments(parser) -> None:
+    for axis in ("dp", "tp", "pp", "cp"):
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (the product is --nproc)")
+    parser.add_argument("--zero", type=int, default=1, choices=(1, 2, 3), help="ZeRO stage over dp x cp (1 with PP)")
+    parser.add_argument("--microbatches", type=int, default=None, help="PP micro-batches per step (default 2*pp)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (pp must not exceed it)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="refuse a TP group wider than a node")
