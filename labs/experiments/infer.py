@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from labs.data import load_corpus
 from labs.experiments.common import median_time, new_summary
-from labs.experiments.tp import model_spec, one_thread
+from labs.experiments.tp import model_spec
 from labs.measure import CommLedger
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import rank_device, synchronize
+from labs.runtime.device import one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import inference as theory

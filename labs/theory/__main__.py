@@ -25,6 +25,7 @@ COMMANDS = {
     "cp": "labs.theory.context_parallel",  # notebook 06: ring-attention work, K/V bytes, long-context memory
     "moe": "labs.theory.moe",            # notebook 07: active vs total parameters, all-to-all bytes
     "plan": "labs.theory.planner",       # notebook 08: the parallelism planner
+    "infer": "labs.theory.inference",    # notebook 09: KV cache per rank, messages per token, decode time
 }
 
 
