@@ -133,3 +133,13 @@ def test_gradient_assembly_joins_tp_shards_along_the_split_dimension():
                                               "norm": ref["norm"]}} for t in (1, 0)]
     got = experiment.assemble_grads(ranks + [{"coords": {"tp": 0}, "grads": None}], ref, tp=2)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_which_parallelism_table_reads_the_measurements():
+    base = {"axis": "none", "state_bytes": 1000, "activation_bytes": 800, "sent_bytes": {}, "correct": True}
+    rows = [base, {**base, "axis": "pp", "state_bytes": 500, "activation_bytes": None, "sent_bytes": {"pp": 32768.0}},
+            {**base, "axis": "cp", "state_bytes": 750, "activation_bytes": 400, "sent_bytes": {"cp": 98304.0}}]
+    table = experiment.which_parallelism_table(rows).splitlines()
+    assert len(table) == 4 and table[0].startswith("| parallelism | splits | memory saving | communication cost")
+    assert table[2].endswith("state 0.50x, activations n/a (1F1B); sends 33 kB on pp per step |")
+    assert table[3].endswith("state 0.75x, activations 0.50x; sends 98 kB on cp per step |")

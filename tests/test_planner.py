@@ -12,7 +12,7 @@ from labs.theory.context_parallel import kv_bytes, ring_bytes_per_rank
 from labs.theory.dims import divisors
 from labs.theory.memory import GIB, ModelSpec, memory_per_rank
 from labs.theory.pipeline import bubble_fraction
-from labs.theory.planner import Cluster, comm_per_step, evaluate, plan, summary
+from labs.theory.planner import Cluster, comm_per_step, evaluate, format_scaling, plan, scaling, summary
 from labs.theory.presets import preset
 from labs.theory.tensor_parallel import collectives
 from labs.theory.zero import comm_bytes
@@ -208,6 +208,10 @@ def test_plan_drawing_and_the_widget_headless():
     assert [p.get_height() * 1e9 for p in comm.patches] == pytest.approx([s["comm_bytes"][a] for a in
                                                                           ("tp", "cp", "pp", "dp")])
     assert sum(p.get_width() for p in time.patches) == pytest.approx(s["step_time_s"])
+    from labs.widgets.planner import draw_scaling
+    rows = scaling(L70, [128, 512], seq=32768, gpus_per_node=8, gpu_mem_gib=80, global_batch=128)
+    bars = draw_scaling(rows).axes[0].patches
+    assert len(bars) == 6 and sum(b.get_height() for b in bars) == pytest.approx(200)  # two bars of 100% each
     box = planner_widget()
 
     def find(cls):
@@ -228,3 +232,20 @@ def test_plan_drawing_and_the_widget_headless():
     find("labs-planner-gpus").value = 12
     assert "cannot plan: gpus=12" in result.value
 
+
+
+def test_scaling_shows_where_the_time_goes():
+    """A fixed 128-sequence batch on more GPUs: the same replica, more DP, fewer micro-batches each, so the
+    bubble's share grows and the throughput per GPU falls; each step is compute + bubble + exposed traffic."""
+    rows = scaling(L70, [8, 128, 512, 2048], seq=32768, gpus_per_node=8, gpu_mem_gib=80, global_batch=128)
+    assert "no layout of gpus=8 fits" in rows[0]["error"]
+    rows = rows[1:]
+    assert [(r["dp"], r["tp"], r["pp"], r["cp"]) for r in rows] == [(1, 8, 4, 4), (4, 8, 4, 4), (16, 8, 4, 4)]
+    for r in rows:
+        assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["bubble_s"] + r["exposed_comm_s"])
+        assert r["bubble_s"] / (r["compute_s"] + r["bubble_s"]) == pytest.approx(bubble_fraction("1f1b", 4, 128 // r["dp"]))
+        assert sum(r["exposed_by_axis"].values()) == pytest.approx(r["exposed_comm_s"])
+    assert rows[0]["vs_first"] == 1 and rows[0]["vs_first"] > rows[1]["vs_first"] > rows[2]["vs_first"]
+    assert rows[1]["scaling_efficiency"] == pytest.approx(plan(L70, **SEED)["scaling_efficiency"])
+    lines = format_scaling(rows).splitlines()
+    assert lines[-1].split()[:2] == ["2048", "DP16"] and "bubble" in lines[-1]

@@ -263,3 +263,71 @@ def add_arguments(parser) -> None:
     parser.add_argument("--microbatches", type=int, default=None, help="PP micro-batches per step (default 2*pp)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (pp must not exceed it)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="refuse a TP group wider than a node")
+
+
+# The rule of thumb, one row per parallelism: what it splits, what that saves, what it costs, when to use it.
+RULES = {
+    "dp": ("the batch; ZeRO-3/FSDP also shards params, grads, optimizer", "state / N (ZeRO-3); activations / N",
+           "3·Ψ per step (ZeRO-3), 2·Ψ (DDP, ZeRO-1/2): overlaps backward", "always first: any model that fits"),
+    "tp": ("each layer's weights and (with SP) activations", "weights and activations / N",
+           "4 collectives of B·T·H per layer per micro-batch: needs NVLink", "a layer too big for a GPU; in a node"),
+    "pp": ("the layers", "weights / N (activations: 1F1B holds N micro-batches)",
+           "one B·T·H activation per micro-batch per boundary; idle bubble", "a model too big for a node; across nodes"),
+    "cp": ("the sequence", "activations / N", "K/V around a ring per layer: overlaps attention",
+           "long sequences (32K and up)"),
+}
+
+
+def compare_axes(*, steps: int = 2, timeout: float = 120.0) -> list[dict]:
+    """Each parallelism alone at degree 2 (DP with ZeRO-3), and one rank for reference, on the composed
+    lab's model: per rank the training state at its peak, the activations one step saves (not with
+    PP: 1F1B holds a varying number of micro-batches), bytes sent per step by axis, step time, and
+    whether it matched the reference."""
+    rows = []
+    for axis in ("none", "dp", "tp", "pp", "cp"):
+        kw = {} if axis == "none" else {axis: 2}
+        s = run(nproc=1 if axis == "none" else 2, steps=steps, timeout=timeout, zero=3 if axis == "dp" else 1, **kw)
+        rows.append({"axis": axis, "state_bytes": max(s["state_bytes_per_rank"]),
+                     "activation_bytes": max(a or 0 for a in s["activation_bytes_per_rank"]) or None,
+                     "sent_bytes": {k: v for k, v in s["comm_bytes_by_axis"][0].items() if v},
+                     "step_time_s": s["step_time_s"], "correct": s["matches_reference"] and s["grads_match_reference"]})
+    return rows
+
+
+def which_parallelism_table(rows: list[dict]) -> str:
+    """The "which parallelism should I use" table (Markdown): ``RULES`` beside what ``compare_axes``
+    measured (memory per rank as a share of one rank's, kB sent per rank per step, on which group)."""
+    base = rows[0]
+    names = {"dp": "DP (ZeRO-3 / FSDP)", "tp": "TP (+ SP)", "pp": "PP (1F1B)", "cp": "CP (ring attention)"}
+    lines = ["| parallelism | splits | memory saving | communication cost | best for | measured here: 2 ranks vs 1 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows[1:]:
+        splits, saves, costs, best = RULES[r["axis"]]
+        act = (f"activations {r['activation_bytes'] / base['activation_bytes']:.2f}x"
+               if r["activation_bytes"] else "activations n/a (1F1B)")
+        sent = ", ".join(f"{v / 1e3:.0f} kB on {k}" for k, v in r["sent_bytes"].items())
+        measured = f"state {r['state_bytes'] / base['state_bytes']:.2f}x, {act}; sends {sent} per step"
+        lines.append(f"| {names[r['axis']]} | {splits} | {saves} | {costs} | {best} | {measured} |")
+    return "\n".join(lines)
+
+
+def report(s: dict) -> str:
+    """A mesh run in words: the layout, losses against the reference step by step, the gradient check,
+    the groups against torch's, and bytes sent per rank per step by group (measured, then theory)."""
+    d = s["degrees"]
+    ok = s["matches_reference"] and s["grads_match_reference"]
+    lines = [f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']}, {s['microbatches']} micro-batch(es)"
+             f" per DP rank) on {s['nproc']} {s['backend']} ranks: {'matches' if ok else 'DOES NOT MATCH'} the reference",
+             f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'rel. diff':>9}"]
+    for i, (a, b) in enumerate(zip(s["losses"], s["reference_losses"]), 1):
+        lines.append(f"{i:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b) / abs(b):>9.1e}")
+    lines += [f"gradients after step 1: {s['grads_compared']} tensors by name, max relative difference "
+              f"{s['max_rel_grad_diff']:.1e} ({s['worst_grad']})",
+              f"groups equal torch's init_device_mesh on every rank: {s['groups_match_torch']}",
+              f"bytes sent per rank per step, measured (theory), equal: {s['bytes_match_theory']}",
+              f"{'rank':>4}  {'dp pp cp tp':<12}" + "".join(f"{a:>20}" for a in AXIS_NAMES)]
+    for rank, (c, m, t) in enumerate(zip(s["rank_coords"], s["comm_bytes_by_axis"], s["theory_comm_bytes_by_axis"])):
+        cells = "".join(f"{f'{m[a]:,.0f} ({t[a]:,.0f})':>20}" for a in AXIS_NAMES)
+        lines.append(f"{rank:>4}  {c['dp']:>2} {c['pp']:>2} {c['cp']:>2} {c['tp']:>2}  {cells}")
+    lines.append(f"state bytes per rank {s['state_bytes_per_rank']}, theory equal: {s['state_matches_theory']}")
+    return "\n".join(lines)

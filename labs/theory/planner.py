@@ -1,7 +1,10 @@
 """The parallelism planner (notebook 08): which DP x TP x PP x CP layout to train a model with. Pure Python.
 
     plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)   # dp 4, tp 8, pp 4, cp 4
+    scaling(preset("llama3-70b"), [128, 512, 2048], seq=32768, gpus_per_node=8, gpu_mem_gib=80)
     python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 --gpu-mem 80 --json
+
+(The CLI and the readable summaries are in ``labs.theory.plan_report``, reachable from here.)
 
 The rule (the Ultra-Scale Playbook's rule of thumb, made mechanical):
 
@@ -306,86 +309,47 @@ def _finish(spec, result, rule, rejected, assumptions, batch, cluster) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# python -m labs.theory plan
-
-def add_arguments(parser) -> None:
-    from labs.theory.memory_report import DIMS
-    from labs.theory.presets import GPUS
-    model = parser.add_argument_group("model: a preset, or free dimensions (which override a preset's)")
-    model.add_argument("--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b")
-    model.add_argument("--arch", default=None, help="llama (default) or gpt, for free dimensions")
-    for name in DIMS:
-        model.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    run = parser.add_argument_group("training run")
-    run.add_argument("--seq", type=int, required=True, help="sequence length")
-    run.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: ~4M tokens)")
-    for key, value in ASSUMPTIONS.items():
-        run.add_argument("--" + key.replace("_", "-"), type=type(value), default=value, help=f"default {value}")
-    gpu = parser.add_argument_group("cluster")
-    gpu.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    gpu.add_argument("--gpus-per-node", type=int, default=8)
-    gpu.add_argument("--gpu", default="H100 80GB", help=" | ".join(GPUS) + " (memory and peak FLOP/s)")
-    gpu.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (overrides --gpu's)")
-    gpu.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s per GPU (overrides --gpu's)")
-    gpu.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
-    gpu.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU between nodes (InfiniBand)")
-    gpu.add_argument("--export", choices=("torchrun", "accelerate", "deepspeed"), default=None,
-                     help="print a launch command or config for the plan instead of the plan")
-    gpu.add_argument("--offload", action="store_true", help="DeepSpeed export: optimizer state on the CPU")
+def scaling(spec: ModelSpec, gpu_counts, *, seq: int, gpus_per_node: int, gpu_mem_gib: float,
+            global_batch: int | None = None, **kw) -> list[dict]:
+    """The plan at each of ``gpu_counts`` for the same model and global batch: where the time goes as
+    the machine grows. Each row: ``gpus``, the degrees, ``step_time_s``, ``tokens_per_s_per_gpu``,
+    ``scaling_efficiency`` (compute / step) and ``vs_first`` (throughput per GPU relative to the first
+    count's), the seconds of ``bubble_s`` and exposed communication, or ``error`` when nothing fits."""
+    rows = []
+    for gpus in gpu_counts:
+        try:
+            p = plan(spec, seq=seq, gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
+                     global_batch=global_batch, **kw)
+        except ValueError as e:
+            rows.append({"gpus": gpus, "error": str(e)})
+            continue
+        rows.append({"gpus": gpus, **{k: p[k] for k in ("dp", "tp", "pp", "cp", "zero", "microbatches", "compute_s",
+                                                         "bubble_s", "exposed_comm_s", "step_time_s",
+                                                         "scaling_efficiency", "mfu")},
+                     "exposed_by_axis": _exposed_by_axis(p), "tokens_per_s_per_gpu": p["tokens_per_s"] / gpus})
+    base = next((r["tokens_per_s_per_gpu"] for r in rows if "error" not in r), None)
+    for r in rows:
+        if "error" not in r:
+            r["vs_first"] = r["tokens_per_s_per_gpu"] / base
+    return rows
 
 
-def cli(args) -> dict:
-    from labs.theory.memory_report import DIMS, model_spec
-    from labs.theory.presets import GPUS
-    if args.gpu not in GPUS:
-        raise ValueError(f"gpu={args.gpu!r} is not one of {tuple(GPUS)}; or give --gpu-mem and --peak-tflops")
-    name, spec = model_spec(args.preset, arch=args.arch, **{n: getattr(args, n) for n in DIMS})
-    mem, peak = GPUS[args.gpu]
-    p = plan(spec, seq=args.seq, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-             gpu_mem_gib=args.gpu_mem if args.gpu_mem is not None else mem,
-             peak_tflops=args.peak_tflops if args.peak_tflops is not None else peak, intra_gbps=args.intra_bw,
-             inter_gbps=args.inter_bw, global_batch=args.global_batch, **{k: getattr(args, k) for k in ASSUMPTIONS})
-    out = summary(p, model=name)
-    if args.export:
-        from labs.theory import exports
-        out["export"] = exports.export(args.export, p, offload=args.offload)
-    return out
+def _exposed_by_axis(p: dict) -> dict[str, float]:
+    """The exposed seconds split by axis: TP and PP entirely, DP and CP in proportion to their excess."""
+    sec = p["comm_seconds"]
+    hidden = sec["dp"] + sec["cp"]
+    excess = max(0.0, hidden - p["compute_s"])
+    share = excess / hidden if hidden else 0.0
+    return {"tp": sec["tp"], "pp": sec["pp"], "dp": sec["dp"] * share, "cp": sec["cp"] * share}
 
 
-def summary(p: dict, *, model: str = "custom") -> dict:
-    """The plan as plain JSON: degrees, memory per GPU by part (GiB), communication per axis,
-    bubble, step time, MFU, the rule's steps, the rejected layouts (name, reason, GiB, step time)."""
-    mem = p["memory"]
-    keep = ("dp", "tp", "pp", "cp", "zero", "sp", "world_size", "global_batch", "microbatches", "total_params",
-            "fits", "bubble", "compute_s", "bubble_s", "exposed_comm_s", "step_time_s", "tokens_per_s", "scaling_efficiency", "mfu",
-            "comm_bytes", "comm_seconds", "intra_node", "rule", "warnings", "assumptions", "cluster")
-    return {"model": model, **{k: p[k] for k in keep},
-            "memory_gib": {k.removesuffix("_bytes"): mem[k] / GIB for k in
-                           ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")},
-            "replica_gib": p["replica_bytes"] / GIB, "budget_gib": p["budget_bytes"] / GIB,
-            "rejected": [{"name": r["name"], **r["layout"], "reason": r["reason"],
-                          "memory_gib": r["result"]["memory"]["total_bytes"] / GIB if r["result"] else None,
-                          "step_time_s": r["result"]["step_time_s"] if r["result"] else None}
-                         for r in p["rejected"]]}
+_FRONT_END = ("add_arguments", "cli", "format_result", "summary", "format_scaling")
 
 
-def format_result(r: dict) -> str:
-    if "export" in r:
-        return r["export"]
-    c, m = r["cluster"], r["memory_gib"]
-    lines = [f"plan        DP={r['dp']} TP={r['tp']} PP={r['pp']} CP={r['cp']}  (ZeRO-{r['zero']}"
-             f"{', SP' if r['sp'] else ''}) on {c['gpus']} GPUs in nodes of {c['gpus_per_node']}",
-             f"model       {r['model']}: {r['total_params']:,} parameters; global batch {r['global_batch']} sequences"
-             f" = {r['microbatches']} micro-batch(es) of {r['assumptions']['mbs']} per DP rank",
-             f"memory      {m['total']:.1f} GiB per GPU of {c['gpu_mem_gib']:.1f} (params {m['param']:.1f}, grads "
-             f"{m['grad']:.1f}, optimizer {m['optimizer']:.1f}, activations {m['activation']:.1f}); a replica "
-             f"without DP sharding {r['replica_gib']:.1f}",
-             "comm/step   " + ", ".join(f"{a} {r['comm_bytes'][a] / 1e9:.3g} GB ({r['comm_seconds'][a]:.3g} s, "
-                                        f"{'intra' if r['intra_node'][a] else 'inter'})" for a in ("tp", "cp", "pp", "dp")),
-             f"time        step {r['step_time_s']:.3g} s (compute {r['compute_s']:.3g} s), bubble {r['bubble']:.1%}, "
-             f"scaling efficiency {r['scaling_efficiency']:.0%}, MFU {r['mfu']:.0%}", "", "rule"]
-    lines += [f"  {step}" for step in r["rule"]]
-    lines += ["", "rejected"] + [f"  {x['name']:<30} {x['reason']}" for x in r["rejected"]]
-    lines += [f"warning: {w}" for w in r["warnings"]]
-    return "\n".join(lines)
+def __getattr__(name):
+    """The CLI (``python -m labs.theory plan``) and the readable summaries live in
+    ``labs.theory.plan_report``; they are reachable from here too."""
+    if name in _FRONT_END:
+        from labs.theory import plan_report
+        return getattr(plan_report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

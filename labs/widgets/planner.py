@@ -2,6 +2,7 @@
 
     draw_mesh(ParallelDims(dp=2, tp=2, pp=2), gpus_per_node=4)   # which ranks share which group
     draw_plan(summary(plan(...)))                                 # memory, communication and time of a plan
+    draw_scaling(scaling(spec, [128, 256, 512], ...))             # compute, bubble, exposed comm by GPU count
     planner_widget("llama3-70b", seq=32768, gpus=512)             # the interactive planner
 
 Every number comes from ``labs.theory.planner`` (``plan``, ``summary``, ``format_result``) and the
@@ -107,6 +108,31 @@ def draw_plan(s: dict):
     time.legend(fontsize=7, loc="upper center", ncol=2)
     fig.suptitle(f"{s['model']} on {s['world_size']} GPUs: global batch {s['global_batch']}, "
                  f"{s['microbatches']} micro-batch(es) per DP rank", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def draw_scaling(rows: list[dict], *, title: str = ""):
+    """For ``labs.theory.planner.scaling``'s rows: seconds per step split into compute, bubble and
+    exposed communication (bars, one per GPU count, each scaled to its own step = 100%), and the
+    scaling efficiency above them. Returns the figure."""
+    rows = [r for r in rows if "error" not in r]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    x = range(len(rows))
+    parts = (("compute", "compute_s", "tab:blue"), ("bubble", "bubble_s", "tab:orange"),
+             ("exposed communication", "exposed_comm_s", "tab:red"))
+    bottom = [0.0] * len(rows)
+    for label, key, colour in parts:
+        share = [100 * r[key] / r["step_time_s"] for r in rows]
+        ax.bar(x, share, bottom=bottom, color=colour, label=label)
+        bottom = [b + v for b, v in zip(bottom, share)]
+    for i, r in enumerate(rows):
+        ax.text(i, 101, f"{r['scaling_efficiency']:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f"{r['gpus']}\nDP{r['dp']} TP{r['tp']}\nPP{r['pp']} CP{r['cp']}" for r in rows], fontsize=7)
+    ax.set_ylabel("% of the step")
+    ax.set_ylim(0, 115)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title(title or "where the step goes (scaling efficiency on top)", fontsize=10)
     fig.tight_layout()
     return fig
 
