@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from labs.models.transformer import ModelConfig, build_model
+from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.theory.dims import AXES, ParallelDims, divisors
 from labs.train import TrainConfig, make_optimizer
@@ -156,8 +157,9 @@ def check_composition(mesh: Mesh, model_cfg: ModelConfig, cfg: TrainConfig, *, z
 
 def compose(model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig, *, zero: int = 1,
             microbatches: int | None = None) -> Composed:
-    """The course model (``build_model(model_cfg, seed=cfg.seed)``, the reference's weights) made parallel
-    along every axis of ``mesh`` of degree > 1, with the labs, through ``exercise(...)``, in this order:
+    """The course model (``build_model(model_cfg, seed=cfg.seed)`` on this rank's device: the reference's
+    weights) made parallel along every axis of ``mesh`` of degree > 1, with the labs, through
+    ``exercise(...)``, in this order:
 
     1. TP: ``apply_tensor_parallel(model, group=tp, sequence_parallel=pp == 1)``; with PP, the head
        becomes ``ColumnParallelLinear(model.lm_head, group=tp, gather_output=True)`` (whole logits).
@@ -170,7 +172,7 @@ def compose(model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig, *, zero: int =
     microbatches = microbatches or (2 * d.pp if d.pp > 1 else 1)
     check_composition(mesh, model_cfg, cfg, zero=zero, microbatches=microbatches)
     g = mesh.groups
-    model = build_model(model_cfg, seed=cfg.seed)
+    model = build_model(model_cfg, seed=cfg.seed, device=rank_device())  # the GPU under NCCL
     ### BEGIN SOLUTION
     module, pipe = model, None
     if d.tp > 1:
@@ -204,6 +206,7 @@ def train_step(c: Composed, x: torch.Tensor, y: torch.Tensor) -> float | None:
     (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches, pipe=pipe)``. Then
     ``optimizer.step()`` and ``optimizer.zero_grad()``."""
     mesh, d = c.mesh, c.mesh.dims
+    x, y = x.to(rank_device()), y.to(rank_device())
     ### BEGIN SOLUTION
     x, y = x.chunk(d.dp)[mesh.coords["dp"]], y.chunk(d.dp)[mesh.coords["dp"]]  # [B/dp, T]
     positions = None

@@ -44,7 +44,8 @@ def test_group_ranks_follow_the_rank_grid():
 def test_dp2_tp2_pp2_matches_the_reference():
     s = experiment.run(nproc=8, dp=2, tp=2, pp=2, steps=3)
     check_summary(s)
-    assert s["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and s["groups"]["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert s["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert s["groups"]["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert s["zero"] == 1 and s["microbatches"] == 4
     by_axis = s["comm_bytes_by_axis"]
     assert all(b["cp"] == 0 and b["pp"] == 2 * 32 * 32 * 4 * 4 // 2 for b in by_axis)  # one direction: [4, 32, 32] fp32

@@ -243,7 +243,8 @@ def test_scaling_shows_where_the_time_goes():
     assert [(r["dp"], r["tp"], r["pp"], r["cp"]) for r in rows] == [(1, 8, 4, 4), (4, 8, 4, 4), (16, 8, 4, 4)]
     for r in rows:
         assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["bubble_s"] + r["exposed_comm_s"])
-        assert r["bubble_s"] / (r["compute_s"] + r["bubble_s"]) == pytest.approx(bubble_fraction("1f1b", 4, 128 // r["dp"]))
+        bubble = bubble_fraction("1f1b", 4, 128 // r["dp"])
+        assert r["bubble_s"] / (r["compute_s"] + r["bubble_s"]) == pytest.approx(bubble)
         assert sum(r["exposed_by_axis"].values()) == pytest.approx(r["exposed_comm_s"])
     assert rows[0]["vs_first"] == 1 and rows[0]["vs_first"] > rows[1]["vs_first"] > rows[2]["vs_first"]
     assert rows[1]["scaling_efficiency"] == pytest.approx(plan(L70, **SEED)["scaling_efficiency"])

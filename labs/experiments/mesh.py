@@ -32,6 +32,7 @@ from labs.experiments.common import fill_losses, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.measure.ledger import _bind
 from labs.models.transformer import ModelConfig
+from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import context_parallel as cp_theory
@@ -113,7 +114,7 @@ class GradProbe:
             return self.grads
         names, out = {p: n for n, p in self.module.named_parameters()}, {}
         for u, shard in zip(self.inner.units, self.shards):
-            flat = torch.empty(u.padded, dtype=shard.dtype)
+            flat = torch.empty(u.padded, dtype=shard.dtype, device=shard.device)
             dist.all_gather_single(flat, shard, group=group)
             out.update({names[p]: v.clone() for p, v in zip(u.params, u.views(flat))})
         return out
@@ -122,7 +123,7 @@ class GradProbe:
 def torch_mesh_ranks(dims: ParallelDims) -> dict[str, list[int]]:
     """This rank's groups in torch's own ``init_device_mesh`` with the same (dp, pp, cp, tp) order."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", tuple(dims.degrees[a] for a in AXES), mesh_dim_names=AXES)
+    mesh = init_device_mesh(rank_device().type, tuple(dims.degrees[a] for a in AXES), mesh_dim_names=AXES)
     out = {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in AXES if dims.degrees[a] > 1}
     if dims.dp * dims.cp > 1:
         out["dp_cp"] = dist.get_process_group_ranks(mesh["dp", "cp"]._flatten("dp_cp").get_group())
@@ -250,8 +251,9 @@ def run(*, nproc: int = 8, steps: int = 3, backend: str = "auto", vs_torch: bool
                                                                                          for r in per_rank],
         activation_bytes_per_rank=[r["activation_bytes"] for r in per_rank],
         step_time_s=max(r["step_time_s"] for r in per_rank))
-    s["bytes_match_theory"] = all(abs(m.get(a, 0.0) - t[a]) < 1 for m, t in zip(s["comm_bytes_by_axis"], theory)
-                                  for a in AXIS_NAMES) and all(m.get("world", 0.0) == 0 for m in s["comm_bytes_by_axis"])
+    measured = s["comm_bytes_by_axis"]
+    s["bytes_match_theory"] = (all(abs(m.get(a, 0.0) - t[a]) < 1 for m, t in zip(measured, theory) for a in AXIS_NAMES)
+                               and all(m.get("world", 0.0) == 0 for m in measured))
     s["state_matches_theory"] = s["state_bytes_per_rank"] == s["theory_state_bytes_per_rank"]
     return s
 
@@ -272,7 +274,8 @@ RULES = {
     "tp": ("each layer's weights and (with SP) activations", "weights and activations / N",
            "4 collectives of B·T·H per layer per micro-batch: needs NVLink", "a layer too big for a GPU; in a node"),
     "pp": ("the layers", "weights / N (activations: 1F1B holds N micro-batches)",
-           "one B·T·H activation per micro-batch per boundary; idle bubble", "a model too big for a node; across nodes"),
+           "one B·T·H activation per micro-batch per boundary; idle bubble",
+           "a model too big for a node; across nodes"),
     "cp": ("the sequence", "activations / N", "K/V around a ring per layer: overlaps attention",
            "long sequences (32K and up)"),
 }
@@ -316,8 +319,9 @@ def report(s: dict) -> str:
     the groups against torch's, and bytes sent per rank per step by group (measured, then theory)."""
     d = s["degrees"]
     ok = s["matches_reference"] and s["grads_match_reference"]
-    lines = [f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']}, {s['microbatches']} micro-batch(es)"
-             f" per DP rank) on {s['nproc']} {s['backend']} ranks: {'matches' if ok else 'DOES NOT MATCH'} the reference",
+    lines = [f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']}, {s['microbatches']} "
+             f"micro-batch(es) per DP rank) on {s['nproc']} {s['backend']} ranks: "
+             f"{'matches' if ok else 'DOES NOT MATCH'} the reference",
              f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'rel. diff':>9}"]
     for i, (a, b) in enumerate(zip(s["losses"], s["reference_losses"]), 1):
         lines.append(f"{i:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b) / abs(b):>9.1e}")

@@ -64,8 +64,9 @@ def summary(p: dict, *, model: str = "custom") -> dict:
     bubble, step time, MFU, the rule's steps, the rejected layouts (name, reason, GiB, step time)."""
     mem = p["memory"]
     keep = ("dp", "tp", "pp", "cp", "zero", "sp", "world_size", "global_batch", "microbatches", "total_params",
-            "fits", "bubble", "compute_s", "bubble_s", "exposed_comm_s", "step_time_s", "tokens_per_s", "scaling_efficiency", "mfu",
-            "comm_bytes", "comm_seconds", "intra_node", "rule", "warnings", "assumptions", "cluster")
+            "fits", "bubble", "compute_s", "bubble_s", "exposed_comm_s", "step_time_s", "tokens_per_s",
+            "scaling_efficiency", "mfu", "comm_bytes", "comm_seconds", "intra_node", "rule", "warnings",
+            "assumptions", "cluster")
     return {"model": model, **{k: p[k] for k in keep},
             "memory_gib": {k.removesuffix("_bytes"): mem[k] / GIB for k in
                            ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")},
@@ -88,7 +89,8 @@ def format_result(r: dict) -> str:
              f"{m['grad']:.1f}, optimizer {m['optimizer']:.1f}, activations {m['activation']:.1f}); a replica "
              f"without DP sharding {r['replica_gib']:.1f}",
              "comm/step   " + ", ".join(f"{a} {r['comm_bytes'][a] / 1e9:.3g} GB ({r['comm_seconds'][a]:.3g} s, "
-                                        f"{'intra' if r['intra_node'][a] else 'inter'})" for a in ("tp", "cp", "pp", "dp")),
+                                        f"{'intra' if r['intra_node'][a] else 'inter'})"
+                                        for a in ("tp", "cp", "pp", "dp")),
              f"time        step {r['step_time_s']:.3g} s (compute {r['compute_s']:.3g} s), bubble {r['bubble']:.1%}, "
              f"scaling efficiency {r['scaling_efficiency']:.0%}, MFU {r['mfu']:.0%}", "", "rule"]
     lines += [f"  {step}" for step in r["rule"]]
