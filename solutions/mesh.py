@@ -45,7 +45,7 @@ import torch.distributed as dist
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
-from labs.theory.dims import AXES, ParallelDims, divisors
+from labs.theory.dims import AXES, ParallelDims, check_divides, divisors
 from labs.train import TrainConfig, make_optimizer
 
 NOTEBOOK = "08_composing_4d.ipynb"
@@ -141,6 +141,7 @@ def check_composition(mesh: Mesh, model_cfg: ModelConfig, cfg: TrainConfig, *, z
     d.check_model(n_head=model_cfg.n_head, n_kv_head=model_cfg.n_kv_head, n_embd=model_cfg.n_embd,
                   vocab_size=model_cfg.vocab_size, ffn_hidden=model_cfg.ffn_hidden, n_layer=model_cfg.n_layer,
                   seq_len=cfg.seq_len, cp_chunks_per_rank=2)
+    check_divides(model_cfg.n_layer, "n_layer", d.pp, "pp")  # equal stages: plan [n_layer // pp] * pp
     if d.pp > 1 and d.cp > 1:
         raise ValueError(f"pp={d.pp} with cp={d.cp}: the pipeline lab's StageModule builds rotary positions from "
                          f"arange(T), not the zig-zag positions of a CP rank; use pp=1 or cp=1")

@@ -95,6 +95,7 @@ def test_cli_runs_the_composed_lab():
     (dict(nproc=8, dp=2, tp=2, pp=2, microbatches=3), "microbatches=3 must divide"),
     (dict(nproc=8, dp=1, tp=8), "n_kv_head=4 is not divisible by tp=8"),
     (dict(nproc=4, pp=4), "pp=4 x virtual_stages=1 = 4 stages but only n_layer=2"),
+    (dict(nproc=2, pp=2, layers=3), "n_layer=3 is not divisible by pp=2"),
 ])
 def test_bad_meshes_are_clear_errors_before_any_process(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*").replace("+", r"\+")):
@@ -132,7 +133,7 @@ def test_gradient_assembly_joins_tp_shards_along_the_split_dimension():
     ref = {"w_col": torch.arange(8.0).view(4, 2), "w_row": torch.arange(8.0).view(2, 4), "norm": torch.ones(3)}
     ranks = [{"coords": {"tp": t}, "grads": {"w_col": ref["w_col"].chunk(2, 0)[t], "w_row": ref["w_row"].chunk(2, 1)[t],
                                               "norm": ref["norm"]}} for t in (1, 0)]
-    got = experiment.assemble_grads(ranks + [{"coords": {"tp": 0}, "grads": None}], ref, tp=2)
+    got = experiment.assemble_grads(ranks + [{"coords": {"tp": 0}, "grads": None}], ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
@@ -144,3 +145,24 @@ def test_which_parallelism_table_reads_the_measurements():
     assert len(table) == 4 and table[0].startswith("| parallelism | splits | memory saving | communication cost")
     assert table[2].endswith("state 0.50x, activations n/a (1F1B); sends 33 kB on pp per step |")
     assert table[3].endswith("state 0.75x, activations 0.50x; sends 98 kB on cp per step |")
+
+
+@pytest.mark.exercise
+@pytest.mark.slow
+def test_the_exported_torchrun_command_runs_the_lab():
+    """The planner's single-node export, run for real: torchrun starts 2 workers, each joins the job."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from labs.theory.exports import torchrun_command
+    from tests.helpers import ROOT
+    argv = shlex.split(torchrun_command({"dp": 2, "tp": 1, "pp": 1, "cp": 1}))
+    argv[0] = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run(argv + ["--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [s] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]  # rank 0 prints
+    assert s["nproc"] == 2 and s["matches_reference"] and s["grads_match_reference"] and s["bytes_match_theory"]

@@ -191,7 +191,7 @@ def theory_bytes(r: dict, dims: ParallelDims, model_cfg: ModelConfig, cfg: Train
     return out
 
 
-def assemble_grads(per_rank: list[dict], reference: dict, tp: int) -> dict[str, torch.Tensor]:
+def assemble_grads(per_rank: list[dict], reference: dict) -> dict[str, torch.Tensor]:
     """Whole gradients by name from the ranks with dp = cp = 0: TP shards joined along the dimension
     where their shape differs from the reference's, in tp order; replicated ones taken from tp = 0."""
     out = {}
@@ -235,7 +235,7 @@ def run(*, nproc: int = 8, steps: int = 3, backend: str = "auto", vs_torch: bool
                     zero=zero, microbatches=per_rank[0]["microbatches"], layers=layers)
     last = [r for r in per_rank if r["coords"]["pp"] == pp - 1 and r["coords"]["tp"] == 0]
     fill_losses(s, [statistics.fmean(r["losses"][i] for r in last) for i in range(steps)], ref.losses)
-    grads = assemble_grads(per_rank, ref.grads, tp)
+    grads = assemble_grads(per_rank, ref.grads)
     diffs = {n: max_rel_diff(g.double(), ref.grads[n].double()) for n, g in grads.items()}
     worst = max(diffs, key=diffs.get)
     theory = [theory_bytes(r, dims, model_cfg, cfg, zero) for r in per_rank]
