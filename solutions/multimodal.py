@@ -95,7 +95,8 @@ class EncoderStage(nn.Module):
 def build_multimodal_stage(model: MultimodalModel, *, split, stage: int) -> nn.Module:
     """Stage ``stage`` of ``split`` (decoder layers per stage, e.g. ``(0, 2, 1, 1)``): for stage 0 an
     :class:`EncoderStage` with decoder layers 0..split[0]-1; for s > 0 notebook 05's ``StageModule`` over the
-    decoder with the next split[s] layers (``first=False``: stage 0 embedded the caption; ``last`` for the last stage: norm, head)."""
+    decoder with the next split[s] layers, ``first=False`` (stage 0 embedded the caption) and ``last`` on
+    the last stage (norm, head)."""
     split = check_split(split, n_layers=model.cfg.decoder.n_layer)
     if not 0 <= stage < len(split):
         raise ValueError(f"stage={stage} must be in 0..{len(split) - 1}")

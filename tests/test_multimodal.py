@@ -12,6 +12,7 @@ from labs.experiments import multimodal_timeline
 from labs.experiments.common import SUMMARY_KEYS
 from labs.models.vision import (MultimodalConfig, build_multimodal, data_for, describe, fuse, to_hf_siglip,
                                 train_reference)
+from labs.runtime.device import one_thread
 from labs.train import TOLERANCES, TrainConfig
 from tests.helpers import run_json
 
@@ -74,7 +75,7 @@ def test_imbalance_measurement_reports_every_stage():
         assert row["matches_reference"], row["losses"]
         assert len(row["t_forward"]) == len(row["t_backward"]) == 2 and min(row["t_forward"]) > 0
         assert 0 < row["measured_bubble"] < 1 and 0 < row["simulated_bubble"] < 1
-        assert {e.name for e in row["events"]} == {"F", "B"} and len(row["events"]) == 2 * 2 * 4
+        assert {e["name"] for e in row["events"]} == {"F", "B"} and len(row["events"]) == 2 * 2 * 4
     flops = [row["flops_bubble"] for row in r["rows"]]
     assert flops[1] < flops[0]  # the prediction: rebalancing shrinks the bubble
 
@@ -94,7 +95,7 @@ def test_command_line_summary():
     (dict(mode="pp", nproc=1), "needs nproc >= 2"),
     (dict(mode="pp", nproc=2, microbatches=3), "not divisible by microbatches=3"),
     (dict(mode="dp", nproc=3), "batch_size=8 is not divisible by the data-parallel degree 3"),
-    (dict(mode="dp", nproc=2, zero=4), "stage=4 is not one of"),
+    (dict(mode="dp", nproc=2, zero=4), "zero=4 is not one of"),
     (dict(mode="tp", nproc=3), "divisible"),
     (dict(mode="pp", size="huge"), "size='huge' is not one of"),
 ])
@@ -153,7 +154,7 @@ def test_captions_name_what_the_image_shows():
 
 def test_reference_learns_to_caption():
     cfg = MultimodalConfig()
-    with experiment.one_thread():
+    with one_thread():
         ref = train_reference(cfg, TrainConfig(steps=30, batch_size=16, lr=1e-2), return_params=False)
     assert ref["losses"][-1] < 0.5 * ref["losses"][0], ref["losses"]
     model = build_multimodal(cfg)

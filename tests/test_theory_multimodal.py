@@ -5,6 +5,7 @@ Theory and harness only (no exercise code): not marked exercise."""
 
 import argparse
 import itertools
+import json
 import subprocess
 import sys
 
@@ -206,6 +207,7 @@ def test_cli_and_no_torch():
     r = theory.cli(parser.parse_args(["--text-tokens", "1024", "--gpus", "16", "--layout", "4,1,4,1,1",
                                       "--global-batch", "1024"]))
     text = theory.format_result(r)
+    assert json.loads(json.dumps(r))["layout"]["pp"] == 4  # the --json output
     assert "rebalanced" in text and "split (8, 8, 8, 8)" in text and len(r["memory_gib"]) == 4
     with pytest.raises(ValueError, match="layout='4,1' must be five integers"):
         theory.cli(parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"]))

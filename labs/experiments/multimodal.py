@@ -34,6 +34,7 @@ from labs.experiments.common import fill_losses, new_summary
 from labs.measure import CommLedger, Timeline, state_bytes
 from labs.models.transformer import ModelConfig
 from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal, data_for, train_reference
+from labs.runtime.device import one_thread, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import multimodal as theory
@@ -68,19 +69,14 @@ def reference_name(name: str) -> str:
     return name if name.startswith(("encoder.", "projector.")) else "decoder." + name
 
 
-@contextlib.contextmanager
-def one_thread():
-    """The reference on one thread: on a busy 2-core machine a second intra-op thread costs more than it saves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _grads(module, rename=lambda n: n) -> dict:
-    return {rename(n): p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    """Gradients by name, on the CPU (results travel to the parent by pickle)."""
+    return {rename(n): p.grad.detach().cpu().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _on(device, batches) -> list[tuple]:
+    """Every tensor of every batch on ``device`` (the rank's GPU under NCCL; a no-op on the CPU)."""
+    return [tuple(t.to(device) for t in batch) for batch in batches]
 
 
 # --- the workers, one per mode -----------------------------------------------------------------------
@@ -89,10 +85,12 @@ def pp_worker(cfg: MultimodalConfig, train: TrainConfig, splits: list, microbatc
     splits' steps interleaved (so every split meets the same machine load); the last ``timed`` steps of each
     are recorded on a timeline. Returns one result per split."""
     mm, pp = exercise("multimodal"), exercise("pipeline_parallel")
-    pipe, batches = pp.pipe_group(), data_for(cfg, train)
+    pipe = pp.pipe_group()
+    batches = _on(pipe.device, data_for(cfg, train))
     runs = []
     for split in splits:
-        stage = mm.build_multimodal_stage(build_multimodal(cfg, seed=train.seed), split=split, stage=pipe.rank)
+        model = build_multimodal(cfg, seed=train.seed, device=pipe.device)
+        stage = mm.build_multimodal_stage(model, split=split, stage=pipe.rank)
         optimizer = torch.optim.AdamW(stage.parameters(), lr=train.lr, betas=train.betas,
                                       weight_decay=train.weight_decay, foreach=False)  # make_optimizer's
         runs.append({"stage": stage, "optimizer": optimizer, "losses": [], "timelines": [], "step_times": []})
@@ -121,9 +119,10 @@ def dp_worker(cfg: MultimodalConfig, train: TrainConfig, zero: int, bucket_mb: f
     """One data-parallel rank: its share of each global batch, our DDP / ZeRO (and torch's DDP with vs_torch)."""
     from labs.experiments.zero import held_bytes
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
     batches = shapes.rank_batches(steps=train.steps, batch_size=train.per_rank_batch(n), n_prefix=cfg.n_prefix,
                                   rank=rank, world_size=n, seed=train.data_seed, image_size=cfg.vision.image_size)
-    model = build_multimodal(cfg, seed=train.seed)
+    batches, model = _on(device, batches), build_multimodal(cfg, seed=train.seed, device=device)
     trainer = exercise("multimodal").DataParallelTrainer(model, cfg=train, zero=zero, bucket_mb=bucket_mb)
     out = {"losses": [], "step_times": []}
     for step, batch in enumerate(batches):
@@ -140,7 +139,7 @@ def dp_worker(cfg: MultimodalConfig, train: TrainConfig, zero: int, bucket_mb: f
     if vs_torch:
         from torch.nn.parallel import DistributedDataParallel
         from labs.train import make_optimizer
-        ddp = DistributedDataParallel(build_multimodal(cfg, seed=train.seed))
+        ddp = DistributedDataParallel(build_multimodal(cfg, seed=train.seed, device=device))
         optimizer, times, losses = make_optimizer(ddp.parameters(), train), [], []
         for images, tokens, targets in batches:
             t0 = time.perf_counter()
@@ -157,11 +156,12 @@ def dp_worker(cfg: MultimodalConfig, train: TrainConfig, zero: int, bucket_mb: f
 
 def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
     """One tensor-parallel rank: the whole global batch through its decoder shards and its encoder replica."""
-    model = exercise("multimodal").TensorParallelMultimodal(build_multimodal(cfg, seed=train.seed))
+    device = rank_device()
+    model = exercise("multimodal").TensorParallelMultimodal(build_multimodal(cfg, seed=train.seed, device=device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
                                   weight_decay=train.weight_decay, foreach=False)
     out = {"losses": [], "step_times": []}
-    for step, (images, tokens, targets) in enumerate(data_for(cfg, train)):
+    for step, (images, tokens, targets) in enumerate(_on(device, data_for(cfg, train))):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with CommLedger() if step == 0 else contextlib.nullcontext() as ledger:
@@ -179,7 +179,7 @@ def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
         out["losses"].append(loss.item())
         report_progress()
     out["state"] = state_bytes(model, optimizer)["total"]
-    out["replicated"] = {n: p.detach().clone() for n, p in model.named_parameters()
+    out["replicated"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()
                          if n.startswith(("encoder.", "projector."))}
     return out
 
@@ -228,7 +228,8 @@ def check_args(cfg: MultimodalConfig, *, nproc: int, mode: str, split, microbatc
         return theory.check_split(split, n_layers=spec.n_layers, stages=nproc)
     if mode == "dp":
         train.per_rank_batch(nproc)
-        zero_theory._check([1], zero, nproc)
+        if zero not in zero_theory.STAGES:
+            raise ValueError(f"zero={zero!r} is not one of {zero_theory.STAGES}; 0 is DDP, 1-3 the ZeRO stages")
     if mode == "tp":
         from labs.theory.tensor_parallel import check
         check(spec, tp=nproc, batch=train.batch_size, seq=cfg.seq_len)

@@ -53,7 +53,7 @@ def measure_timelines(runs: list[dict], *, split, microbatches: int, cfg: Multim
             "measured_stage_share": [(f + b) / total for f, b in zip(t_f, t_b)],
             "measured_bubble": statistics.median(bubbles), "measured_bubbles": bubbles,
             "stage_idle": [statistics.median(i[r] for i in idle) for r in range(P)],
-            "timed_step_s": spans[median], "events": steps[median], "t_delay": t_delay,
+            "timed_step_s": spans[median], "events": dicts, "t_delay": t_delay,
             "simulated_bubble": on_paper["bubble_fraction"], "simulated_step_s": on_paper["makespan"],
             "flops_bubble": flops["bubble_fraction"], "flops_imbalance": flops["imbalance"],
             "flops_stage_share": [t / sum(flops["stage_time"]) for t in flops["stage_time"]],
@@ -67,7 +67,7 @@ def measured_split(row: dict, cfg: MultimodalConfig, *, stages: int | None = Non
     split = row["split"]
     if len(split) != 2 or split[0] != 0:
         raise ValueError(f"measured_split needs a run with split=(0, n), got split={split}")
-    spec, enc = specs(cfg)
+    spec, _ = specs(cfg)
     flops = theory.decoder_flops(spec, seq=cfg.seq_len, mbs=1)
     n = spec.n_layers
     layer = row["stage_time"][1] * flops["per_layer"] / (n * flops["per_layer"] + flops["head"])

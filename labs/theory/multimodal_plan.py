@@ -37,7 +37,7 @@ def plan_with_encoder(spec: ModelSpec, enc: EncoderSpec, *, text_tokens: int, gp
     if layout is None:
         p = planner.plan(spec, seq=seq, gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
                          global_batch=global_batch, peak_tflops=peak_tflops, **assumptions)
-        a, batch = p["assumptions"], p["global_batch"]
+        a = p["assumptions"]
     else:
         a = {**planner.ASSUMPTIONS, **assumptions}
         batch = global_batch if global_batch is not None else max(1, planner.TOKENS_PER_BATCH // seq)
@@ -132,7 +132,8 @@ def plan_summary(r: dict, *, model: str = "custom", encoder: str = "custom") -> 
 def format_result(r: dict) -> str:
     lay = r["layout"]
     lines = [f"{r['model']} + {r['encoder']}: {r['seq']} decoder tokens per sample; layout DP={lay['dp']} "
-             f"TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} ZeRO-{lay['zero']}, {r['microbatches']} micro-batches per step",
+             f"TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} ZeRO-{lay['zero']}, "
+             f"{r['microbatches']} micro-batches per step",
              "memory per stage (GiB)  " + " ".join(f"{g:6.1f}" for g in r["memory_gib"]) +
              f"   fits: {r['fits']}",
              "  decoder alone         " + " ".join(f"{g:6.1f}" for g in r["decoder_only_memory_gib"])]
