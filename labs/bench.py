@@ -1,0 +1,412 @@
+"""The course-wide benchmark: every lab beside PyTorch's own implementation and the theory.
+
+    python -m labs.bench                                  # every lab, 4 ranks, 5 steps -> out/bench/
+    python -m labs.bench --out docs/bench --impl solutions
+    python -m labs.bench --labs zero tp --nproc 2 4 --steps 3
+
+Each lab's experiment (``labs.experiments.<lab>.run``, listed in ``labs.run.LABS``) runs with
+``vs_torch=True`` and its summary becomes one row: step time ours / torch's (DDP, FSDP2
+``fully_shard``, DTensor TP, ``torch.distributed.pipelining``, ``dist.all_reduce``), bytes sent per
+rank measured / theory, state bytes per rank measured / theory, the largest relative difference from
+the single-process reference, and the pipeline bubble measured / theory. Writes ``bench.csv``,
+``bench.md`` (the table, the machine, and a note for every lab slower than torch's by more than
+``SLOWER``) and ``bench.png``. A lab whose module is not in this copy of the course is skipped
+with a note; a lab that fails is a row saying why, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import importlib
+import inspect
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SLOWER = 1.2  # ours / torch above this gets an explanation (issue 13, item 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How the bench runs one configuration of a lab, and what its ``torch_step_time_s`` times."""
+    options: dict | Callable[[int], dict] = dataclasses.field(default_factory=dict)  # or nproc -> options
+    torch: str | None = None        # PyTorch's counterpart, or None where there is none
+    like_for_like: bool = True      # False: torch's time is not of the same parallel job
+    check: str = "matches_reference"  # the summary's verdict against the reference
+    vs_torch: bool = True           # False: this configuration is not comparable with torch's (see its note)
+    note: str = ""                  # shown under the table whatever the timing
+    bubble: bool = True             # False: the lab's bubble figure means nothing in this configuration
+    label: str = ""                 # how the table names it (default: its options)
+
+    def options_for(self, nproc: int) -> dict:
+        return self.options(nproc) if callable(self.options) else dict(self.options)
+
+
+def _mesh(nproc: int) -> dict:
+    return {"dp": nproc // 2, "tp": 2} if nproc % 2 == 0 else {"dp": nproc}
+
+
+# Lab -> its configurations (one row each). A lab missing here runs with its defaults.
+BENCH: dict[str, list[Entry]] = {
+    "collectives": [Entry(torch="dist.all_reduce", check="exact_int")],
+    "memory": [Entry(options={"precisions": ("fp32",), "recomputes": ("none",)}, label="fp32, no recompute")],
+    "ddp": [Entry(options={"variant": "bucketed"}, torch="DistributedDataParallel")],
+    "zero": [Entry(options={"stage": 3}, torch="FSDP2 fully_shard")],
+    "tp": [Entry(options={"sp": False}, torch="DTensor parallelize_module")],
+    "pp": [Entry(options={"schedule": "1f1b", "op_time": 0.0}, torch="torch.distributed.pipelining", bubble=False,
+                 note="Unpadded: the same job as torch's. Its idle time is message latency around ~1 ms "
+                      "operations, not the schedule's bubble (see the padded row below)."),
+           Entry(options={"schedule": "1f1b", "op_time": 0.02}, vs_torch=False,
+                 note="Each forward padded to 20 ms and each backward to 40 ms with sleeps (the lab's op_time), "
+                      "as if every stage's compute were that long, so the bubble is measurable on CPU: compare "
+                      "its bubble with the theory, not its time with torch's (unpadded, in the row above).")],
+    "cp": [Entry(torch="SDPA, one process (no CPU context_parallel)", like_for_like=False)],
+    "moe": [Entry()],
+    "mesh": [Entry(options=_mesh)],
+    "infer": [Entry(options={"mode": "tp"}, torch="transformers generate, one process", like_for_like=False,
+                    check="tokens_match")],
+    "multimodal": [Entry(options={"mode": "pp"}),
+                   Entry(options={"mode": "dp", "bucket_mb": 25.0}, torch="DistributedDataParallel",
+                         note="25 MiB buckets, torch DDP's default, which the lab's torch run uses: at the lab's "
+                              "default 0.1 MiB (bucketing made visible on a tiny model) ours makes 9 all-reduces "
+                              "per step to torch's 1, each a gloo round trip, and was 1.5-1.9x slower (profiled).")],
+}
+
+# Why ours is slower than torch's where it is (profiled with scripts/profile_vs_torch.py): text, then
+# the run's own figures where the summary has them.
+EXPLANATIONS = {
+    "collectives": (
+        "The ring is 2(N-1) dependent rounds of `batch_isend_irecv` driven from Python, each a gloo round "
+        "trip that waits for the neighbour to be scheduled, plus a chunk add; `dist.all_reduce` is one call "
+        "whose whole algorithm runs in gloo's C++ threads. Profiled (4 ranks, 64 Ki floats): a ring round's "
+        "send and recv each take about as long as one whole `dist.all_reduce` (~0.6 ms), and there are 6 of "
+        "them. Same bytes (ratio 1.000): the gap is latency per round, the lesson's point, not a defect."),
+    "cp": (
+        "Not like for like: torch's `context_parallel` has no CPU sharding rule, so torch's time is the "
+        "whole batch's forward + backward in one process (no optimizer step, no ring). Ours adds, per "
+        "layer, 2(N-1) K/V ring rounds each way and the gradient all-reduce, on ranks sharing 2 cores."),
+    "infer": (
+        "Not like for like: transformers' `generate` runs in one process. Decoding is latency-bound: every "
+        "token of the tensor-parallel model waits for its collectives, each a gloo round trip between "
+        "processes sharing the cores, and this tiny model's compute per token is far shorter than that. "
+        "Tensor-parallel decoding pays off where a token's compute dwarfs the collectives' latency "
+        "(large models, NVLink)."),
+}
+
+
+def _details(s: dict) -> str:
+    """The run's own figures behind an explanation, where its summary has them."""
+    try:
+        if s["lab"] == "collectives":
+            rounds = s["sends_per_rank"]
+            return (f" Here: {rounds} rounds, {s['step_time_s'] / rounds * 1e3:.2f} ms each, against "
+                    f"{s['torch_step_time_s'] * 1e3:.2f} ms for the whole `dist.all_reduce`.")
+        if s["lab"] == "infer":
+            return (f" Here: on one rank ours makes {s['single_tokens_per_s']:.0f} tokens/s and transformers "
+                    f"{s['torch_tokens_per_s']:.0f}; on {s['nproc']} ranks each token waits for "
+                    f"{s['messages_per_token']} collectives of {s['message_s'] * 1e3:.2f} ms (measured), "
+                    f"{s['latency_per_token_s'] * 1e3:.1f} ms per token in all.")
+    except (KeyError, TypeError, ZeroDivisionError):
+        pass
+    return ""
+
+
+COLUMNS = ("lab", "config", "nproc", "backend", "impl", "steps", "status", "ours_ms", "torch_ms", "torch_impl",
+           "same_job", "ours_over_torch", "comm_bytes", "theory_comm_bytes", "comm_ratio", "state_bytes", "theory_state_bytes",
+           "state_ratio", "max_diff", "diff_key", "matches_reference", "bubble", "theory_bubble", "bubble_ratio",
+           "wall_s", "note")
+DIFF_KEYS = ("max_rel_loss_diff", "max_rel_diff", "max_abs_loss_diff")
+
+
+def hardware() -> dict:
+    """The machine, without initialising CUDA (a later fork of NCCL ranks needs it untouched)."""
+    import torch
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"cpu": model, "cores": cores, "gpus": gpus, "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform(terse=True)}
+
+
+def _per_rank(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def ratio(measured, theory) -> float | None:
+    """measured / theory, rank by rank; the rank farthest from 1 (None when either is missing)."""
+    if measured is None or theory is None:
+        return None
+    m, t = _per_rank(measured), _per_rank(theory)
+    t = t * len(m) if len(t) == 1 else t
+    ratios = [a / b if b else (1.0 if a == b else float("inf")) for a, b in zip(m, t)]
+    return max(ratios, key=lambda r: abs(r - 1)) if ratios else None
+
+
+def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
+    """One bench row from a lab's summary (``labs.experiments.common.SUMMARY_KEYS`` and its own keys)."""
+    ms = lambda t: None if t is None else 1e3 * t  # noqa: E731
+    most = lambda v: None if v is None else max(_per_rank(v))  # noqa: E731
+    diff_key = next((k for k in DIFF_KEYS if s.get(k) is not None), None)
+    ours, theirs = s.get("step_time_s"), s.get("torch_step_time_s")
+    bubble, theory_bubble = (s.get("bubble_fraction"), s.get("theory_bubble_fraction")) if entry.bubble else (None, None)
+    matches = s.get(entry.check)
+    return {
+        "lab": s["lab"], "config": label(entry, s["nproc"]), "nproc": s["nproc"], "backend": s["backend"], "impl": s.get("impl"), "steps": s["steps"],
+        "status": "ok", "ours_ms": ms(ours), "torch_ms": ms(theirs),
+        "torch_impl": s.get("torch_impl") or (entry.torch if theirs is not None else None),
+        "same_job": entry.like_for_like if theirs is not None else None,
+        "ours_over_torch": ours / theirs if ours and theirs else None,
+        "comm_bytes": most(s.get("comm_bytes_per_rank")), "theory_comm_bytes": most(s.get("theory_comm_bytes_per_rank")),
+        "comm_ratio": ratio(s.get("comm_bytes_per_rank"), s.get("theory_comm_bytes_per_rank")),
+        "state_bytes": most(s.get("state_bytes_per_rank")),
+        "theory_state_bytes": most(s.get("theory_state_bytes_per_rank")),
+        "state_ratio": ratio(s.get("state_bytes_per_rank"), s.get("theory_state_bytes_per_rank")),
+        "max_diff": s.get(diff_key) if diff_key else None, "diff_key": diff_key,
+        "matches_reference": None if matches is None else bool(matches),
+        "bubble": bubble, "theory_bubble": theory_bubble,
+        "bubble_ratio": bubble / theory_bubble if bubble is not None and theory_bubble else None,
+        "wall_s": wall_s, "note": note_for(s, entry),
+    }
+
+
+def note_for(s: dict, entry: Entry) -> str:
+    """The configuration's note, and why ours is slower than torch's when it is by more than ``SLOWER``."""
+    ours, theirs = s.get("step_time_s"), s.get("torch_step_time_s")
+    if not ours or not theirs or ours <= SLOWER * theirs:
+        return entry.note
+    why = EXPLANATIONS.get(s["lab"], f"Not explained yet: run `python scripts/profile_vs_torch.py {s['lab']}`.")
+    kind = "" if entry.like_for_like else " (torch's time is not of the same parallel job)"
+    return " ".join(filter(None, [entry.note, f"Ours is {ours / theirs:.2f}x torch's{kind}. {why}{_details(s)}"]))
+
+
+def merge_repeats(summaries: list[dict], entry: Entry) -> dict:
+    """One summary from repeated runs: the fastest step times (the least disturbed by other
+    processes), the largest difference from the reference, the reference check of every run."""
+    merged = dict(summaries[0])
+    for key in ("step_time_s", "torch_step_time_s"):
+        times = [s[key] for s in summaries if s.get(key) is not None]
+        merged[key] = min(times) if times else None
+    for key in DIFF_KEYS:
+        if merged.get(key) is not None:
+            merged[key] = max(s[key] for s in summaries)
+    if merged.get(entry.check) is not None:
+        merged[entry.check] = all(s.get(entry.check) for s in summaries)
+    return merged
+
+
+def label(entry: Entry, nproc: int) -> str:
+    """The configuration's label, or its options as ``key=value`` pairs."""
+    return entry.label or " ".join(f"{k}={v}" for k, v in entry.options_for(nproc).items())
+
+
+def run_config(lab: str, entry: Entry, *, nproc: int, steps: int, backend: str = "auto", timeout: float = 180.0,
+               vs_torch: bool = True, repeats: int = 1) -> dict:
+    """Run one configuration of a lab (with torch's side by side unless ``vs_torch=False``); its bench row.
+    A failure is a row too: status "failed", "not written" (a stub), "invalid" (the lab refused
+    these options, e.g. this rank count) or "skipped" (the lab is not in this copy of the course)."""
+    from labs.run import LABS
+    base = {"lab": lab, "config": label(entry, nproc), "nproc": nproc, "backend": backend, "steps": steps}
+    try:
+        module = importlib.import_module(LABS[lab])
+    except ModuleNotFoundError as e:
+        if e.name != LABS[lab]:
+            raise
+        return {**base, "status": "skipped", "note": f"{LABS[lab]} is not in this copy of the course yet"}
+    accepted = inspect.signature(module.run).parameters
+    options = entry.options_for(nproc)
+    ignored = sorted(set(options) - set(accepted))
+    if ignored:  # the lab renamed an option: say so rather than bench something else quietly
+        return {**base, "status": "invalid", "note": f"{LABS[lab]}.run takes no option(s) {ignored}"}
+    t0, summaries = time.perf_counter(), []
+    try:
+        for _ in range(repeats):
+            summaries.append(module.run(nproc=nproc, steps=steps, backend=backend, vs_torch=vs_torch and entry.vs_torch,
+                                        timeout=timeout, **options))
+    except Exception as e:  # RankError, LaunchTimeout, ValueError, NotImplementedError: the row says which
+        message = getattr(e, "message", None) or (str(e).splitlines() or [""])[0]
+        status = ("not written" if "NotImplementedError" in (type(e).__name__, getattr(e, "exc_type", ""))
+                  else "invalid" if isinstance(e, ValueError) else "failed")
+        return {**base, "status": status, "wall_s": time.perf_counter() - t0,
+                "note": f"{type(e).__name__}: {message}"[:300]}
+    return row_from_summary(merge_repeats(summaries, entry), entry, time.perf_counter() - t0)
+
+
+def run_lab(lab: str, *, nproc: int, steps: int, **kw) -> list[dict]:
+    """Every configuration of ``lab`` in ``BENCH`` (its defaults if it has none there): one row each."""
+    return [run_config(lab, entry, nproc=nproc, steps=steps, **kw) for entry in BENCH.get(lab, [Entry()])]
+
+
+def run_bench(*, labs=None, nprocs=(4,), steps: int = 5, repeats: int = 3, backend: str = "auto",
+              timeout: float = 180.0, progress: bool = True) -> list[dict]:
+    """Every lab in ``labs`` (default: all of ``labs.run.LABS``) at every rank count in ``nprocs``."""
+    from tqdm.auto import tqdm
+    from labs.run import LABS
+    labs = list(labs or LABS)
+    unknown = [lab for lab in labs if lab not in LABS]
+    if unknown:
+        raise ValueError(f"labs={unknown} are not labs; choose from {sorted(LABS)}")
+    for n in nprocs:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"nproc must be integers >= 1, got {n!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps must be an integer >= 2 (the first step is a warm-up), got {steps!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    jobs = [(lab, entry, n) for lab in labs for entry in BENCH.get(lab, [Entry()]) for n in nprocs]
+    rows = []
+    with tqdm(jobs, desc="bench", unit="run", disable=not progress, position=0) as bar:
+        for lab, entry, n in bar:
+            bar.set_postfix_str(f"{lab} x{n}")
+            rows.append(run_config(lab, entry, nproc=n, steps=steps, backend=backend, timeout=timeout,
+                                   repeats=repeats))
+    return rows
+
+
+def name(row: dict) -> str:
+    return f"{row['lab']} ({row['config']})" if row.get("config") else row["lab"]
+
+
+def fmt(value, spec: str) -> str:
+    """``format(value, spec)``, or "" for None."""
+    return "" if value is None else format(value, spec)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    """The table (one row per lab and rank count), the machine it ran on, and the notes."""
+    hw = meta["hardware"]
+    lines = [f"# Course benchmark ({meta['date']})", "",
+             f"Machine: {hw['cpu']}, {hw['cores']} cores, {hw['gpus']} GPU(s); torch {hw['torch']}, "
+             f"Python {hw['python']}. Implementation: `{meta['impl']}`. Command: `{meta['command']}`.", "",
+             f"Step time is each lab's median over its steps (max over ranks), the fastest of {meta.get('repeats', 1)} "
+             "run(s). Ratios are measured / theory "
+             "(1.000: the formula's figure to the byte). Max diff: largest relative difference from the "
+             "single-process reference (collectives: from `dist.all_reduce`), ✓ within the lab's tolerance.", "",
+             "| lab | ranks | ours (ms) | torch (ms) | torch's implementation | ours / torch | bytes sent / theory "
+             "| state bytes / theory | max diff vs reference | bubble (theory) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    notes = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {name(r)} | {r['nproc']} | {r['status']} | | | | | | | |")
+            notes.append(f"- **{name(r)}** ({r['nproc']} ranks, {r['status']}): {r['note']}")
+            continue
+        mark = {True: " ✓", False: " ✗", None: ""}[r["matches_reference"]]
+        bubble = f"{r['bubble']:.3f} ({r['theory_bubble']:.3f})" if r["bubble"] is not None else ""
+        lines.append(f"| {name(r)} | {r['nproc']} | {fmt(r['ours_ms'], '.1f')} | {fmt(r['torch_ms'], '.1f')} "
+                     f"| {r['torch_impl'] or '—'} | {fmt(r['ours_over_torch'], '.2f')} | {fmt(r['comm_ratio'], '.3f')} "
+                     f"| {fmt(r['state_ratio'], '.3f')} | {fmt(r['max_diff'], '.1e')}{mark} | {bubble} |")
+        if r["note"]:
+            notes.append(f"- **{name(r)}** ({r['nproc']} ranks): {r['note']}")
+    if notes:
+        lines += ["", "## Notes", "", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path) -> None:
+    """One line per run, four panels: step time ours / torch's, bytes and state against theory,
+    largest difference from the reference, pipeline bubble against theory."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    ok = [r for r in rows if r["status"] == "ok"][::-1]  # first row on top
+    y = list(range(len(ok)))
+    fig, (speed, theory, diff, bubble) = plt.subplots(1, 4, figsize=(15, 0.42 * len(ok) + 1.8), sharey=True)
+    colours = ["tab:blue" if r.get("same_job") else "tab:gray" for r in ok]
+    speed.barh(y, [r["ours_over_torch"] or 0 for r in ok], color=colours)
+    speed.axvline(1, color="black", lw=0.8)
+    speed.axvline(SLOWER, color="tab:red", ls="--", lw=0.8)
+    speed.set(title="step time, ours / torch's", xscale="log", yticks=y, yticklabels=[name(r) for r in ok])
+    speed.legend(handles=[Patch(color="tab:blue", label="the same job"),
+                          Patch(color="tab:gray", label="torch's time is another job"),
+                          Line2D([], [], color="tab:red", ls="--", label=f"{SLOWER:g}x: explained in bench.md")],
+                 fontsize=7, loc="lower right")
+    theory.scatter([r["comm_ratio"] for r in ok], y, marker="o", label="bytes sent", zorder=3)
+    theory.scatter([r["state_ratio"] for r in ok], y, marker="x", color="tab:orange", label="state bytes", zorder=3)
+    theory.axvline(1, color="black", lw=0.8)
+    theory.set(title="measured / theory", xlim=(0.9, 1.1))
+    theory.legend(fontsize=7, loc="lower right")
+    diff.barh(y, [r["max_diff"] or 0 for r in ok],
+              color=["tab:red" if r["matches_reference"] is False else "tab:green" for r in ok])
+    diff.axvline(1e-5, color="tab:red", ls="--", lw=0.8, label="fp32 tolerance 1e-5")
+    for i, r in zip(y, ok):  # a reference check without a number (e.g. generated tokens equal)
+        if r["max_diff"] is None and r["matches_reference"] is not None:
+            diff.text(2e-9, i, "equal" if r["matches_reference"] else "differ", va="center", fontsize=8)
+    diff.set(title="max rel. difference from the reference", xscale="log", xlim=(1e-9, 1e-4))
+    diff.legend(fontsize=7, loc="lower right")
+    piped = [(i, r) for i, r in zip(y, ok) if r["bubble"] is not None]
+    bubble.barh([i for i, _ in piped], [r["bubble"] for _, r in piped], color="tab:purple", label="measured")
+    bubble.scatter([r["theory_bubble"] for _, r in piped], [i for i, _ in piped], marker="|", s=300, color="black",
+                   label="theory", zorder=3)
+    bubble.set(title="pipeline bubble fraction", xlim=(0, 1))
+    bubble.legend(fontsize=7, loc="lower right")
+    for ax in (speed, theory, diff, bubble):
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[dict], out, meta: dict) -> dict[str, Path]:
+    """``bench.csv``, ``bench.md`` and ``bench.png`` in the folder ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {k: out / f"bench.{k}" for k in ("csv", "md", "png")}
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
+    paths["md"].write_text(markdown(rows, meta))
+    plot(rows, paths["png"])
+    return paths
+
+
+def main(argv=None) -> int:
+    from labs.run import LABS
+    parser = argparse.ArgumentParser(prog="python -m labs.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="out/bench", help="folder for bench.csv, bench.md, bench.png")
+    parser.add_argument("--labs", nargs="+", choices=sorted(LABS), default=None, help="default: every lab")
+    parser.add_argument("--nproc", nargs="+", type=int, default=[4], help="rank counts (each lab at each)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (or repetitions) per lab")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per lab; the fastest step times count (the least disturbed by other processes)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    parser.add_argument("--impl", choices=("solutions", "labs"), default=None,
+                        help="whose exercise code runs (default: the LABS_IMPL switch)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per lab run")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    args = parser.parse_args(argv)
+    from labs.runtime.impl import implementation, set_implementation
+    if args.impl:
+        set_implementation(args.impl)
+    try:
+        rows = run_bench(labs=args.labs, nprocs=args.nproc, steps=args.steps, repeats=args.repeats, backend=args.backend,
+                         timeout=args.timeout, progress=args.progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "repeats": args.repeats,
+            "hardware": hardware(), "impl": implementation(),
+            "command": "python -m labs.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
+    paths = write(rows, args.out, meta)
+    print(paths["md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
