@@ -26,6 +26,7 @@ COMMANDS = {
     "moe": "labs.theory.moe",            # notebook 07: active vs total parameters, all-to-all bytes
     "plan": "labs.theory.planner",       # notebook 08: the parallelism planner
     "infer": "labs.theory.inference",    # notebook 09: KV cache per rank, messages per token, decode time
+    "multimodal": "labs.theory.multimodal",  # notebook 11: an encoder's memory and pipeline imbalance
 }
 
 
