@@ -342,6 +342,7 @@ def main(argv=None) -> int:
         students = [s for s in students if s in args.students]
     if not students:
         parser.error(f"SUBMISSIONS_DIR={submissions} has no student folders")
+    run_notebooks = not args.no_notebooks
     become_subreaper()
     report.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="labs-grade-") as tmp:
@@ -363,10 +364,15 @@ def main(argv=None) -> int:
             expected = collect_tests(template, private, labs)
         except RuntimeError as exc:
             parser.exit(1, f"error: {exc}\n")
+        idle = [lab.name for lab in labs if not expected[lab.name] and not (lab.notebook and run_notebooks)]
+        if idle:
+            why = "no notebook" if run_notebooks else "--no-notebooks"
+            print(f"nothing to grade in {', '.join(idle)}: no tests marked exercise, {why}", file=sys.stderr)
+        labs = [lab for lab in labs if lab.name not in idle]
         meta = {"graded_at": time.strftime("%Y-%m-%d %H:%M"), "commit": json.loads(
             (template / ".release.json").read_text())["commit"], "labs": [asdict(lab) for lab in labs],
             "hidden_tests": str(hidden) if hidden else None}
-        ctx = {"template": template, "private": private, "report": report, "notebooks": not args.no_notebooks,
+        ctx = {"template": template, "private": private, "report": report, "notebooks": run_notebooks,
                **{k: getattr(args, k) for k in ("cell_timeout", "notebook_timeout", "test_timeout", "lab_timeout",
                                                  "max_timeouts")}}
         results = []

@@ -30,8 +30,6 @@ import pytest
 from labs.grading.processes import descendants
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.slow
-
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
@@ -171,6 +169,15 @@ def _text(page, selector: str | None) -> str | None:
     return page.locator(selector).first.text_content().strip() if selector else None
 
 
+@pytest.mark.parametrize("ci, outcome", [("1", pytest.fail.Exception), ("", pytest.skip.Exception)])
+def test_without_chromium_the_test_skips_except_under_ci(monkeypatch, ci, outcome):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", Path("/nonexistent/chromium"))
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="chromium is missing"):
+        require_browser()
+
+
+@pytest.mark.slow
 def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
