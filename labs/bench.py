@@ -82,11 +82,15 @@ BENCH: dict[str, list[Entry]] = {
 # the run's own figures where the summary has them.
 EXPLANATIONS = {
     "collectives": (
-        "The ring is 2(N-1) dependent rounds of `batch_isend_irecv` driven from Python, each a gloo round "
-        "trip that waits for the neighbour to be scheduled, plus a chunk add; `dist.all_reduce` is one call "
-        "whose whole algorithm runs in gloo's C++ threads. Profiled (4 ranks, 64 Ki floats): a ring round's "
-        "send and recv each take about as long as one whole `dist.all_reduce` (~0.6 ms), and there are 6 of "
-        "them. Same bytes (ratio 1.000): the gap is latency per round, the lesson's point, not a defect."),
+        "Same bytes (ratio 1.000); the gap is latency. The ring is 2(N-1) dependent rounds of `batch_isend_irecv` "
+        "driven from Python: each round hands a chunk to gloo's threads, sleeps until the neighbour's chunk "
+        "arrives and adds it, so it costs a wake-up and a round trip whatever the chunk size. `dist.all_reduce` "
+        "runs its whole algorithm inside gloo's C++ threads. Profiled (scripts/profile_vs_torch.py, 64 Ki "
+        "floats): ranks spend about half their wall time waiting, ~70% of their CPU time in the c10d send/recv "
+        "calls and ~2% in the chunk adds. A round costs ~0.65 ms on an idle machine, at 2 ranks as at 4 (where "
+        "ours was 1.6x torch's), but ~4 ms, one scheduler tick (CONFIG_HZ=250), while other processes keep both "
+        "cores busy: a woken rank waits for a core, 2(N-1) times per all-reduce (up to 10x torch's on 2 ranks). "
+        "Nothing to fix in the lab: calling gloo's all-reduce instead would remove the exercise."),
     "cp": (
         "Not like for like: torch's `context_parallel` has no CPU sharding rule, so torch's time is the "
         "whole batch's forward + backward in one process (no optimizer step, no ring). Ours adds, per "
@@ -118,7 +122,8 @@ def _details(s: dict) -> str:
 
 
 COLUMNS = ("lab", "config", "nproc", "backend", "impl", "steps", "status", "ours_ms", "torch_ms", "torch_impl",
-           "same_job", "ours_over_torch", "comm_bytes", "theory_comm_bytes", "comm_ratio", "state_bytes", "theory_state_bytes",
+           "same_job", "ours_over_torch", "comm_bytes", "theory_comm_bytes", "comm_ratio", "state_bytes",
+           "theory_state_bytes",
            "state_ratio", "max_diff", "diff_key", "matches_reference", "bubble", "theory_bubble", "bubble_ratio",
            "wall_s", "note")
 DIFF_KEYS = ("max_rel_loss_diff", "max_rel_diff", "max_abs_loss_diff")
@@ -161,15 +166,19 @@ def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
     most = lambda v: None if v is None else max(_per_rank(v))  # noqa: E731
     diff_key = next((k for k in DIFF_KEYS if s.get(k) is not None), None)
     ours, theirs = s.get("step_time_s"), s.get("torch_step_time_s")
-    bubble, theory_bubble = (s.get("bubble_fraction"), s.get("theory_bubble_fraction")) if entry.bubble else (None, None)
+    bubble, theory_bubble = s.get("bubble_fraction"), s.get("theory_bubble_fraction")
+    if not entry.bubble:
+        bubble = theory_bubble = None
     matches = s.get(entry.check)
     return {
-        "lab": s["lab"], "config": label(entry, s["nproc"]), "nproc": s["nproc"], "backend": s["backend"], "impl": s.get("impl"), "steps": s["steps"],
+        "lab": s["lab"], "config": label(entry, s["nproc"]), "nproc": s["nproc"], "backend": s["backend"],
+        "impl": s.get("impl"), "steps": s["steps"],
         "status": "ok", "ours_ms": ms(ours), "torch_ms": ms(theirs),
         "torch_impl": s.get("torch_impl") or (entry.torch if theirs is not None else None),
         "same_job": entry.like_for_like if theirs is not None else None,
         "ours_over_torch": ours / theirs if ours and theirs else None,
-        "comm_bytes": most(s.get("comm_bytes_per_rank")), "theory_comm_bytes": most(s.get("theory_comm_bytes_per_rank")),
+        "comm_bytes": most(s.get("comm_bytes_per_rank")),
+        "theory_comm_bytes": most(s.get("theory_comm_bytes_per_rank")),
         "comm_ratio": ratio(s.get("comm_bytes_per_rank"), s.get("theory_comm_bytes_per_rank")),
         "state_bytes": most(s.get("state_bytes_per_rank")),
         "theory_state_bytes": most(s.get("theory_state_bytes_per_rank")),
@@ -306,7 +315,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         mark = {True: " ✓", False: " ✗", None: ""}[r["matches_reference"]]
         bubble = f"{r['bubble']:.3f} ({r['theory_bubble']:.3f})" if r["bubble"] is not None else ""
         lines.append(f"| {name(r)} | {r['nproc']} | {fmt(r['ours_ms'], '.1f')} | {fmt(r['torch_ms'], '.1f')} "
-                     f"| {r['torch_impl'] or '—'} | {fmt(r['ours_over_torch'], '.2f')} | {fmt(r['comm_ratio'], '.3f')} "
+                     f"| {r['torch_impl'] or '—'} | {fmt(r['ours_over_torch'], '.2f')} "
+                     f"| {fmt(r['comm_ratio'], '.3f')} "
                      f"| {fmt(r['state_ratio'], '.3f')} | {fmt(r['max_diff'], '.1e')}{mark} | {bubble} |")
         if r["note"]:
             notes.append(f"- **{name(r)}** ({r['nproc']} ranks): {r['note']}")
@@ -394,12 +404,13 @@ def main(argv=None) -> int:
     if args.impl:
         set_implementation(args.impl)
     try:
-        rows = run_bench(labs=args.labs, nprocs=args.nproc, steps=args.steps, repeats=args.repeats, backend=args.backend,
-                         timeout=args.timeout, progress=args.progress)
+        rows = run_bench(labs=args.labs, nprocs=args.nproc, steps=args.steps, repeats=args.repeats,
+                         backend=args.backend, timeout=args.timeout, progress=args.progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "repeats": args.repeats,
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "repeats": args.repeats,
             "hardware": hardware(), "impl": implementation(),
             "command": "python -m labs.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
     paths = write(rows, args.out, meta)

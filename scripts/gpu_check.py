@@ -104,7 +104,8 @@ def check_labs(labs, plan, *, steps, timeout, vs_torch, deadline, log) -> list[d
                 row.update(where=why, passed=row["status"] == "ok" and row.get("matches_reference") is not False)
                 verdict = ("ok" if row["passed"] else "FAIL") if row["status"] == "ok" else row["status"]
                 log(f"  {lab:<11} {row.get('config', ''):<30} x{nproc} {backend:<5} reference {verdict:<8}"
-                    f" max diff {fmt(row.get('max_diff'), '.1e') or '-'}  bytes/theory {fmt(row.get('comm_ratio'), '.3f')}"
+                    f" max diff {fmt(row.get('max_diff'), '.1e') or '-'}"
+                    f"  bytes/theory {fmt(row.get('comm_ratio'), '.3f')}"
                     f"  state/theory {fmt(row.get('state_ratio'), '.3f')}"
                     + (f"  ({row['note'][:120]})" if row["status"] != "ok" else ""))
                 rows.append(row)
@@ -234,8 +235,9 @@ def throughput_worker(run: Throughput) -> dict:
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
-def measure_throughput(modes, *, cfg, world, backend, micro_batch, predicted, peak, steps, timeout, deadline,
+def measure_throughput(modes, *, cfg, world, backend, micro_batch, predict_memory, peak, steps, timeout, deadline,
                        log) -> list[dict]:
+    """One row per mode: tokens/s, MFU, peak memory (and the calculator's, with ``predict_memory``)."""
     from labs.bench import fmt
     from labs.experiments.zero import warm_imports
     from labs.runtime.launcher import launch
@@ -248,25 +250,38 @@ def measure_throughput(modes, *, cfg, world, backend, micro_batch, predicted, pe
         if left < 20:
             rows.append({**row, "status": "skipped", "note": "time budget spent"})
             continue
-        run = Throughput(mode=mode, model=cfg, micro_batch=micro_batch, steps=steps)
-        try:
-            per_rank = launch(throughput_worker, world, run, backend=backend, timeout=min(timeout, left),
-                              progress=run.warmup + steps, desc=MODE_NAMES[mode])
-        except Exception as e:  # a failed or out-of-memory run is a row, not the end of the check
-            rows.append({**row, "status": "failed", "note": f"{type(e).__name__}: {getattr(e, 'message', e)}"[:300]})
-            log(f"  {MODE_NAMES[mode]:<26} FAILED {rows[-1]['note']}")
+        per_rank, mbs = None, micro_batch
+        while per_rank is None:
+            run = Throughput(mode=mode, model=cfg, micro_batch=mbs, steps=steps)
+            try:
+                per_rank = launch(throughput_worker, world, run, backend=backend,
+                                  timeout=min(timeout, max(20.0, deadline - time.monotonic())),
+                                  progress=run.warmup + steps, desc=f"{MODE_NAMES[mode]}, micro-batch {mbs}")
+            except Exception as e:  # a failed run is a row, not the end of the check
+                message = f"{type(e).__name__}: {getattr(e, 'message', e)}"
+                if "out of memory" in message and mbs > 1 and deadline - time.monotonic() > 20:
+                    log(f"  {MODE_NAMES[mode]:<26} out of memory at micro-batch {mbs}: trying {mbs // 2}")
+                    mbs //= 2  # the calculator's pick was too big for this mode: halve it and say so
+                    continue
+                break
+        if per_rank is None:
+            rows.append({**row, "micro_batch": mbs, "status": "failed", "note": message[:300]})
+            log(f"  {MODE_NAMES[mode]:<26} FAILED {message[:300]}")
             continue
         t = max(r["step_time_s"] for r in per_rank)  # a step ends when its slowest rank does
-        tokens = (1 if mode in ("tp", "torch-tp") else world) * micro_batch * cfg["seq_len"]
+        tokens = (1 if mode in ("tp", "torch-tp") else world) * mbs * cfg["seq_len"]
         peak_bytes = [r["peak_memory_bytes"] or 0 for r in per_rank]
-        row.update(status="ok", device=per_rank[0]["device_name"], step_time_s=t, tokens_per_step=tokens,
-                   tokens_per_s=tokens / t, flops_per_token=per_token, n_params=per_rank[0]["n_params"],
+        row.update(status="ok", micro_batch=mbs, device=per_rank[0]["device_name"], step_time_s=t,
+                   tokens_per_step=tokens, tokens_per_s=tokens / t, flops_per_token=per_token,
+                   n_params=per_rank[0]["n_params"],
                    mfu=mfu(per_token * tokens, step_time_s=t, peak_flops=peak, n_gpus=world) if peak else None,
                    losses=per_rank[0]["losses"], peak_memory_gib=max(peak_bytes) / 2**30 or None,
-                   predicted_memory_gib=predicted[mode] / 2**30 if mode in predicted else None)
+                   predicted_memory_gib=predicted_bytes(cfg, world=world, micro_batch=mbs)[mode] / 2**30
+                   if predict_memory else None)
         log(f"  {MODE_NAMES[mode]:<26} {row['tokens_per_s']:>12,.0f} tokens/s  step {t * 1e3:8.1f} ms"
             f"  MFU {fmt(row['mfu'], '.1%') or 'n/a'}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}"
-            f"  peak {fmt(row['peak_memory_gib'], '.1f') or '-'} GiB (calculator {fmt(row['predicted_memory_gib'], '.1f') or '-'})")
+            f"  peak {fmt(row['peak_memory_gib'], '.1f') or '-'} GiB"
+            f" (calculator {fmt(row['predicted_memory_gib'], '.1f') or '-'})")
         rows.append(row)
     done = {r["mode"]: r for r in rows if r["status"] == "ok"}
     for mode, theirs in THEIRS.items():  # same weights, same tokens: ours and torch's losses must agree
@@ -317,26 +332,31 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`.", "", "## Where the labs ran", ""]
     lines += [f"- {nproc} rank(s) on {backend}: {why}" for nproc, backend, why in report["plan"]]
     lines += ["", "## Labs against the single-process reference", "",
-              "| lab | ranks | backend | reference | max diff | bytes / theory | state / theory | ours (ms) | torch (ms) |",
+              "| lab | ranks | backend | reference | max diff | bytes / theory | state / theory | ours (ms) "
+              "| torch (ms) |",
               "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in report["labs"]:
-        verdict = ("✓" if r["passed"] else "✗") if r["status"] == "ok" else f"{r['status']}: {r.get('note', '')[:80]}"
-        lines.append(f"| {(r['lab'] + ' ' + (r.get('config') or '')).strip()} | {r['nproc']} | {r['backend']} | {verdict} "
-                     f"| {fmt(r.get('max_diff'), '.1e')} | {fmt(r.get('comm_ratio'), '.3f')} "
-                     f"| {fmt(r.get('state_ratio'), '.3f')} | {fmt(r.get('ours_ms'), '.1f')} | {fmt(r.get('torch_ms'), '.1f')} |")
-    alone = " A world of one: the collectives move nothing, so this is each wrapper's overhead." if t["world"] == 1 else ""
+        verdict = ("✓" if r["passed"] else "✗") if r["status"] == "ok" else f"{r['status']}: {r['note'][:80]}"
+        lab = f"{r['lab']} ({r['config']})" if r.get("config") else r["lab"]
+        lines.append(f"| {lab} | {r['nproc']} | {r['backend']} | {verdict} | {fmt(r.get('max_diff'), '.1e')} "
+                     f"| {fmt(r.get('comm_ratio'), '.3f')} | {fmt(r.get('state_ratio'), '.3f')} "
+                     f"| {fmt(r.get('ours_ms'), '.1f')} | {fmt(r.get('torch_ms'), '.1f')} |")
+    alone = " A world of one: the collectives move nothing, so this shows each wrapper's overhead."
+    alone = alone if t["world"] == 1 else ""
     lines += ["", f"## Throughput: {t['n_params'] / 1e6:,.1f} M parameters, seq {t['seq_len']}, micro-batch "
               f"{t['micro_batch']}, bf16 autocast, world size {t['world']} ({t['backend']})", "",
               f"Median of {t['steps']} steps after 2 warm-up steps.{alone}", "",
-              "| run | tokens/s | step (ms) | MFU | peak memory (GiB) | calculator (GiB) | loss first → last "
-              "| losses vs torch's |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+              "| run | micro-batch | tokens/s | step (ms) | MFU | peak memory (GiB) | calculator (GiB) "
+              "| loss first → last | losses vs torch's |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in t["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']}: {r.get('note', '')[:80]} | | | | | | |")
+            lines.append(f"| {r['name']} | {r['micro_batch']} | {r['status']}: {r.get('note', '')[:80]} | | | | | | |")
             continue
-        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1e3:.1f} | {fmt(r['mfu'], '.1%')} "
+        lines.append(f"| {r['name']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1e3:.1f} "
+                     f"| {fmt(r['mfu'], '.1%')} "
                      f"| {fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['predicted_memory_gib'], '.1f')} "
-                     f"| {r['losses'][0]:.3f} → {r['losses'][-1]:.3f} | {fmt(r.get('max_rel_loss_diff_vs_torch'), '.1e')} |")
+                     f"| {r['losses'][0]:.3f} → {r['losses'][-1]:.3f} "
+                     f"| {fmt(r.get('max_rel_loss_diff_vs_torch'), '.1e')} |")
     if report["notebooks"]:
         lines += ["", "## Notebooks (nbval)", "", "| notebook | status | wall (s) |", "|---|---|---:|"]
         lines += [f"| {r['notebook']} | {r['status']} | {fmt(r.get('wall_s'), '.1f')} |" for r in report["notebooks"]]
@@ -416,7 +436,7 @@ def main(argv=None) -> int:
     log(f"\n[throughput] course model H={cfg['n_embd']}, {cfg['n_layer']} layers, seq {cfg['seq_len']}, "
         f"micro-batch {mbs}, world size {world} on {backend}" + (" (one GPU: a world of one)" if world == 1 else ""))
     trows = measure_throughput(args.modes, cfg=cfg, world=world, backend=backend, micro_batch=mbs,
-                               predicted=predicted_bytes(cfg, world=world, micro_batch=mbs) if gpu_gib else {},
+                               predict_memory=bool(gpu_gib),
                                peak=peak, steps=args.throughput_steps, timeout=args.timeout,
                                deadline=end - 0.15 * args.budget, log=log)
     phase_s["throughput"] = time.monotonic() - t0

@@ -23,8 +23,8 @@ from scripts import gpu_check  # noqa: E402
 
 # --- the bench, end to end on two cheap labs -------------------------------------------------------
 def test_bench_writes_table_csv_and_figure(tmp_path):
-    proc = run_cli("-m", "labs.bench", "--labs", "collectives", "memory", "--nproc", "2", "--steps", "2", "--repeats", "1",
-                   "--impl", "solutions", "--no-progress", "--out", str(tmp_path), timeout=240)
+    proc = run_cli("-m", "labs.bench", "--labs", "collectives", "memory", "--nproc", "2", "--steps", "2",
+                   "--repeats", "1", "--impl", "solutions", "--no-progress", "--out", str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "bench.csv") as f:
         reader = csv.DictReader(f)
@@ -186,3 +186,24 @@ def test_notebook_phase_reports_failures(tmp_path):
     assert [(r["notebook"], r["status"]) for r in rows] == [("bad.ipynb", "failed")]
     late = gpu_check.run_notebooks([bad], jobs=1, deadline=time.monotonic() + 10, log=lambda _: None)
     assert [(r["notebook"], r["status"]) for r in late] == [("bad.ipynb", "skipped")]  # no time left to start
+
+
+def test_throughput_halves_the_micro_batch_on_out_of_memory(monkeypatch):
+    import time
+    from labs.runtime import launcher
+    tried = []
+
+    def fake_launch(fn, nprocs, run, **kw):
+        tried.append(run.micro_batch)
+        if run.micro_batch > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return [{"device_name": "fake", "step_time_s": 0.5, "losses": [5.0, 4.0], "n_params": 10,
+                 "peak_memory_bytes": None}] * nprocs
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    cfg = gpu_check.model_config(tiny=True)
+    [row] = gpu_check.measure_throughput(["ddp"], cfg=cfg, world=2, backend="gloo", micro_batch=8,
+                                         predict_memory=False, peak=1e12, steps=2, timeout=60,
+                                         deadline=time.monotonic() + 60, log=lambda _: None)
+    assert tried == [8, 4, 2] and row["status"] == "ok" and row["micro_batch"] == 2
+    assert row["tokens_per_s"] == 2 * 2 * cfg["seq_len"] / 0.5  # world x micro-batch x seq per step
