@@ -280,8 +280,8 @@ def measure_throughput(modes, *, cfg, world, backend, micro_batch, predict_memor
                    if predict_memory else None)
         log(f"  {MODE_NAMES[mode]:<26} {row['tokens_per_s']:>12,.0f} tokens/s  step {t * 1e3:8.1f} ms"
             f"  MFU {fmt(row['mfu'], '.1%') or 'n/a'}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}"
-            f"  peak {fmt(row['peak_memory_gib'], '.1f') or '-'} GiB"
-            f" (calculator {fmt(row['predicted_memory_gib'], '.1f') or '-'})")
+            + (f"  peak {row['peak_memory_gib']:.1f} GiB (calculator {fmt(row['predicted_memory_gib'], '.1f')})"
+               if row["peak_memory_gib"] else ""))
         rows.append(row)
     done = {r["mode"]: r for r in rows if r["status"] == "ok"}
     for mode, theirs in THEIRS.items():  # same weights, same tokens: ours and torch's losses must agree
@@ -328,7 +328,8 @@ def markdown(report: dict) -> str:
     gpus = f"{env['gpus']} x {', '.join(sorted(set(env['gpu_names'])))}" if env["gpus"] else "no GPU"
     lines = [f"# GPU check ({report['date']})", "",
              f"Machine: {gpus}; {env['cpu']}, {env['cores']} CPU cores; torch {env['torch']}. Peak bf16 per device: "
-             f"{fmt(env['peak_flops'] and env['peak_flops'] / 1e12, '.4g') or 'n/a'} TFLOP/s ({env['peak_source']}). "
+             f"{fmt(env['peak_flops'] and env['peak_flops'] / 1e12, '.4g') + ' TFLOP/s' if env['peak_flops'] else 'n/a'}"
+             f" ({env['peak_source']}). "
              f"Command: `{report['command']}`.", "", "## Where the labs ran", ""]
     lines += [f"- {nproc} rank(s) on {backend}: {why}" for nproc, backend, why in report["plan"]]
     lines += ["", "## Labs against the single-process reference", "",
@@ -430,7 +431,9 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     world = args.world or (len(names) if on_gpus else 2)
     backend = "nccl" if on_gpus else "gloo"
-    cfg = model_config(args.tiny)
+    if not on_gpus and not args.tiny:
+        log("\n(no GPU in use: the throughput phase runs the tiny model; the ~1B one needs a GPU)")
+    cfg = model_config(args.tiny or not on_gpus)
     gpu_gib = None if args.tiny or not on_gpus else gpu_gib or 40.0
     mbs = args.micro_batch or pick_micro_batch(cfg, world=world, gpu_gib=gpu_gib)
     log(f"\n[throughput] course model H={cfg['n_embd']}, {cfg['n_layer']} layers, seq {cfg['seq_len']}, "
