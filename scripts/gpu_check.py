@@ -9,11 +9,12 @@ Four phases, printed as they run and summed up in ``--out``/gpu_check.md and gpu
 1. plan: GPUs (names from ``nvidia-smi``; this process never initialises CUDA, so ranks can still be
    forked), the dense bf16 peak (``labs.theory.presets.GPUS``: 989 TFLOP/s for H100/H200 SXM, NVIDIA's
    data sheets, whose 1,979 TFLOP/s is "with sparsity", twice the dense figure), and where the labs run.
-   With a GPU per rank, on NCCL, one process per GPU. With fewer GPUs than a lab's ranks NCCL cannot
-   help: it refuses two ranks on one GPU ("Duplicate GPU detected"), and gloo with CUDA tensors lacks
-   reduce-scatter and all-to-all. Each lab then runs twice: at its ranks on gloo with CPU tensors
-   (correctness at full width) and on NCCL at world size = GPUs (the CUDA path: device placement, NCCL
-   collectives, GPU numerics) where the lab accepts that width. The output says which ran where.
+   With a GPU per rank, on NCCL, one process per GPU. With fewer GPUs than a lab's ranks, NCCL refuses
+   two ranks on one GPU ("Duplicate GPU detected"). gloo can move CUDA tensors, but only by staging each
+   collective through host memory, and the course puts a gloo rank's tensors on the CPU
+   (``labs.runtime.device.rank_device``). So each lab then runs twice: at its ranks on gloo with CPU
+   tensors (correctness at full width) and on NCCL at world size = GPUs (the CUDA path: device placement,
+   NCCL collectives, GPU numerics) where the lab accepts that width. The output says which ran where.
 2. labs: ``labs.bench.run_lab`` (the bench's code, torch's implementation side by side), each checked
    against its single-process reference; bytes sent and held against the theory are reported.
 3. throughput: the course model at Llama-3.2-1B's shape with the byte vocabulary (0.97 B parameters),
