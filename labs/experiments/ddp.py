@@ -20,7 +20,6 @@ Checks, for every variant and every rank:
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -194,8 +193,6 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, data_seed=seed)
     job = Job(variants=VARIANTS if variant == "all" else (variant,), model=model, train=cfg, bucket_mb=bucket_mb,
               model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd), grad_accum=grad_accum, dtype=dtype)
-    if vs_torch:
-        importlib.import_module("torch._dynamo")  # once here, not ~4 s in every forked rank that builds torch's DDP
     per_rank = launch(worker, nproc, job, vs_torch, backend=backend, timeout=timeout,
                       progress=steps * (len(job.variants) + vs_torch), desc="DDP steps")
     ref_model = build(job)

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from labs.experiments.common import fill_losses, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
-from labs.measure.ledger import _bind
 from labs.models.transformer import ModelConfig
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
@@ -59,27 +58,14 @@ def groups_table(**degrees) -> dict[str, list[list[int]]]:
     return {name: lab.group_ranks(dims, axes) for name, axes in lab.GROUPS.items()}
 
 
-class AxisLedger(CommLedger):
-    """A ``CommLedger`` that also notes which mesh group each collective ran on."""
-
-    def __init__(self, mesh):
-        super().__init__()
-        self.named = [(g, name) for name, g in mesh.groups.items() if g is not None and name != "dp"]
-        self.axes: list[str] = []
-
-    def _record(self, op, args, kwargs):
-        a = _bind(op, args, kwargs)
-        group = a["p2p_op_list"][0].group if op == "batch_isend_irecv" else a.get("group")
-        before = len(self.records)
-        super()._record(op, args, kwargs)
-        axis = next((name for g, name in self.named if g is group), "world")
-        self.axes += [axis] * (len(self.records) - before)
-
-    def by_axis(self) -> dict[str, float]:
-        out = dict.fromkeys(AXIS_NAMES, 0.0)
-        for axis, r in zip(self.axes, self.records):
-            out[axis] = out.get(axis, 0.0) + r.sent_bytes
-        return out
+def sent_by_axis(ledger: CommLedger, mesh) -> dict[str, float]:
+    """Bytes this rank sent on each mesh axis (tp, cp, pp, dp_cp), from the group of each collective."""
+    named = [(g, name) for name, g in mesh.groups.items() if g is not None and name != "dp"]
+    out = dict.fromkeys(AXIS_NAMES, 0.0)
+    for group, sent in ledger.sent_bytes_by_group():
+        axis = next((name for g, name in named if g is group), "world")
+        out[axis] = out.get(axis, 0.0) + sent
+    return out
 
 
 class GradProbe:
@@ -138,7 +124,7 @@ def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, m
     c = lab.compose(model_cfg, mesh, cfg, zero=zero, microbatches=microbatches)
     inner = c.optimizer
     c.optimizer = probe = GradProbe(inner, c.module)
-    ledger, losses, times = AxisLedger(mesh), [], []
+    ledger, losses, times = CommLedger(), [], []
     saved = SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()  # 1F1B: no single peak
     for step, (x, y) in enumerate(data_for(cfg, dims.dp)):
         t0 = time.perf_counter()
@@ -156,7 +142,7 @@ def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, m
     grads = probe.gathered(mesh.groups["dp_cp"])  # collective over dp_cp: every rank takes part
     keep = mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0  # the others hold the same averaged gradient
     return {"rank": mesh.rank, "coords": mesh.coords, "ranks": mesh.ranks, "torch_ranks": torch_ranks,
-            "losses": losses, "grads": grads if keep else None, "sent_by_axis": ledger.by_axis(), "unit_numels": numels,
+            "losses": losses, "grads": grads if keep else None, "sent_by_axis": sent_by_axis(ledger, mesh), "unit_numels": numels,
             "layers": [int(k) for k in getattr(c.module, "layers", {}).keys()] if dims.pp > 1 else None,
             "microbatches": c.microbatches, "held": probe.held, "theory_held": theory_held,
             "activation_bytes": getattr(saved, "bytes", None),
@@ -208,10 +194,10 @@ def assemble_grads(per_rank: list[dict], reference: dict) -> dict[str, torch.Ten
 
 def warm_imports() -> None:
     """Import here, once, what every forked rank would otherwise import by itself (seconds each on 2
-    cores): the labs, torch's device mesh, and ``torch._dynamo``, which building AdamW pulls in."""
+    cores): the labs and torch's device mesh. (``launch`` itself preloads ``torch._dynamo``.)"""
     for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "zero"):
         exercise(name)
-    for module in ("torch._dynamo", "torch.distributed.device_mesh", "labs.experiments.zero"):
+    for module in ("torch.distributed.device_mesh", "labs.experiments.zero"):
         importlib.import_module(module)
 
 

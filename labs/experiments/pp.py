@@ -298,7 +298,6 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     plan = make_plan(schedule, model_cfg, nproc, virtual, plan)
     if vs_torch:
         import torch.distributed.pipelining  # noqa: F401  (slow to import: once here, not in every forked rank)
-    # before the launch: building AdamW imports torch._dynamo (~2 s), here once rather than in every rank
     ref = reference_run(model_cfg, cfg) if schedule != "naive" else None
     per_rank = launch(pipeline_worker, nproc, schedule, model_cfg, cfg, microbatches, virtual, plan, op_time,
                       backward_ratio, vs_torch, backend=backend, timeout=timeout, progress=steps, desc=schedule)

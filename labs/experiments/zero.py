@@ -223,8 +223,7 @@ def _torch_bytes(model, optimizer) -> dict[str, int]:
 
 def warm_imports(*, fsdp: bool = False, checkpoint: bool = False) -> None:
     """Import here, once, what every forked rank would otherwise import by itself (seconds each
-    on 2 cores): AdamW's first step pulls in ``torch._dynamo``; FSDP2 and DCP are large too."""
-    importlib.import_module("torch._dynamo")
+    on 2 cores): FSDP2 and DCP are large. (``launch`` itself preloads ``torch._dynamo``.)"""
     if fsdp:
         importlib.import_module("torch.distributed.fsdp")
     if checkpoint:

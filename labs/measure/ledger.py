@@ -86,6 +86,7 @@ class CommLedger:
 
     def __init__(self):
         self.records: list[CommRecord] = []
+        self.groups: list = []  # the ProcessGroup of each record (None: the default group), in-process only
         self._phase = ""
         self._originals: dict[tuple[object, str], object] = {}
         self._depth = threading.local()  # nested calls (batch_isend_irecv -> isend) count once
@@ -127,6 +128,13 @@ class CommLedger:
     def payload_bytes(self, op: str | None = None, phase: str | None = None) -> int:
         return sum(r.payload_bytes for r in self._select(op, phase))
 
+    def sent_bytes_by_group(self) -> list[tuple[object, float]]:
+        """(process group, bytes this rank sent on it) for every group used; None is the default group."""
+        out: dict[int, list] = {}
+        for group, r in zip(self.groups, self.records):
+            out.setdefault(id(group), [group, 0.0])[1] += r.sent_bytes
+        return [tuple(v) for v in out.values()]
+
     def summary(self) -> dict[str, dict[str, float]]:
         """Per op: number of calls, payload bytes and bytes sent by this rank."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
@@ -138,6 +146,7 @@ class CommLedger:
 
     def clear(self) -> None:
         self.records.clear()
+        self.groups.clear()
 
     def _select(self, op, phase):
         return [r for r in self.records if (op is None or r.op == op) and (phase is None or r.phase == phase)]
@@ -160,25 +169,27 @@ class CommLedger:
         recorded.__name__ = op
         return recorded
 
-    def _add(self, op, n, payload, sent, received=0.0):
+    def _add(self, op, n, payload, sent, received=0.0, group=None):
         self.records.append(CommRecord(op, n, int(payload), float(sent), float(received), self._phase))
+        self.groups.append(group)
 
     def _record(self, op, args, kwargs):
         if op == "batch_isend_irecv":
             for p2p in _bind(op, args, kwargs)["p2p_op_list"]:
                 name = getattr(p2p.op, "__name__", str(p2p.op))
                 k = _nbytes(p2p.tensor)
-                self._add(name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0)
+                self._add(name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0, p2p.group)
             return
         a = _bind(op, args, kwargs)
+        group = a.get("group")
         if op in ("send", "isend", "recv", "irecv"):
             k = _nbytes(a["tensor"])
-            self._add(op, 2, k, k if op in ("send", "isend") else 0, k if op in ("recv", "irecv") else 0)
+            self._add(op, 2, k, k if op in ("send", "isend") else 0, k if op in ("recv", "irecv") else 0, group)
             return
-        n = _group_size(a.get("group"))
+        n = _group_size(group)
         if op == "all_reduce":
             k = _nbytes(a["tensor"])
-            self._add(op, n, k, 2 * ring_fraction(n) * k, 2 * ring_fraction(n) * k)
+            self._add(op, n, k, 2 * ring_fraction(n) * k, 2 * ring_fraction(n) * k, group)
             return
         if op in ("broadcast", "reduce"):
             k = _nbytes(a["tensor"])
@@ -193,7 +204,7 @@ class CommLedger:
         else:  # all_to_all_single
             self._record_all_to_all(a, n)
             return
-        self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k)
+        self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k, group)
 
     def _record_all_to_all(self, a, n):
         """Exact bytes: the rows of ``input`` bound for other ranks, and those arriving from them."""
@@ -205,7 +216,7 @@ class CommLedger:
         out_splits = list(a.get("output_split_sizes") or [output.shape[0] // n] * n)
         sent = sum(s for i, s in enumerate(in_splits) if i != me) * row_in
         received = sum(s for i, s in enumerate(out_splits) if i != me) * row_out
-        self._add("all_to_all_single", n, _nbytes(inp), sent, received)
+        self._add("all_to_all_single", n, _nbytes(inp), sent, received, a.get("group"))
 
 
 @functools.cache
