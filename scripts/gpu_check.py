@@ -92,7 +92,8 @@ def lab_plan(ranks: int, gpus: int, backend: str) -> list[tuple[int, str, str]]:
 
 # --- phase 2: the labs ----------------------------------------------------------------------------
 def check_labs(labs, plan, *, steps, timeout, vs_torch, deadline, log) -> list[dict]:
-    from labs.bench import fmt, run_lab
+    from labs.bench import run_lab
+    from labs.bench_report import fmt
     rows = []
     for lab in labs:
         for nproc, backend, why in plan:
@@ -239,7 +240,7 @@ def throughput_worker(run: Throughput) -> dict:
 def measure_throughput(modes, *, cfg, world, backend, micro_batch, predict_memory, peak, steps, timeout, deadline,
                        log) -> list[dict]:
     """One row per mode: tokens/s, MFU, peak memory (and the calculator's, with ``predict_memory``)."""
-    from labs.bench import fmt
+    from labs.bench_report import fmt
     from labs.experiments.zero import warm_imports
     from labs.runtime.launcher import launch
     from labs.theory.flops import flops_per_token, mfu
@@ -324,14 +325,13 @@ def run_notebooks(paths, *, jobs, deadline, log) -> list[dict]:
 
 # --- the report -----------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
-    from labs.bench import fmt
+    from labs.bench_report import fmt
     env, t = report["environment"], report["throughput"]
     gpus = f"{env['gpus']} x {', '.join(sorted(set(env['gpu_names'])))}" if env["gpus"] else "no GPU"
+    peak = f"{env['peak_flops'] / 1e12:.4g} TFLOP/s" if env["peak_flops"] else "n/a"
     lines = [f"# GPU check ({report['date']})", "",
              f"Machine: {gpus}; {env['cpu']}, {env['cores']} CPU cores; torch {env['torch']}. Peak bf16 per device: "
-             f"{fmt(env['peak_flops'] and env['peak_flops'] / 1e12, '.4g') + ' TFLOP/s' if env['peak_flops'] else 'n/a'}"
-             f" ({env['peak_source']}). "
-             f"Command: `{report['command']}`.", "", "## Where the labs ran", ""]
+             f"{peak} ({env['peak_source']}). Command: `{report['command']}`.", "", "## Where the labs ran", ""]
     lines += [f"- {nproc} rank(s) on {backend}: {why}" for nproc, backend, why in report["plan"]]
     lines += ["", "## Labs against the single-process reference", "",
               "| lab | ranks | backend | reference | max diff | bytes / theory | state / theory | ours (ms) "
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     end = start + args.budget
     log = lambda text: print(text, flush=True)  # noqa: E731
-    from labs.bench import hardware
+    from labs.bench_report import hardware
     from labs.run import LABS
     from labs.runtime.impl import set_implementation
     set_implementation("solutions")  # the course's own answers: ranks inherit the switch

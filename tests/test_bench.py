@@ -13,7 +13,7 @@ import types
 import nbformat
 import pytest
 
-from labs import bench
+from labs import bench, bench_report
 from labs.run import LABS
 from tests.helpers import ROOT, run_cli
 
@@ -85,8 +85,8 @@ def test_row_ratios_bubble_and_slow_note():
     assert unpadded["bubble"] is None and unpadded["note"].startswith("why Ours is 1.50x")
     cp = bench.row_from_summary(_summary(lab="cp"), bench.BENCH["cp"][0], wall_s=1.0)
     assert "not of the same parallel job" in cp["note"] and bench.EXPLANATIONS["cp"] in cp["note"]
-    md = bench.markdown([row, fast], {"date": "today", "impl": "solutions", "command": "x",
-                                      "hardware": bench.hardware()})
+    md = bench_report.markdown([row, fast], {"date": "today", "impl": "solutions", "command": "x",
+                                             "hardware": bench_report.hardware()})
     assert "## Notes" in md and "0.300 (0.250)" in md and "✓" in md
 
 
