@@ -12,7 +12,8 @@ from labs.theory.context_parallel import kv_bytes, ring_bytes_per_rank
 from labs.theory.dims import divisors
 from labs.theory.memory import GIB, ModelSpec, memory_per_rank
 from labs.theory.pipeline import bubble_fraction
-from labs.theory.planner import Cluster, comm_per_step, evaluate, format_scaling, plan, scaling, summary
+from labs.theory.plan_report import format_scaling, summary
+from labs.theory.planner import Cluster, comm_per_step, evaluate, plan, scaling
 from labs.theory.presets import preset
 from labs.theory.tensor_parallel import collectives
 from labs.theory.zero import comm_bytes

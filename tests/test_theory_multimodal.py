@@ -19,6 +19,7 @@ from labs.models.transformer import ModelConfig, count_params
 from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal, fuse, run_blocks
 from labs.data.shapes import global_batches
 from labs.theory import multimodal as theory
+from labs.theory import multimodal_plan
 from labs.theory import pipeline
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.memory import memory_per_rank, param_counts_per_rank, state_bytes
@@ -186,7 +187,7 @@ def test_memory_with_encoder_rejects_bad_input():
 
 def test_planner_with_an_encoder():
     spec, enc = preset("llama3-8b"), theory.ENCODERS["siglip-so400m"]
-    r = theory.plan_with_encoder(spec, enc, text_tokens=1024, gpus=16, gpus_per_node=8, gpu_mem_gib=80,
+    r = multimodal_plan.plan_with_encoder(spec, enc, text_tokens=1024, gpus=16, gpus_per_node=8, gpu_mem_gib=80,
                                  layout=dict(dp=4, tp=1, pp=4, cp=1, zero=1), global_batch=1024)
     assert r["seq"] == 729 + 1024 and r["split"] == (8, 8, 8, 8)
     assert r["memory"]["total_bytes"] > r["decoder"]["memory_bytes"]  # stage 0 carries the encoder
@@ -194,23 +195,23 @@ def test_planner_with_an_encoder():
     assert r["stage_time_s"][1:] == r["decoder_only_stage_time_s"][1:]
     assert r["rebalanced_step_time_s"] < r["step_time_s"] and r["rebalanced_bubble"] < r["bubble"]
     assert max(r["rebalanced_stage_time_s"]) < max(r["stage_time_s"])
-    chosen = theory.plan_with_encoder(spec, enc, text_tokens=1024, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+    chosen = multimodal_plan.plan_with_encoder(spec, enc, text_tokens=1024, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
     assert chosen["layout"]["dp"] * chosen["layout"]["tp"] * chosen["layout"]["pp"] * chosen["layout"]["cp"] == 64
-    flat = theory.plan_with_encoder(spec, enc, text_tokens=1024, gpus=16, gpus_per_node=8, gpu_mem_gib=80,
+    flat = multimodal_plan.plan_with_encoder(spec, enc, text_tokens=1024, gpus=16, gpus_per_node=8, gpu_mem_gib=80,
                                     layout=dict(dp=16, tp=1, pp=1, cp=1, zero=3), global_batch=1024)
     assert flat["split"] is None and flat["step_time_s"] > flat["decoder"]["step_time_s"] > 0
 
 
 def test_cli_and_no_torch():
     parser = argparse.ArgumentParser()
-    theory.add_arguments(parser)
-    r = theory.cli(parser.parse_args(["--text-tokens", "1024", "--gpus", "16", "--layout", "4,1,4,1,1",
+    multimodal_plan.add_arguments(parser)
+    r = multimodal_plan.cli(parser.parse_args(["--text-tokens", "1024", "--gpus", "16", "--layout", "4,1,4,1,1",
                                       "--global-batch", "1024"]))
-    text = theory.format_result(r)
+    text = multimodal_plan.format_result(r)
     assert json.loads(json.dumps(r))["layout"]["pp"] == 4  # the --json output
     assert "rebalanced" in text and "split (8, 8, 8, 8)" in text and len(r["memory_gib"]) == 4
     with pytest.raises(ValueError, match="layout='4,1' must be five integers"):
-        theory.cli(parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"]))
+        multimodal_plan.cli(parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"]))
     code = "import sys, labs.theory.multimodal; assert 'torch' not in sys.modules, 'torch imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 

@@ -20,13 +20,13 @@ import sys
 
 COMMANDS = {
     "comm": "labs.theory.comm_cli",      # bytes per rank of a collective
-    "memory": "labs.theory.memory",      # notebook 01: per-rank memory
+    "memory": "labs.theory.memory_report",  # notebook 01: per-rank memory
     "bubble": "labs.theory.pipeline",    # notebook 05: pipeline bubble
     "cp": "labs.theory.context_parallel",  # notebook 06: ring-attention work, K/V bytes, long-context memory
     "moe": "labs.theory.moe",            # notebook 07: active vs total parameters, all-to-all bytes
-    "plan": "labs.theory.planner",       # notebook 08: the parallelism planner
+    "plan": "labs.theory.plan_report",    # notebook 08: the parallelism planner
     "infer": "labs.theory.inference",    # notebook 09: KV cache per rank, messages per token, decode time
-    "multimodal": "labs.theory.multimodal",  # notebook 11: an encoder's memory and pipeline imbalance
+    "multimodal": "labs.theory.multimodal_plan",  # notebook 11: an encoder's memory and pipeline imbalance
 }
 
 

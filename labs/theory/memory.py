@@ -277,15 +277,3 @@ def fits(total_bytes: float, gpu_mem_gib: float) -> bool:
     if not gpu_mem_gib > 0:
         raise ValueError(f"gpu_mem must be > 0 GiB, got {gpu_mem_gib!r}")
     return total_bytes <= gpu_mem_gib * GIB
-
-
-_FRONT_END = ("add_arguments", "cli", "format_result", "model_spec", "verdict", "sweep", "evaluate")
-
-
-def __getattr__(name):
-    """The CLI (``python -m labs.theory memory``) and the widget's helpers live in
-    ``labs.theory.memory_report``; they are reachable from here too."""
-    if name in _FRONT_END:
-        from labs.theory import memory_report
-        return getattr(memory_report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

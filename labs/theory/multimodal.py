@@ -345,15 +345,3 @@ def tp_collectives(spec: ModelSpec, *, tp: int, batch: int, n_prefix: int, capti
             c["payload_bytes"] = text[c["where"]]
             c["sent_bytes"] = tensor_parallel.SENT[c["op"]](c["payload_bytes"], tp)
     return calls
-
-
-_PLANNER = ("plan_with_encoder", "plan_summary", "add_arguments", "cli", "format_result")
-
-
-def __getattr__(name):
-    """The planner with an encoder and the command line (``python -m labs.theory multimodal``) live in
-    ``labs.theory.multimodal_plan``; they are reachable from here too."""
-    if name in _PLANNER:
-        from labs.theory import multimodal_plan
-        return getattr(multimodal_plan, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -341,15 +341,3 @@ def _exposed_by_axis(p: dict) -> dict[str, float]:
     excess = max(0.0, hidden - p["compute_s"])
     share = excess / hidden if hidden else 0.0
     return {"tp": sec["tp"], "pp": sec["pp"], "dp": sec["dp"] * share, "cp": sec["cp"] * share}
-
-
-_FRONT_END = ("add_arguments", "cli", "format_result", "summary", "format_scaling")
-
-
-def __getattr__(name):
-    """The CLI (``python -m labs.theory plan``) and the readable summaries live in
-    ``labs.theory.plan_report``; they are reachable from here too."""
-    if name in _FRONT_END:
-        from labs.theory import plan_report
-        return getattr(plan_report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

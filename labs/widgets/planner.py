@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt
 
 from labs.theory.dims import AXES, ParallelDims
 from labs.theory.exports import export
-from labs.theory.planner import ASSUMPTIONS, format_result, plan, summary
+from labs.theory.plan_report import format_result, summary
+from labs.theory.planner import ASSUMPTIONS, plan
 from labs.theory.presets import GPUS, PRESETS, preset
 
 AXIS_COLOURS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "cp": "tab:purple"}
