@@ -138,12 +138,18 @@ def format_terms(spec: ModelSpec, *, seq: int, precision: str = "bf16-mixed", re
     return "\n".join(lines)
 
 
-def add_arguments(parser) -> None:
+def add_model_arguments(parser):
+    """``--preset`` or free dimensions (``--layers --hidden ...``): the model options every calculator shares."""
     model = parser.add_argument_group("model: a preset, or free dimensions (which override a preset's)")
     model.add_argument("--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b")
     model.add_argument("--arch", default=None, help="llama (default) or gpt, for free dimensions")
     for name in DIMS:
         model.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    return model
+
+
+def add_arguments(parser) -> None:
+    model = add_model_arguments(parser)
     model.add_argument("--tied", action="store_true", default=None, help="tie the output head to the embedding")
     run = parser.add_argument_group("training run")
     run.add_argument("--seq", type=int, default=4096, help="sequence length")

@@ -16,13 +16,9 @@ from labs.theory.planner import ASSUMPTIONS, plan
 
 
 def add_arguments(parser) -> None:
-    from labs.theory.memory_report import DIMS
+    from labs.theory.memory_report import add_model_arguments
     from labs.theory.presets import GPUS
-    model = parser.add_argument_group("model: a preset, or free dimensions (which override a preset's)")
-    model.add_argument("--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b")
-    model.add_argument("--arch", default=None, help="llama (default) or gpt, for free dimensions")
-    for name in DIMS:
-        model.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    add_model_arguments(parser)
     run = parser.add_argument_group("training run")
     run.add_argument("--seq", type=int, required=True, help="sequence length")
     run.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: ~4M tokens)")
