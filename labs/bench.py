@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import importlib
 import inspect
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -289,6 +290,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per lab run")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
+    # On a GPU machine, launch's backend choice calls torch.cuda.is_available(), which initialises CUDA
+    # here unless it may ask NVML, and forked NCCL ranks could then not initialise it.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     from labs.bench_report import hardware, write
     from labs.runtime.impl import implementation, set_implementation
     if args.impl:

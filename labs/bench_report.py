@@ -23,7 +23,7 @@ def hardware() -> dict:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()  # NVML where it can: is_available() would initialise CUDA
     return {"cpu": model, "cores": cores, "gpus": gpus, "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(terse=True)}
 

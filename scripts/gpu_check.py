@@ -57,7 +57,7 @@ THEIRS = {"ddp": "torch-ddp", "zero3": "torch-fsdp2", "tp": "torch-tp"}
 def gpu_names() -> list[str]:
     """GPU names from nvidia-smi (CUDA stays uninitialised here), else generic names, else []."""
     import torch
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()  # NVML where it can: no CUDA initialisation here
     if count and shutil.which("nvidia-smi"):
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=30)
@@ -405,6 +405,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # torch.cuda.is_available() (which launch's backend choice calls) initialises the CUDA driver through
+    # cudaGetDeviceCount unless told to ask NVML, and a forked rank then cannot initialise CUDA ("poisoned
+    # fork", see is_available's docstring). Ranks are forked from this process: ask NVML.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     start = time.monotonic()
     end = start + args.budget
     log = lambda text: print(text, flush=True)  # noqa: E731
