@@ -15,10 +15,8 @@ import pytest
 
 from labs import bench, bench_report
 from labs.run import LABS
-from tests.helpers import ROOT, run_cli
-
-sys.path.insert(0, str(ROOT))
-from scripts import gpu_check  # noqa: E402
+from scripts import gpu_check
+from tests.helpers import run_cli
 
 
 # --- the bench, end to end on two cheap labs -------------------------------------------------------
