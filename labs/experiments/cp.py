@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from labs.experiments.common import fill_losses, median_time, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig, build_model, count_params
+from labs.runtime.device import one_thread
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import context_parallel as theory
@@ -248,7 +249,8 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     if vs_torch:  # torch's context_parallel has no CPU rule: time torch SDPA on one process instead
         model = build_model(model_cfg)
         x, y = data_for(cfg)[0]
-        summary["torch_step_time_s"] = median_time(lambda: model(x, y)[1].backward(), 3)
+        with one_thread():  # as a rank computes; two spinning threads beside 4 ranks make it erratic
+            summary["torch_step_time_s"] = median_time(lambda: model(x, y)[1].backward(), 3)
     summary["bytes_match_theory"] = all(abs(b - summary["theory_comm_bytes_per_rank"]) < 1
                                         for b in summary["comm_bytes_per_rank"])
     return summary

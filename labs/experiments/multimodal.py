@@ -139,7 +139,7 @@ def dp_worker(cfg: MultimodalConfig, train: TrainConfig, zero: int, bucket_mb: f
     if vs_torch:
         from torch.nn.parallel import DistributedDataParallel
         from labs.train import make_optimizer
-        ddp = DistributedDataParallel(build_multimodal(cfg, seed=train.seed, device=device))
+        ddp = DistributedDataParallel(build_multimodal(cfg, seed=train.seed, device=device), bucket_cap_mb=bucket_mb)
         optimizer, times, losses = make_optimizer(ddp.parameters(), train), [], []
         for images, tokens, targets in batches:
             t0 = time.perf_counter()

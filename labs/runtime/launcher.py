@@ -47,6 +47,9 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("auto", "gloo", "nccl")
+# Count GPUs through NVML, not the CUDA runtime: a CUDA call in this process would make every
+# forked rank's CUDA fail ("initialization error"). torch reads this at each device_count() call.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # The channel to the parent, set in each launched rank (None under torchrun).
 _parent_conn = None
 
