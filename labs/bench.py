@@ -27,7 +27,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 SLOWER = 1.2  # ours / torch above this gets an explanation (issue 13, item 2)
 

@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     args = build_parser(lab, module).parse_args(argv)
 
     from labs.runtime.impl import set_implementation
-    from labs.runtime.launcher import RankError, under_torchrun
+    from labs.runtime.errors import RankError
+    from labs.runtime.launcher import under_torchrun
     from labs.experiments.common import format_summary, to_json
 
     if args.impl:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from labs.grade import Lab, discover_labs
+from labs.grade import discover_labs
 from labs.grading.report import Result, feedback_page
 from labs.release import build_release
 from tests.helpers import ROOT, run_cli

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from labs.experiments.common import SUMMARY_KEYS
-from tests.helpers import ROOT, run_cli, run_json
+from tests.helpers import run_cli, run_json
 
 
 def test_json_summary_has_every_required_key():

@@ -1,7 +1,6 @@
 """Single-source stubs: labs/ is what generation gives, mirrors solutions/, and fails the lab tests."""
 
 import ast
-import os
 import xml.etree.ElementTree as ET
 
 import pytest

@@ -30,7 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from labs.runtime.launcher import LaunchTimeout, RankDied, RankError, launch
+from labs.runtime.errors import LaunchTimeout, RankDied, RankError
+from labs.runtime.launcher import launch
 from labs.theory.memory import state_bytes
 
 

@@ -39,7 +39,7 @@ from labs.runtime.device import rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
-from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, max_rel_diff, train_reference
+from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff, train_reference
 
 MODELS = ("course", "awkward")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

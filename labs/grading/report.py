@@ -47,7 +47,7 @@ def _failed_checks(r: Result, conceal: bool) -> list[str]:
         by_message.setdefault(message, []).append(nodeid)
     lines = []
     for message, nodeids in by_message.items():
-        lines += [f"* **failed**: " + ", ".join(f"`{n}`" for n in nodeids), ""] + _quote(message) + [""]
+        lines += ["* **failed**: " + ", ".join(f"`{n}`" for n in nodeids), ""] + _quote(message) + [""]
     return lines
 
 

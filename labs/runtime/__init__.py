@@ -2,8 +2,8 @@
 
 from labs.runtime.device import environment_report, one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise, implementation, set_implementation
-from labs.runtime.launcher import (LaunchTimeout, RankDied, RankError, choose_backend, launch, report_progress,
-                                    under_torchrun)
+from labs.runtime.errors import LaunchTimeout, RankDied, RankError
+from labs.runtime.launcher import choose_backend, launch, report_progress, under_torchrun
 from labs.runtime.log import log
 
 __all__ = ["LaunchTimeout", "RankDied", "RankError", "choose_backend", "environment_report", "exercise", "implementation",

@@ -46,52 +46,14 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
+from labs.runtime.errors import LaunchTimeout, raise_failure, read_stderr
+
 BACKENDS = ("auto", "gloo", "nccl")
 # Count GPUs through NVML, not the CUDA runtime: a CUDA call in this process would make every
 # forked rank's CUDA fail ("initialization error"). torch reads this at each device_count() call.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # The channel to the parent, set in each launched rank (None under torchrun).
 _parent_conn = None
-
-
-class RankError(RuntimeError):
-    """A rank raised. ``rank``, ``exc_type`` (e.g. "NotImplementedError"), ``message``
-    and ``rank_traceback`` (the text of the rank's traceback) say what happened."""
-
-    def __init__(self, rank: int, exc_type: str, message: str, rank_traceback: str, others: str = "",
-                 stderr_tail: str = ""):
-        self.rank, self.exc_type, self.message, self.rank_traceback = rank, exc_type, message, rank_traceback
-        text = f"rank {rank} raised {exc_type}: {message}"
-        if others:
-            text += f"\n({others})"
-        text += f"\n\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
-        text += _tail_text(rank, stderr_tail)
-        super().__init__(text)
-
-
-class RankDied(RuntimeError):
-    """A rank ended without a result: killed by a signal (``signal_name``) or exited early (``exit_code``)."""
-
-    def __init__(self, rank: int, exit_code: int | None, text: str, stderr_tail: str = ""):
-        self.rank, self.exit_code = rank, exit_code
-        self.signal_name = _signal_name(-exit_code) if exit_code is not None and exit_code < 0 else None
-        super().__init__(text + _tail_text(rank, stderr_tail))
-
-
-def _tail_text(rank: int, tail: str) -> str:
-    return f"\n\n--- last lines rank {rank} wrote to stderr ---\n{tail.rstrip()}" if tail.strip() else ""
-
-
-class LaunchTimeout(TimeoutError):
-    """The run took longer than ``timeout``; ``unfinished`` lists the ranks still running."""
-
-    def __init__(self, timeout: float, unfinished: list[int], finished: list[int]):
-        self.unfinished = unfinished
-        super().__init__(
-            f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished"
-            f" (rank(s) {finished or 'none'} returned). The usual cause is a collective that"
-            " some ranks call and others never reach (a skipped all_reduce, a send without a"
-            " matching recv). All ranks were killed.")
 
 
 def under_torchrun() -> bool:
@@ -201,26 +163,10 @@ def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) 
             _replay_stderr(stderr_paths)
 
 
-def _read_stderr(path: str, max_lines: int | None = None) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return ""
-    lines = [line for line in lines if not line.startswith("frame #")]  # C++ stack frames: noise
-    if max_lines:
-        # faulthandler's dump of every thread's stack follows the message that matters: keep its headline only
-        fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
-        if fatal is not None:
-            lines = lines[:fatal + 1]
-        lines = lines[-max_lines:]
-    return "\n".join(lines)
-
-
 def _replay_stderr(paths) -> None:
     """Show what each rank wrote to stderr, prefixed with its rank, on this process's stderr."""
     for rank, path in enumerate(paths):
-        text = _read_stderr(path)
+        text = read_stderr(path)
         if text.strip():
             print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
 
@@ -260,7 +206,7 @@ def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
             # give simultaneous failures a moment to arrive, then report the lowest rank.
             _drain(conns, done, errors, deaths, procs, grace=0.3)
             returned = [r for r in range(n) if r in done and r not in errors and r not in deaths]
-            _raise_failure(errors, deaths, returned, stderr_paths)
+            raise_failure(errors, deaths, returned, stderr_paths)
     return results
 
 
@@ -281,43 +227,6 @@ def _drain(conns, done, errors, deaths, procs, grace):
             if kind == "error":
                 errors[rank] = payload
                 done.add(rank)
-
-
-# Errors a rank raises only because a peer failed first: not the root cause.
-_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _raise_failure(errors, deaths, returned, stderr_paths):
-    """Raise for the root cause: a rank's own exception first, then a death, and only then
-    the errors that ranks raise when a peer vanished from under them."""
-    primary = [r for r in sorted(errors) if not any(s in errors[r][1] for s in _SECONDARY)]
-    context = [f"rank(s) {returned} had already returned"] if returned else []
-    if primary or not deaths:
-        rank = (primary or sorted(errors))[0]
-        exc_type, message, tb = errors[rank]
-        others = [f"rank {r} raised {errors[r][0]}" for r in sorted(errors) if r != rank]
-        others += [_death_text(r, code) for r, code in sorted(deaths.items())]
-        raise RankError(rank, exc_type, message, tb, others="; ".join(others + context),
-                        stderr_tail=_read_stderr(stderr_paths[rank], max_lines=15))
-    rank = min(deaths)
-    others = [f"rank {r} then raised {errors[r][0]}" for r in sorted(errors)]
-    raise RankDied(rank, deaths[rank], "; ".join([_death_text(rank, deaths[rank])] + others + context)
-                   + ". The other ranks were stopped.", stderr_tail=_read_stderr(stderr_paths[rank], max_lines=15))
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _death_text(rank, code) -> str:
-    if code is not None and code < 0:
-        name = _signal_name(-code)
-        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-        return f"rank {rank} died from {name}{hint}"
-    return f"rank {rank} exited with code {code} before returning a result"
 
 
 def _kill_all(procs, grace: float) -> None:
