@@ -47,3 +47,14 @@ def run_json(*args, **kw) -> dict:
     proc = run_cli(*args, **kw)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def find_widget(root, css_class: str):
+    """The widget under ``root`` (an ipywidgets container) that carries ``css_class``; fails the test if none."""
+    stack = [root]
+    while stack:
+        widget = stack.pop()
+        if css_class in widget._dom_classes:
+            return widget
+        stack += list(getattr(widget, "children", ()))
+    raise AssertionError(f"no widget with class {css_class}")

@@ -161,6 +161,8 @@ def test_both_modes_on_two_ranks_match_and_equal_the_theory():
     assert s["tp"]["kv_cache_bytes_per_rank"] == [s["single_kv_cache_bytes"] // 2] * 2
     assert s["tp"]["comm_decode"][0]["all_reduce"]["calls"] == 2 * CFG.n_layer + 1
     assert s["placement"]["comm_decode"][0]["send"]["payload_bytes"] == 4 * CFG.n_embd * 4  # [B, 1, H] fp32
+    rows = [r.replace(",", "").split() for r in infer.comm_report(s).splitlines()[1:]]
+    assert rows and all(r[4:7] == r[7:10] for r in rows)  # measured calls, payload, sent = theory's
 
 
 @pytest.mark.exercise

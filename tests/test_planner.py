@@ -17,7 +17,7 @@ from labs.theory.planner import Cluster, comm_per_step, evaluate, plan, scaling
 from labs.theory.presets import preset
 from labs.theory.tensor_parallel import collectives
 from labs.theory.zero import comm_bytes
-from tests.helpers import run_cli, run_json
+from tests.helpers import find_widget, run_cli, run_json
 
 SEED = dict(seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)
 L70 = preset("llama3-70b")
@@ -215,14 +215,8 @@ def test_plan_drawing_and_the_widget_headless():
     assert len(bars) == 6 and sum(b.get_height() for b in bars) == pytest.approx(200)  # two bars of 100% each
     box = planner_widget()
 
-    def find(cls):
-        stack = [box]
-        while stack:
-            w = stack.pop()
-            if cls in w._dom_classes:
-                return w
-            stack += list(getattr(w, "children", ()))
-        raise AssertionError(f"no widget with class {cls}")
+    def find(css_class):
+        return find_widget(box, css_class)
 
     result, exported = find("labs-planner-result"), find("labs-planner-export-text")
     assert "DP=4 TP=8 PP=4 CP=4" in result.value and "--tp 8 --pp 4 --cp 4" in exported.value

@@ -77,6 +77,9 @@ def test_collectives_and_bytes_per_rank_match_the_theory(case):
     assert s["param_bytes_per_rank"][0] == experiment.memory_vs_calculator(s)["params"]["calculator"]  # notebook 01
     assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * tp
     assert s["saved_activation_bytes"] == [s["theory_saved_activation_bytes"]] * tp
+    rows = [r.replace(",", "").split() for r in experiment.comm_table(s).splitlines()[1:]]  # notebook 04's table
+    assert len(rows) == sum(len(ops) for ops in s["comm"].values())  # one row per phase and op
+    assert all(r[2:5] == r[5:8] for r in rows)  # measured calls, payload, sent = theory's
 
 
 @pytest.mark.exercise

@@ -25,7 +25,7 @@ from labs.theory.memory import (GIB, ModelSpec, fits, layers_on_stage, memory_pe
 from labs.theory.memory_report import compare, evaluate, format_rows, format_terms, model_spec, spec_dims, sweep
 from labs.theory.pipeline import in_flight_microbatches
 from labs.theory.presets import GPUS, PRESETS
-from tests.helpers import run_cli
+from tests.helpers import find_widget, run_cli
 
 matplotlib.use("Agg")
 TINY = PRESETS["tiny"]
@@ -356,14 +356,8 @@ def test_drawings_and_the_widget_headless():
     assert any(t.get_text() == "invalid" for t in ax.texts)
     box = memory_calculator()
 
-    def find(cls):
-        stack = [box]
-        while stack:
-            w = stack.pop()
-            if cls in w._dom_classes:
-                return w
-            stack += list(getattr(w, "children", ()))
-        raise AssertionError(f"no widget with class {cls}")
+    def find(css_class):
+        return find_widget(box, css_class)
 
     verdict = find("labs-memory-verdict")
     find("labs-memory-chart")

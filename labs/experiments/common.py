@@ -78,3 +78,13 @@ def format_summary(summary: dict) -> str:
 
 def to_json(summary: dict) -> str:
     return json.dumps(summary, default=float)
+
+
+COMM_HEADER = f"{'calls':>6}{'payload B':>11}{'sent B/rank':>13}   theory: calls, payload, sent"
+
+
+def comm_row(measured: dict, theory: dict) -> str:
+    """One op's measured ``calls``/``payload_bytes``/``sent_bytes`` beside the theory's, aligned under COMM_HEADER."""
+    m = [measured.get(k, 0) for k in ("calls", "payload_bytes", "sent_bytes")]
+    t = [theory.get(k, 0) for k in ("calls", "payload_bytes", "sent_bytes")]
+    return f"{m[0]:>6.10g}{m[1]:>11.10g}{m[2]:>13.10g}   {t[0]:.10g}, {t[1]:.10g}, {t[2]:.10g}"

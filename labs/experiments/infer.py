@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from labs.data import load_corpus
-from labs.experiments.common import median_time, new_summary
+from labs.experiments.common import COMM_HEADER, comm_row, median_time, new_summary
 from labs.experiments.tp import model_spec
 from labs.measure import CommLedger
 from labs.models.hf_convert import course_model_from
@@ -323,17 +323,13 @@ def _modes(summary: dict) -> dict:
 
 def comm_report(summary: dict) -> str:
     """Each rank's messages in the prefill and per decode step, measured by the ledger beside the theory."""
-    lines = [f"{'mode':<10}{'rank':>5} {'phase':<8}{'op':<11}{'calls':>6}{'payload B':>11}{'sent B':>9}"
-             "   theory: calls, payload, sent"]
+    lines = [f"{'mode':<10}{'rank':>5} {'phase':<8}{'op':<11}{COMM_HEADER}"]
     for mode, s in _modes(summary).items():
         for rank in range(summary["nproc"]):
             for phase in ("prefill", "decode"):
                 got, want = s[f"comm_{phase}"][rank], s[f"theory_comm_{phase}"][rank]
                 for op in sorted(set(got) | set(want)):
-                    g, w = got.get(op, {}), want.get(op, {})
-                    lines.append(f"{mode:<10}{rank:>5} {phase:<8}{op:<11}{g.get('calls', 0):>6g}"
-                                 f"{g.get('payload_bytes', 0):>11g}{g.get('sent_bytes', 0):>9g}   "
-                                 f"{w.get('calls', 0)}, {w.get('payload_bytes', 0):g}, {w.get('sent_bytes', 0):g}")
+                    lines.append(f"{mode:<10}{rank:>5} {phase:<8}{op:<11}" + comm_row(got.get(op, {}), want.get(op, {})))
     return "\n".join(lines)
 
 

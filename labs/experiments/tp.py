@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import COMM_HEADER, comm_row, fill_losses, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread, rank_device, synchronize
@@ -280,14 +280,11 @@ def add_arguments(parser) -> None:
 
 def comm_table(summary: dict) -> str:
     """The step's collectives per phase and op, measured on rank 0 beside the theory's figures, as a table."""
-    lines = [f"{'phase':9} {'op':15} {'calls':>5} {'payload B':>10} {'sent B/rank':>12}   theory: calls, payload, sent"]
+    lines = [f"{'phase':9} {'op':15}{COMM_HEADER}"]
     for phase in ("forward", "backward"):
         measured, expected = summary["comm"].get(phase, {}), summary["theory_comm"].get(phase, {})
         for op in sorted(set(measured) | set(expected)):
-            m, t = measured.get(op, {}), expected.get(op, {})
-            lines.append(f"{phase:9} {op:15} {m.get('calls', 0):5} {m.get('payload_bytes', 0):10} "
-                         f"{m.get('sent_bytes', 0):12.0f}   {t.get('calls', 0)}, {t.get('payload_bytes', 0)}, "
-                         f"{t.get('sent_bytes', 0):.0f}")
+            lines.append(f"{phase:9} {op:15}" + comm_row(measured.get(op, {}), expected.get(op, {})))
     return "\n".join(lines)
 
 
