@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/jupyter lab notebooks/00_setup_and_collectives.ipynb "$@"
+ROOT_FLAG=()
+if [ "$(id -u)" = 0 ]; then ROOT_FLAG=(--allow-root); fi  # containers often run as root; JupyterLab refuses it otherwise
+exec .venv/bin/jupyter lab notebooks/00_setup_and_collectives.ipynb "${ROOT_FLAG[@]}" "$@"
