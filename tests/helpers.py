@@ -1,4 +1,4 @@
-"""Small helpers for tests: process bookkeeping and running the CLIs."""
+"""Small helpers for tests: is a process alive, running the CLIs, finding a widget."""
 
 from __future__ import annotations
 
@@ -8,32 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from labs.runtime.proc import parents
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child_pids(pid: int | None = None) -> set[int]:
-    """PIDs of the live (non-zombie) children of ``pid`` (default: this process)."""
-    pid = os.getpid() if pid is None else pid
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.add(int(entry.name))
-    return out
-
-
 def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    return pid in parents()
 
 
 def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import pytest
 
 from labs.experiments import failures
 from labs.runtime import LaunchTimeout, RankDied, RankError
-from tests.helpers import child_pids
+from labs.runtime.proc import child_pids
 
 EXPECTED = {
     "skipped_collective": (LaunchTimeout, "rank(s) [0, 2] had not finished (rank(s) [1] returned)"),

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from labs import launch
 from labs.runtime import LaunchTimeout, RankError, choose_backend
-from tests.helpers import ROOT, alive, child_pids
+from labs.runtime.proc import child_pids
+from tests.helpers import ROOT, alive
 
 
 def rank_and_sum(offset):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from labs.runtime.errors import LaunchTimeout, RankDied, RankError
 from labs.runtime.launcher import launch
+from labs.runtime.proc import child_pids
 from labs.theory.memory import state_bytes
 
 
@@ -131,25 +132,10 @@ def reproduce(name: str, timeout: float = 5.0):
     raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")
 
 
-def _children() -> set[int]:
-    me, out = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.add(int(entry))
-    return out
-
-
 def diagnose(name: str, timeout: float = 5.0) -> dict:
     """Run a scenario and report what happened: the error's type and first line, the
     seconds it took, and how many processes it left behind (always 0)."""
-    before = _children()
+    before = child_pids()
     t0 = time.perf_counter()
     try:
         reproduce(name, timeout=timeout)
@@ -160,7 +146,7 @@ def diagnose(name: str, timeout: float = 5.0) -> dict:
     first = text.splitlines()[0]
     detail = next((line.strip() for line in text.splitlines() if "what():" in line or "Detected mismatch" in line), "")
     return {"scenario": name, "error": error, "message": first[:160], "detail": detail[:160],
-            "seconds": round(seconds, 2), "processes_left": len(_children() - before)}
+            "seconds": round(seconds, 2), "processes_left": len(child_pids() - before)}
 
 
 def diagnose_all(timeout: float = 5.0) -> list[dict]:

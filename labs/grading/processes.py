@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from labs.runtime.proc import descendants
+
 PR_SET_CHILD_SUBREAPER = 36
 LOG_KEEP_BYTES = 200_000
 
@@ -26,26 +28,6 @@ def become_subreaper() -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def descendants(pid: int | None = None) -> list[int]:
-    """Live (non-zombie) descendants of ``pid`` (default: this process), from /proc."""
-    parent_of = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if fields[0] != "Z":
-                parent_of[int(entry.name)] = int(fields[1])
-    found, frontier = [], {os.getpid() if pid is None else pid}
-    while frontier:
-        children = {p for p, pp in parent_of.items() if pp in frontier}
-        found += sorted(children)
-        frontier = children
-    return found
 
 
 def _reap() -> None:
