@@ -67,15 +67,14 @@ README_BANNER = ("> **Student release.** The reference solutions are not include
                  "`bash scripts/test.sh` runs the public tests.\n\n")
 
 
-def exercise_names(root: Path = ROOT) -> list[str]:
+def exercise_names() -> list[str]:
     """The exercises this course has: a solution module ``solutions/<name>.py`` for a name in ``EXERCISES``."""
-    return [name for name in EXERCISES if (root / "solutions" / f"{name}.py").exists()]
+    return [name for name in EXERCISES if (ROOT / "solutions" / f"{name}.py").exists()]
 
 
-def exercise_notebook(name: str, root: Path = ROOT) -> str | None:
+def exercise_notebook(name: str) -> str | None:
     """The notebook file the solution module of ``name`` names in ``NOTEBOOK = "..."``."""
-    match = re.search(r'^NOTEBOOK = "([^"]+)"', (root / "solutions" / f"{name}.py").read_text(), re.M)
-    return match.group(1) if match else None
+    return stubs.notebook_name((ROOT / "solutions" / f"{name}.py").read_text())
 
 
 def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
@@ -88,17 +87,17 @@ def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
     return None
 
 
-def source_files(root: Path = ROOT) -> list[str]:
+def source_files() -> list[str]:
     """Repository files as git sees them (tracked and untracked, .gitignore applied), relative paths."""
     try:
-        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, check=True,
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
         names = [n for n in out.split("\0") if n]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk, skipping the usual build outputs
         skip = {".git", ".venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", "build"}
-        names = [p.relative_to(root).as_posix() for p in root.rglob("*")
-                 if p.is_file() and not skip & set(p.relative_to(root).parts) and not p.name.endswith(".pyc")]
-    return sorted(n for n in set(names) if (root / n).is_file() and not (root / n).is_symlink())
+        names = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+                 if p.is_file() and not skip & set(p.relative_to(ROOT).parts) and not p.name.endswith(".pyc")]
+    return sorted(n for n in set(names) if (ROOT / n).is_file() and not (ROOT / n).is_symlink())
 
 
 def is_public_test(rel: str, text: str, exercises: list[str]) -> bool:
@@ -148,33 +147,34 @@ def _transform(rel: str, text: str) -> str:
     return text
 
 
-def release_plan(root: Path = ROOT) -> dict[str, str | Path]:
+def release_plan() -> dict[str, str | Path]:
     """Release path -> its text (a transformed or generated file) or the source Path to copy as is."""
-    exercises = exercise_names(root)
+    exercises = exercise_names()
     stub_names = {f"labs/{name}.py" for name in EXERCISES}
     plan: dict[str, str | Path] = {}
-    for rel in source_files(root):
-        top = [d for d in NOT_SHIPPED_DIRS if rel == d or rel.startswith(d + "/")]
-        if top or rel in INSTRUCTOR_TOOLS or rel in stub_names:
+    for rel in source_files():
+        not_shipped = any(rel.startswith(d + "/") for d in NOT_SHIPPED_DIRS)
+        if not_shipped or rel in INSTRUCTOR_TOOLS or rel in stub_names:
             continue
-        path = root / rel
-        if rel.startswith("tests/") and rel.endswith(".py") and not is_public_test(rel, path.read_text(), exercises):
+        path = ROOT / rel
+        if not rel.endswith((".py", ".sh", ".md", ".ipynb")):
+            plan[rel] = path  # copied as is
             continue
-        if rel.startswith("scripts/") and rel not in REWRITTEN and USES_SOLUTIONS.search(path.read_text()):
+        text = path.read_text()
+        if rel.startswith("tests/") and rel.endswith(".py") and not is_public_test(rel, text, exercises):
+            continue
+        if rel.startswith("scripts/") and rel not in REWRITTEN and USES_SOLUTIONS.search(text):
             continue  # an instructor's script (it selects the solutions)
-        if rel.endswith((".py", ".sh", ".md", ".ipynb")):
-            plan[rel] = _transform(rel, path.read_text())
-        else:
-            plan[rel] = path
+        plan[rel] = _transform(rel, text)
     for name in exercises:  # the stubs, generated from solutions/ whatever labs/ holds now
-        plan[f"labs/{name}.py"] = generated_stub(name, root)
+        plan[f"labs/{name}.py"] = generated_stub(name)
     return plan
 
 
-def generated_stub(name: str, root: Path = ROOT) -> str:
+def generated_stub(name: str) -> str:
     """The learner module for exercise ``name``, generated from ``solutions/<name>.py``."""
     try:
-        return stubs.make_stub((root / "solutions" / f"{name}.py").read_text(), f"{name}.py")
+        return stubs.make_stub((ROOT / "solutions" / f"{name}.py").read_text(), f"{name}.py")
     except (SyntaxError, ValueError) as exc:
         raise ValueError(f"solutions/{name}.py: cannot generate its stub: {exc}") from None
 
@@ -188,45 +188,45 @@ def _commit(root: Path) -> dict:
         return {"commit": None, "dirty": None}
 
 
-def build_release(out: Path, root: Path = ROOT) -> dict:
-    """Write the student release into the empty or missing folder ``out``; returns its manifest."""
+def build_release(out: Path, force: bool = False) -> dict:
+    """Write the student release into the empty or missing folder ``out`` (``force``: replace what is there);
+    returns its manifest."""
     out = Path(out).resolve()
-    if out == root or root.is_relative_to(out):
-        raise ValueError(f"OUT_DIR={out} would contain the course itself; choose a folder outside {root}")
+    if ROOT.is_relative_to(out):
+        raise ValueError(f"OUT_DIR={out} would contain the course itself; choose a folder outside {ROOT}")
+    if force and out.exists():
+        shutil.rmtree(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"OUT_DIR={out} is not empty; remove it or pass --force")
-    plan = release_plan(root)
-    inside = out.relative_to(root).as_posix() + "/" if out.is_relative_to(root) else None
+    plan = release_plan()
     for rel, content in plan.items():
-        if inside and rel.startswith(inside):
-            continue
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, Path):
             shutil.copy2(content, target)
         else:
             target.write_text(content)
-    exercises = exercise_names(root)
-    manifest = {"course": "LLM Parallelism Labs (student release)", **_commit(root),
+    exercises = exercise_names()
+    manifest = {"course": "LLM Parallelism Labs (student release)", **_commit(ROOT),
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "exercises": {name: exercise_notebook(name, root) for name in exercises},
+                "exercises": {name: exercise_notebook(name) for name in exercises},
                 "notebooks": sorted(r for r in plan if r.startswith("notebooks/") and r.endswith(".ipynb")),
                 "public_tests": sorted(r for r in plan if r.startswith("tests/test_"))}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
-def check_release(path: Path, root: Path = ROOT) -> list[str]:
+def check_release(path: Path) -> list[str]:
     """Problems with the release at ``path`` (empty when it follows every rule in the module docstring)."""
     path, problems = Path(path), []
-    for d in ("solutions", "hidden_tests", ".ci", "labs/grading"):
+    for d in NOT_SHIPPED_DIRS:
         if (path / d).exists():
             problems.append(f"{d}/ is in the release")
     for rel in (*INSTRUCTOR_TOOLS, *INSTRUCTOR_TESTS):
         if (path / rel).exists():
             problems.append(f"instructor-only {rel} is in the release")
-    for name in exercise_names(root):
-        stub = generated_stub(name, root)
+    for name in exercise_names():
+        stub = generated_stub(name)
         shipped = path / "labs" / f"{name}.py"
         if not shipped.exists() or shipped.read_text() != stub:
             problems.append(f"labs/{name}.py is not the generated stub")
@@ -252,9 +252,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = args.out.resolve()
     try:
-        if args.force and out.exists() and out != ROOT and not ROOT.is_relative_to(out):
-            shutil.rmtree(out)
-        manifest = build_release(out)
+        manifest = build_release(out, force=args.force)
     except ValueError as exc:
         parser.error(str(exc))
     problems = check_release(out)

@@ -33,7 +33,6 @@ LABS = {
     "infer": "labs.experiments.infer",               # notebook 09
     "multimodal": "labs.experiments.multimodal",     # notebook 11
 }
-COMMON = ("nproc", "steps", "backend", "vs_torch", "timeout")
 
 
 def build_parser(lab: str | None, module=None) -> argparse.ArgumentParser:

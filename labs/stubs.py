@@ -53,9 +53,15 @@ def _enclosing_functions(source: str) -> dict[int, str]:
     return owner
 
 
-def _notebook(source: str) -> str:
+def notebook_name(source: str) -> str | None:
+    """The notebook file a solution module names in ``NOTEBOOK = "..."``."""
     match = re.search(r'^NOTEBOOK = "([^"]+)"', source, re.M)
-    return f"notebooks/{match.group(1)}" if match else "its notebook"
+    return match.group(1) if match else None
+
+
+def _notebook(source: str) -> str:
+    name = notebook_name(source)
+    return f"notebooks/{name}" if name else "its notebook"
 
 
 def make_stub(source: str, name: str) -> str:
