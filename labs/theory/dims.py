@@ -72,12 +72,6 @@ class ParallelDims:
             rank //= self.degrees[axis]
         return {axis: out[axis] for axis in AXES}
 
-    def rank_of(self, **coords) -> int:
-        rank = 0
-        for axis in AXES:
-            rank = rank * self.degrees[axis] + coords.get(axis, 0)
-        return rank
-
     def groups(self, axis: str) -> list[list[int]]:
         """All rank groups along ``axis``: ranks that differ only in that coordinate."""
         if axis not in AXES:

@@ -27,7 +27,7 @@ FLOPs (recompute="none"); hardware FLOPs utilisation (HFU) counts what was execu
 
 from __future__ import annotations
 
-RECOMPUTE = ("none", "selective", "full")
+from labs.theory.activations import RECOMPUTE
 
 
 def matmul_params(spec) -> int:

@@ -38,20 +38,16 @@ from __future__ import annotations
 
 from statistics import median
 
+from labs.theory.dims import check_positive
+
 SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved")
-
-
-def _positive(**values) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Raise ValueError naming the parameter when the combination is not a valid schedule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    _positive(stages=stages, microbatches=microbatches, virtual=virtual)
+    check_positive(stages=stages, microbatches=microbatches, virtual=virtual)
     if schedule != "interleaved" and virtual != 1:
         raise ValueError(f"virtual={virtual} only applies to schedule='interleaved'; use virtual=1")
     if schedule == "naive" and microbatches != 1:
@@ -234,7 +230,7 @@ def balanced_plan(layer_costs: list[int], stages: int, *, first_extra: int = 0, 
     """Layers per stage, contiguous, minimising the largest stage's cost (e.g. parameters);
     the first stage also carries ``first_extra`` (the embedding), the last ``last_extra``
     (final norm and head). Every stage gets at least one layer."""
-    _positive(stages=stages)
+    check_positive(stages=stages)
     n = len(layer_costs)
     if stages > n:
         raise ValueError(f"stages={stages} but the model has only {n} layers; use stages <= {n}")
@@ -260,7 +256,7 @@ def fill_plan(layer_costs: list[int], stages: int, *, capacity: int, first_extra
     """Fill device 0 up to ``capacity``, then device 1, ... (the sequential placement behind
     ``device_map="auto"``). The first device also holds ``first_extra``, the last ``last_extra``;
     devices after the fill ends hold no layers (only the last one's head)."""
-    _positive(stages=stages, capacity=capacity)
+    check_positive(stages=stages, capacity=capacity)
     plan = _fill(layer_costs, stages, capacity, first_extra, last_extra)
     if plan is None:
         lo, hi = 1, sum(layer_costs) + first_extra + last_extra
@@ -324,7 +320,7 @@ def pp_vs_tp(*, layers: int, hidden: int, seq_len: int, batch: int, degree: int,
     TP (Megatron): two all-reduces of [B, T, H] per layer in forward and two in backward, each
     2(N-1)/N·B·T·H·itemsize on a ring, on every one of the L layers: 8·L·(N-1)/N·B·T·H·itemsize.
     """
-    _positive(layers=layers, hidden=hidden, seq_len=seq_len, batch=batch, degree=degree, itemsize=itemsize)
+    check_positive(layers=layers, hidden=hidden, seq_len=seq_len, batch=batch, degree=degree, itemsize=itemsize)
     activation = batch * seq_len * hidden * itemsize
     pp = 2 * activation
     tp = 8 * layers * (degree - 1) / degree * activation

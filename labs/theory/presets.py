@@ -42,12 +42,6 @@ def preset(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-def gpu_memory_gib(name: str) -> float:
-    if name not in GPUS:
-        raise ValueError(f"gpu={name!r} is not one of {tuple(GPUS)}")
-    return GPUS[name][0]
-
-
 def preset_table() -> str:
     """The presets' dimensions and exact parameter counts, one per line."""
     lines = [f"{'preset':<13}{'arch':<6}{'layers':>7}{'hidden':>7}{'heads':>6}{'kv':>4}{'ffn':>7}{'vocab':>8}"

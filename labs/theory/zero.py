@@ -46,6 +46,7 @@ import math
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from labs.theory.memory import ModelSpec, param_counts, state_bytes
+from labs.theory.presets import PRESETS
 
 STAGES = (0, 1, 2, 3)
 BYTES = 4  # fp32: parameters, gradients and each of Adam's two moments
@@ -77,7 +78,7 @@ def flat_layout(numel: int, dp: int) -> dict[str, int]:
 
 def course_units(spec: ModelSpec | None = None) -> list[tuple[str, int]]:
     """(name, Ψ_u) for the course model's units: embedding, each block, final norm + head."""
-    spec = spec or ModelSpec(vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128)
+    spec = spec or PRESETS["tiny"]  # the course model
     c = param_counts(spec)
     return ([("embedding", c["embedding"])] + [(f"block {i}", c["per_layer"]) for i in range(spec.n_layers)]
             + [("norm + head", c["final_norm"] + c["head"])])

@@ -13,6 +13,8 @@ rank grid from ``labs.theory.dims``; this module only draws. Controls carry the 
 
 from __future__ import annotations
 
+import html
+
 import matplotlib.pyplot as plt
 
 from labs.theory.dims import AXES, ParallelDims
@@ -179,12 +181,12 @@ def planner_widget(model: str = "llama3-70b", *, seq: int = 32768, gpus: int = 5
             chart.clear_output()
             return
         s = summary(p, model=c["preset"].value)
-        result.value = f"<pre style='font-size:11px; line-height:1.25'>{_escape(format_result(s))}</pre>"
+        result.value = f"<pre style='font-size:11px; line-height:1.25'>{html.escape(format_result(s), quote=False)}</pre>"
         try:
             text = export(c["export"].value, p)
         except ValueError as e:
             text = f"cannot export: {e}"
-        exported.value = f"<pre style='font-size:11px'>{_escape(text)}</pre>"
+        exported.value = f"<pre style='font-size:11px'>{html.escape(text, quote=False)}</pre>"
         with chart:
             chart.clear_output(wait=True)
             fig = draw_plan(s)
@@ -199,8 +201,4 @@ def planner_widget(model: str = "llama3-70b", *, seq: int = 32768, gpus: int = 5
                   row("intra", "inter", "recompute", "headroom"), chart, result, c["export"], exported])
     display(box)
     return box
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
