@@ -176,7 +176,7 @@ def test_cp_model_trains_like_the_reference(cp, zigzag):
     assert summary["comm_bytes_by_phase"] == summary["theory_comm_bytes_by_phase"]
     assert summary["bytes_match_theory"]
     assert summary["state_bytes_per_rank"] == [summary["theory_state_bytes_per_rank"]] * cp
-    assert summary["theory_saved_activation_bytes"] in (None, summary["saved_activation_bytes_per_rank"][0])
+    assert summary["theory_saved_activation_bytes"] == summary["saved_activation_bytes_per_rank"][0]
 
 
 @pytest.mark.exercise
@@ -187,8 +187,8 @@ def test_activation_memory_per_rank_falls_as_one_over_cp():
         assert row["attention_fraction"] == 1 / row["cp"]
         # The whole model: every saved tensor is per token, but for cross-entropy's 4-byte scalar.
         assert row["model_fraction"] == pytest.approx(1 / row["cp"], rel=1e-4)
-        # Notebook 01's calculator (labs.theory.memory.memory_per_rank), where this copy has it.
-        assert row["calculator"] is None or row["calculator"] == row["model_saved"], row
+        # Notebook 01's calculator (labs.theory.memory.memory_per_rank).
+        assert row["calculator"] == row["model_saved"], row
 
 
 @pytest.mark.exercise

@@ -108,7 +108,7 @@ def test_generate_equals_recompute_without_cache_each_prompt_alone(model, refere
     assert torch.equal(out.tokens, reference), (out.tokens, reference)
     alone = inference.generate(model, PROMPTS[2:3], new_tokens=NEW)  # the longest: no padding at all
     assert torch.equal(alone.tokens[0], reference[2])
-    spec = infer.model_spec(CFG)
+    spec = infer.course_spec(CFG)
     assert out.cache.nbytes == theory.kv_cache_bytes_per_rank(spec, batch=4, seq=16 + NEW, dtype_bytes=4)
 
 

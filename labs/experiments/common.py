@@ -17,10 +17,17 @@ import statistics
 import time
 
 from labs.runtime.device import synchronize
+from labs.theory.memory import ModelSpec
 
 SUMMARY_KEYS = ("lab", "nproc", "backend", "impl", "steps", "loss", "reference_loss", "max_abs_loss_diff",
                 "comm_bytes_per_rank", "theory_comm_bytes_per_rank", "state_bytes_per_rank",
                 "theory_state_bytes_per_rank", "step_time_s", "torch_step_time_s")
+
+
+def course_spec(cfg) -> ModelSpec:
+    """The theory's description of the course model ``cfg`` (a ``labs.models.transformer.ModelConfig``)."""
+    return ModelSpec(vocab_size=cfg.vocab_size, hidden=cfg.n_embd, n_layers=cfg.n_layer, n_heads=cfg.n_head,
+                     n_kv_heads=cfg.n_kv_head, ffn_hidden=cfg.ffn_hidden, tied_embeddings=cfg.tie_embeddings)
 
 
 def new_summary(lab: str, *, nproc: int, backend: str, steps: int, **extra) -> dict:
@@ -43,6 +50,11 @@ def fill_losses(summary: dict, losses: list[float], reference: list[float], dtyp
                    reference_losses=list(reference), **diff,
                    matches_reference=diff["max_rel_loss_diff"] <= TOLERANCES[dtype or torch.float32])
     return summary
+
+
+def median_step_time(times: list[float]) -> float:
+    """The median of a run's step times, leaving out the first (warm-up) step when there are others."""
+    return statistics.median(times[1:] or times)
 
 
 def median_time(fn, repeats: int, warmup: int = 1, device=None) -> float:

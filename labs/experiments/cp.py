@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from labs.experiments.common import fill_losses, median_time, new_summary
+from labs.experiments.common import course_spec, fill_losses, median_time, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig, build_model, count_params
 from labs.runtime.device import one_thread
@@ -256,16 +256,10 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     return summary
 
 
-def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int, cp: int) -> float | None:
+def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int, cp: int) -> float:
     """Notebook 01's memory calculator's activations per rank for the course model in fp32
-    (``labs.theory.memory.memory_per_rank``), or None in a copy of the course without it."""
-    calculator = getattr(memory, "memory_per_rank", None)
-    if calculator is None:
-        return None
-    spec = memory.ModelSpec(arch="llama", vocab_size=model_cfg.vocab_size, hidden=model_cfg.n_embd,
-                            n_layers=model_cfg.n_layer, n_heads=model_cfg.n_head, n_kv_heads=model_cfg.n_kv_head,
-                            ffn_hidden=model_cfg.ffn_hidden)
-    return calculator(spec, seq=seq, mbs=batch, precision="fp32", cp=cp)["activation_bytes"]
+    (``labs.theory.memory.memory_per_rank``)."""
+    return memory.memory_per_rank(course_spec(model_cfg), seq=seq, mbs=batch, precision="fp32", cp=cp)["activation_bytes"]
 
 
 def memory_worker(model_cfg: ModelConfig, shape: AttnShape, batch: int, seq: int) -> dict:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from labs.data import TokenWindows
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import fill_losses, median_step_time, new_summary
 from labs.measure import CommLedger
 from labs.measure.memory import state_bytes
 from labs.models.toy import build_awkward
@@ -144,10 +144,6 @@ def worker(job: Job, vs_torch: bool) -> dict:
     return out
 
 
-def _median_after_warmup(times: list[float]) -> float:
-    return statistics.median(times[1:] if len(times) > 1 else times)
-
-
 def _mean_losses(per_rank: list[list[float]]) -> list[float]:
     """The step's global loss: the mean of the ranks' losses (equal-sized local batches)."""
     return [sum(step) / len(step) for step in zip(*per_rank)]
@@ -221,8 +217,8 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
         step_time_s=row["step_time_s"])
     if vs_torch:
         timing = [r["vs_torch"] for r in per_rank]
-        ours = max(_median_after_warmup(t["times"]["ours"]) for t in timing)
-        theirs = max(_median_after_warmup(t["times"]["torch"]) for t in timing)
+        ours = max(median_step_time(t["times"]["ours"]) for t in timing)
+        theirs = max(median_step_time(t["times"]["torch"]) for t in timing)
         torch_losses = fill_losses({}, _mean_losses([t["torch_losses"] for t in timing]), ref.losses)
         cpu = [statistics.mean(c for t in timing for c in t["cpu"][k][1:] or t["cpu"][k]) for k in ("ours", "torch")]
         summary.update(step_time_s=ours, torch_step_time_s=theirs, ours_over_torch=ours / theirs,
@@ -249,7 +245,7 @@ def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) ->
         bytes_match_theory=all(abs(b - theory["bytes"]) <= 1e-9 * theory["bytes"] for r in runs for b in r["sent"]),
         other_collectives_per_step=max(max(r["other_calls"]) for r in runs),
         broadcast_calls=runs[0]["broadcasts"], bucket_buffer_bytes=runs[0]["bucket_bytes"],
-        step_time_s=max(_median_after_warmup(r["step_times"]) for r in runs))
+        step_time_s=max(median_step_time(r["step_times"]) for r in runs))
     return row
 
 

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from labs.data import load_corpus
-from labs.experiments.common import COMM_HEADER, comm_row, median_time, new_summary
-from labs.experiments.tp import model_spec
+from labs.experiments.common import COMM_HEADER, comm_row, course_spec, median_time, new_summary
 from labs.measure import CommLedger
+from labs.measure.memory import param_bytes
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread, rank_device, synchronize
@@ -159,7 +159,7 @@ def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden:
         report_progress()
     tokens = result.tokens.cpu() if result.tokens is not None else None
     return {"tokens": tokens, "kv_cache_bytes": result.cache.nbytes,
-            "weight_bytes": sum(p.numel() * p.element_size() for p in {id(p): p for p in part.parameters()}.values()),
+            "weight_bytes": param_bytes(part.parameters()),
             "prefill": forwards[0], "decode": forwards[1:], "timings": timings,
             "message_s": _message_seconds(mode, len(prompts) * hidden)}
 
@@ -242,7 +242,7 @@ def check_args(cfg: ModelConfig, *, nproc: int, mode: str, model: str, prompts: 
         raise ValueError(f"new_tokens={new_tokens}: use new_tokens >= 2 (the first token is the prefill's; "
                          "the lab times the decode steps after it)")
     for m in (MODES if mode == "both" else (mode,)):
-        theory.check(model_spec(cfg), mode=m, degree=nproc)
+        theory.check(course_spec(cfg), mode=m, degree=nproc)
         if m == "tp":
             ParallelDims(tp=nproc).check_model(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
                                                ffn_hidden=cfg.ffn_hidden, vocab_size=cfg.vocab_size)
@@ -268,7 +268,7 @@ def run(*, nproc: int = 2, steps: int = 3, backend: str = "auto", vs_torch: bool
             reference, reference_name = hf_generate_tokens(full, batch, new_tokens), "transformers generate"
     job = partial(launch, infer_worker, backend=backend, timeout=timeout, progress=steps)
     single = mode_summary(job(1, full, batch, new_tokens, "single", steps, cfg.n_embd, desc="1 rank"), mode="tp", nproc=1,
-                          spec=model_spec(cfg), reference=reference, prompts=batch, new_tokens=new_tokens)
+                          spec=course_spec(cfg), reference=reference, prompts=batch, new_tokens=new_tokens)
     s = new_summary("infer", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, mode=mode,
                     model=model, prompts=prompts, new_tokens=new_tokens, reference=reference_name,
                     prompt_lengths=[len(p) for p in batch], single_tokens_match=single["tokens_match"],
@@ -277,7 +277,7 @@ def run(*, nproc: int = 2, steps: int = 3, backend: str = "auto", vs_torch: bool
     per_mode = {}
     for m in (MODES if mode == "both" else (mode,)):
         per_rank = job(nproc, full, batch, new_tokens, m, steps, cfg.n_embd, desc=f"{m} on {nproc} ranks")
-        per_mode[m] = mode_summary(per_rank, mode=m, nproc=nproc, spec=model_spec(cfg), reference=reference,
+        per_mode[m] = mode_summary(per_rank, mode=m, nproc=nproc, spec=course_spec(cfg), reference=reference,
                                    prompts=batch, new_tokens=new_tokens, single=single)
     if vs_torch:
         from labs.models.hf import to_hf_llama
@@ -313,7 +313,7 @@ def single_process_check(*, prompts: int = 4, new_tokens: int = 16, seed: int = 
     return {"prompts": [bytes(p).decode(errors="replace") for p in batch], "tokens": ours.tokens.tolist(),
             "equals_no_cache": torch.equal(ours.tokens, no_cache), "equals_each_prompt_alone": torch.equal(ours.tokens, alone),
             "equals_transformers_generate": torch.equal(ours.tokens, hf), "kv_cache_bytes": ours.cache.nbytes,
-            "theory_kv_cache_bytes": theory.kv_cache_bytes_per_rank(model_spec(CONFIG), batch=prompts, seq=seq,
+            "theory_kv_cache_bytes": theory.kv_cache_bytes_per_rank(course_spec(CONFIG), batch=prompts, seq=seq,
                                                                    dtype_bytes=4)}
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import course_spec, fill_losses, new_summary
 from labs.measure.ledger import CommLedger
 from labs.measure.memory import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
 from labs.models.transformer import ModelConfig, build_model, rotary_cos_sin
@@ -47,7 +47,7 @@ from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory.activations import RECOMPUTE, playbook_layer_bytes
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.flops import flops_per_token
-from labs.theory.memory import ModelSpec, memory_per_rank
+from labs.theory.memory import memory_per_rank
 from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, train_reference
 
 PRECISIONS = ("fp32", "bf16-mixed")
@@ -62,12 +62,6 @@ ACTIVATION_TOLERANCE = {"cpu": 0.0, "cuda": 0.05}
 KEEP_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "mm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name))
-
-
-def course_spec(cfg: ModelConfig) -> ModelSpec:
-    """The calculator's description of the course model ``cfg``."""
-    return ModelSpec(vocab_size=cfg.vocab_size, hidden=cfg.n_embd, n_layers=cfg.n_layer, n_heads=cfg.n_head,
-                     n_kv_heads=cfg.n_kv_head, ffn_hidden=cfg.ffn_hidden, tied_embeddings=cfg.tie_embeddings)
 
 
 class SaveMatmuls:

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import course_spec, fill_losses, median_step_time, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig
 from labs.runtime.device import rank_device
@@ -39,7 +39,6 @@ from labs.theory import tensor_parallel as tp_theory
 from labs.theory import zero as zero_theory
 from labs.theory.comm import all_gather_bytes
 from labs.theory.dims import AXES, ParallelDims, check_positive
-from labs.theory.memory import ModelSpec
 from labs.theory.pipeline import p2p_bytes_per_rank
 from labs.train import TOLERANCES, TrainConfig, data_for, max_rel_diff, train_reference
 
@@ -146,13 +145,12 @@ def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, m
             "layers": [int(k) for k in getattr(c.module, "layers", {}).keys()] if dims.pp > 1 else None,
             "microbatches": c.microbatches, "held": probe.held, "theory_held": theory_held,
             "activation_bytes": getattr(saved, "bytes", None),
-            "step_time_s": statistics.median(times[1:] or times)}
+            "step_time_s": median_step_time(times)}
 
 
 def theory_bytes(r: dict, dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainConfig, zero: int) -> dict:
     """Bytes rank ``r`` should send per step along each axis, from each lab's own theory."""
-    spec = ModelSpec(vocab_size=model_cfg.vocab_size, hidden=model_cfg.n_embd, n_layers=model_cfg.n_layer,
-                     n_heads=model_cfg.n_head, n_kv_heads=model_cfg.n_kv_head, ffn_hidden=model_cfg.ffn_hidden)
+    spec = course_spec(model_cfg)
     b, T, m = cfg.batch_size // dims.dp, cfg.seq_len, r["microbatches"]
     out = dict.fromkeys(AXIS_NAMES, 0.0)
     p = r["coords"]["pp"]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from labs.data import rank_batches
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import course_spec, fill_losses, new_summary
 from labs.measure import CommLedger, state_bytes
 from labs.models.moe import MoEConfig, build_moe_model, swap_mlp
 from labs.models.transformer import ModelConfig, count_params, init_weights
@@ -36,7 +36,6 @@ from labs.runtime.launcher import launch, report_progress
 from labs.theory import moe as theory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_positive
-from labs.theory.memory import ModelSpec
 from labs.theory.memory import state_bytes as theory_state_bytes
 from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff, train_reference
 
@@ -46,9 +45,7 @@ LAYER_CFG = ModelConfig(n_embd=32, ffn_hidden=64, n_head=4, n_kv_head=2)
 
 def model_spec(cfg: ModelConfig, moe: MoEConfig) -> theory.MoESpec:
     """The theory's description of the course model with MoE layers."""
-    return theory.MoESpec(ModelSpec(vocab_size=cfg.vocab_size, hidden=cfg.n_embd, n_layers=cfg.n_layer,
-                                    n_heads=cfg.n_head, n_kv_heads=cfg.n_kv_head, ffn_hidden=cfg.ffn_hidden,
-                                    tied_embeddings=cfg.tie_embeddings), moe.n_experts, moe.top_k)
+    return theory.MoESpec(course_spec(cfg), moe.n_experts, moe.top_k)
 
 
 def check_options(*, nproc: int, ep: int, moe: MoEConfig) -> ParallelDims:
@@ -292,9 +289,8 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     train.per_rank_batch(nproc)
     per_rank = launch(train_worker, nproc, cfg, moe, train, ep, backend=backend, timeout=timeout, progress=steps,
                       desc="MoE steps")
-    with one_thread():
-        ref = train_reference(cfg, train, dp=nproc, model=build_moe_model(cfg, moe, seed=seed, groups=nproc),
-                              return_grads=True)
+    ref = train_reference(cfg, train, dp=nproc, model=build_moe_model(cfg, moe, seed=seed, groups=nproc),
+                          return_grads=True)
     summary = new_summary("moe", nproc=nproc, backend=per_rank[0]["backend"], steps=steps, ep=ep, dp=nproc,
                           experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     fill_losses(summary, per_rank[0]["losses"], ref.losses)

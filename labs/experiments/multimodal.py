@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from labs.data import shapes
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import course_spec, fill_losses, median_step_time, new_summary
 from labs.measure import CommLedger, Timeline, state_bytes
 from labs.models.transformer import ModelConfig
 from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal, data_for, train_reference
@@ -45,7 +45,7 @@ from labs.theory.memory import ModelSpec, param_counts_per_rank
 from labs.theory.memory import state_bytes as theory_state_bytes
 from labs.theory.pipeline import p2p_bytes_per_rank
 from labs.theory.tensor_parallel import summarise
-from labs.train import TOLERANCES, TrainConfig, max_rel_diff
+from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff
 
 MODES = ("pp", "dp", "tp")
 SIZES = {
@@ -58,8 +58,7 @@ SIZES = {
 def specs(cfg: MultimodalConfig) -> tuple[ModelSpec, theory.EncoderSpec]:
     """The theory's description of the decoder and of the encoder."""
     d, v = cfg.decoder, cfg.vision
-    return (ModelSpec(vocab_size=d.vocab_size, hidden=d.n_embd, n_layers=d.n_layer, n_heads=d.n_head,
-                      n_kv_heads=d.n_kv_head, ffn_hidden=d.ffn_hidden, tied_embeddings=d.tie_embeddings),
+    return (course_spec(d),
             theory.EncoderSpec(tokens=v.n_patches, hidden=v.n_embd, n_layers=v.n_layer, n_heads=v.n_head,
                                ffn_hidden=v.mlp_hidden, patch_dim=v.patch_dim))
 
@@ -91,8 +90,7 @@ def pp_worker(cfg: MultimodalConfig, train: TrainConfig, splits: list, microbatc
     for split in splits:
         model = build_multimodal(cfg, seed=train.seed, device=pipe.device)
         stage = mm.build_multimodal_stage(model, split=split, stage=pipe.rank)
-        optimizer = torch.optim.AdamW(stage.parameters(), lr=train.lr, betas=train.betas,
-                                      weight_decay=train.weight_decay, foreach=False)  # make_optimizer's
+        optimizer = make_optimizer(stage.parameters(), train)
         runs.append({"stage": stage, "optimizer": optimizer, "losses": [], "timelines": [], "step_times": []})
     for step, batch in enumerate(batches):
         for run in runs:
@@ -138,7 +136,6 @@ def dp_worker(cfg: MultimodalConfig, train: TrainConfig, zero: int, bucket_mb: f
                     else held_bytes(model, trainer.sharded)["total"])
     if vs_torch:
         from torch.nn.parallel import DistributedDataParallel
-        from labs.train import make_optimizer
         ddp = DistributedDataParallel(build_multimodal(cfg, seed=train.seed, device=device), bucket_cap_mb=bucket_mb)
         optimizer, times, losses = make_optimizer(ddp.parameters(), train), [], []
         for images, tokens, targets in batches:
@@ -150,7 +147,7 @@ def dp_worker(cfg: MultimodalConfig, train: TrainConfig, zero: int, bucket_mb: f
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             report_progress()
-        out["torch"] = {"losses": losses, "step_time_s": statistics.median(times[1:] or times)}
+        out["torch"] = {"losses": losses, "step_time_s": median_step_time(times)}
     return out
 
 
@@ -158,8 +155,7 @@ def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
     """One tensor-parallel rank: the whole global batch through its decoder shards and its encoder replica."""
     device = rank_device()
     model = exercise("multimodal").TensorParallelMultimodal(build_multimodal(cfg, seed=train.seed, device=device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
-                                  weight_decay=train.weight_decay, foreach=False)
+    optimizer = make_optimizer(model.parameters(), train)
     out = {"losses": [], "step_times": []}
     for step, (images, tokens, targets) in enumerate(_on(device, data_for(cfg, train))):
         t0 = time.perf_counter()
@@ -266,7 +262,7 @@ def run(*, nproc: int = 4, steps: int = 5, mode: str = "pp", backend: str = "aut
     else:
         per_rank = launch(tp_worker, nproc, cfg, train, desc="tp", **kw)
         fill_tp(s, per_rank, ref, cfg)
-    s["step_time_s"] = max(statistics.median(r["step_times"][1:] or r["step_times"])
+    s["step_time_s"] = max(median_step_time(r["step_times"])
                            for r in (per_rank if mode != "pp" else [r[0] for r in per_rank]))
     s["state_bytes_per_rank"] = [r["state"] for r in (per_rank if mode != "pp" else [r[0] for r in per_rank])]
     s["matches_reference"] = s["matches_reference"] and (s["max_rel_grad_diff"] or 0.0) <= TOLERANCES[torch.float32]

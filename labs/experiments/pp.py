@@ -36,7 +36,6 @@ is released. The peak number of tags alive at once is the measured micro-batches
 from __future__ import annotations
 
 import socket
-import statistics
 import sys
 import time
 import weakref
@@ -47,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import course_spec, fill_losses, median_step_time, new_summary
 from labs.measure import CommLedger, Timeline, idle_fraction, state_bytes
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread, synchronize
@@ -55,7 +54,7 @@ from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import pipeline as theory
 from labs.theory.dims import ParallelDims, check_divides
-from labs.theory.memory import ModelSpec, param_counts
+from labs.theory.memory import param_counts
 from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, max_rel_diff, train_reference
 
 CHOICES = ("naive", "gpipe", "1f1b", "interleaved")
@@ -192,8 +191,8 @@ def pipeline_worker(schedule: str, model_cfg: ModelConfig, cfg: TrainConfig, mic
         if first:
             out.update(sent_bytes=ledger.sent_bytes(), held=timeline.peak_held, held_bytes=timeline.peak_bytes,
                        order=[(e.name, e.meta["microbatch"], e.meta["chunk"]) for e in timeline.events])
-        out["raw_events"] = _events(timeline)
         report_progress()
+    out["raw_events"] = _events(timeline)  # the last step's
     if schedule == "naive":
         out["state_bytes"] = state_bytes(params)["total"]
     # the measurement step: padded operations, no update (its gradients are thrown away)
@@ -240,9 +239,7 @@ def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) 
 def layer_costs(model_cfg: ModelConfig) -> tuple[list[int], int, int]:
     """Parameters of each block, of the first stage's extra (embedding) and of the last stage's
     extra (final norm and head), from the theory's count."""
-    c = param_counts(ModelSpec(vocab_size=model_cfg.vocab_size, hidden=model_cfg.n_embd, n_layers=model_cfg.n_layer,
-                               n_heads=model_cfg.n_head, n_kv_heads=model_cfg.n_kv_head,
-                               ffn_hidden=model_cfg.ffn_hidden))
+    c = param_counts(course_spec(model_cfg))
     return [c["per_layer"]] * model_cfg.n_layer, c["embedding"], c["final_norm"] + c["head"]
 
 
@@ -307,8 +304,7 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
 
 def reference_run(model_cfg: ModelConfig, cfg: TrainConfig):
     """The single-process reference on the same global batches, with step 1's gradients."""
-    with one_thread():
-        return train_reference(model_cfg, cfg, return_grads=True)
+    return train_reference(model_cfg, cfg, return_grads=True)
 
 
 def summarize(per_rank, ref, *, schedule, model_cfg, cfg, microbatches, virtual, plan, op_time, backward_ratio,
@@ -316,6 +312,7 @@ def summarize(per_rank, ref, *, schedule, model_cfg, cfg, microbatches, virtual,
     """The lab summary from the ranks' results and the reference ``ref`` (None for naive, whose
     reference is the unsplit model's forward): reference, theory and torch side by side."""
     P, last = len(per_rank), per_rank[-1]
+    timeline = _one_clock(per_rank, "events")  # every rank's measured operations on one clock
     summary = new_summary("pp", nproc=P, backend=last["backend"], steps=cfg.steps, schedule=schedule,
                           microbatches=microbatches, virtual=virtual, plan=list(plan), op_time_s=op_time)
     if schedule == "naive":  # inference: compare with the unsplit model's forward on the same batches
@@ -338,14 +335,14 @@ def summarize(per_rank, ref, *, schedule, model_cfg, cfg, microbatches, virtual,
                                                               virtual=virtual) for r in range(P)],
         state_bytes_per_rank=[r["state_bytes"] for r in per_rank],
         theory_state_bytes_per_rank=[n * (4 if schedule == "naive" else 16) for n in per_stage],  # fp32 + grad + AdamW
-        step_time_s=max(statistics.median(r["times"][1:] or r["times"]) for r in per_rank),
+        step_time_s=max(median_step_time(r["times"]) for r in per_rank),
         order_matches_schedule=all(list(map(tuple, r["order"])) == order[r["rank"]] for r in per_rank),
-        bubble_fraction=idle_fraction_of(_one_clock(per_rank, "events")),
+        bubble_fraction=idle_fraction_of(timeline),
         raw_bubble_fraction=idle_fraction_of(_one_clock(per_rank, "raw_events")),
         theory_bubble_fraction=theory.bubble_fraction(schedule, P, microbatches, virtual),
         simulated_bubble_fraction=theory.simulate(schedule, P, microbatches, virtual, 1.0,
                                                   0.0 if schedule == "naive" else backward_ratio)["bubble_fraction"],
-        timeline=_one_clock(per_rank, "events"))
+        timeline=timeline)
     # the formula assumes operations start the moment they can; the chart shows how late they did
     fit = theory.fit_timeline(summary["timeline"], schedule, P, microbatches, virtual)
     summary.update(measured_t_forward_s=fit["t_forward"], measured_t_backward_s=fit["t_backward"],
@@ -357,7 +354,7 @@ def summarize(per_rank, ref, *, schedule, model_cfg, cfg, microbatches, virtual,
                        activation_bytes_held=[r["held_bytes"] for r in per_rank])
     summary["comm_matches_theory"] = summary["comm_bytes_per_rank"] == summary["theory_comm_bytes_per_rank"]
     if vs_torch and "torch_times" in last:
-        summary["torch_step_time_s"] = max(statistics.median(r["torch_times"][1:] or r["torch_times"])
+        summary["torch_step_time_s"] = max(median_step_time(r["torch_times"])
                                            for r in per_rank)
         summary["torch_losses"] = last["torch_losses"]
         summary["torch_max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(last["torch_losses"], reference))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import statistics
 import time
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.experiments.common import COMM_HEADER, comm_row, fill_losses, new_summary
+from labs.experiments.common import COMM_HEADER, comm_row, course_spec, fill_losses, median_step_time, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread, rank_device, synchronize
@@ -42,13 +41,6 @@ from labs.theory.dims import check_positive
 from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, max_rel_diff, train_reference
 
 MODELS = ("course", "hf-llama")
-
-
-def model_spec(cfg: ModelConfig) -> memory_theory.ModelSpec:
-    """The theory's description of a course-model config."""
-    return memory_theory.ModelSpec(vocab_size=cfg.vocab_size, hidden=cfg.n_embd, n_layers=cfg.n_layer,
-                                   n_heads=cfg.n_head, n_kv_heads=cfg.n_kv_head, ffn_hidden=cfg.ffn_hidden,
-                                   tied_embeddings=cfg.tie_embeddings)
 
 
 class LlamaWithLoss(nn.Module):
@@ -90,7 +82,7 @@ def check_args(cfg: ModelConfig, *, nproc: int, sp: bool, model: str, train: Tra
     if model not in MODELS:
         raise ValueError(f"model={model!r} is not one of {MODELS}")
     check_positive(nproc=nproc)
-    theory.check(model_spec(cfg), tp=nproc, sp=sp, batch=train.batch_size, seq=train.seq_len)
+    theory.check(course_spec(cfg), tp=nproc, sp=sp, batch=train.batch_size, seq=train.seq_len)
     if train.seq_len > cfg.seq_len:
         raise ValueError(f"seq_len={train.seq_len} is longer than the model's rotary table ({cfg.seq_len})")
 
@@ -166,7 +158,7 @@ def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = 
         synchronize()
         times.append(time.perf_counter() - t0)
         report_progress()
-    out.update(losses=losses, step_time_s=statistics.median(times[1:] or times),
+    out.update(losses=losses, step_time_s=median_step_time(times),
                params={n: _local(p).detach().clone() for n, p in model.named_parameters()})
     return out
 
@@ -227,12 +219,11 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     x, _ = data_for(train)[0]
     with one_thread(), torch.no_grad():
         ref_logits = reference_model(x)
-    with one_thread():
-        ref = train_reference(cfg, train, model=copy.deepcopy(reference_model), return_grads=True)
+    ref = train_reference(cfg, train, model=copy.deepcopy(reference_model), return_grads=True)
     per_rank = launch(tp_worker, nproc, full, train, sp, vs_torch, backend=backend, timeout=timeout,
                       progress=steps * (2 if vs_torch else 1), desc=f"tp={nproc}{' +sp' if sp else ''}")
 
-    spec, tol = model_spec(cfg), TOLERANCES[torch.float32]
+    spec, tol = course_spec(cfg), TOLERANCES[torch.float32]
     s = new_summary("tp", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, model=model, sp=sp,
                     tp=nproc, batch_size=batch_size, seq_len=seq_len)
     fill_losses(s, per_rank[0]["losses"], ref.losses)
@@ -299,7 +290,7 @@ def memory_vs_calculator(summary: dict) -> dict:
     """Bytes per rank of a run (B·T tokens of the course model, fp32): measured, this lab's theory, and the course's
     memory calculator (``labs.theory.memory.memory_per_rank``, which models Megatron's SP: column-parallel inputs
     saved sequence-sharded and gathered again in backward)."""
-    calc = memory_theory.memory_per_rank(model_spec(ModelConfig()), seq=summary["seq_len"], mbs=summary["batch_size"],
+    calc = memory_theory.memory_per_rank(course_spec(ModelConfig()), seq=summary["seq_len"], mbs=summary["batch_size"],
                                          precision="fp32", tp=summary["tp"], sp=summary["sp"])
     return {"params": {"measured": summary["param_bytes_per_rank"][0], "theory": summary["theory_param_bytes_per_rank"],
                        "calculator": calc["param_bytes"]},

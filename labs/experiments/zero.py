@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from labs.data import rank_batches
-from labs.experiments.common import fill_losses, new_summary
+from labs.experiments.common import fill_losses, median_step_time, new_summary
 from labs.measure.ledger import CommLedger
 from labs.measure.memory import optimizer_bytes
 from labs.models.toy import AwkwardModel
@@ -206,7 +206,7 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
         from labs.checkpoint import save
         save(wrapper, spec.save)
     params = full_params(model, wrapper)
-    return {"losses": losses, "step_time_s": statistics.median(times[1:] or times), "held": held,
+    return {"losses": losses, "step_time_s": median_step_time(times), "held": held,
             "params": params if rank == 0 else None, "loaded_params": loaded if rank == 0 else None,
             "backend": dist.get_backend(),
             "sent_per_step": ledger.sent_bytes() / len(data),

@@ -148,8 +148,7 @@ def plot_memory(rows: list[dict], ax=None):
     for key, label in (("model_saved", "whole model (measured)"), ("attention_saved", "one attention call")):
         ax.plot(cps, [r[key] / 1e3 for r in rows], "o-", label=label)
         ax.plot(cps, [rows[0][key] * rows[0]["cp"] / cp / 1e3 for cp in cps], "k:", lw=1)
-    if rows[0].get("calculator") is not None:
-        ax.plot(cps, [r["calculator"] / 1e3 for r in rows], "x", color="red", ms=9, label="memory calculator")
+    ax.plot(cps, [r["calculator"] / 1e3 for r in rows], "x", color="red", ms=9, label="memory calculator")
     ax.plot([], [], "k:", lw=1, label="∝ 1/CP")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
