@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
-from labs.theory.memory import GIB, ModelSpec, layers_on_stage
+from labs.theory.memory import GIB, ModelSpec, layers_on_stage, stage_params
 from labs.theory.presets import GPUS, PRESETS, preset
 
 MODES = ("tp", "placement")
@@ -113,21 +113,15 @@ def messages_per_forward(spec: ModelSpec, *, mode: str, degree: int) -> int:
 def weight_bytes_per_rank(spec: ModelSpec, *, mode: str, degree: int, dtype_bytes: int = 2) -> list[int]:
     """The weights each rank holds (Llama: untied head unless the spec ties it). TP: matrices / N, norms
     replicated, kv projections of nkv_rank heads; placement: the stage's layers, the first the embedding, the last
-    the final norm and the head."""
+    the final norm and the head (``labs.theory.memory.stage_params``)."""
     check(spec, mode=mode, degree=degree)
-    h, hd, F, V, L = spec.hidden, spec.hd, spec.ffn, spec.vocab_size, spec.n_layers
-    head = 0 if spec.tied_embeddings else V * h
     if mode == "tp":
+        h, hd, F, V, L = spec.hidden, spec.hd, spec.ffn, spec.vocab_size, spec.n_layers
+        head = 0 if spec.tied_embeddings else V * h
         kv = kv_heads_per_rank(spec, tp=degree)
         layer = 2 * h * spec.n_heads * hd // degree + 2 * h * kv * hd + 3 * h * F // degree + 2 * h
         return [(V * h // degree + L * layer + h + head // degree) * dtype_bytes] * degree
-    layer = 2 * h * spec.n_heads * hd + 2 * h * spec.kv_heads * hd + 3 * h * F + 2 * h
-    out = []
-    for s in range(degree):
-        n = layers_on_stage(L, degree, s) * layer + (V * h if s == 0 else 0)
-        n += (h + head + (V * h if spec.tied_embeddings and degree > 1 else 0)) if s == degree - 1 else 0
-        out.append(n * dtype_bytes)
-    return out
+    return [stage_params(spec, pp=degree, stage=s) * dtype_bytes for s in range(degree)]
 
 
 def per_token_latency(*, compute_s: list[float], mode: str, messages: int, message_s: float) -> float:

@@ -44,7 +44,7 @@ from labs.theory.dims import check_positive
 from labs.theory.flops import matmul_params
 from labs.theory.memory import (PRECISIONS, ModelSpec, layers_on_stage, memory_per_rank,
                                 param_counts_per_rank, state_bytes)
-from labs.theory.pipeline import idle_share, in_flight_microbatches, schedule_ops
+from labs.theory.pipeline import in_flight_microbatches, simulate
 
 
 @dataclass(frozen=True)
@@ -178,30 +178,15 @@ def stage_costs(spec: ModelSpec, enc: EncoderSpec, *, split, text_tokens: int, m
 
 
 def simulate_stages(t_forward, t_backward, microbatches: int, t_delay: float = 0.0) -> dict:
-    """1F1B on paper with stage s taking ``t_forward[s]`` / ``t_backward[s]`` per micro-batch: each rank runs
-    ``labs.theory.pipeline.schedule_ops("1f1b", ...)`` in order, each operation ``t_delay`` after its rank is
-    free and its input exists (``labs.theory.pipeline.simulate``'s model, with a time per stage). Returns
-    ``events``, ``makespan``, ``busy`` per stage and ``bubble_fraction`` (idle share of stages x time)."""
+    """1F1B on paper with stage s taking ``t_forward[s]`` / ``t_backward[s]`` per micro-batch
+    (``labs.theory.pipeline.simulate`` with a time per stage). Returns ``events``, ``makespan``,
+    ``busy`` per stage and ``bubble_fraction`` (idle share of stages x time)."""
     P = len(t_forward)
     if P < 1 or len(t_backward) != P or min(t_forward) <= 0 or min(t_backward) < 0 or t_delay < 0:
         raise ValueError("t_forward and t_backward need one time per stage, forward > 0, backward and t_delay >= 0")
-    order, done, free, nxt, events = schedule_ops("1f1b", P, microbatches), {}, [0.0] * P, [0] * P, []
-    while len(events) < 2 * P * microbatches:
-        for s in range(P):
-            while nxt[s] < len(order[s]):
-                name, mb, _ = order[s][nxt[s]]
-                inputs = [("F", mb, s - 1)] if name == "F" and s > 0 else []
-                if name == "B":
-                    inputs = [("F", mb, s)] + ([("B", mb, s + 1)] if s < P - 1 else [])
-                if any(i not in done for i in inputs):
-                    break  # waits for a neighbour: let the other stages run first
-                start = max([free[s]] + [done[i] for i in inputs]) + t_delay
-                free[s] = done[(name, mb, s)] = start + (t_forward if name == "F" else t_backward)[s]
-                events.append({"rank": s, "name": name, "microbatch": mb, "chunk": 0, "start": start, "end": free[s]})
-                nxt[s] += 1
+    sim = simulate("1f1b", P, microbatches, 1, list(t_forward), list(t_backward), t_delay)
     busy = [microbatches * (t_forward[s] + t_backward[s]) for s in range(P)]
-    return {"events": events, "makespan": max(e["end"] for e in events), "busy": busy,
-            "bubble_fraction": idle_share(events)}
+    return {"events": sim["events"], "makespan": sim["makespan"], "busy": busy, "bubble_fraction": sim["bubble_fraction"]}
 
 
 def pipeline_balance(spec: ModelSpec, enc: EncoderSpec, *, split, text_tokens: int, mbs: int, microbatches: int,

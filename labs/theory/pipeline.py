@@ -148,17 +148,22 @@ def _needs(name: str, mb: int, vs: int, last: int) -> list[tuple]:
     return [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < last else [])
 
 
-def simulate(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float = 1.0,
-             t_b: float = 2.0, t_delay: float = 0.0) -> dict:
+def simulate(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float | list = 1.0,
+             t_b: float | list = 2.0, t_delay: float = 0.0) -> dict:
     """Run the schedule on paper: each rank takes its operations in order, each as soon as its
     input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
-    (what holds a real operation up: a message's latency, a busy CPU). Returns ``events`` (dicts with
-    rank, name, microbatch, chunk, start, end), ``makespan``, ``bubble_fraction`` (idle share of
-    ranks x makespan) and ``in_flight`` (peak micro-batches held, per rank)."""
-    if not (t_f > 0 and t_b >= 0 and t_delay >= 0):
+    (what holds a real operation up: a message's latency, a busy CPU). ``t_f`` / ``t_b``: one rank's
+    forward / backward of a micro-batch, the same for every rank or a list with one time per rank.
+    Returns ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
+    ``bubble_fraction`` (idle share of ranks x makespan) and ``in_flight`` (peak micro-batches held, per rank)."""
+    t_fs = list(t_f) if isinstance(t_f, (list, tuple)) else [t_f] * stages
+    t_bs = list(t_b) if isinstance(t_b, (list, tuple)) else [t_b] * stages
+    if len(t_fs) != stages or len(t_bs) != stages:
+        raise ValueError(f"t_f and t_b need one time per stage ({stages}); got t_f={t_f!r}, t_b={t_b!r}")
+    if not (min(t_fs) > 0 and min(t_bs) >= 0 and t_delay >= 0):
         raise ValueError(f"t_f must be > 0, t_b and t_delay >= 0; got t_f={t_f!r}, t_b={t_b!r}, t_delay={t_delay!r}")
     order = schedule_ops(schedule, stages, microbatches, virtual)
-    cost = {"F": t_f / virtual, "B": t_b / virtual}
+    cost = {"F": [t / virtual for t in t_fs], "B": [t / virtual for t in t_bs]}  # per rank
     last = stages * virtual - 1
     end, free, nxt, events = {}, [0.0] * stages, [0] * stages, []
     while any(nxt[r] < len(order[r]) for r in range(stages)):
@@ -171,7 +176,7 @@ def simulate(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_
                 if any(n not in end for n in needs):
                     break  # its input is not computed yet: the next rank in line may be able to go
                 start = max([free[r]] + [end[n] for n in needs]) + t_delay
-                free[r] = end[(name, mb, vs)] = start + cost[name]
+                free[r] = end[(name, mb, vs)] = start + cost[name][r]
                 events.append({"rank": r, "name": name, "microbatch": mb, "chunk": chunk, "start": start,
                                "end": free[r]})
                 nxt[r] += 1
