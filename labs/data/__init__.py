@@ -70,11 +70,15 @@ def make_loader(*, batch_size: int, seq_len: int, rank: int = 0, world_size: int
 
 
 def rank_batches(*, steps: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``steps`` batches this rank sees, ``[batch_size, seq_len]`` each, across epochs."""
-    loader, sampler = make_loader(batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size, seed=seed)
+                 seed: int = 0, dataset: Dataset | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """The first ``steps`` batches this rank sees, ``[batch_size, seq_len]`` each, across epochs
+    (``dataset``: another data set than the corpus's token windows; its samples' parts, batched)."""
+    loader, sampler = make_loader(batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size, seed=seed,
+                                  dataset=dataset)
     if len(loader) == 0:
-        raise ValueError(f"batch_size={batch_size} x world_size={world_size} windows of {seq_len} do not fit the corpus")
+        what = f"windows of {seq_len} do not fit the corpus" if dataset is None else \
+            f"exceeds the {len(dataset)} samples"
+        raise ValueError(f"batch_size={batch_size} x world_size={world_size} {what}")
     out, epoch = [], 0
     while len(out) < steps:
         sampler.set_epoch(epoch)
@@ -87,10 +91,10 @@ def rank_batches(*, steps: int, batch_size: int, seq_len: int, rank: int = 0, wo
 
 
 def global_batches(*, steps: int, batch_size: int, seq_len: int, world_size: int = 1,
-                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                   seed: int = 0, dataset: Dataset | None = None) -> list[tuple[torch.Tensor, ...]]:
     """Each step's global batch: the ``world_size`` ranks' batches concatenated in rank order,
     ``[world_size * batch_size, seq_len]``. What a single process must train on to match."""
     per_rank = [rank_batches(steps=steps, batch_size=batch_size, seq_len=seq_len, rank=r,
-                             world_size=world_size, seed=seed) for r in range(world_size)]
-    return [(torch.cat([per_rank[r][s][0] for r in range(world_size)]),
-             torch.cat([per_rank[r][s][1] for r in range(world_size)])) for s in range(steps)]
+                             world_size=world_size, seed=seed, dataset=dataset) for r in range(world_size)]
+    return [tuple(torch.cat(parts) for parts in zip(*(per_rank[r][s] for r in range(world_size))))
+            for s in range(steps)]

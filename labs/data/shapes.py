@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from labs.data import ByteTokenizer, make_loader
+from labs import data
+from labs.data import ByteTokenizer
 
 IMAGE_SIZE = 16
 COLOURS = {"red": (0.95, 0.15, 0.1), "green": (0.15, 0.85, 0.2), "blue": (0.2, 0.3, 0.95),
@@ -111,25 +112,16 @@ def rank_batches(*, steps: int, batch_size: int, n_prefix: int, rank: int = 0, w
     """This rank's first ``steps`` batches: (images [b, 3, S, S], tokens [b, L], targets [b, L]),
     b = ``batch_size``, L = ``n_prefix`` + CAPTION_LEN; across epochs as ``labs.data.rank_batches``."""
     dataset = ShapesDataset(seed=0, image_size=image_size)  # the data set is fixed; ``seed`` orders it
-    loader, sampler = make_loader(batch_size=batch_size, seq_len=1, rank=rank, world_size=world_size, seed=seed,
-                                  dataset=dataset)
-    if len(loader) == 0:
-        raise ValueError(f"batch_size={batch_size} x world_size={world_size} exceeds the {len(dataset)} samples")
-    out, epoch = [], 0
-    while len(out) < steps:
-        sampler.set_epoch(epoch)
-        for images, captions in loader:
-            out.append((images, *with_prefix(captions, n_prefix)))
-            if len(out) == steps:
-                break
-        epoch += 1
-    return out
+    batches = data.rank_batches(steps=steps, batch_size=batch_size, seq_len=1, rank=rank, world_size=world_size,
+                                seed=seed, dataset=dataset)
+    return [(images, *with_prefix(captions, n_prefix)) for images, captions in batches]
 
 
 def global_batches(*, steps: int, batch_size: int, n_prefix: int, world_size: int = 1, seed: int = 0,
                    image_size: int = IMAGE_SIZE) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each step's global batch, the ``world_size`` ranks' batches of ``batch_size`` in rank order:
     what a single process trains on to match ``world_size`` data-parallel ranks."""
-    per_rank = [rank_batches(steps=steps, batch_size=batch_size, n_prefix=n_prefix, rank=r, world_size=world_size,
-                             seed=seed, image_size=image_size) for r in range(world_size)]
-    return [tuple(torch.cat([per_rank[r][s][i] for r in range(world_size)]) for i in range(3)) for s in range(steps)]
+    dataset = ShapesDataset(seed=0, image_size=image_size)
+    batches = data.global_batches(steps=steps, batch_size=batch_size, seq_len=1, world_size=world_size, seed=seed,
+                                  dataset=dataset)
+    return [(images, *with_prefix(captions, n_prefix)) for images, captions in batches]
