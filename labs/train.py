@@ -78,21 +78,22 @@ class ReferenceResult:
 
 
 def train_reference(model_cfg: ModelConfig, cfg: TrainConfig, *, dp: int = 1, model: torch.nn.Module | None = None,
-                    return_grads: bool = False) -> ReferenceResult:
+                    batches: list[tuple] | None = None, return_grads: bool = False) -> ReferenceResult:
     """Train single-process for ``cfg.steps`` steps; the global batches are laid out as ``dp``
     ranks would load them (same samples for any ``dp``, in rank order). ``model`` overrides
-    the course model (it must return ``(logits, loss)`` given ``(x, y)``)."""
+    the course model (it must return ``(logits, loss)`` given a batch, ``(x, y)`` unless
+    ``batches`` gives others)."""
     with one_thread():  # as the ranks run: same arithmetic, and no thread contention with them
-        return _train_reference(model_cfg, cfg, dp=dp, model=model, return_grads=return_grads)
+        return _train_reference(model_cfg, cfg, dp=dp, model=model, batches=batches, return_grads=return_grads)
 
 
-def _train_reference(model_cfg, cfg, *, dp, model, return_grads) -> ReferenceResult:
+def _train_reference(model_cfg, cfg, *, dp, model, batches, return_grads) -> ReferenceResult:
     torch.manual_seed(cfg.seed)
     model = model if model is not None else build_model(model_cfg, seed=cfg.seed)
     optimizer = make_optimizer(model.parameters(), cfg)
     result = ReferenceResult(losses=[])
-    for step, (x, y) in enumerate(data_for(cfg, dp)):
-        _, loss = model(x, y)
+    for step, batch in enumerate(batches if batches is not None else data_for(cfg, dp)):
+        _, loss = model(*batch)
         loss.backward()
         if step == 0 and return_grads:
             result.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

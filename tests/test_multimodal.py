@@ -12,7 +12,6 @@ from labs.experiments import multimodal_timeline
 from labs.experiments.common import SUMMARY_KEYS
 from labs.models.vision import (MultimodalConfig, build_multimodal, data_for, describe, fuse, to_hf_siglip,
                                 train_reference)
-from labs.runtime.device import one_thread
 from labs.train import TOLERANCES, TrainConfig
 from tests.helpers import run_json
 
@@ -154,9 +153,8 @@ def test_captions_name_what_the_image_shows():
 
 def test_reference_learns_to_caption():
     cfg = MultimodalConfig()
-    with one_thread():
-        ref = train_reference(cfg, TrainConfig(steps=30, batch_size=16, lr=1e-2), return_params=False)
-    assert ref["losses"][-1] < 0.5 * ref["losses"][0], ref["losses"]
+    ref = train_reference(cfg, TrainConfig(steps=30, batch_size=16, lr=1e-2))
+    assert ref.losses[-1] < 0.5 * ref.losses[0], ref.losses
     model = build_multimodal(cfg)
     captions = describe(model, data_for(cfg, TrainConfig(steps=1, batch_size=2))[0][0])
     assert len(captions) == 2 and all(isinstance(c, str) for c in captions)

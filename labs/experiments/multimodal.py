@@ -34,7 +34,7 @@ from labs.experiments.common import course_spec, fill_losses, median_step_time, 
 from labs.measure import CommLedger, Timeline, state_bytes
 from labs.models.transformer import ModelConfig
 from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal, data_for, train_reference
-from labs.runtime.device import one_thread, rank_device
+from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import multimodal as theory
@@ -45,7 +45,7 @@ from labs.theory.memory import ModelSpec, param_counts_per_rank
 from labs.theory.memory import state_bytes as theory_state_bytes
 from labs.theory.pipeline import p2p_bytes_per_rank
 from labs.theory.tensor_parallel import summarise
-from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff
+from labs.train import TOLERANCES, ReferenceResult, TrainConfig, make_optimizer, max_rel_diff
 
 MODES = ("pp", "dp", "tp")
 SIZES = {
@@ -232,9 +232,8 @@ def check_args(cfg: MultimodalConfig, *, nproc: int, mode: str, split, microbatc
     return None
 
 
-def _reference(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> dict:
-    with one_thread():
-        return train_reference(cfg, train, dp=dp, return_params=False, return_grads=True)
+def _reference(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> ReferenceResult:
+    return train_reference(cfg, train, dp=dp, return_grads=True)
 
 
 def run(*, nproc: int = 4, steps: int = 5, mode: str = "pp", backend: str = "auto", vs_torch: bool = False,
@@ -274,14 +273,14 @@ def run(*, nproc: int = 4, steps: int = 5, mode: str = "pp", backend: str = "aut
     return s
 
 
-def fill_pp(s: dict, runs: list[dict], ref: dict, cfg: MultimodalConfig, *, split, microbatches: int) -> None:
+def fill_pp(s: dict, runs: list[dict], ref: ReferenceResult, cfg: MultimodalConfig, *, split, microbatches: int) -> None:
     """The pipeline's losses (last stage), gradients (by name, each on its stage), bytes and state vs theory."""
     spec, enc = specs(cfg)
     B, nproc = s["batch_size"], len(runs)
     grads = {n: g for r in runs for n, g in r["grads"].items()}
-    s["max_rel_grad_diff"], s["worst_grad"] = _worst(((n, g, ref["grads"][n]) for n, g in grads.items()), ref["grads"])
-    s["grads_checked"] = f"{len(grads)} of {len(ref['grads'])}"
-    fill_losses(s, runs[-1]["losses"], ref["losses"])
+    s["max_rel_grad_diff"], s["worst_grad"] = _worst(((n, g, ref.grads[n]) for n, g in grads.items()), ref.grads)
+    s["grads_checked"] = f"{len(grads)} of {len(ref.grads)}"
+    fill_losses(s, runs[-1]["losses"], ref.losses)
     costs = theory.stage_costs(spec, enc, split=split, text_tokens=cfg.caption_len, mbs=B // microbatches)
     s.update(split=list(split), microbatches=microbatches, params_per_rank=[r["params"] for r in runs],
              theory_params_per_rank=[c["params"] for c in costs],
@@ -303,13 +302,13 @@ def dp_units(cfg: MultimodalConfig) -> list[int]:
             + [c["final_norm"] + c["head"]])
 
 
-def fill_dp(s: dict, per_rank: list[dict], ref: dict, cfg: MultimodalConfig, *, zero: int, vs_torch: bool) -> None:
+def fill_dp(s: dict, per_rank: list[dict], ref: ReferenceResult, cfg: MultimodalConfig, *, zero: int, vs_torch: bool) -> None:
     """The ranks' mean loss, every rank's gradients (DDP), bytes sent and state held vs theory."""
     nproc, units = len(per_rank), dp_units(cfg)
-    grads = [(f"{n} (rank {i})", g, ref["grads"][n]) for i, r in enumerate(per_rank) for n, g in r["grads"].items()]
-    s["max_rel_grad_diff"], s["worst_grad"] = _worst(grads, ref["grads"]) if not zero else (None, None)
+    grads = [(f"{n} (rank {i})", g, ref.grads[n]) for i, r in enumerate(per_rank) for n, g in r["grads"].items()]
+    s["max_rel_grad_diff"], s["worst_grad"] = _worst(grads, ref.grads) if not zero else (None, None)
     s["grads_checked"] = len(grads)  # ZeRO keeps gradient shards, not .grad: its losses are compared
-    fill_losses(s, [statistics.fmean(r["losses"][i] for r in per_rank) for i in range(s["steps"])], ref["losses"])
+    fill_losses(s, [statistics.fmean(r["losses"][i] for r in per_rank) for i in range(s["steps"])], ref.losses)
     s.update(zero=zero, unit_numels=units, comm_bytes_per_rank=[r["sent"] for r in per_rank])
     if zero == 0:
         s["theory_comm_bytes_per_rank"] = all_reduce_bytes(4 * sum(units), nproc)
@@ -322,12 +321,12 @@ def fill_dp(s: dict, per_rank: list[dict], ref: dict, cfg: MultimodalConfig, *, 
         s["torch_losses"] = [statistics.fmean(r["torch"]["losses"][i] for r in per_rank) for i in range(s["steps"])]
 
 
-def fill_tp(s: dict, per_rank: list[dict], ref: dict, cfg: MultimodalConfig) -> None:
+def fill_tp(s: dict, per_rank: list[dict], ref: ReferenceResult, cfg: MultimodalConfig) -> None:
     """Losses (equal on every rank), gradients (shards assembled), collectives vs theory, replicas identical."""
     spec, enc = specs(cfg)
     nproc = len(per_rank)
-    s["max_rel_grad_diff"], s["worst_grad"] = _tp_grads(per_rank, ref["grads"])
-    fill_losses(s, per_rank[0]["losses"], ref["losses"])
+    s["max_rel_grad_diff"], s["worst_grad"] = _tp_grads(per_rank, ref.grads)
+    fill_losses(s, per_rank[0]["losses"], ref.losses)
     calls = theory.tp_collectives(spec, tp=nproc, batch=s["batch_size"], n_prefix=cfg.n_prefix,
                                   caption_len=cfg.caption_len)
     s["comm"], s["theory_comm"] = summarise(per_rank[0]["comm"]), summarise(calls)

@@ -94,9 +94,9 @@ def imbalance(*, splits=((0, 4), (2, 2)), nproc: int = 2, steps: int = 5, microb
     rows = []
     for k, split in enumerate(splits):
         runs = [r[k] for r in per_rank]
-        row = {"split": split, "losses": runs[-1]["losses"], **compare_losses(runs[-1]["losses"], ref["losses"])}
+        row = {"split": split, "losses": runs[-1]["losses"], **compare_losses(runs[-1]["losses"], ref.losses)}
         row["matches_reference"] = row["max_rel_loss_diff"] <= TOLERANCES[torch.float32]
         rows.append({**row, **measure_timelines(runs, split=split, microbatches=microbatches, cfg=cfg,
                                                 batch_size=batch_size)})
     return {"nproc": nproc, "microbatches": microbatches, "size": size, "batch_size": batch_size, "rows": rows,
-            "uniform_bubble": (nproc - 1) / (microbatches + nproc - 1), "reference_losses": ref["losses"]}
+            "uniform_bubble": (nproc - 1) / (microbatches + nproc - 1), "reference_losses": ref.losses}

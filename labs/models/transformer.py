@@ -136,6 +136,17 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def run_blocks(blocks, x: torch.Tensor, cfg: ModelConfig, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Decoder ``blocks`` (an iterable) on x [B, T, H] at rotary ``positions`` (default 0..T-1) -> [B, T, H]."""
+    if positions is None:
+        positions = torch.arange(x.shape[1], device=x.device)
+    # tables in the activations' dtype (as transformers' Llama does), or bf16 q/k would turn fp32
+    cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype=x.dtype)
+    for block in blocks:
+        x = block(x, cos, sin)  # [B, T, H]
+    return x
+
+
 class Transformer(nn.Module):
     """Token embedding -> n_layer blocks -> final norm -> output head (logits over V)."""
 
@@ -151,14 +162,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx, targets=None, positions=None):
         """idx: [B, T] token ids -> logits [B, T, V]; with targets, also the mean cross-entropy."""
-        B, T = idx.shape
-        if positions is None:
-            positions = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx)  # [B, T, H]
-        # tables in the activations' dtype (as transformers' Llama does), or bf16 q/k would turn fp32
-        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin)
+        x = run_blocks(self.layers, self.tok_emb(idx), self.cfg, positions)  # [B, T, H]
         logits = self.lm_head(self.norm(x))  # [B, T, V]
         if targets is None:
             return logits

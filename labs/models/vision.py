@@ -29,8 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.data import shapes
-from labs.models.transformer import ModelConfig, build_model, rotary_cos_sin
-from labs.train import TrainConfig, make_optimizer
+from labs.models.transformer import ModelConfig, build_model, run_blocks
+from labs import train as labs_train
+from labs.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -166,14 +167,6 @@ def fuse(decoder: nn.Module, prefix: torch.Tensor, tokens: torch.Tensor) -> torc
     return torch.cat([prefix, decoder.tok_emb(tokens[:, prefix.shape[1]:])], dim=1)  # [B, L, H]
 
 
-def run_blocks(blocks, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Decoder ``blocks`` (an iterable) on h [B, L, H] at rotary positions 0..L-1 -> [B, L, H]."""
-    cos, sin = rotary_cos_sin(torch.arange(h.shape[1], device=h.device), cfg.head_dim, cfg.rope_theta, dtype=h.dtype)
-    for block in blocks:
-        h = block(h, cos, sin)  # [B, L, H]
-    return h
-
-
 def decode(decoder: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The course decoder after its embedding: the blocks, norm and head, [B, L, H] -> logits [B, L, V]
     (a tensor-parallel decoder returns its vocabulary shard [B, L, V/tp])."""
@@ -232,25 +225,13 @@ def data_for(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> list[tup
                                  world_size=dp, seed=train.data_seed, image_size=cfg.vision.image_size)
 
 
-def train_reference(cfg: MultimodalConfig, train: TrainConfig, *, dp: int = 1, return_params: bool = True,
-                    return_grads: bool = False) -> dict:
-    """The single-process run every parallel mode is compared with: ``build_multimodal(cfg, train.seed)``,
-    ``labs.train.make_optimizer``, one optimizer step per global batch. Returns ``losses``, ``grads`` (by
-    name, after step 1's backward; with ``return_grads``) and ``params`` (after the last step)."""
-    model = build_multimodal(cfg, seed=train.seed)
-    optimizer = make_optimizer(model.parameters(), train)
-    out = {"losses": [], "grads": {}, "params": {}}
-    for step, (images, tokens, targets) in enumerate(data_for(cfg, train, dp)):
-        _, loss = model(images, tokens, targets)
-        loss.backward()
-        if step == 0 and return_grads:
-            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    if return_params:
-        out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+def train_reference(cfg: MultimodalConfig, train: TrainConfig, *, dp: int = 1,
+                    return_grads: bool = False) -> labs_train.ReferenceResult:
+    """The single-process run every parallel mode is compared with: ``labs.train.train_reference`` on
+    ``build_multimodal(cfg, train.seed)`` and the (images, tokens, targets) global batches. Returns
+    ``losses``, ``grads`` (by name, after step 1's backward; with ``return_grads``) and ``params``."""
+    return labs_train.train_reference(cfg.decoder, train, model=build_multimodal(cfg, seed=train.seed),
+                                      batches=data_for(cfg, train, dp), return_grads=return_grads)
 
 
 @torch.no_grad()
