@@ -44,6 +44,14 @@ def _frozen(model) -> dict[str, torch.Tensor]:
     return {f"frozen.{n}": p.detach() for n, p in model.named_parameters() if not p.requires_grad}
 
 
+def _restore_frozen(model, sd: dict) -> None:
+    """Copy the checkpoint's ``frozen.<name>`` entries of ``sd`` back into ``model`` (under no_grad)."""
+    params = dict(model.named_parameters())
+    for key, value in sd.items():
+        if key.startswith("frozen."):
+            params[key[len("frozen."):]].copy_(value)
+
+
 def _sharded(z, local_of) -> dict:
     """One DTensor [Ψ_u] per unit and tensor kind, with ``local_of(u, kind)`` as this rank's piece."""
     mesh = DeviceMesh.from_group(z.group or dist.group.WORLD, z.units[0].shard_param.device.type)
@@ -99,12 +107,17 @@ def _read(sd: dict, path: Path, no_dist: bool) -> None:
                          f"{reason[-1] if reason else ''}") from e
 
 
-def _check_layout(path: Path, expected: str) -> None:
+def _saved_layout(path: Path) -> str:
     sd = {"layout": ""}
     _read(sd, path, no_dist=True)
-    if sd["layout"] != expected:
+    return sd["layout"]
+
+
+def _check_layout(path: Path, expected: str) -> None:
+    saved = _saved_layout(path)
+    if saved != expected:
         raise ValueError(f"checkpoint at {path} was saved from another model or unit split:\n"
-                         f"saved    {sd['layout'][:300]}\nexpected {expected[:300]}")
+                         f"saved    {saved[:300]}\nexpected {expected[:300]}")
 
 
 def load(z, path) -> None:
@@ -131,19 +144,14 @@ def load(z, path) -> None:
                 u.host.copy_(u.shard_param)
             if z.zero.stage < 3:  # whole parameters live in the full buffer: gather them now
                 dist.all_gather_single(u.full, u.full[u.lo: u.hi], group=z.group)
-        params = dict(z.model.named_parameters())
-        for key, value in sd.items():
-            if key.startswith("frozen."):
-                params[key[len("frozen."):]].copy_(value)
+        _restore_frozen(z.model, sd)
 
 
 def load_full(path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """Load the checkpoint into a plain single-process ``model`` (no process group needed);
     returns the AdamW optimizer (``labs.train.make_optimizer``) holding the saved state."""
     path = _check_exists(path)
-    head = {"layout": ""}
-    _read(head, path, no_dist=True)
-    units = json.loads(head["layout"])
+    units = json.loads(_saved_layout(path))
     params = dict(model.named_parameters())
     missing = [n for _, ps in units for n, _ in ps if n not in params]
     if missing:
@@ -166,7 +174,5 @@ def load_full(path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
                 optimizer.state[p] = {"step": sd["step"].clone()} | {
                     kind: sd[f"unit{k}.{kind}"][piece].view_as(p).clone() for kind in MOMENTS}
                 offset += p.numel()
-        for key, value in sd.items():
-            if key.startswith("frozen."):
-                params[key[len("frozen."):]].copy_(value)
+        _restore_frozen(model, sd)
     return optimizer

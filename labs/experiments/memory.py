@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from labs.data import rank_batches
 from labs.experiments.common import course_spec, fill_losses, new_summary
 from labs.measure.ledger import CommLedger
 from labs.measure.memory import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
@@ -48,7 +49,7 @@ from labs.theory.activations import RECOMPUTE, playbook_layer_bytes
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.flops import flops_per_token
 from labs.theory.memory import memory_per_rank
-from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, train_reference
+from labs.train import TOLERANCES, TrainConfig, make_optimizer, train_reference
 
 PRECISIONS = ("fp32", "bf16-mixed")
 DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16}
@@ -141,10 +142,11 @@ def measure_rank(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str,
             for p in master:
                 p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(master or model.parameters(), train_cfg)
-    b = train_cfg.per_rank_batch(world)
     losses, times, out = [], [], {}
-    for step, (x, y) in enumerate(data_for(train_cfg, world)):
-        x, y = x[rank * b:(rank + 1) * b].clone().to(device), y[rank * b:(rank + 1) * b].clone().to(device)
+    batches = rank_batches(steps=train_cfg.steps, batch_size=train_cfg.per_rank_batch(world), seq_len=train_cfg.seq_len,
+                           rank=rank, world_size=world, seed=train_cfg.data_seed)  # this rank's share
+    for step, (x, y) in enumerate(batches):
+        x, y = x.to(device), y.to(device)
         last = step == train_cfg.steps - 1
         synchronize(device)
         t0 = time.perf_counter()

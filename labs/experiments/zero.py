@@ -60,12 +60,16 @@ class RunSpec:
     dtype: str = "float32"       # float64: parameter checks beyond AdamW's amplified rounding (see run)
 
 
-def build(model: str, seed: int = 0, dtype: str = "float32") -> torch.nn.Module:
-    """The course model (``ModelConfig()``) or the awkward toy model, from ``seed``."""
+def check_model(model: str, dtype: str = "float32") -> None:
     if model not in MODELS:
         raise ValueError(f"model={model!r} is not one of {MODELS}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}")
+
+
+def build(model: str, seed: int = 0, dtype: str = "float32") -> torch.nn.Module:
+    """The course model (``ModelConfig()``) or the awkward toy model, from ``seed``."""
+    check_model(model, dtype)
     net = build_model(ModelConfig(), seed=seed) if model == "course" else AwkwardModel(seed=seed)
     return net.to(DTYPES[dtype])
 
@@ -230,7 +234,7 @@ def warm_imports(*, fsdp: bool = False, checkpoint: bool = False) -> None:
         importlib.import_module("labs.checkpoint")
 
 
-def check_options(stage, offload, model, nproc, steps):
+def check_options(stage, offload, model, nproc, steps, dtype="float32"):
     if stage not in theory.STAGES:
         raise ValueError(f"stage={stage!r} is not one of {theory.STAGES}")
     if stage > 0 and nproc < 2:
@@ -239,7 +243,7 @@ def check_options(stage, offload, model, nproc, steps):
         raise ValueError("offload=True needs stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    build(model)
+    check_model(model, dtype)
 
 
 def run(*, nproc: int = 4, steps: int = 5, stage: int = 3, offload: bool = False, prefetch: bool = True,
@@ -255,20 +259,18 @@ def run(*, nproc: int = 4, steps: int = 5, stage: int = 3, offload: bool = False
     last-bit differences of a sum split over ranks become ~1e-4 relative parameter changes.
     ``dtype="float64"`` shrinks them below 1e-12 (the tests check parameters that way).
     """
-    check_options(stage, offload, model, nproc, steps)
-    build(model, dtype=dtype)
+    check_options(stage, offload, model, nproc, steps, dtype)
     cfg = TrainConfig(steps=steps)
     spec = RunSpec(stage=stage, offload=offload, prefetch=prefetch, model=model, steps=steps, dtype=dtype)
     warm_imports(fsdp=vs_torch)
     per_rank = launch(train_worker, nproc, spec, cfg, backend=backend, timeout=timeout, progress=steps,
                       desc=f"ZeRO-{stage}" if stage else "data parallel")
-    ref = train_reference(ModelConfig(), cfg, dp=nproc, model=build(model, seed=cfg.seed, dtype=dtype),
-                          return_grads=True)
+    net = build(model, seed=cfg.seed, dtype=dtype)
+    ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
     s = new_summary("zero", nproc=nproc, backend=per_rank[0]["backend"], steps=steps, stage=stage,
                     offload=offload, prefetch=prefetch, model=model, dtype=dtype)
     fill_losses(s, mean_losses(per_rank), ref.losses)
     s.update(param_diff(per_rank[0]["params"], ref.params), params_sha1=digest(per_rank[0]["params"]))
-    net = build(model)
     gradless = sum(p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads)
     frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
     _fill_theory(s, per_rank, unit_numels(net), nproc, stage, offload, prefetch, frozen, gradless,
