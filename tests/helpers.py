@@ -39,3 +39,11 @@ def find_widget(root, css_class: str):
             return widget
         stack += list(getattr(widget, "children", ()))
     raise AssertionError(f"no widget with class {css_class}")
+
+
+def assert_torch_free(code: str, timeout: float = 120) -> None:
+    """Run ``code`` in a fresh interpreter (matplotlib's Agg backend); fail unless it ran to the end without
+    importing torch (the theory and its widgets must work where torch is not installed)."""
+    proc = run_cli("-c", f"import sys\n{code}\nassert 'torch' not in sys.modules, 'torch imported'",
+                   env={"MPLBACKEND": "Agg"}, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr

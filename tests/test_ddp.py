@@ -283,8 +283,6 @@ def test_forgetting_set_epoch_repeats_the_order():
 
 
 def test_overlap_drawing_headless():
-    import matplotlib
-    matplotlib.use("Agg")
     from labs.theory.overlap import simulate_ddp
     from labs.widgets.ddp import draw_overlap
     measured = {"variant": "bucketed", "nproc": 2, "per_rank": [{"exposed_s": 0.001, "backward_s": 0.01,

@@ -1,13 +1,9 @@
 """Context-parallel theory and the ring stepper's logic: pure Python, no processes, no torch."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from labs.theory import context_parallel as cpt
-from tests.helpers import ROOT
+from tests.helpers import assert_torch_free
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
@@ -119,16 +115,10 @@ def test_cli_result():
 
 
 def test_theory_and_stepper_never_import_torch():
-    code = ("import sys, labs.theory.context_parallel, labs.widgets.context_parallel as w\n"
-            "w.draw_ring_step(3, 1)\nassert 'torch' not in sys.modules, 'torch imported'")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, MPLBACKEND="Agg"))
-    assert proc.returncode == 0, proc.stderr
+    assert_torch_free("import labs.theory.context_parallel, labs.widgets.context_parallel as w\nw.draw_ring_step(3, 1)")
 
 
 def test_stepper_draws_each_step_and_reports_the_same_work():
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from labs.widgets.context_parallel import draw_ring_step, ring_stepper, step_rows
     for step in range(4):

@@ -3,9 +3,6 @@ weights per rank (against the built model), messages per token, the latency mode
 front end and the widget's pure functions. Measured TP / placement figures are in tests/test_inference.py."""
 
 import argparse
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ from labs.theory import inference as inf
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes
 from labs.theory.memory import GIB, ModelSpec
 from labs.theory.presets import GPUS, PRESETS
-from tests.helpers import ROOT
+from tests.helpers import assert_torch_free
 
 TINY4 = ModelSpec(vocab_size=256, hidden=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128)  # infer.CONFIG
 
@@ -130,18 +127,12 @@ def test_cli_and_readable_result():
 
 
 def test_theory_and_widget_never_import_torch():
-    code = ("import sys, labs.theory.inference as t, labs.widgets.inference as w\n"
-            "from labs.theory.presets import PRESETS\n"
-            "w.plot_decode_theory(PRESETS['llama3-8b'], batch=4, context=2048)\n"
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, MPLBACKEND="Agg"))
-    assert proc.returncode == 0, proc.stderr
+    assert_torch_free("import labs.theory.inference as t, labs.widgets.inference as w\n"
+                      "from labs.theory.presets import PRESETS\n"
+                      "w.plot_decode_theory(PRESETS['llama3-8b'], batch=4, context=2048)")
 
 
 def test_widget_rows_and_explorer():
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from labs.widgets import inference as w
     rows = w.theory_rows(TINY4, batch=2, context=64, degrees=(1, 2, 4, 8))

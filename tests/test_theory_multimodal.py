@@ -6,8 +6,6 @@ Theory and harness only (no exercise code): not marked exercise."""
 import argparse
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -24,6 +22,7 @@ from labs.theory import pipeline
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.memory import memory_per_rank, param_counts_per_rank, state_bytes
 from labs.theory.presets import preset
+from tests.helpers import assert_torch_free
 
 OTHER = MultimodalConfig(vision=VisionConfig(image_size=16, patch_size=2, n_layer=3, n_embd=48, n_head=3,
                                              mlp_hidden=80, channels=3),
@@ -212,8 +211,7 @@ def test_cli_and_no_torch():
     assert "rebalanced" in text and "split (8, 8, 8, 8)" in text and len(r["memory_gib"]) == 4
     with pytest.raises(ValueError, match="layout='4,1' must be five integers"):
         multimodal_plan.cli(parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"]))
-    code = "import sys, labs.theory.multimodal; assert 'torch' not in sys.modules, 'torch imported'"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    assert_torch_free("import labs.theory.multimodal")
 
 
 def test_tp_collectives_count_caption_tokens_for_the_embedding_and_loss():

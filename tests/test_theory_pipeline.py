@@ -4,13 +4,10 @@ layer plans; bytes; the `bubble` CLI; the bubble calculator's drawing, headless.
 import itertools
 from collections import Counter
 
-import matplotlib
 import pytest
 
 from labs.theory import pipeline as th
 from tests.helpers import run_cli, run_json
-
-matplotlib.use("Agg")
 
 CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16, 32)] + \
         [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3, 4) for m in (p, 2 * p, 4 * p, 8 * p)]

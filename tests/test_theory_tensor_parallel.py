@@ -1,15 +1,11 @@
 """Tensor-parallel theory (no processes): per-block collectives, shapes, parameter bytes, the sharding visualizer."""
 
-import matplotlib
+import pytest
 
-matplotlib.use("Agg")
-
-import pytest  # noqa: E402
-
-from labs.models.transformer import ModelConfig, build_model  # noqa: E402
-from labs.theory import tensor_parallel as theory  # noqa: E402
-from labs.theory.memory import ModelSpec  # noqa: E402
-from labs.theory.presets import PRESETS  # noqa: E402
+from labs.models.transformer import ModelConfig, build_model
+from labs.theory import tensor_parallel as theory
+from labs.theory.memory import ModelSpec
+from labs.theory.presets import PRESETS
 
 SPEC = theory.COURSE_MODEL
 LLAMA3_70B = PRESETS["llama3-70b"]
