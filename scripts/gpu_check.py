@@ -39,7 +39,6 @@ import dataclasses
 import datetime
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -57,14 +56,10 @@ THEIRS = {"ddp": "torch-ddp", "zero3": "torch-fsdp2", "tp": "torch-tp"}
 def gpu_names() -> list[str]:
     """GPU names from nvidia-smi (CUDA stays uninitialised here), else generic names, else []."""
     import torch
+    from labs.runtime.device import gpu_names as nvidia_smi_names
     count = torch.cuda.device_count()  # NVML where it can: no CUDA initialisation here
-    if count and shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-        names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
-        if len(names) >= count:
-            return names[:count]
-    return [f"GPU {i}" for i in range(count)]
+    names = nvidia_smi_names() if count else []
+    return names[:count] if len(names) >= count else [f"GPU {i}" for i in range(count)]
 
 
 def gpu_spec(names: list[str], override_tflops: float | None) -> tuple[float | None, float | None, str]:
@@ -139,10 +134,9 @@ def model_config(tiny: bool) -> dict:
 
 
 def spec_of(cfg: dict):
-    from labs.theory.memory import ModelSpec
-    return ModelSpec(vocab_size=cfg["vocab_size"], hidden=cfg["n_embd"], n_layers=cfg["n_layer"],
-                     n_heads=cfg["n_head"], n_kv_heads=cfg["n_kv_head"], ffn_hidden=cfg["ffn_hidden"],
-                     tied_embeddings=cfg["tie_embeddings"])
+    from labs.experiments.common import course_spec
+    from labs.models.transformer import ModelConfig
+    return course_spec(ModelConfig(**cfg))
 
 
 def predicted_bytes(cfg: dict, *, world: int, micro_batch: int) -> dict[str, int]:
@@ -168,14 +162,15 @@ def pick_micro_batch(cfg: dict, *, world: int, gpu_gib: float | None) -> int:
 
 def _wrap(mode: str, model, cfg):
     """(module to call, what a step does after backward, context for forward and backward) for ``mode``."""
-    from labs.experiments.zero import units_of
+    from labs.experiments.zero import RunSpec, wrap_for_zero
     from labs.runtime.device import rank_device
     from labs.runtime.impl import exercise
     from labs.train import make_optimizer
     nothing = contextlib.nullcontext
-    if mode == "zero3":
-        z = exercise("zero").shard_model(model, stage=3, cfg=cfg, units=units_of(model))
-        return model, lambda: (z.step(), z.zero_grad()), nothing
+    if mode in ("zero3", "torch-fsdp2"):  # as the ZeRO lab runs them
+        wrapper, opt = wrap_for_zero(model, RunSpec(stage=3, torch_fsdp=mode == "torch-fsdp2"), cfg)
+        step = wrapper or opt
+        return model, lambda: (step.step(), step.zero_grad()), nothing
     ctx = nothing
     if mode == "ddp":
         model = exercise("ddp").BucketedDDP(model, bucket_mb=25.0)
@@ -186,11 +181,6 @@ def _wrap(mode: str, model, cfg):
         device = rank_device()
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                         bucket_cap_mb=25)
-    elif mode == "torch-fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for _, modules in units_of(model)[:-1]:
-            fully_shard(modules[0])
-        fully_shard(model)
     elif mode == "torch-tp":
         from torch.distributed.tensor.parallel import loss_parallel
         from labs.experiments.tp import torch_tensor_parallel
@@ -325,7 +315,7 @@ def run_notebooks(paths, *, jobs, deadline, log) -> list[dict]:
 
 # --- the report -----------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
-    from labs.bench_report import fmt
+    from labs.bench_report import fmt, name
     env, t = report["environment"], report["throughput"]
     gpus = f"{env['gpus']} x {', '.join(sorted(set(env['gpu_names'])))}" if env["gpus"] else "no GPU"
     peak = f"{env['peak_flops'] / 1e12:.4g} TFLOP/s" if env["peak_flops"] else "n/a"
@@ -339,8 +329,7 @@ def markdown(report: dict) -> str:
               "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in report["labs"]:
         verdict = ("✓" if r["passed"] else "✗") if r["status"] == "ok" else f"{r['status']}: {r['note'][:80]}"
-        lab = f"{r['lab']} ({r['config']})" if r.get("config") else r["lab"]
-        lines.append(f"| {lab} | {r['nproc']} | {r['backend']} | {verdict} | {fmt(r.get('max_diff'), '.1e')} "
+        lines.append(f"| {name(r)} | {r['nproc']} | {r['backend']} | {verdict} | {fmt(r.get('max_diff'), '.1e')} "
                      f"| {fmt(r.get('comm_ratio'), '.3f')} | {fmt(r.get('state_ratio'), '.3f')} "
                      f"| {fmt(r.get('ours_ms'), '.1f')} | {fmt(r.get('torch_ms'), '.1f')} |")
     alone = " A world of one: the collectives move nothing, so this shows each wrapper's overhead."

@@ -145,7 +145,9 @@ def held_bytes(model, wrapper) -> dict[str, int]:
     return out
 
 
-def _wrap(model, spec: RunSpec, cfg: TrainConfig):
+def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig):
+    """(our wrapper or None, its optimizer) for ``spec``: plain data parallelism (stage 0), ZeRO-``stage``, or
+    torch's FSDP2 ``fully_shard`` on the same units."""
     if spec.torch_fsdp:
         from torch.distributed.fsdp import fully_shard
         for _, modules in units_of(model)[:-1]:
@@ -179,7 +181,7 @@ def full_params(model, wrapper) -> dict[str, torch.Tensor]:
 def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     rank, n, device = dist.get_rank(), dist.get_world_size(), rank_device()
     model = build(spec.model, seed=cfg.seed, dtype=spec.dtype).to(device)
-    wrapper, optimizer = _wrap(model, spec, cfg)
+    wrapper, optimizer = wrap_for_zero(model, spec, cfg)
     loaded = None
     if spec.load:
         from labs.checkpoint import load

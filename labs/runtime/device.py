@@ -37,15 +37,16 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def _gpu_names() -> list[str]:
-    """GPU names from nvidia-smi: asking torch would initialise CUDA here, and ranks could no longer be forked."""
+def gpu_names() -> list[str]:
+    """GPU names from nvidia-smi ([] without it): asking torch would initialise CUDA here, and ranks could no
+    longer be forked."""
     import subprocess
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=20)
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     except (OSError, subprocess.SubprocessError):
-        return ["(nvidia-smi not found)"]
+        return []
 
 
 def environment_report() -> dict:
@@ -58,7 +59,7 @@ def environment_report() -> dict:
         "torch": torch.__version__,
         "cpu_cores": os.cpu_count(),
         "gpus": gpus,
-        "gpu_names": _gpu_names() if gpus else [],
+        "gpu_names": (gpu_names() or ["(nvidia-smi not found)"]) if gpus else [],
         "gloo": dist.is_gloo_available(),
         "nccl": dist.is_nccl_available(),
         "backend_for_4_ranks": choose_backend(4),
