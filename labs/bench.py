@@ -28,6 +28,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from labs.theory.dims import check_positive
+
 SLOWER = 1.2  # ours / torch above this gets an explanation (issue 13, item 2)
 
 
@@ -262,8 +264,7 @@ def run_bench(*, labs=None, nprocs=(4,), steps: int = 5, repeats: int = 3, backe
             raise ValueError(f"nproc must be integers >= 1, got {n!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer >= 2 (the first step is a warm-up), got {steps!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    check_positive(repeats=repeats)
     jobs = [(lab, entry, n) for lab in labs for entry in BENCH.get(lab, [Entry()]) for n in nprocs]
     rows = []
     with tqdm(jobs, desc="bench", unit="run", disable=not progress, position=0) as bar:

@@ -28,6 +28,7 @@ FLOPs (recompute="none"); hardware FLOPs utilisation (HFU) counts what was execu
 from __future__ import annotations
 
 from labs.theory.activations import RECOMPUTE
+from labs.theory.dims import check_positive
 
 
 def matmul_params(spec) -> int:
@@ -44,8 +45,7 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
     """Training (forward + backward) FLOPs per token: 6·P_matmul + 12·L·nh·hd·seq, or with
     ``exact=False`` the playbook's 6·N + 12·L·h·seq; plus what ``recompute`` reruns."""
     from labs.theory.memory import param_count
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-        raise ValueError(f"seq must be an integer >= 1, got {seq!r}")
+    check_positive(seq=seq)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
     attention_fwd = 4 * spec.n_layers * spec.n_heads * spec.hd * seq  # q·kᵀ and probabilities·v
@@ -63,8 +63,7 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
 
 def training_flops(spec, *, seq: int, tokens: int, exact: bool = True, recompute: str = "none") -> float:
     """FLOPs of one training step over ``tokens`` tokens (global batch x sequence length)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+    check_positive(tokens=tokens)
     return flops_per_token(spec, seq=seq, exact=exact, recompute=recompute) * tokens
 
 

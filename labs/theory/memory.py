@@ -81,14 +81,9 @@ class ModelSpec:
     def __post_init__(self):
         if self.arch not in ("llama", "gpt"):
             raise ValueError(f"arch={self.arch!r} is not one of ('llama', 'gpt')")
-        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("n_kv_heads", "ffn_hidden", "head_dim"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive(**{n: getattr(self, n) for n in ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")})
+        check_positive(**{n: getattr(self, n) for n in ("n_kv_heads", "ffn_hidden", "head_dim")
+                          if getattr(self, n) is not None})  # None: the default above
         if self.head_dim is None and self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -149,8 +144,7 @@ def _check_state_args(n_params, precision, optimizer, zero, dp):
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZERS)}")
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be an integer >= 1, got {dp!r}")
+    check_positive(dp=dp)
     if zero > 0 and dp == 1:
         raise ValueError(f"zero={zero} shards over data-parallel ranks but dp=1; use dp >= 2 or zero=0")
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labs.theory.activations import stage_activation_bytes
+from labs.theory.comm import BYTES_PER_RANK
 from labs.theory.dims import check_positive
 from labs.theory.flops import matmul_params
 from labs.theory.memory import (PRECISIONS, ModelSpec, layers_on_stage, memory_per_rank,
@@ -328,5 +329,5 @@ def tp_collectives(spec: ModelSpec, *, tp: int, batch: int, n_prefix: int, capti
     for c in calls:
         if c["where"] in text:
             c["payload_bytes"] = text[c["where"]]
-            c["sent_bytes"] = tensor_parallel.SENT[c["op"]](c["payload_bytes"], tp)
+            c["sent_bytes"] = BYTES_PER_RANK[c["op"]](c["payload_bytes"], tp)
     return calls

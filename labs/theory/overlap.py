@@ -29,6 +29,7 @@ the Ultra-Scale Playbook, "Data parallelism".
 from __future__ import annotations
 
 from labs.theory.comm import all_reduce_bytes
+from labs.theory.dims import check_positive
 
 MiB = 1 << 20          # torch's DDP counts bucket_cap_mb in MiB, and so do we
 VARIANTS = ("naive", "overlapped", "bucketed")
@@ -118,9 +119,7 @@ def uniform_model(*, params: float, layers: int, tokens: float, flops: float, by
     FLOP/s; each layer has ``tensors_per_layer`` equal weight tensors (e.g. attention in/out,
     MLP in/out). Returns (grad_bytes, compute_s) in backward order.
     """
-    for name, v in (("layers", layers), ("tensors_per_layer", tensors_per_layer), ("bytes_per_grad", bytes_per_grad)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    check_positive(layers=layers, tensors_per_layer=tensors_per_layer, bytes_per_grad=bytes_per_grad)
     for name, v in (("params", params), ("tokens", tokens), ("flops", flops)):
         if v <= 0:
             raise ValueError(f"{name} must be > 0, got {v}")
@@ -139,8 +138,7 @@ def simulate_ddp(*, variant: str = "bucketed", params_m: float = 350.0, layers: 
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
+    check_positive(ranks=ranks)
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
     grad_bytes, compute_s = uniform_model(params=params_m * 1e6, layers=layers, tokens=tokens_per_rank,

@@ -36,12 +36,11 @@ backward (one more all-gather per block entry); ``labs.theory.activations`` mode
 
 from __future__ import annotations
 
-from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from labs.theory.comm import BYTES_PER_RANK, all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
 from labs.theory.memory import ModelSpec, param_counts
 from labs.theory.presets import PRESETS
 
-SENT = {"all_reduce": all_reduce_bytes, "all_gather": all_gather_bytes, "reduce_scatter": reduce_scatter_bytes}
 # What replaces f and g with sequence parallelism: (forward op, backward op)
 F_OP = {False: (None, "all_reduce"), True: ("all_gather", "reduce_scatter")}
 G_OP = {False: ("all_reduce", None), True: ("reduce_scatter", "all_gather")}
@@ -85,8 +84,8 @@ def weight_shards(spec: ModelSpec, *, tp: int) -> list[dict]:
 def _collective(name, op_pair, k, tp, where):
     fwd, bwd = op_pair
     return {"op": name, "kind": "collective", "where": where, "forward": fwd, "backward": bwd, "payload_bytes": k,
-            "forward_sent_bytes": SENT[fwd](k, tp) if fwd else 0.0,
-            "backward_sent_bytes": SENT[bwd](k, tp) if bwd else 0.0}
+            "forward_sent_bytes": BYTES_PER_RANK[fwd](k, tp) if fwd else 0.0,
+            "backward_sent_bytes": BYTES_PER_RANK[bwd](k, tp) if bwd else 0.0}
 
 
 def block_flow(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: int = 1,
@@ -134,7 +133,7 @@ def collectives(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, s
     def add(where, phase, op, payload):
         if op is not None:
             calls.append({"where": where, "phase": phase, "op": op, "payload_bytes": payload,
-                          "sent_bytes": SENT[op](payload, tp)})
+                          "sent_bytes": BYTES_PER_RANK[op](payload, tp)})
 
     def region(where, ops):  # a collective pair at a region boundary: (forward op, backward op)
         add(where, "forward", ops[0], k)

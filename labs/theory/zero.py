@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+from labs.theory.dims import check_positive
 from labs.theory.memory import ModelSpec, param_counts, state_bytes
 from labs.theory.presets import PRESETS
 
@@ -56,8 +57,7 @@ KINDS = ("params", "grads", "optimizer")
 def _check(unit_numels, stage=0, dp=1) -> list[int]:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not one of {STAGES}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be an integer >= 1, got {dp!r}")
+    check_positive(dp=dp)
     if stage > 0 and dp == 1:
         raise ValueError(f"stage={stage} shards over data-parallel ranks but dp=1; use dp >= 2 or stage=0")
     units = list(unit_numels)
@@ -69,8 +69,7 @@ def _check(unit_numels, stage=0, dp=1) -> list[int]:
 def flat_layout(numel: int, dp: int) -> dict[str, int]:
     """One flat buffer of ``numel`` elements over ``dp`` ranks: ``shard`` = ceil(numel/dp)
     elements per rank, ``padded`` = dp·shard, ``padding`` = padded − numel (< dp)."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-        raise ValueError(f"numel must be an integer >= 1, got {numel!r}")
+    check_positive(numel=numel)
     _check([numel], 0, dp)
     shard = math.ceil(numel / dp)
     return {"numel": numel, "shard": shard, "padded": shard * dp, "padding": shard * dp - numel}
