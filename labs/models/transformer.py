@@ -162,6 +162,8 @@ class Transformer(nn.Module):
 
     def forward(self, idx, targets=None, positions=None):
         """idx: [B, T] token ids -> logits [B, T, V]; with targets, also the mean cross-entropy."""
+        if positions is None:  # from the ids: under sequence parallelism the embedding returns T/tp tokens
+            positions = torch.arange(idx.shape[1], device=idx.device)
         x = run_blocks(self.layers, self.tok_emb(idx), self.cfg, positions)  # [B, T, H]
         logits = self.lm_head(self.norm(x))  # [B, T, V]
         if targets is None:
