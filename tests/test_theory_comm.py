@@ -55,4 +55,5 @@ def test_comm_cli():
 
 
 def test_theory_cli_does_not_import_torch():
-    assert_torch_free("import labs.theory.__main__ as m; m.main(['comm','--op','all_gather','--bytes','8','--ranks','2'])")
+    assert_torch_free("import labs.theory.__main__ as m\n"
+                      "m.main(['comm', '--op', 'all_gather', '--bytes', '8', '--ranks', '2'])")

@@ -304,8 +304,9 @@ def test_cli_rejects_bad_input_in_one_line(args, name):
 
 
 def test_calculator_modules_do_not_import_torch():
-    assert_torch_free("import labs.theory.__main__ as m; m.main(['memory', '--preset', 'llama3-70b', '--tp', '8', "
-                      "'--json']); import labs.theory.presets, labs.theory.flops, labs.theory.memory_report", timeout=60)
+    assert_torch_free("import labs.theory.__main__ as m\n"
+                      "m.main(['memory', '--preset', 'llama3-70b', '--tp', '8', '--json'])\n"
+                      "import labs.theory.presets, labs.theory.flops, labs.theory.memory_report", timeout=60)
 
 
 # ---------------------------------------------------------------- the widget's logic, headless

@@ -259,7 +259,8 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
 def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int, cp: int) -> float:
     """Notebook 01's memory calculator's activations per rank for the course model in fp32
     (``labs.theory.memory.memory_per_rank``)."""
-    return memory.memory_per_rank(course_spec(model_cfg), seq=seq, mbs=batch, precision="fp32", cp=cp)["activation_bytes"]
+    per_rank = memory.memory_per_rank(course_spec(model_cfg), seq=seq, mbs=batch, precision="fp32", cp=cp)
+    return per_rank["activation_bytes"]
 
 
 def memory_worker(model_cfg: ModelConfig, shape: AttnShape, batch: int, seq: int) -> dict:

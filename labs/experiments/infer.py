@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from labs.data import load_corpus
+from labs.experiments import tp as tp_lab
 from labs.experiments.common import COMM_HEADER, comm_row, course_spec, median_time, new_summary
 from labs.measure import CommLedger
 from labs.measure.memory import param_bytes
 from labs.models.hf_convert import course_model_from
-from labs.models.transformer import ModelConfig, build_model
+from labs.models.transformer import ModelConfig
 from labs.runtime.device import one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
@@ -44,7 +45,7 @@ from labs.theory import inference as theory
 from labs.theory.dims import ParallelDims, check_positive
 from labs.theory.memory import layers_on_stage
 
-MODES, MODELS = theory.MODES, ("course", "hf-llama")
+MODES, MODELS = theory.MODES, tp_lab.MODELS
 CONFIG = ModelConfig(n_layer=4)  # 4 layers: one per stage on 4 ranks; 4 kv heads: one per TP rank on 4
 MAX_PROMPT = 16  # longest prompt make_prompts cuts
 LEDGER_OPS = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "isend": "send", "irecv": "recv"}
@@ -60,11 +61,7 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def full_model(cfg: ModelConfig, model: str, seed: int) -> torch.nn.Module:
     """The unsharded model in eval mode: the course ``Transformer`` or a ``LlamaForCausalLM`` with its weights."""
-    course = build_model(cfg, seed).eval()
-    if model == "course":
-        return course
-    from labs.models.hf import to_hf_llama
-    return to_hf_llama(course)
+    return tp_lab.full_model(cfg, model, seed).eval()
 
 
 def stage_plan(n_layers: int, stages: int) -> tuple[int, ...]:

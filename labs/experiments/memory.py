@@ -49,7 +49,7 @@ from labs.theory.activations import RECOMPUTE, playbook_layer_bytes
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.flops import flops_per_token
 from labs.theory.memory import memory_per_rank
-from labs.train import TOLERANCES, TrainConfig, make_optimizer, train_reference
+from labs.train import TOLERANCES, TrainConfig, compare_losses, make_optimizer, train_reference
 
 PRECISIONS = ("fp32", "bf16-mixed")
 DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16}
@@ -245,7 +245,7 @@ def run(*, nproc: int = 1, steps: int = 3, backend: str = "auto", vs_torch: bool
         row["matches_theory"] = (row["same_on_every_rank"] and row["activation_rel_diff"] <= act_tol
                                  and all(row["measured"][k] == row["predicted"][k] for k in STATE_KEYS))
         tol = TOLERANCES[DTYPES[precision]]
-        row["max_rel_loss_diff"] = max(abs(a - r) / abs(r) for a, r in zip(row["losses"], reference))
+        row["max_rel_loss_diff"] = compare_losses(row["losses"], reference)["max_rel_loss_diff"]
         row["matches_reference"] = row["max_rel_loss_diff"] <= tol
         rows.append(row)
     first = rows[0]

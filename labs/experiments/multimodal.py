@@ -273,7 +273,8 @@ def run(*, nproc: int = 4, steps: int = 5, mode: str = "pp", backend: str = "aut
     return s
 
 
-def fill_pp(s: dict, runs: list[dict], ref: ReferenceResult, cfg: MultimodalConfig, *, split, microbatches: int) -> None:
+def fill_pp(s: dict, runs: list[dict], ref: ReferenceResult, cfg: MultimodalConfig, *, split,
+            microbatches: int) -> None:
     """The pipeline's losses (last stage), gradients (by name, each on its stage), bytes and state vs theory."""
     spec, enc = specs(cfg)
     B, nproc = s["batch_size"], len(runs)
@@ -302,7 +303,8 @@ def dp_units(cfg: MultimodalConfig) -> list[int]:
             + [c["final_norm"] + c["head"]])
 
 
-def fill_dp(s: dict, per_rank: list[dict], ref: ReferenceResult, cfg: MultimodalConfig, *, zero: int, vs_torch: bool) -> None:
+def fill_dp(s: dict, per_rank: list[dict], ref: ReferenceResult, cfg: MultimodalConfig, *, zero: int,
+            vs_torch: bool) -> None:
     """The ranks' mean loss, every rank's gradients (DDP), bytes sent and state held vs theory."""
     nproc, units = len(per_rank), dp_units(cfg)
     grads = [(f"{n} (rank {i})", g, ref.grads[n]) for i, r in enumerate(per_rank) for n, g in r["grads"].items()]

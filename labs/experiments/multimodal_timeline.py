@@ -21,6 +21,7 @@ import torch
 
 from labs.experiments.multimodal import SIZES, _reference, check_args, pp_worker, specs
 from labs.measure import idle_fraction
+from labs.measure.timeline import busy_time
 from labs.models.vision import MultimodalConfig
 from labs.runtime.launcher import launch
 from labs.theory import multimodal as theory
@@ -47,7 +48,7 @@ def measure_timelines(runs: list[dict], *, split, microbatches: int, cfg: Multim
     flops = theory.pipeline_balance(spec, enc, split=split, text_tokens=cfg.caption_len,
                                     mbs=batch_size // microbatches, microbatches=microbatches)
     total, P = sum(t_f) + sum(t_b), len(runs)
-    idle = [[1 - sum(e.duration for e in ev if e.rank == r) / span for r in range(P)] for ev, span in zip(steps, spans)]
+    idle = [[1 - busy_time(ev, r) / span for r in range(P)] for ev, span in zip(steps, spans)]
     bubbles = [idle_fraction(ev, names=("F", "B")) for ev in steps]
     return {"t_forward": t_f, "t_backward": t_b, "stage_time": [f + b for f, b in zip(t_f, t_b)],
             "measured_stage_share": [(f + b) / total for f, b in zip(t_f, t_b)],

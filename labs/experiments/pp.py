@@ -55,7 +55,7 @@ from labs.runtime.launcher import launch, report_progress
 from labs.theory import pipeline as theory
 from labs.theory.dims import ParallelDims, check_divides
 from labs.theory.memory import param_counts
-from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, max_rel_diff, train_reference
+from labs.train import TOLERANCES, TrainConfig, compare_losses, data_for, make_optimizer, max_rel_diff, train_reference
 
 CHOICES = ("naive", "gpipe", "1f1b", "interleaved")
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "afab": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -357,7 +357,7 @@ def summarize(per_rank, ref, *, schedule, model_cfg, cfg, microbatches, virtual,
         summary["torch_step_time_s"] = max(median_step_time(r["torch_times"])
                                            for r in per_rank)
         summary["torch_losses"] = last["torch_losses"]
-        summary["torch_max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(last["torch_losses"], reference))
+        summary["torch_max_abs_loss_diff"] = compare_losses(last["torch_losses"], reference)["max_abs_loss_diff"]
     elif vs_torch:
         summary["torch_skipped"] = last.get("torch_skipped", "torch.distributed.pipelining has no naive placement")
     return summary

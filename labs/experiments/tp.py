@@ -38,7 +38,7 @@ from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import memory as memory_theory
 from labs.theory import tensor_parallel as theory
 from labs.theory.dims import check_positive
-from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, max_rel_diff, train_reference
+from labs.train import TOLERANCES, TrainConfig, compare_losses, data_for, make_optimizer, max_rel_diff, train_reference
 
 MODELS = ("course", "hf-llama")
 
@@ -256,7 +256,7 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
         theirs = [r["torch"] for r in per_rank]
         s["torch_step_time_s"] = max(t["step_time_s"] for t in theirs)
         s["torch_losses"] = theirs[0]["losses"]
-        s["torch_max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(theirs[0]["losses"], ref.losses))
+        s["torch_max_rel_loss_diff"] = compare_losses(theirs[0]["losses"], ref.losses)["max_rel_loss_diff"]
         s["torch_max_rel_logit_diff_vs_ours"] = max_rel_diff(torch.cat([t["logits"] for t in theirs], -1), logits)
     return s
 

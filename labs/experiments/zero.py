@@ -39,7 +39,7 @@ from labs.runtime.device import rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
-from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff, train_reference
+from labs.train import TOLERANCES, TrainConfig, compare_losses, make_optimizer, max_rel_diff, train_reference
 
 MODELS = ("course", "awkward")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -227,13 +227,11 @@ def _torch_bytes(model, optimizer) -> dict[str, int]:
     return {"params": b["params"], "grads": b["grads"], "optimizer": b["optimizer"], "host": 0, "total": b["total"]}
 
 
-def warm_imports(*, fsdp: bool = False, checkpoint: bool = False) -> None:
+def warm_imports(*, fsdp: bool = False) -> None:
     """Import here, once, what every forked rank would otherwise import by itself (seconds each
-    on 2 cores): FSDP2 and DCP are large. (``launch`` itself preloads ``torch._dynamo``.)"""
+    on 2 cores): FSDP2 is large. (``launch`` itself preloads ``torch._dynamo``.)"""
     if fsdp:
         importlib.import_module("torch.distributed.fsdp")
-    if checkpoint:
-        importlib.import_module("labs.checkpoint")
 
 
 def check_options(stage, offload, model, nproc, steps, dtype="float32"):
@@ -285,7 +283,7 @@ def run(*, nproc: int = 4, steps: int = 5, stage: int = 3, offload: bool = False
         s["torch_state_bytes_per_rank"] = [r["held"]["total"] for r in t]
         s["torch_state_breakdown"] = t[0]["held"]
         s["torch_losses"] = mean_losses(t)
-        s["torch_max_rel_loss_diff"] = fill_losses({}, s["torch_losses"], ref.losses)["max_rel_loss_diff"]
+        s["torch_max_rel_loss_diff"] = compare_losses(s["torch_losses"], ref.losses)["max_rel_loss_diff"]
         s["torch_max_param_rel_diff"] = param_diff(t[0]["params"], ref.params)["max_param_rel_diff"]
     return s
 

@@ -15,11 +15,9 @@ from dataclasses import replace
 
 import torch
 
-from labs.experiments.common import fill_losses
-from labs.experiments.zero import (RunSpec, build, check_options, mean_losses, param_diff, train_worker,
-                                  warm_imports)
+from labs.experiments.zero import RunSpec, build, check_options, mean_losses, param_diff, train_worker
 from labs.runtime.launcher import launch
-from labs.train import TrainConfig, data_for
+from labs.train import TrainConfig, compare_losses, data_for
 
 
 def checkpoint_demo(folder=None, *, save_nproc: int = 4, load_nproc: int = 2, steps: int = 3, stage: int = 3,
@@ -33,8 +31,7 @@ def checkpoint_demo(folder=None, *, save_nproc: int = 4, load_nproc: int = 2, st
     (``saved_params``, ``params_loaded_on_<n>``, ``params_resumed_on_<n>``...) and the
     comparisons: ``*_exact`` (bit for bit), ``*_max_rel_diff``.
     """
-    from labs.checkpoint import load_full
-    warm_imports(checkpoint=True)
+    from labs.checkpoint import load_full  # and DCP, large: imported once here, not in every forked rank
     folder = folder or tempfile.mkdtemp(prefix="zero3-ckpt-")
     check_options(stage, False, model, min(save_nproc, load_nproc), steps)
     cfg = TrainConfig(steps=2 * steps)
@@ -64,7 +61,7 @@ def checkpoint_demo(folder=None, *, save_nproc: int = 4, load_nproc: int = 2, st
         loaded, final = out[f"params_loaded_{tag}"], out[f"params_resumed_{tag}"]
         out[f"load_{tag}_exact"] = all(torch.equal(loaded[n], p) for n, p in out["saved_params"].items())
         out[f"resume_{tag}_exact"] = losses == out["uninterrupted"]
-        out[f"resume_{tag}_max_rel_loss_diff"] = fill_losses({}, losses, out["uninterrupted"])["max_rel_loss_diff"]
+        out[f"resume_{tag}_max_rel_loss_diff"] = compare_losses(losses, out["uninterrupted"])["max_rel_loss_diff"]
         out[f"resume_{tag}_max_param_rel_diff"] = param_diff(final, out["uninterrupted_params"])["max_param_rel_diff"]
     return out
 

@@ -81,7 +81,8 @@ class ModelSpec:
     def __post_init__(self):
         if self.arch not in ("llama", "gpt"):
             raise ValueError(f"arch={self.arch!r} is not one of ('llama', 'gpt')")
-        check_positive(**{n: getattr(self, n) for n in ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")})
+        required = ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")
+        check_positive(**{n: getattr(self, n) for n in required})
         check_positive(**{n: getattr(self, n) for n in ("n_kv_heads", "ffn_hidden", "head_dim")
                           if getattr(self, n) is not None})  # None: the default above
         if self.head_dim is None and self.hidden % self.n_heads:

@@ -187,7 +187,8 @@ def simulate_stages(t_forward, t_backward, microbatches: int, t_delay: float = 0
         raise ValueError("t_forward and t_backward need one time per stage, forward > 0, backward and t_delay >= 0")
     sim = simulate("1f1b", P, microbatches, 1, list(t_forward), list(t_backward), t_delay)
     busy = [microbatches * (t_forward[s] + t_backward[s]) for s in range(P)]
-    return {"events": sim["events"], "makespan": sim["makespan"], "busy": busy, "bubble_fraction": sim["bubble_fraction"]}
+    return {"events": sim["events"], "makespan": sim["makespan"], "busy": busy,
+            "bubble_fraction": sim["bubble_fraction"]}
 
 
 def pipeline_balance(spec: ModelSpec, enc: EncoderSpec, *, split, text_tokens: int, mbs: int, microbatches: int,

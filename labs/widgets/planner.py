@@ -181,7 +181,8 @@ def planner_widget(model: str = "llama3-70b", *, seq: int = 32768, gpus: int = 5
             chart.clear_output()
             return
         s = summary(p, model=c["preset"].value)
-        result.value = f"<pre style='font-size:11px; line-height:1.25'>{html.escape(format_result(s), quote=False)}</pre>"
+        report = html.escape(format_result(s), quote=False)
+        result.value = f"<pre style='font-size:11px; line-height:1.25'>{report}</pre>"
         try:
             text = export(c["export"].value, p)
         except ValueError as e:
