@@ -39,7 +39,6 @@ from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import multimodal as theory
 from labs.theory import zero as zero_theory
-from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.memory import ModelSpec, param_counts_per_rank
 from labs.theory.memory import state_bytes as theory_state_bytes
@@ -252,18 +251,17 @@ def run(*, nproc: int = 4, steps: int = 5, mode: str = "pp", backend: str = "aut
                     size=size, batch_size=batch_size, seq_len=cfg.seq_len, n_prefix=cfg.n_prefix)
     kw = dict(backend=backend, timeout=timeout, progress=steps * (2 if vs_torch and mode == "dp" else 1))
     if mode == "pp":
-        per_rank = launch(pp_worker, nproc, cfg, train, [split], microbatches, min(timed_steps, steps),
-                          desc=f"pp split={split}", **kw)
-        fill_pp(s, [r[0] for r in per_rank], ref, cfg, split=split, microbatches=microbatches)
+        per_rank = [runs[0] for runs in launch(pp_worker, nproc, cfg, train, [split], microbatches,
+                                               min(timed_steps, steps), desc=f"pp split={split}", **kw)]
+        fill_pp(s, per_rank, ref, cfg, split=split, microbatches=microbatches)
     elif mode == "dp":
         per_rank = launch(dp_worker, nproc, cfg, train, zero, bucket_mb, vs_torch, desc=f"dp zero={zero}", **kw)
         fill_dp(s, per_rank, ref, cfg, zero=zero, vs_torch=vs_torch)
     else:
         per_rank = launch(tp_worker, nproc, cfg, train, desc="tp", **kw)
         fill_tp(s, per_rank, ref, cfg)
-    s["step_time_s"] = max(median_step_time(r["step_times"])
-                           for r in (per_rank if mode != "pp" else [r[0] for r in per_rank]))
-    s["state_bytes_per_rank"] = [r["state"] for r in (per_rank if mode != "pp" else [r[0] for r in per_rank])]
+    s["step_time_s"] = max(median_step_time(r["step_times"]) for r in per_rank)
+    s["state_bytes_per_rank"] = [r["state"] for r in per_rank]
     s["matches_reference"] = s["matches_reference"] and (s["max_rel_grad_diff"] or 0.0) <= TOLERANCES[torch.float32]
     comm, state = (s[k] if isinstance(s[k], list) else [s[k]] * nproc
                    for k in ("theory_comm_bytes_per_rank", "theory_state_bytes_per_rank"))
@@ -312,12 +310,9 @@ def fill_dp(s: dict, per_rank: list[dict], ref: ReferenceResult, cfg: Multimodal
     s["grads_checked"] = len(grads)  # ZeRO keeps gradient shards, not .grad: its losses are compared
     fill_losses(s, [statistics.fmean(r["losses"][i] for r in per_rank) for i in range(s["steps"])], ref.losses)
     s.update(zero=zero, unit_numels=units, comm_bytes_per_rank=[r["sent"] for r in per_rank])
-    if zero == 0:
-        s["theory_comm_bytes_per_rank"] = all_reduce_bytes(4 * sum(units), nproc)
-        s["theory_state_bytes_per_rank"] = theory_state_bytes(sum(units), precision="fp32")["total_bytes"]
-    else:
-        s["theory_comm_bytes_per_rank"] = zero_theory.comm_bytes(units, stage=zero, dp=nproc)["total"]
-        s["theory_state_bytes_per_rank"] = zero_theory.held_bytes(units, stage=zero, dp=nproc)["total"]
+    # DDP is ZeRO stage 0: every rank all-reduces every gradient and holds the whole state
+    s["theory_comm_bytes_per_rank"] = zero_theory.comm_bytes(units, stage=zero, dp=nproc)["total"]
+    s["theory_state_bytes_per_rank"] = zero_theory.held_bytes(units, stage=zero, dp=nproc)["total"]
     if vs_torch:
         s["torch_step_time_s"] = max(r["torch"]["step_time_s"] for r in per_rank)
         s["torch_losses"] = [statistics.fmean(r["torch"]["losses"][i] for r in per_rank) for i in range(s["steps"])]

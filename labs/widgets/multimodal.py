@@ -16,6 +16,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from labs.theory import multimodal as theory
+from labs.widgets.pipeline import draw_gantt
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.flops import flops_per_token
 from labs.theory.memory import param_count
@@ -63,20 +64,10 @@ def print_parts(rows: list[dict]) -> None:
               f"{r['train_flops_share']:.1%} of the FLOPs, {r['activation_bytes_share']:.1%} of the activations)")
 
 
-def _gantt(ax, events, stages: int, title: str) -> None:
-    """Events (dicts or ``labs.measure.Event``) as rows of bars over a grey idle background."""
-    events = [e if isinstance(e, dict) else {"rank": e.rank, "name": e.name, "start": e.start, "end": e.end,
-                                             **e.meta} for e in events]
-    t0, t1 = min(e["start"] for e in events), max(e["end"] for e in events)
-    for r in range(stages):
-        ax.barh(r, t1 - t0, left=0, height=0.8, color="0.88")
-    for e in events:
-        ax.barh(e["rank"], e["end"] - e["start"], left=e["start"] - t0, height=0.8,
-                color=plt.get_cmap("tab20")(e["microbatch"] % 20), edgecolor="black", linewidth=0.4,
-                hatch="//" if e["name"] == "B" else None)
-    ax.set_yticks(range(stages), ["stage 0 (encoder)"] + [f"stage {s}" for s in range(1, stages)])
-    ax.set_ylim(stages - 0.5, -0.5)
-    ax.set_title(title, fontsize=9, loc="left")
+def _gantt(ax, events: list[dict], stages: int, title: str) -> None:
+    """1F1B events (dicts) as notebook 05 draws them, stage 0 named as the encoder's."""
+    draw_gantt(ax, events, stages, 1, title, t0=min(e["start"] for e in events), labels=False,
+               row_names=["stage 0 (encoder)"] + [f"stage {s}" for s in range(1, stages)])
 
 
 def _stage_bars(ax, totals, encoder_part: float, title: str, unit: str) -> None:

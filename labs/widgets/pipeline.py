@@ -23,11 +23,12 @@ MB_COLOURS = plt.get_cmap("tab20")
 MAX_MEASURED_RANKS = 4  # a measured overlay starts this many processes at most (a laptop's worth)
 
 
-def _gantt(ax, events: list[dict], stages: int, virtual: int, title: str, scale: float = 1.0, t0: float = 0.0):
-    """Draw ``events`` (dicts with rank, name, microbatch, chunk, start, end) on ``ax``; later
-    chunks of an interleaved rank are paler."""
+def draw_gantt(ax, events: list[dict], stages: int, virtual: int, title: str, scale: float = 1.0, t0: float = 0.0,
+               labels: bool = True, row_names: list[str] | None = None) -> None:
+    """Draw ``events`` (dicts with rank, name, microbatch, chunk, start, end) on ``ax``, one row per rank over a
+    grey idle background, from time ``t0``; later chunks of an interleaved rank are paler."""
     end = max(e["end"] for e in events)
-    smallest_label = (end - t0) / 45  # narrower bars stay unlabelled
+    smallest_label = (end - t0) / 45 if labels else float("inf")  # narrower bars stay unlabelled
     for r in range(stages):  # the whole row in grey first: whatever stays grey is idle
         ax.barh(r, (end - t0) * scale, left=0, height=0.8, color="0.88", edgecolor="none")
     for e in events:
@@ -37,7 +38,7 @@ def _gantt(ax, events: list[dict], stages: int, virtual: int, title: str, scale:
         if e["end"] - e["start"] >= smallest_label:
             label = f"{e['name']}{e['microbatch']}" + (f".{e['chunk']}" if virtual > 1 else "")
             ax.text(left + width / 2, e["rank"], label, ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(stages), [f"rank {r}" for r in range(stages)])
+    ax.set_yticks(range(stages), row_names or [f"rank {r}" for r in range(stages)])
     ax.set_ylim(stages - 0.5, -0.5)
     ax.set_title(title, fontsize=9, loc="left")
 
@@ -53,7 +54,7 @@ def draw_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 
     rows = 2 if measured else 1
     fig, axes = plt.subplots(rows, 2, figsize=(11, 0.9 + (0.45 * stages + 0.6) * rows), squeeze=False,
                              gridspec_kw={"width_ratios": [5, 1]})
-    _gantt(axes[0][0], sim["events"], stages, virtual,
+    draw_gantt(axes[0][0], sim["events"], stages, virtual,
            f"{schedule}, P={stages}, M={microbatches}" + (f", V={virtual}" if schedule == "interleaved" else "")
            + f" (paper): bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)")
     held = result["activation_microbatches_per_stage"]
@@ -86,7 +87,7 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
     events = summary["timeline"]
     t0 = min(e["start"] for e in events)
     scale = t_f / summary["measured_t_forward_s"] if summary.get("measured_t_forward_s") else 1.0
-    _gantt(axes[0], events, stages, virtual,
+    draw_gantt(axes[0], events, stages, virtual,
            f"measured on {summary['nproc']} ranks ({summary['backend']}, forwards padded to "
            f"{summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\nwith the measured "
            f"{summary['measured_delay_s'] * 1e3:.1f} ms mean delay per operation the schedule predicts "
