@@ -231,7 +231,8 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     kv = theory.kv_bytes(batch=cfg.batch_size, seq_len=seq, n_kv_head=model_cfg.n_kv_head,
                          head_dim=model_cfg.head_dim)
     ring = theory.ring_bytes_per_rank(cp=nproc, kv=kv)
-    n_params = count_params(build_model(model_cfg))
+    model = build_model(model_cfg)  # unsharded: its size here, torch's attention time below
+    n_params = count_params(model)
     grads_theory = all_reduce_bytes(4 * n_params, nproc)
     summary.update(
         max_rel_grad_diff=grad_diff, grads_match_reference=grad_diff <= TOLERANCES[torch.float32],
@@ -247,7 +248,6 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
         step_time_s=max(statistics.median(r["step_times"]) for r in per_rank),
     )
     if vs_torch:  # torch's context_parallel has no CPU rule: time torch SDPA on one process instead
-        model = build_model(model_cfg)
         x, y = data_for(cfg)[0]
         with one_thread():  # as a rank computes; two spinning threads beside 4 ranks make it erratic
             summary["torch_step_time_s"] = median_time(lambda: model(x, y)[1].backward(), 3)

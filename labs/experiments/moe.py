@@ -20,6 +20,7 @@ layer is compared with ``transformers``' ``MixtralSparseMoeBlock`` in the tests 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -241,12 +242,12 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
     optimizer = make_optimizer(model.parameters(), train)
     batches = rank_batches(steps=train.steps, batch_size=train.per_rank_batch(world), seq_len=train.seq_len,
                            rank=rank, world_size=world, seed=train.data_seed)
-    losses, times, out = [], [], {}
+    losses, times, out, ledger = [], [], {}, CommLedger()
     for step, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
         synchronize(device)
         t0 = time.perf_counter()
-        with CommLedger() as ledger:
+        with ledger if step == 0 else nullcontext():  # the first step's messages are every step's
             with ledger.phase("forward"):
                 _, loss = model(x, y)
             with ledger.phase("backward"):
@@ -286,11 +287,12 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
                     z_loss_coef=z_loss_coef)
     check_options(nproc=nproc, ep=ep, moe=moe)
     cfg, train = ModelConfig(), TrainConfig(steps=steps, seed=seed)
-    train.per_rank_batch(nproc)
+    tokens = train.per_rank_batch(nproc) * train.seq_len  # (a batch that does not split is an error here)
     per_rank = launch(train_worker, nproc, cfg, moe, train, ep, backend=backend, timeout=timeout, progress=steps,
                       desc="MoE steps")
-    ref = train_reference(cfg, train, dp=nproc, model=build_moe_model(cfg, moe, seed=seed, groups=nproc),
-                          return_grads=True)
+    ref_model = build_moe_model(cfg, moe, seed=seed, groups=nproc)
+    n_params = count_params(ref_model)
+    ref = train_reference(cfg, train, dp=nproc, model=ref_model, return_grads=True)
     summary = new_summary("moe", nproc=nproc, backend=per_rank[0]["backend"], steps=steps, ep=ep, dp=nproc,
                           experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
@@ -298,7 +300,6 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     summary.update(max_grad_rel_diff=grad_diff, grads_match_reference=grad_diff <= TOLERANCES[torch.float32])
     # Bytes: all-to-alls against the routing decisions, gradient all-reduces and state against the theory.
     a2a = _bytes_vs_theory(per_rank, [r["counts"] for r in per_rank], ep, experts, cfg.n_embd)
-    tokens = train.per_rank_batch(nproc) * train.seq_len
     counts, r0 = theory.moe_param_counts(model_spec(cfg, moe), ep=ep), per_rank[0]
     summary.update(a2a, **{f"{who}comm_bytes_per_rank": [sum(b["forward"]) + sum(b["backward"]) for b in a2a[key]]
                            for who, key in (("", "a2a_bytes_per_rank"), ("theory_", "theory_a2a_bytes_per_rank"))})
@@ -310,7 +311,7 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
         state_bytes_per_rank=[r["state_bytes"] for r in per_rank],
         theory_state_bytes_per_rank=theory_state_bytes(counts["per_rank"])["total_bytes"],
         params_per_rank=r0["n_params"], theory_params_per_rank=counts["per_rank"], params_total=counts["total"],
-        params_active=counts["active"], measured_params_total=count_params(build_moe_model(cfg, moe, seed=seed)),
+        params_active=counts["active"], measured_params_total=n_params,
         step_time_s=max(r["step_time_s"] for r in per_rank),
         torch_step_time_s=None,  # PyTorch ships no expert-parallel layer to time against
         tokens_per_rank=tokens, capacity=None if capacity_factor is None else
