@@ -39,12 +39,6 @@ NOTEBOOK = "06_context_parallel.ipynb"
 KV_TAG, DKV_TAG = 1, 2  # K/V and their gradients can be in flight at once: distinct message tags
 
 
-def _post_exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int) -> list:
-    """Start sending ``send`` to ``nxt`` and receiving ``recv`` from ``prv``; returns the works to wait on."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group, tag),
-                                   dist.P2POp(dist.irecv, recv, prv, group, tag)])
-
-
 def _wait(works: list) -> None:
     for w in works:
         w.wait()
@@ -148,8 +142,8 @@ class RingAttention(torch.autograd.Function):
         Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group works).
         CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
         [2, B, nkv, T/cp, hd]); unless it is the last step, first post the exchange that brings the
-        next step's block (``_post_exchange``, tag KV_TAG), then for each chunk pair of ``_pairs``
-        run ``attention_block`` and merge into that query chunk's (out, lse), then wait.
+        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk pair of
+        ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse), then wait.
         Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in memory as
         SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
         """

@@ -37,12 +37,6 @@ NOTEBOOK = "06_context_parallel.ipynb"
 KV_TAG, DKV_TAG = 1, 2  # K/V and their gradients can be in flight at once: distinct message tags
 
 
-def _post_exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, tag: int) -> list:
-    """Start sending ``send`` to ``nxt`` and receiving ``recv`` from ``prv``; returns the works to wait on."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group, tag),
-                                   dist.P2POp(dist.irecv, recv, prv, group, tag)])
-
-
 def _wait(works: list) -> None:
     for w in works:
         w.wait()
@@ -163,13 +157,14 @@ class RingAttention(torch.autograd.Function):
         Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group works).
         CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
         [2, B, nkv, T/cp, hd]); unless it is the last step, first post the exchange that brings the
-        next step's block (``_post_exchange``, tag KV_TAG), then for each chunk pair of ``_pairs``
-        run ``attention_block`` and merge into that query chunk's (out, lse), then wait.
+        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk pair of
+        ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse), then wait.
         Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in memory as
         SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
         """
         ### BEGIN SOLUTION
-        me, cp, nxt, prv = exercise("collectives").ring_neighbours(group)  # ring peers, global ranks
+        ring = exercise("collectives")  # notebook 00's ring helpers
+        me, cp, nxt, prv = ring.ring_neighbours(group)  # ring peers, global ranks
         scale = q.shape[-1] ** -0.5
         q_ids = chunk_ids(me, cp, zigzag)
         kv = torch.stack([k, v])  # [2, B, nkv, T/cp, hd]: one message per step
@@ -177,7 +172,7 @@ class RingAttention(torch.autograd.Function):
         for s in range(cp):
             if s < cp - 1:  # the next block travels while we compute on this one
                 incoming = torch.empty_like(kv)
-                works = _post_exchange(kv, incoming, nxt, prv, group, KV_TAG)
+                works = ring.post_exchange(kv, incoming, nxt, prv, group, KV_TAG)
             for a, b, diag in _pairs(q_ids, chunk_ids((me - s) % cp, cp, zigzag), causal):
                 o_b, lse_b = attention_block(_chunk(q, a), _chunk(kv[0], b), _chunk(kv[1], b), causal=diag, scale=scale)
                 outs[a], lses[a] = (o_b, lse_b) if outs[a] is None else merge_partials(outs[a], lses[a], o_b, lse_b)
@@ -206,7 +201,8 @@ class RingAttention(torch.autograd.Function):
         """
         ### BEGIN SOLUTION
         (q, k, v, out, lse), group, causal, zigzag = ctx.saved_tensors, ctx.group, ctx.causal, ctx.zigzag
-        me, cp, nxt, prv = exercise("collectives").ring_neighbours(group)  # ring peers, global ranks
+        ring = exercise("collectives")  # notebook 00's ring helpers
+        me, cp, nxt, prv = ring.ring_neighbours(group)  # ring peers, global ranks
         scale = q.shape[-1] ** -0.5
         q_ids = chunk_ids(me, cp, zigzag)
         dq = torch.zeros_like(q)  # [B, nh, T/cp, hd]
@@ -215,7 +211,7 @@ class RingAttention(torch.autograd.Function):
         for s in range(cp):
             if s < cp - 1:
                 incoming = torch.empty_like(kv)
-                works = _post_exchange(kv, incoming, nxt, prv, group, KV_TAG)
+                works = ring.post_exchange(kv, incoming, nxt, prv, group, KV_TAG)
             dkv = torch.zeros_like(kv)  # our queries' contribution to the gradient of the block we hold
             for a, b, diag in _pairs(q_ids, chunk_ids((me - s) % cp, cp, zigzag), causal):
                 dq_a, dk_b, dv_b = attention_block_backward(
@@ -231,7 +227,7 @@ class RingAttention(torch.autograd.Function):
                     _wait(acc_works)
                     dkv += acc_in  # what the ranks before us added to this block's gradient
                 acc_in = torch.empty_like(kv)
-                acc_works = _post_exchange(dkv, acc_in, nxt, prv, group, DKV_TAG)
+                acc_works = ring.post_exchange(dkv, acc_in, nxt, prv, group, DKV_TAG)
             if s < cp - 1:
                 _wait(works)
                 kv = incoming

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from labs.models.transformer import Transformer, rotary_cos_sin
 from labs.runtime.device import rank_device
+from labs.runtime.impl import exercise
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
 
 NOTEBOOK = "05_pipeline_parallel.ipynb"
@@ -58,11 +59,9 @@ class Pipe:
 
 
 def pipe_group(group=None) -> Pipe:
-    """This rank's :class:`Pipe` in ``group`` (default WORLD)."""
-    g = group if group is not None else dist.group.WORLD
-    me, n = dist.get_rank(g), dist.get_world_size(g)
-    return Pipe(group, me, n, dist.get_global_rank(g, (me - 1) % n), dist.get_global_rank(g, (me + 1) % n),
-                rank_device())
+    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's ring's."""
+    me, n, nxt, prv = exercise("collectives").ring_neighbours(group)
+    return Pipe(group, me, n, prv, nxt, rank_device())
 
 
 class StageModule(nn.Module):
