@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labs.models.transformer import apply_rotary
+from labs.models.transformer import Attention
 from labs.runtime.impl import exercise
 from labs.theory.dims import check_divides
 
@@ -170,20 +170,20 @@ def ring_attention(q, k, v, group, *, causal: bool = True, zigzag: bool = True):
     return RingAttention.apply(q, k, v, group, causal, zigzag)
 
 
-class ContextParallelAttention(nn.Module):
+class ContextParallelAttention(Attention):
     """The course model's attention (``labs.models.transformer.Attention``) on this rank's tokens:
-    the same q/k/v/o projections (so parameter names and values are unchanged), ring attention
-    over ``group`` instead of SDPA."""
+    the same q/k/v/o projections (so parameter names and values are unchanged, and ``project`` works),
+    ring attention over ``group`` instead of SDPA."""
 
-    def __init__(self, attn: nn.Module, group, *, zigzag: bool = True):
-        super().__init__()
+    def __init__(self, attn: Attention, group, *, zigzag: bool = True):
+        nn.Module.__init__(self)  # no fresh projections: ``attn``'s own are taken below
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.group, self.zigzag = group, zigzag
 
     def forward(self, x, cos, sin):
         """x: [B, T/cp, H], this rank's tokens; cos, sin: [T/cp, hd] for *their* positions.
-        Project, rotate, ``ring_attention`` (causal, unrepeated K/V), project out: [B, T/cp, H]."""
+        ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V), ``o_proj``: [B, T/cp, H]."""
         raise NotImplementedError("exercise ContextParallelAttention.forward is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
 
 

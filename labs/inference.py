@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.models.transformer import apply_rotary, rotary_cos_sin
+from labs.models.transformer import rotary_cos_sin
 from labs.runtime.impl import exercise
 from labs.runtime.tensor_comm import all_gather_along
 from labs.theory.dims import check_positive
@@ -120,10 +120,9 @@ class KVCache:
 def cached_attention(attn: nn.Module, x: torch.Tensor, cos, sin, *, cache: KVCache, layer: int, start: int,
                      mask: torch.Tensor) -> torch.Tensor:
     """The course ``Attention`` ``attn`` (or its TP version: the same names, column-parallel q/k/v, row-parallel
-    o_proj with its all-reduce) on t new tokens x [B, t, H] at slots start..start+t: project q, k, v (heads
-    from the weights' shapes: nh/tp, nkv/tp under TP), rotate q and k with ``cos``/``sin`` [B, 1, t, hd], write
-    k, v into ``cache``, SDPA of q over the cached keys with ``mask`` [B, 1, t, start+t] (``enable_gqa``),
-    then o_proj. Returns [B, t, H]."""
+    o_proj with its all-reduce) on t new tokens x [B, t, H] at slots start..start+t: ``attn.project`` (q, k, v,
+    rotated with ``cos``/``sin`` [B, 1, t, hd]; nh/tp, nkv/tp heads under TP), write k, v into ``cache``, SDPA
+    of q over the cached keys with ``mask`` [B, 1, t, start+t] (``enable_gqa``), then o_proj. Returns [B, t, H]."""
     raise NotImplementedError("exercise cached_attention is not written yet: see its docstring and notebooks/09_inference.ipynb")
 
 

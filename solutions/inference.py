@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.models.transformer import apply_rotary, rotary_cos_sin
+from labs.models.transformer import rotary_cos_sin
 from labs.runtime.impl import exercise
 from labs.runtime.tensor_comm import all_gather_along
 from labs.theory.dims import check_positive
@@ -123,16 +123,12 @@ class KVCache:
 def cached_attention(attn: nn.Module, x: torch.Tensor, cos, sin, *, cache: KVCache, layer: int, start: int,
                      mask: torch.Tensor) -> torch.Tensor:
     """The course ``Attention`` ``attn`` (or its TP version: the same names, column-parallel q/k/v, row-parallel
-    o_proj with its all-reduce) on t new tokens x [B, t, H] at slots start..start+t: project q, k, v (heads
-    from the weights' shapes: nh/tp, nkv/tp under TP), rotate q and k with ``cos``/``sin`` [B, 1, t, hd], write
-    k, v into ``cache``, SDPA of q over the cached keys with ``mask`` [B, 1, t, start+t] (``enable_gqa``),
-    then o_proj. Returns [B, t, H]."""
+    o_proj with its all-reduce) on t new tokens x [B, t, H] at slots start..start+t: ``attn.project`` (q, k, v,
+    rotated with ``cos``/``sin`` [B, 1, t, hd]; nh/tp, nkv/tp heads under TP), write k, v into ``cache``, SDPA
+    of q over the cached keys with ``mask`` [B, 1, t, start+t] (``enable_gqa``), then o_proj. Returns [B, t, H]."""
     ### BEGIN SOLUTION
     B, t, _ = x.shape
-    q = attn.q_proj(x).view(B, t, -1, attn.head_dim).transpose(1, 2)  # [B, nh/tp, t, hd]
-    k = attn.k_proj(x).view(B, t, -1, attn.head_dim).transpose(1, 2)  # [B, nkv/tp, t, hd]
-    v = attn.v_proj(x).view(B, t, -1, attn.head_dim).transpose(1, 2)  # [B, nkv/tp, t, hd]
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k, v = attn.project(x, cos, sin)  # [B, nh/tp, t, hd], [B, nkv/tp, t, hd] x 2
     k, v = cache.write(layer, start, k, v)  # [B, nkv/tp, start+t, hd]: this step's and every earlier one
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, nh/tp, t, hd]
     return attn.o_proj(y.transpose(1, 2).reshape(B, t, -1))  # [B, t, H]; TP: all-reduce (g)

@@ -98,12 +98,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
-    def forward(self, x, cos, sin):
+    def project(self, x, cos, sin):
+        """x [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], q and k rotated by ``cos``/``sin``. The head
+        counts come from the weights' shapes, so a tensor-parallel copy (nh/tp, nkv/tp heads) projects alike."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         # Each group of nh/nkv query heads shares one key/value head.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, hd]
         y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, H]
