@@ -11,6 +11,7 @@ from pathlib import Path
 from labs.runtime.proc import parents
 
 ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the venv's, beside its python
 
 
 def alive(pid: int) -> bool:
@@ -22,6 +23,11 @@ def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def json_lines(stdout: str) -> list[dict]:
+    """The JSON objects a run printed, one per line (under torchrun, only rank 0 prints its summary)."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def run_json(*args, **kw) -> dict:

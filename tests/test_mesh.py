@@ -9,7 +9,7 @@ import torch
 from labs.experiments import mesh as experiment
 from labs.runtime.impl import exercise
 from labs.theory.dims import ParallelDims
-from tests.helpers import run_cli, run_json
+from tests.helpers import TORCHRUN, json_lines, run_cli, run_json
 
 
 def lab():
@@ -151,18 +151,11 @@ def test_which_parallelism_table_reads_the_measurements():
 @pytest.mark.slow
 def test_the_exported_torchrun_command_runs_the_lab():
     """The planner's single-node export, run for real: torchrun starts 2 workers, each joins the job."""
-    import json
-    import os
     import shlex
-    import subprocess
-    import sys
 
     from labs.theory.exports import torchrun_command
-    from tests.helpers import ROOT
     argv = shlex.split(torchrun_command({"dp": 2, "tp": 1, "pp": 1, "cp": 1}))
-    argv[0] = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run(argv + ["--steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ))
+    proc = run_cli(TORCHRUN, *argv[1:], "--steps", "2", timeout=300)  # argv[0]: "torchrun"
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [s] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]  # rank 0 prints
+    [s] = json_lines(proc.stdout)  # rank 0 prints
     assert s["nproc"] == 2 and s["matches_reference"] and s["grads_match_reference"] and s["bytes_match_theory"]

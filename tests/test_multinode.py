@@ -2,15 +2,13 @@
 rendezvous on 127.0.0.1, get the same result as 4 local ranks. The same flags run on a cluster
 with the first node's address as the endpoint (README, "several nodes")."""
 
-import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT, run_json
+from tests.helpers import ROOT, TORCHRUN, json_lines, run_json
 
 LAB = ["-m", "labs.run", "collectives", "--json", "--impl", "solutions", "--numel", "4096", "--steps", "2"]
 
@@ -23,10 +21,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_nodes_of_two_equal_four_local_ranks():
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [subprocess.Popen(
-        [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank), "--rdzv-backend", "c10d",
+        [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank), "--rdzv-backend", "c10d",
          "--rdzv-endpoint", endpoint, "--rdzv-id", "labs-test", *LAB],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for rank in (0, 1)]
@@ -37,7 +34,7 @@ def test_two_nodes_of_two_equal_four_local_ranks():
             if node.poll() is None:
                 os.killpg(node.pid, 9)
     assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
-    summaries = [json.loads(line) for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
+    summaries = [s for out, _ in outputs for s in json_lines(out)]
     assert len(summaries) == 1, "only global rank 0 (on node 0) prints the summary"
     multi = summaries[0]
     local = run_json(*LAB, "--nproc", "4")

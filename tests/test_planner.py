@@ -135,7 +135,7 @@ def test_groups_inside_a_node_use_the_fast_link(seed):
     assert all(one_node["intra_node"].values())
 
 
-def test_cli_prints_the_plan():
+def test_cli_prints_the_plan(seed):
     out = run_json("-m", "labs.theory", "plan", "--preset", "llama3-70b", "--seq", "32768", "--gpus", "512",
                    "--gpus-per-node", "8", "--gpu-mem", "80", "--json")
     assert {k: out[k] for k in ("dp", "tp", "pp", "cp")} == {"dp": 4, "tp": 8, "pp": 4, "cp": 4}
@@ -143,7 +143,7 @@ def test_cli_prints_the_plan():
     text = run_cli("-m", "labs.theory", "plan", "--layers", "2", "--hidden", "64", "--heads", "8", "--kv-heads", "4",
                    "--ffn", "128", "--vocab", "256", "--seq", "32", "--gpus", "8", "--global-batch", "16")
     assert text.returncode == 0 and text.stdout.startswith("plan        DP=8 TP=1 PP=1 CP=1"), text.stdout
-    assert json.loads(json.dumps(summary(plan(L70, **SEED))))  # plain JSON all the way down
+    assert json.loads(json.dumps(summary(seed)))  # plain JSON all the way down
 
 
 @pytest.mark.parametrize("args,message", [
@@ -194,9 +194,9 @@ def test_mesh_drawing_and_table():
     assert labels.count("tp0") == 2 and labels.count("dp0") == 2 and "node 1" in labels and "cp0" not in labels
 
 
-def test_plan_drawing_and_the_widget_headless():
+def test_plan_drawing_and_the_widget_headless(seed):
     from labs.widgets.planner import draw_plan, planner_widget
-    s = summary(plan(L70, **SEED), model="llama3-70b")
+    s = summary(seed, model="llama3-70b")
     fig = draw_plan(s)
     mem, comm, time = fig.axes
     assert len(mem.patches) == 4 and sum(p.get_height() for p in mem.patches) == pytest.approx(s["memory_gib"]["total"])
@@ -223,7 +223,7 @@ def test_plan_drawing_and_the_widget_headless():
 
 
 
-def test_scaling_shows_where_the_time_goes():
+def test_scaling_shows_where_the_time_goes(seed):
     """A fixed 128-sequence batch on more GPUs: the same replica, more DP, fewer micro-batches each, so the
     bubble's share grows and the throughput per GPU falls; each step is compute + bubble + exposed traffic."""
     rows = scaling(L70, [8, 128, 512, 2048], seq=32768, gpus_per_node=8, gpu_mem_gib=80, global_batch=128)
@@ -236,6 +236,6 @@ def test_scaling_shows_where_the_time_goes():
         assert r["bubble_s"] / (r["compute_s"] + r["bubble_s"]) == pytest.approx(bubble)
         assert sum(r["exposed_by_axis"].values()) == pytest.approx(r["exposed_comm_s"])
     assert rows[0]["vs_first"] == 1 and rows[0]["vs_first"] > rows[1]["vs_first"] > rows[2]["vs_first"]
-    assert rows[1]["scaling_efficiency"] == pytest.approx(plan(L70, **SEED)["scaling_efficiency"])
+    assert rows[1]["scaling_efficiency"] == pytest.approx(seed["scaling_efficiency"])
     lines = format_scaling(rows).splitlines()
     assert lines[-1].split()[:2] == ["2048", "DP16"] and "bubble" in lines[-1]

@@ -1,13 +1,9 @@
 """`python -m labs.run`: the summary contract, the stub message, and the torchrun worker mode."""
 
-import json
-import os
-import shutil
-
 import pytest
 
 from labs.experiments.common import SUMMARY_KEYS
-from tests.helpers import run_cli, run_json
+from tests.helpers import TORCHRUN, json_lines, run_cli, run_json
 
 
 def test_json_summary_has_every_required_key():
@@ -41,11 +37,10 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
 
 @pytest.mark.slow
 def test_under_torchrun_each_rank_is_a_worker():
-    torchrun = shutil.which("torchrun", path=os.path.dirname(os.sys.executable))
-    proc = run_cli(torchrun, "--standalone", "--nproc-per-node", "2", "-m", "labs.run", "collectives", "--json",
+    proc = run_cli(TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "labs.run", "collectives", "--json",
                    "--impl", "solutions", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, "only rank 0 prints the summary"
-    summary = json.loads(lines[0])
+    summaries = json_lines(proc.stdout)
+    assert len(summaries) == 1, "only rank 0 prints the summary"
+    summary = summaries[0]
     assert summary["nproc"] == 2 and summary["bytes_match_theory"] and summary["exact_int"]

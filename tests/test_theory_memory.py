@@ -7,6 +7,7 @@ activation formula itself is checked against saved-tensor measurement in test_me
 Theory and harness only: not marked exercise.
 """
 
+import dataclasses
 import json
 import math
 
@@ -19,7 +20,7 @@ from labs.measure import state_bytes as measured_state
 from labs.measure.memory import optimizer_bytes, tensor_bytes
 from labs.theory.activations import layer_terms, playbook_layer_bytes, stage_activation_bytes, terms_bytes
 from labs.theory.flops import flops_per_token, matmul_params, training_flops
-from labs.theory.memory import (GIB, ModelSpec, fits, layers_on_stage, memory_per_rank, param_count,
+from labs.theory.memory import (GIB, fits, layers_on_stage, memory_per_rank, param_count,
                                 param_counts, param_counts_per_rank, stage_params, state_bytes)
 from labs.theory.memory_report import compare, evaluate, format_rows, format_terms, model_spec, spec_dims, sweep
 from labs.theory.pipeline import in_flight_microbatches
@@ -58,7 +59,7 @@ def test_preset_counts_equal_transformers_models(name):
 
 def test_tiny_preset_is_the_course_model():
     assert param_count(TINY) == count_params(build_model(ModelConfig()))
-    tied = ModelSpec(**{**TINY.__dict__, "tied_embeddings": True})
+    tied = dataclasses.replace(TINY, tied_embeddings=True)
     assert param_count(tied) == count_params(build_model(ModelConfig(tie_embeddings=True)))
 
 
@@ -80,7 +81,7 @@ def megatron_shard_numel(name: str, shape, tp: int) -> int:
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_params_match_megatron_split_of_real_models(tp):
     course = build_model(ModelConfig(vocab_size=250))  # 250 rows: the vocab split is uneven for tp=4
-    spec = ModelSpec(**{**TINY.__dict__, "vocab_size": 250})
+    spec = dataclasses.replace(TINY, vocab_size=250)
     assert param_counts_per_rank(spec, tp=tp)["total"] == sum(
         megatron_shard_numel(n, p.shape, tp) for n, p in course.named_parameters())
     gpt2 = meta_model(HF_CONFIGS["gpt2-small"]())
@@ -97,7 +98,7 @@ def test_per_rank_counts_reduce_to_the_full_count(name):
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 5])
 def test_pipeline_stages_hold_every_layer_once(pp):
-    spec = ModelSpec(**{**TINY.__dict__, "n_layers": 7})
+    spec = dataclasses.replace(TINY, n_layers=7)
     model = build_model(ModelConfig(n_layer=7))
     assert sum(layers_on_stage(7, pp, s) for s in range(pp)) == 7
     start = 0
@@ -106,7 +107,7 @@ def test_pipeline_stages_hold_every_layer_once(pp):
         start += len(layers)
         modules = [*layers] + ([model.tok_emb] if s == 0 else []) + ([model.norm, model.lm_head] if s == pp - 1 else [])
         assert stage_params(spec, pp=pp, stage=s) == sum(p.numel() for m in modules for p in m.parameters())
-    tied = ModelSpec(**{**TINY.__dict__, "tied_embeddings": True})
+    tied = dataclasses.replace(TINY, tied_embeddings=True)
     extra = TINY.vocab_size * TINY.hidden if pp > 1 else 0  # the last stage's copy of a tied head
     assert sum(stage_params(tied, pp=pp, stage=s) for s in range(pp)) == param_count(tied) + extra
 
