@@ -25,6 +25,16 @@ def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.
                           timeout=timeout)
 
 
+def junit_outcomes(path) -> dict[str, str]:
+    """classname::name -> "passed", "failure", "error" or "skipped", from a pytest ``--junitxml`` report."""
+    import xml.etree.ElementTree as ET
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        tags = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = tags[0] if tags else "passed"
+    return outcomes
+
+
 def json_lines(stdout: str) -> list[dict]:
     """The JSON objects a run printed, one per line (under torchrun, only rank 0 prints its summary)."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 import zipfile
 
 import nbformat
@@ -16,7 +15,7 @@ import pytest
 
 from labs import release
 from labs.release import build_release, check_release
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, junit_outcomes, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +88,6 @@ def test_cli_writes_a_folder_and_an_archive_and_refuses_a_full_folder(tmp_path):
     assert inside.returncode == 2 and "would contain the course itself" in inside.stderr
 
 
-def _junit(path) -> dict[str, str]:
-    """nodeid-ish -> outcome ("passed", "failure", "error", "skipped") from a JUnit XML report."""
-    outcomes = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        tags = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = tags[0] if tags else "passed"
-    return outcomes
-
-
 def _pytest_in(folder, *args, timeout=1800):
     """pytest inside the released folder as a student runs it: its conftest and pyproject, LABS_IMPL unset."""
     report = folder / "junit.xml"
@@ -106,7 +96,7 @@ def _pytest_in(folder, *args, timeout=1800):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
                            f"--rootdir={folder}", "-c", str(folder / "pyproject.toml"), *args], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    return proc, (_junit(report) if report.exists() else {})
+    return proc, (junit_outcomes(report) if report.exists() else {})
 
 
 @pytest.mark.slow

@@ -1,13 +1,12 @@
 """Single-source stubs: labs/ is what generation gives, mirrors solutions/, and fails the lab tests."""
 
 import ast
-import xml.etree.ElementTree as ET
 
 import pytest
 
 from labs import stubs
 from labs.runtime.impl import EXERCISES
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, junit_outcomes, run_cli
 
 
 def test_learner_modules_are_what_generation_gives():
@@ -78,10 +77,9 @@ def test_exercise_tests_fail_on_the_learner_stubs(tmp_path):
     proc = run_cli("-m", "pytest", "-m", "exercise", "-p", "no:cacheprovider", "-q",
                    "--timeout", "120", f"--junitxml={report}", "tests",
                    env={"LABS_IMPL": "labs"}, timeout=1800)
-    cases = ET.parse(report).getroot().iter("testcase")
-    outcomes = {f"{c.get('classname')}::{c.get('name')}": [child.tag for child in c] for c in cases}
+    outcomes = junit_outcomes(report)
     assert outcomes, f"no exercise tests ran:\n{proc.stdout[-2000:]}"
-    passed = [name for name, tags in outcomes.items() if not tags]
-    skipped = [name for name, tags in outcomes.items() if "skipped" in tags]
+    passed = [name for name, outcome in outcomes.items() if outcome == "passed"]
+    skipped = [name for name, outcome in outcomes.items() if outcome == "skipped"]
     assert not passed, f"these exercise tests pass on the unfilled stubs: {passed}"
     assert not skipped, f"these exercise tests were skipped on the stubs: {skipped}"
