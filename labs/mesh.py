@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import rank_device
+from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
 from labs.theory.dims import AXES, ParallelDims, check_divides, divisors
 from labs.train import TrainConfig, make_optimizer
@@ -115,16 +116,6 @@ class Composed:
     zero: int
 
 
-def zero_units(module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """ZeRO's units of the model or a stage, in forward order: embedding, each block, norm + head."""
-    blocks = module.layers.items() if isinstance(module.layers, torch.nn.ModuleDict) else enumerate(module.layers)
-    units = [("tok_emb", [module.tok_emb])] if getattr(module, "tok_emb", None) is not None else []
-    units += [(f"layers.{i}", [block]) for i, block in blocks]
-    if getattr(module, "lm_head", None) is not None:
-        units.append(("head", [module.norm, module.lm_head]))
-    return units
-
-
 def check_composition(mesh: Mesh, model_cfg: ModelConfig, cfg: TrainConfig, *, zero: int, microbatches: int) -> None:
     """ValueError for what the composed step cannot do, naming the fix (called before building)."""
     d = mesh.dims
@@ -156,7 +147,7 @@ def compose(model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig, *, zero: int =
        becomes ``ColumnParallelLinear(model.lm_head, group=tp, gather_output=True)`` (whole logits).
     2. CP: ``apply_context_parallel(model, cp)`` (zig-zag).
     3. PP: ``build_stage(model, plan=[n_layer // pp] * pp, stage=p)`` and ``pipe_group(pp)``.
-    4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=zero_units(module), group=dp_cp)``
+    4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=course_units(module), group=dp_cp)``
        when dp·cp > 1, else ``make_optimizer(module.parameters(), cfg)``.
     ``microbatches`` defaults to 2·pp (1 without PP)."""
     d = mesh.dims

@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from labs.data.shapes import IGNORE
 from labs.models.vision import MultimodalModel, decode, fuse, run_blocks
+from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
 from labs.theory.dims import check_divides
 from labs.theory.multimodal import check_split
@@ -117,9 +118,7 @@ def model_units(model: MultimodalModel) -> list:
     """ZeRO units in forward order, each made of modules the forward calls (ZeRO-3 gathers a unit in its
     first module's pre-forward hook): the encoder, the projector, the decoder's embedding, each decoder
     block, the final norm with the head."""
-    d = model.decoder
-    return ([("encoder", [model.encoder]), ("projector", [model.projector]), ("embedding", [d.tok_emb])]
-            + [(f"block {i}", [block]) for i, block in enumerate(d.layers)] + [("norm + head", [d.norm, d.lm_head])])
+    return [("encoder", [model.encoder]), ("projector", [model.projector])] + course_units(model.decoder)
 
 
 class DataParallelTrainer:

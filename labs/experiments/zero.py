@@ -36,6 +36,7 @@ from labs.measure.memory import optimizer_bytes
 from labs.models.toy import AwkwardModel
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import rank_device, synchronize
+from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
@@ -77,10 +78,7 @@ def build(model: str, seed: int = 0, dtype: str = "float32") -> torch.nn.Module:
 def units_of(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
     """The ZeRO-3 units: embedding, each block, final norm + head (the course model), or the
     whole model as one unit (any other model, e.g. the awkward one with its tied weights)."""
-    if hasattr(model, "layers"):
-        return ([("embedding", [model.tok_emb])] + [(f"block {i}", [b]) for i, b in enumerate(model.layers)]
-                + [("norm + head", [model.norm, model.lm_head])])
-    return [("model", [model])]
+    return course_units(model) if hasattr(model, "layers") else [("model", [model])]
 
 
 def unit_numels(model) -> list[int]:

@@ -24,6 +24,18 @@ from functools import partial
 import torch
 
 
+def course_units(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
+    """ZeRO's units of the course model, or of a pipeline stage of it, in forward order: the embedding, each block,
+    the final norm with the head (each part that the module has; a stage's blocks keep their layer numbers).
+    ``labs.theory.zero.course_units`` counts the same units' parameters."""
+    blocks = model.layers.items() if isinstance(model.layers, torch.nn.ModuleDict) else enumerate(model.layers)
+    units = [("embedding", [model.tok_emb])] if getattr(model, "tok_emb", None) is not None else []
+    units += [(f"block {i}", [block]) for i, block in blocks]
+    if getattr(model, "lm_head", None) is not None:
+        units.append(("norm + head", [model.norm, model.lm_head]))
+    return units
+
+
 class FlatBuffer:
     """One unit's parameters as one flat buffer: ``numel`` elements padded to
     ``padded = world * shard``; this rank owns elements ``[lo, hi)``."""
