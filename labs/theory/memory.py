@@ -200,12 +200,17 @@ def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
 
 
 def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO)."""
+    """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO), the layers split evenly."""
+    return layers_params(spec, layers=layers_on_stage(spec.n_layers, pp, stage), first=stage == 0,
+                         last=stage == pp - 1, pp=pp, tp=tp)
+
+
+def layers_params(spec: ModelSpec, *, layers: int, first: bool, last: bool, pp: int, tp: int = 1) -> int:
+    """Parameters one TP rank of a pipeline stage holds with ``layers`` blocks: the ``first`` stage also the
+    embedding, the ``last`` the final norm and the head (and, tied across pp > 1 stages, its own copy of the table)."""
     c = param_counts_per_rank(spec, tp=tp)
-    n = layers_on_stage(spec.n_layers, pp, stage) * c["per_layer"]
-    if stage == 0:
-        n += c["embedding"]
-    if stage == pp - 1:
+    n = layers * c["per_layer"] + (c["embedding"] if first else 0)
+    if last:
         tied_copy = math.ceil(spec.vocab_size / tp) * spec.hidden if spec.tied_embeddings and pp > 1 else 0
         n += c["final_norm"] + c["head"] + tied_copy
     return n

@@ -43,8 +43,8 @@ from labs.theory.activations import stage_activation_bytes
 from labs.theory.comm import BYTES_PER_RANK
 from labs.theory.dims import check_positive
 from labs.theory.flops import matmul_params
-from labs.theory.memory import (PRECISIONS, ModelSpec, layers_on_stage, memory_per_rank,
-                                param_counts_per_rank, state_bytes)
+from labs.theory.memory import (PRECISIONS, ModelSpec, layers_on_stage, layers_params, memory_per_rank,
+                                state_bytes)
 from labs.theory.pipeline import in_flight_microbatches, simulate
 
 
@@ -157,7 +157,7 @@ def stage_costs(spec: ModelSpec, enc: EncoderSpec, *, split, text_tokens: int, m
     of one micro-batch (the encoder's work is not split by TP either), ``activation_bytes`` per micro-batch."""
     split = check_split(split, n_layers=spec.n_layers)
     seq = enc.tokens + text_tokens
-    dec, c = decoder_flops(spec, seq=seq, mbs=mbs), param_counts_per_rank(spec, tp=tp)
+    dec = decoder_flops(spec, seq=seq, mbs=mbs)
     ef, ep = encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden), encoder_param_counts(enc, text_hidden=spec.hidden)
     ea = encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=dtype_bytes)
     out = []
@@ -165,10 +165,7 @@ def stage_costs(spec: ModelSpec, enc: EncoderSpec, *, split, text_tokens: int, m
         first, last = s == 0, s == len(split) - 1
         fwd = layers * dec["per_layer"] / tp + (dec["head"] / tp if last else 0)
         bwd = 2 * fwd
-        params = (layers * c["per_layer"] + (c["embedding"] if first else 0)
-                  + (c["final_norm"] + c["head"] if last else 0))
-        if last and spec.tied_embeddings:
-            params += c["embedding"]  # a second copy of the tied table on the last stage
+        params = layers_params(spec, layers=layers, first=first, last=last, pp=len(split), tp=tp)
         acts = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=dtype_bytes, layers=layers, first=first,
                                       last=last, tp=tp)["total"]
         if first:
@@ -269,12 +266,10 @@ def memory_per_rank_with_encoder(spec: ModelSpec, enc: EncoderSpec, *, text_toke
         raise ValueError(f"split={split} must give pp={pp} stages >= 0 decoder layers each, {spec.n_layers} in all")
     enc_params = encoder_param_counts(enc, text_hidden=spec.hidden)["total"]
     enc_acts = encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=e)["total"]
-    c, stages = param_counts_per_rank(spec, tp=tp), []
+    stages = []
     for s, layers in enumerate(split):
         first, last = s == 0, s == pp - 1
-        dec = layers * c["per_layer"] + (c["embedding"] if first else 0) + (c["final_norm"] + c["head"] if last else 0)
-        if last and spec.tied_embeddings and pp > 1:
-            dec += c["embedding"]
+        dec = layers_params(spec, layers=layers, first=first, last=last, pp=pp, tp=tp)
         held = in_flight_microbatches(schedule, pp, m, s) if pp > 1 else 1
         act = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=e, layers=layers, first=first, last=last,
                                      tp=tp, sp=sp, cp=cp, recompute=recompute)["total"]
