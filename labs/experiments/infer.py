@@ -98,10 +98,8 @@ def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
     """Median time of one message of ``numel`` floats: an all-reduce (TP), or a hop of a pass around the ring of
     ranks (placement: the ring's time / N)."""
     x, n, rank = torch.zeros(numel, device=rank_device()), dist.get_world_size(), dist.get_rank()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        t0 = time.perf_counter()
+
+    def message():
         if n > 1 and mode == "tp":
             dist.all_reduce(x)
         elif n > 1:
@@ -110,9 +108,7 @@ def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
             dist.send(x, (rank + 1) % n)
             if rank == 0:
                 dist.recv(x, n - 1)
-        synchronize()
-        times.append((time.perf_counter() - t0) / (1 if mode == "tp" else n))
-    return statistics.median(times)
+    return median_time(message, repeats, warmup=0, device=x.device) / (1 if mode == "tp" else n)
 
 
 def _timed(generate) -> dict:
