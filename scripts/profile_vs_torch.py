@@ -37,10 +37,11 @@ def profiled(fn, top: int):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = fn(*args)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-        events = [e for e in prof.key_averages() if "ProfilerStep" not in e.key]
+        averages = prof.key_averages()
+        events = [e for e in averages if "ProfilerStep" not in e.key]
         total = sum(e.self_cpu_time_total for e in events) or 1.0
         comm = sum(e.self_cpu_time_total for e in events if is_comm(e.key))
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top) if dist.get_rank() == 0 else ""
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=top) if dist.get_rank() == 0 else ""
         digest = {"rank": dist.get_rank(), "wall_s": wall, "cpu_s": cpu, "threads": torch.get_num_threads(),
                   "profiled_self_cpu_s": total / 1e6, "comm_share": comm / total, "table": table}
         return out, digest
