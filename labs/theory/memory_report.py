@@ -148,6 +148,12 @@ def add_model_arguments(parser):
     return model
 
 
+def spec_from_args(args) -> tuple[str, ModelSpec]:
+    """(name, spec) of the model that ``add_model_arguments``' options give (and ``--tied``, where a command has it)."""
+    dims = {name: getattr(args, name) for name in DIMS}
+    return model_spec(args.preset, arch=args.arch, tied=getattr(args, "tied", None), **dims)
+
+
 def add_arguments(parser) -> None:
     model = add_model_arguments(parser)
     model.add_argument("--tied", action="store_true", default=None, help="tie the output head to the embedding")
@@ -172,7 +178,7 @@ def add_arguments(parser) -> None:
 
 def cli(args) -> dict:
     from labs.theory.flops import flops_per_token, mfu
-    name, spec = model_spec(args.preset, arch=args.arch, tied=args.tied, **{n: getattr(args, n) for n in DIMS})
+    name, spec = spec_from_args(args)
     config = {key: getattr(args, key) for key in RUN_KEYS if key != "exact_shards"}
     result = memory_per_rank(spec, **config)
     config["microbatches"] = args.microbatches or args.pp

@@ -86,10 +86,9 @@ def plan_with_encoder(spec: ModelSpec, enc: EncoderSpec, *, text_tokens: int, gp
 
 # --- python -m labs.theory multimodal --------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    from labs.theory.memory_report import DIMS
-    parser.add_argument("--preset", default="llama3-8b", help="the decoder: a preset of the memory calculator")
-    for name in DIMS:
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="override the decoder's")
+    from labs.theory.memory_report import add_model_arguments
+    add_model_arguments(parser).title = "the decoder: a preset of the memory calculator, or free dimensions"
+    parser.set_defaults(preset="llama3-8b")
     parser.add_argument("--encoder", default="siglip-so400m", help=f"one of {', '.join(ENCODERS)}")
     for name in ("tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim"):
         parser.add_argument("--encoder-" + name.replace("_", "-"), type=int, default=None,
@@ -105,8 +104,8 @@ def add_arguments(parser) -> None:
 
 def cli(args) -> dict:
     import dataclasses
-    from labs.theory.memory_report import DIMS, model_spec
-    name, spec = model_spec(args.preset, **{n: getattr(args, n) for n in DIMS})
+    from labs.theory.memory_report import spec_from_args
+    name, spec = spec_from_args(args)
     enc = dataclasses.replace(encoder_spec(args.encoder), **{n: getattr(args, "encoder_" + n) for n in (
         "tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim") if getattr(args, "encoder_" + n)})
     layout = None

@@ -38,11 +38,11 @@ def add_arguments(parser) -> None:
 
 
 def cli(args) -> dict:
-    from labs.theory.memory_report import DIMS, model_spec
+    from labs.theory.memory_report import spec_from_args
     from labs.theory.presets import GPUS
     if args.gpu not in GPUS:
         raise ValueError(f"gpu={args.gpu!r} is not one of {tuple(GPUS)}; or give --gpu-mem and --peak-tflops")
-    name, spec = model_spec(args.preset, arch=args.arch, **{n: getattr(args, n) for n in DIMS})
+    name, spec = spec_from_args(args)
     mem, peak = GPUS[args.gpu]
     p = plan(spec, seq=args.seq, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
              gpu_mem_gib=args.gpu_mem if args.gpu_mem is not None else mem,
