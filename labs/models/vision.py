@@ -28,9 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labs import train as labs_train
 from labs.data import shapes
 from labs.models.transformer import ModelConfig, build_model, run_blocks
-from labs import train as labs_train
 from labs.train import TrainConfig
 
 
