@@ -1,4 +1,5 @@
-"""Hidden checks for exercise 00 (graded, never released): the ring all-reduce on a process *subgroup*.
+"""Hidden checks for exercise 00 (graded, never released): the ring all-reduce on a process
+*subgroup*.
 
 The public tests use the default group only. Here the ring must take its neighbours from ``group``
 (global ranks of the group's members) and leave ranks outside the group untouched.
@@ -33,12 +34,14 @@ def test_ring_all_reduce_on_a_subgroup_equals_dist_all_reduce(members):
         if r["member"]:
             assert r["same_object"], "ring_all_reduce must work in place and return its argument"
             assert torch.equal(r["ours"], r["expected"]), (
-                f"rank {r['rank']} in group {members}: got {r['ours'].tolist()}, expected {r['expected'].tolist()}")
+                f"rank {r['rank']} in group {members}: got {r['ours'].tolist()}, expected {r['expected'].tolist()}"
+            )
 
 
 def test_single_rank_group_in_this_process(tmp_path):
-    """N = 1, without launching: the tensor comes back as is (same object, same values), nothing sent.
-    Runs the learner's module in the test process itself (kept last: it initialises torch.distributed here)."""
+    """N = 1, without launching: the tensor comes back as is (same object, same values), nothing
+    sent. Runs the learner's module in the test process itself (kept last: it initialises
+    torch.distributed here)."""
     ring = exercise("collectives")
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -10,12 +10,18 @@ the one the ``LABS_IMPL`` switch selects (see ``labs.runtime.impl``).
 Attributes are imported lazily so that ``python -m labs.theory`` runs without torch.
 """
 
-_LAZY = {"launch": "labs.runtime", "RankError": "labs.runtime", "LaunchTimeout": "labs.runtime",
-         "exercise": "labs.runtime", "log": "labs.runtime"}
+_LAZY = {
+    "launch": "labs.runtime",
+    "RankError": "labs.runtime",
+    "LaunchTimeout": "labs.runtime",
+    "exercise": "labs.runtime",
+    "log": "labs.runtime",
+}
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'labs' has no attribute {name!r}")

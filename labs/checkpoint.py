@@ -1,4 +1,5 @@
-"""Sharded checkpoints of a ZeRO model: save on N ranks, load on M ranks or in one process (notebook 03).
+"""Sharded checkpoints of a ZeRO model: save on N ranks, load on M ranks or in one process (notebook
+03).
 
     save(z, path)                        # every rank of the ZeRO wrapper ``z`` writes its shards
     load(z, path)                        # any number of ranks: each reads the pieces it now owns
@@ -45,21 +46,24 @@ def _frozen(model) -> dict[str, torch.Tensor]:
 
 
 def _restore_frozen(model, sd: dict) -> None:
-    """Copy the checkpoint's ``frozen.<name>`` entries of ``sd`` back into ``model`` (under no_grad)."""
+    """Copy the checkpoint's ``frozen.<name>`` entries of ``sd`` back into ``model`` (under
+    no_grad)."""
     params = dict(model.named_parameters())
     for key, value in sd.items():
         if key.startswith("frozen."):
-            params[key[len("frozen."):]].copy_(value)
+            params[key[len("frozen.") :]].copy_(value)
 
 
 def _sharded(z, local_of) -> dict:
-    """One DTensor [Ψ_u] per unit and tensor kind, with ``local_of(u, kind)`` as this rank's piece."""
+    """One DTensor [Ψ_u] per unit and tensor kind, with ``local_of(u, kind)`` as this rank's
+    piece."""
     mesh = DeviceMesh.from_group(z.group or dist.group.WORLD, z.units[0].shard_param.device.type)
     out = {}
     for k, u in enumerate(z.units):
         for kind in ("param",) + MOMENTS:
-            out[f"unit{k}.{kind}"] = DTensor.from_local(local_of(u, kind), mesh, [Shard(0)], run_check=False,
-                                                        shape=(u.numel,), stride=(1,))
+            out[f"unit{k}.{kind}"] = DTensor.from_local(
+                local_of(u, kind), mesh, [Shard(0)], run_check=False, shape=(u.numel,), stride=(1,)
+            )
     return out
 
 
@@ -79,12 +83,17 @@ def _step(z) -> torch.Tensor:
 
 def save(z, path) -> None:
     """Write ``z``'s model and optimizer state to the folder ``path`` (call on every rank)."""
+
     def local(u, kind):
         if kind == "param":
             return u.shard_param.detach()[_owned(u)]
         state = z.optimizer.state.get(_opt_param(z, u), {})
-        return state[kind][_owned(u)].to(u.shard_param.device) if kind in state else torch.zeros(
-            _owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device)
+        return (
+            state[kind][_owned(u)].to(u.shard_param.device)
+            if kind in state
+            else torch.zeros(_owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device)
+        )
+
     sd = _sharded(z, local) | _frozen(z.model) | {"step": _step(z), "layout": layout(z)}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
 
@@ -98,13 +107,20 @@ def _check_exists(path) -> Path:
 
 def _read(sd: dict, path: Path, no_dist: bool) -> None:
     try:
-        with warnings.catch_warnings():  # no_dist=True: DCP warns it will read in a single process; we asked it to
+        with (
+            warnings.catch_warnings()
+        ):  # no_dist=True: DCP warns it will read in a single process; we asked it to
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=str(path), no_dist=no_dist)
-    except (Exception, dcp.CheckpointException) as e:  # DCP gathers the ranks' errors (a BaseException)
+    except (
+        Exception,
+        dcp.CheckpointException,
+    ) as e:  # DCP gathers the ranks' errors (a BaseException)
         reason = str(e).strip().splitlines()
-        raise ValueError(f"checkpoint at {path} is corrupted or incomplete: {type(e).__name__}: "
-                         f"{reason[-1] if reason else ''}") from e
+        raise ValueError(
+            f"checkpoint at {path} is corrupted or incomplete: {type(e).__name__}: "
+            f"{reason[-1] if reason else ''}"
+        ) from e
 
 
 def _saved_layout(path: Path) -> str:
@@ -116,8 +132,10 @@ def _saved_layout(path: Path) -> str:
 def _check_layout(path: Path, expected: str) -> None:
     saved = _saved_layout(path)
     if saved != expected:
-        raise ValueError(f"checkpoint at {path} was saved from another model or unit split:\n"
-                         f"saved    {saved[:300]}\nexpected {expected[:300]}")
+        raise ValueError(
+            f"checkpoint at {path} was saved from another model or unit split:\n"
+            f"saved    {saved[:300]}\nexpected {expected[:300]}"
+        )
 
 
 def load(z, path) -> None:
@@ -128,9 +146,16 @@ def load(z, path) -> None:
     pieces = {}
 
     def local(u, kind):
-        pieces[(u, kind)] = torch.zeros(_owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device)
+        pieces[(u, kind)] = torch.zeros(
+            _owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device
+        )
         return pieces[(u, kind)]
-    sd = _sharded(z, local) | {k: torch.empty_like(v) for k, v in _frozen(z.model).items()} | {"step": torch.tensor(0.)}
+
+    sd = (
+        _sharded(z, local)
+        | {k: torch.empty_like(v) for k, v in _frozen(z.model).items()}
+        | {"step": torch.tensor(0.0)}
+    )
     _read(sd, path, no_dist=False)
     with torch.no_grad():
         for u in z.units:
@@ -143,7 +168,7 @@ def load(z, path) -> None:
             if z.zero.offload:
                 u.host.copy_(u.shard_param)
             if z.zero.stage < 3:  # whole parameters live in the full buffer: gather them now
-                dist.all_gather_single(u.full, u.full[u.lo: u.hi], group=z.group)
+                dist.all_gather_single(u.full, u.full[u.lo : u.hi], group=z.group)
         _restore_frozen(z.model, sd)
 
 
@@ -156,7 +181,7 @@ def load_full(path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     missing = [n for _, ps in units for n, _ in ps if n not in params]
     if missing:
         raise ValueError(f"checkpoint at {path} names parameters this model lacks: {missing[:5]}")
-    sd = {"step": torch.tensor(0.)} | {k: torch.empty_like(v) for k, v in _frozen(model).items()}
+    sd = {"step": torch.tensor(0.0)} | {k: torch.empty_like(v) for k, v in _frozen(model).items()}
     for k, (_, ps) in enumerate(units):
         numel = sum(params[n].numel() for n, _ in ps)
         sd |= {f"unit{k}.{kind}": torch.zeros(numel) for kind in ("param",) + MOMENTS}
@@ -168,11 +193,14 @@ def load_full(path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
             for name, shape in ps:
                 p = params[name]
                 if list(p.shape) != shape:
-                    raise ValueError(f"checkpoint at {path}: {name} has shape {shape}, the model {list(p.shape)}")
+                    raise ValueError(
+                        f"checkpoint at {path}: {name} has shape {shape}, the model {list(p.shape)}"
+                    )
                 piece = slice(offset, offset + p.numel())
                 p.copy_(sd[f"unit{k}.param"][piece].view_as(p))
                 optimizer.state[p] = {"step": sd["step"].clone()} | {
-                    kind: sd[f"unit{k}.{kind}"][piece].view_as(p).clone() for kind in MOMENTS}
+                    kind: sd[f"unit{k}.{kind}"][piece].view_as(p).clone() for kind in MOMENTS
+                }
                 offset += p.numel()
         _restore_frozen(model, sd)
     return optimizer

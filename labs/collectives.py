@@ -29,23 +29,38 @@ NOTEBOOK = "00_setup_and_collectives.ipynb"
 
 
 def ring_neighbours(group=None) -> tuple[int, int, int, int]:
-    """(my position in the group, N, global rank of the next rank, global rank of the previous rank)."""
+    """(my position in the group, N, global rank of the next rank, global rank of the previous
+    rank)."""
     me, n = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
     prv = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     return me, n, nxt, prv
 
 
-def post_exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None,
-                  tag: int = 0) -> list:
-    """Start sending ``send_buf`` to ``to_rank`` and receiving ``recv_buf`` from ``from_rank``, both posted at once
-    (``batch_isend_irecv``: neither side waits for the other to go first); returns the works to wait on."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send_buf, to_rank, group, tag),
-                                   dist.P2POp(dist.irecv, recv_buf, from_rank, group, tag)])
+def post_exchange(
+    send_buf: torch.Tensor,
+    recv_buf: torch.Tensor,
+    to_rank: int,
+    from_rank: int,
+    group=None,
+    tag: int = 0,
+) -> list:
+    """Start sending ``send_buf`` to ``to_rank`` and receiving ``recv_buf`` from ``from_rank``, both
+    posted at once (``batch_isend_irecv``: neither side waits for the other to go first); returns
+    the works to wait on."""
+    return dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send_buf, to_rank, group, tag),
+            dist.P2POp(dist.irecv, recv_buf, from_rank, group, tag),
+        ]
+    )
 
 
-def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None) -> None:
-    """Send ``send_buf`` to ``to_rank`` while receiving ``recv_buf`` from ``from_rank``; wait for both."""
+def exchange(
+    send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None
+) -> None:
+    """Send ``send_buf`` to ``to_rank`` while receiving ``recv_buf`` from ``from_rank``; wait for
+    both."""
     for work in post_exchange(send_buf, recv_buf, to_rank, from_rank, group):
         work.wait()
 
@@ -56,13 +71,19 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group=None) -> int:
     Afterwards chunk (me + 1) mod N holds the sum over all ranks. Returns that index.
     Sends N-1 chunks.
     """
-    raise NotImplementedError("exercise ring_reduce_scatter is not written yet: see its docstring and notebooks/00_setup_and_collectives.ipynb")
+    raise NotImplementedError(
+        "exercise ring_reduce_scatter is not written yet: "
+        "see its docstring and notebooks/00_setup_and_collectives.ipynb"
+    )
 
 
 def ring_all_gather(chunks: list[torch.Tensor], group=None) -> None:
     """All-gather phase on a ring, in place on ``chunks``: rank r starts owning the reduced
     chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks."""
-    raise NotImplementedError("exercise ring_all_gather is not written yet: see its docstring and notebooks/00_setup_and_collectives.ipynb")
+    raise NotImplementedError(
+        "exercise ring_all_gather is not written yet: "
+        "see its docstring and notebooks/00_setup_and_collectives.ipynb"
+    )
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -72,4 +93,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     (``tensor.view(-1)`` when contiguous), so the phases write straight into the result.
     Bytes sent per rank: 2 (N-1)/N * tensor bytes (exactly, when N divides numel).
     """
-    raise NotImplementedError("exercise ring_all_reduce is not written yet: see its docstring and notebooks/00_setup_and_collectives.ipynb")
+    raise NotImplementedError(
+        "exercise ring_all_reduce is not written yet: "
+        "see its docstring and notebooks/00_setup_and_collectives.ipynb"
+    )

@@ -1,6 +1,7 @@
 # Your exercise module, generated from solutions/context_parallel.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
-"""Exercise 06 (notebooks/06_context_parallel.ipynb): ring attention, forward and backward, with zig-zag balance.
+"""Exercise 06 (notebooks/06_context_parallel.ipynb): ring attention, forward and backward, with
+zig-zag balance.
 
 What is sharded: the sequence. The T tokens are cut into 2·CP chunks of c = T/(2·CP); rank r
 holds chunks r and 2·CP−1−r (zig-zag) or 2r and 2r+1 (contiguous), with their positions, so
@@ -20,9 +21,10 @@ Communication on the CP ``group`` (a ring; peers by ``dist.get_global_rank``), p
   2 (CP−1)/CP · Ψ · itemsize bytes per step (``all_reduce_gradients``).
 Saved for backward per layer: local q, k, v, out, log-sum-exp, ∝ T/CP; no T×T matrix (recomputed).
 
-References: Liu et al., "Ring Attention with Blockwise Transformers" (2023) §3; Milakov & Gimelshein,
-"Online normalizer calculation for softmax" (2018); Dao et al., "FlashAttention" (2022) §3.1, App. B.2
-(backward from the log-sum-exp); Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.2 (zig-zag).
+References: Liu et al., "Ring Attention with Blockwise Transformers" (2023) §3; Milakov &
+Gimelshein, "Online normalizer calculation for softmax" (2018); Dao et al., "FlashAttention" (2022)
+§3.1, App. B.2 (backward from the log-sum-exp); Dubey et al., "The Llama 3 Herd of Models" (2024)
+§3.3.2 (zig-zag).
 """
 
 from __future__ import annotations
@@ -48,34 +50,56 @@ def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
     """The two global chunk indices (of 2·cp chunks) ``rank`` holds, in the order it stores them:
     zig-zag (r, 2·cp−1−r): one early and one late chunk, so causal work is equal on every rank;
     contiguous (2r, 2r+1): the plain split, T/cp consecutive tokens."""
-    raise NotImplementedError("exercise chunk_ids is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise chunk_ids is not written yet: "
+        "see its docstring and notebooks/06_context_parallel.ipynb"
+    )
 
 
 def block_kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     """What a causal mask leaves of query chunk × key chunk: "full" (key chunk before the query
     chunk, or no mask), "diagonal" (the same chunk: lower triangle) or "masked" (after: skip it)."""
-    raise NotImplementedError("exercise block_kind is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise block_kind is not written yet: "
+        "see its docstring and notebooks/06_context_parallel.ipynb"
+    )
 
 
-def split_sequence(x: torch.Tensor, *, cp: int, rank: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
+def split_sequence(
+    x: torch.Tensor, *, cp: int, rank: int, zigzag: bool = True, dim: int = 1
+) -> torch.Tensor:
     """This rank's tokens of ``x`` along ``dim`` (length T): chunks ``chunk_ids(rank, cp, zigzag)``
     of the 2·cp chunks, concatenated in that order. ``[B, T, ...] -> [B, T/cp, ...]`` for dim=1.
     Raises ValueError when T is not divisible by 2·cp."""
     check_divides(x.shape[dim], "seq_len", 2 * cp, "2*cp (two chunks per context-parallel rank)")
-    raise NotImplementedError("exercise split_sequence is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise split_sequence is not written yet: "
+        "see its docstring and notebooks/06_context_parallel.ipynb"
+    )
 
 
-def unsplit_sequence(parts: list[torch.Tensor], *, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
-    """The inverse of ``split_sequence``: ``parts[r]`` is rank r's share; returns the full sequence."""
-    raise NotImplementedError("exercise unsplit_sequence is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+def unsplit_sequence(
+    parts: list[torch.Tensor], *, zigzag: bool = True, dim: int = 1
+) -> torch.Tensor:
+    """The inverse of ``split_sequence``: ``parts[r]`` is rank r's share; returns the full
+    sequence."""
+    raise NotImplementedError(
+        "exercise unsplit_sequence is not written yet: "
+        "see its docstring and notebooks/06_context_parallel.ipynb"
+    )
 
 
 def _scores(q, k, v, causal: bool, scale: float):
-    """k, v repeated to the nh query heads, and the scores q kᵀ·scale (masked above the diagonal if causal)."""
+    """k, v repeated to the nh query heads, and the scores q kᵀ·scale (masked above the diagonal if
+    causal)."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, nh, Tk, hd]
     s = q @ k.transpose(-2, -1) * scale  # [B, nh, Tq, Tk]
-    return k, v, s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+    return (
+        k,
+        v,
+        s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s,
+    )
 
 
 def attention_block(q, k, v, *, causal: bool, scale: float):
@@ -106,7 +130,11 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: fl
     dv = p.transpose(-2, -1) @ dout  # [B, nh, Tk, hd]
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))  # [B, nh, Tq, Tk]
     dq, dk = ds @ k * scale, ds.transpose(-2, -1) @ q * scale
-    return dq, dk.view(b, nkv, g, tk, hd).sum(2), dv.view(b, nkv, g, tk, hd).sum(2)  # [B, nkv, Tk, hd]
+    return (
+        dq,
+        dk.view(b, nkv, g, tk, hd).sum(2),
+        dv.view(b, nkv, g, tk, hd).sum(2),
+    )  # [B, nkv, Tk, hd]
 
 
 def merge_partials(out, lse, block_out, block_lse):
@@ -117,12 +145,20 @@ def merge_partials(out, lse, block_out, block_lse):
     lse' = log(e^lse + e^block_lse) and out' = e^(lse−lse')·out + e^(block_lse−lse')·block_out.
     Never form e^lse itself: it overflows. Do not modify the inputs.
     """
-    raise NotImplementedError("exercise merge_partials is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise merge_partials is not written yet: "
+        "see its docstring and notebooks/06_context_parallel.ipynb"
+    )
 
 
 def _pairs(q_ids, k_ids, causal):
-    """(local q chunk, local k chunk, causal mask?) for the chunk pairs that are not fully masked."""
-    kinds = [(a, b, block_kind(qa, kb, causal)) for a, qa in enumerate(q_ids) for b, kb in enumerate(k_ids)]
+    """(local q chunk, local k chunk, causal mask?) for the chunk pairs that are not fully
+    masked."""
+    kinds = [
+        (a, b, block_kind(qa, kb, causal))
+        for a, qa in enumerate(q_ids)
+        for b, kb in enumerate(k_ids)
+    ]
     return [(a, b, kind == "diagonal") for a, b, kind in kinds if kind != "masked"]
 
 
@@ -139,19 +175,23 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, zigzag):
         """q: [B, nh, T/cp, hd], k, v: [B, nkv, T/cp, hd], this rank's tokens (``split_sequence``).
 
-        Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group works).
-        CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
+        Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group
+        works). CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
         [2, B, nkv, T/cp, hd]); unless it is the last step, first post the exchange that brings the
-        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk pair of
-        ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse), then wait.
-        Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in memory as
-        SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
+        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk
+        pair of ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse),
+        then wait. Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in
+        memory as SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
         """
-        raise NotImplementedError("exercise RingAttention.forward is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise RingAttention.forward is not written yet: "
+            "see its docstring and notebooks/06_context_parallel.ipynb"
+        )
 
     @staticmethod
     def backward(ctx, dout):
-        """dout: [B, nh, T/cp, hd]. Returns dq, dk, dv for this rank's tokens (and None for the rest).
+        """dout: [B, nh, T/cp, hd]. Returns dq, dk, dv for this rank's tokens (and None for the
+        rest).
 
         Step s holds K/V of rank (me − s) mod CP as in forward (post the next exchange first)
         and computes, per chunk pair, ``attention_block_backward`` with the saved *global* out
@@ -161,7 +201,10 @@ class RingAttention(torch.autograd.Function):
         r+1 (tag DKV_TAG): after step CP−1 it reaches its owner. Finally wait for the accumulator
         of our own block and add it to what we kept.
         """
-        raise NotImplementedError("exercise RingAttention.backward is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise RingAttention.backward is not written yet: "
+            "see its docstring and notebooks/06_context_parallel.ipynb"
+        )
 
 
 def ring_attention(q, k, v, group, *, causal: bool = True, zigzag: bool = True):
@@ -172,19 +215,28 @@ def ring_attention(q, k, v, group, *, causal: bool = True, zigzag: bool = True):
 
 class ContextParallelAttention(Attention):
     """The course model's attention (``labs.models.transformer.Attention``) on this rank's tokens:
-    the same q/k/v/o projections (so parameter names and values are unchanged, and ``project`` works),
-    ring attention over ``group`` instead of SDPA."""
+    the same q/k/v/o projections (so parameter names and values are unchanged, and ``project``
+    works), ring attention over ``group`` instead of SDPA."""
 
     def __init__(self, attn: Attention, group, *, zigzag: bool = True):
         nn.Module.__init__(self)  # no fresh projections: ``attn``'s own are taken below
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+        )
         self.group, self.zigzag = group, zigzag
 
     def forward(self, x, cos, sin):
         """x: [B, T/cp, H], this rank's tokens; cos, sin: [T/cp, hd] for *their* positions.
-        ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V), ``o_proj``: [B, T/cp, H]."""
-        raise NotImplementedError("exercise ContextParallelAttention.forward is not written yet: see its docstring and notebooks/06_context_parallel.ipynb")
+        ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V),
+        ``o_proj``: [B, T/cp, H]."""
+        raise NotImplementedError(
+            "exercise ContextParallelAttention.forward is not written yet: "
+            "see its docstring and notebooks/06_context_parallel.ipynb"
+        )
 
 
 def apply_context_parallel(model: nn.Module, group, *, zigzag: bool = True) -> nn.Module:
@@ -199,12 +251,14 @@ def shard_inputs(idx: torch.Tensor, targets: torch.Tensor, group, *, zigzag: boo
     """This rank's (tokens [B, T/cp], targets [B, T/cp], positions [T/cp]) of a global batch."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
     positions = torch.arange(idx.shape[1], device=idx.device)
-    return tuple(split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=-1) for t in (idx, targets, positions))
+    return tuple(
+        split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=-1) for t in (idx, targets, positions)
+    )
 
 
 def all_reduce_gradients(model: nn.Module, group) -> None:
-    """Sum every gradient over ``group``: one all-reduce of a flat buffer, 2 (CP−1)/CP · Ψ · itemsize
-    bytes per rank. Each rank's gradient already carries its token share of the loss."""
+    """Sum every gradient over ``group``: one all-reduce of a flat buffer, 2 (CP−1)/CP · Ψ ·
+    itemsize bytes per rank. Each rank's gradient already carries its token share of the loss."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)

@@ -61,7 +61,10 @@ def broadcast_parameters(module: nn.Module, *, group=None) -> None:
     buffers too: every rank must compute the same function. A tied weight is one tensor
     and is broadcast once (``module.parameters()`` lists it once).
     """
-    raise NotImplementedError("exercise broadcast_parameters is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise broadcast_parameters is not written yet: "
+        "see its docstring and notebooks/02_data_parallel.ipynb"
+    )
 
 
 class _DataParallel(nn.Module):
@@ -102,7 +105,10 @@ class NaiveDDP(_DataParallel):
         ``.grad`` over the group with a blocking ``dist.all_reduce`` and divide by N, so every
         rank holds the mean gradient. Skip parameters whose ``.grad`` is None (frozen or unused:
         so on every rank). One call per gradient tensor."""
-        raise NotImplementedError("exercise NaiveDDP.finish_gradient_synchronization is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise NaiveDDP.finish_gradient_synchronization is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
 
 
 class OverlappedDDP(_DataParallel):
@@ -111,21 +117,32 @@ class OverlappedDDP(_DataParallel):
 
     def __init__(self, module: nn.Module, *, group=None):
         super().__init__(module, group)
-        self.pending: list[tuple[torch.Tensor, dist.Work]] = []  # (gradient, its all-reduce in flight)
+        self.pending: list[
+            tuple[torch.Tensor, dist.Work]
+        ] = []  # (gradient, its all-reduce in flight)
         # Register ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable
         # parameter (``p.register_post_accumulate_grad_hook``); keep the handles in self.handles.
-        raise NotImplementedError("exercise OverlappedDDP.__init__ is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise OverlappedDDP.__init__ is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
 
     def on_gradient_ready(self, param: nn.Parameter) -> None:
         """Autograd calls this once per backward when ``param.grad`` holds its (accumulated)
         gradient. Unless inside ``no_sync()``, launch ``dist.all_reduce(param.grad, async_op=True)``
         on the group and remember the gradient and the returned work handle. Do not wait here."""
-        raise NotImplementedError("exercise OverlappedDDP.on_gradient_ready is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise OverlappedDDP.on_gradient_ready is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
 
     def finish_gradient_synchronization(self) -> None:
         """Call once per optimizer step, after its last backward: wait for every all-reduce in
         flight, divide each gradient by N, and forget them (the next step starts empty)."""
-        raise NotImplementedError("exercise OverlappedDDP.finish_gradient_synchronization is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise OverlappedDDP.finish_gradient_synchronization is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
 
 
 class BucketedDDP(_DataParallel):
@@ -136,8 +153,8 @@ class BucketedDDP(_DataParallel):
     backward produces their gradients (torch's DDP starts from the same guess). Walk them,
     add each parameter to the open bucket and close the bucket once it holds at least
     ``bucket_mb * MiB`` bytes (``labs.theory.overlap.bucket_layout``'s rule). Each bucket
-    is one flat buffer of the parameters' dtype; a parameter owns the slice at its offset. Costs G extra
-    bytes per rank for the buffers (torch avoids it with ``gradient_as_bucket_view``).
+    is one flat buffer of the parameters' dtype; a parameter owns the slice at its offset. Costs G
+    extra bytes per rank for the buffers (torch avoids it with ``gradient_as_bucket_view``).
     """
 
     def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, group=None):
@@ -147,16 +164,29 @@ class BucketedDDP(_DataParallel):
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             raise ValueError("BucketedDDP needs every trainable parameter on one dtype and device")
         self.bucket_bytes = bucket_mb * MiB
-        self.buckets: list[torch.Tensor] = []              # flat gradient buffers, [numel of the bucket]
-        self.bucket_params: list[list[nn.Parameter]] = []  # the parameters of each bucket, in backward order
-        self.slots: dict[nn.Parameter, tuple[int, int]] = {}  # parameter -> (bucket index, offset in it)
+        self.buckets: list[torch.Tensor] = []  # flat gradient buffers, [numel of the bucket]
+        self.bucket_params: list[
+            list[nn.Parameter]
+        ] = []  # the parameters of each bucket, in backward order
+        self.slots: dict[
+            nn.Parameter, tuple[int, int]
+        ] = {}  # parameter -> (bucket index, offset in it)
         # Fill the three attributes above as the class docstring says, and register
         # ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable parameter.
-        raise NotImplementedError("exercise BucketedDDP.__init__ is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
-        self.works: list[dist.Work | None] = [None] * len(self.buckets)  # each bucket's all-reduce in flight
-        self.arrived: list[set[nn.Parameter]] = [set() for _ in self.buckets]  # gradients copied in this step
-        self._views = {p: self.buckets[i][offset: offset + p.numel()].view_as(p)  # each parameter's slot
-                       for p, (i, offset) in self.slots.items()}
+        raise NotImplementedError(
+            "exercise BucketedDDP.__init__ is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
+        self.works: list[dist.Work | None] = [None] * len(
+            self.buckets
+        )  # each bucket's all-reduce in flight
+        self.arrived: list[set[nn.Parameter]] = [
+            set() for _ in self.buckets
+        ]  # gradients copied in this step
+        self._views = {
+            p: self.buckets[i][offset : offset + p.numel()].view_as(p)  # each parameter's slot
+            for p, (i, offset) in self.slots.items()
+        }
 
     def _slice(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s slot in its bucket (a view, shaped like ``param``)."""
@@ -166,7 +196,10 @@ class BucketedDDP(_DataParallel):
         """Gradient hook. Unless inside ``no_sync()``: copy ``param.grad`` into its slot, note
         that it arrived, and when the bucket's last gradient is in, launch its all-reduce with
         ``async_op=True`` and keep the work handle in ``self.works[bucket]``. Do not wait."""
-        raise NotImplementedError("exercise BucketedDDP.on_gradient_ready is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise BucketedDDP.on_gradient_ready is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
 
     def finish_gradient_synchronization(self) -> None:
         """Call once per optimizer step, after its last backward. A bucket not yet launched holds
@@ -174,10 +207,15 @@ class BucketedDDP(_DataParallel):
         every rank). Wait for every bucket, divide by N, copy each slice back into the ``.grad``
         of the parameters that got one (the others keep ``grad=None``, as in a single process),
         then reset ``works`` and ``arrived`` for the next step."""
-        raise NotImplementedError("exercise BucketedDDP.finish_gradient_synchronization is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise BucketedDDP.finish_gradient_synchronization is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
 
 
-def rank_data(cfg, *, group=None, grad_accum: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def rank_data(
+    cfg, *, group=None, grad_accum: int = 1
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """This rank's data: for each of ``cfg.steps`` steps, ``grad_accum`` micro-batches (x, y),
     each ``[B/(N·K), T]`` (B = ``cfg.batch_size``, the global batch; K = ``grad_accum``).
 
@@ -185,12 +223,16 @@ def rank_data(cfg, *, group=None, grad_accum: int = 1) -> list[list[tuple[torch.
     ``DistributedSampler``: rank r of N gets a disjoint slice of one permutation seeded
     with ``cfg.data_seed``; ``seq_len=cfg.seq_len``), r and N being this rank's place in
     ``group``, and split each batch along dim 0 into K micro-batches. The N ranks' batches of
-    a step, in rank order, are then exactly the single-process global batch (``labs.train.data_for``).
+    a step, in rank order, are then exactly the single-process global batch
+    (``labs.train.data_for``).
     """
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     check_positive(grad_accum=grad_accum)
     check_divides(cfg.batch_size, "batch_size", n * grad_accum, "dp*grad_accum")
-    raise NotImplementedError("exercise rank_data is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise rank_data is not written yet: "
+        "see its docstring and notebooks/02_data_parallel.ipynb"
+    )
 
 
 def train_step(model: _DataParallel, optimizer: torch.optim.Optimizer, micro_batches) -> float:
@@ -202,4 +244,7 @@ def train_step(model: _DataParallel, optimizer: torch.optim.Optimizer, micro_bat
     ``model.finish_gradient_synchronization()`` and ``optimizer.step()``. Returns this rank's
     loss: the mean of its K micro-batch losses (unscaled), a Python float.
     """
-    raise NotImplementedError("exercise train_step is not written yet: see its docstring and notebooks/02_data_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise train_step is not written yet: "
+        "see its docstring and notebooks/02_data_parallel.ipynb"
+    )

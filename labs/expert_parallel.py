@@ -1,22 +1,25 @@
 # Your exercise module, generated from solutions/expert_parallel.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
-"""Exercise 07 (notebooks/07_mixture_of_experts.ipynb): a mixture-of-experts layer, then expert parallelism.
+"""Exercise 07 (notebooks/07_mixture_of_experts.ipynb): a mixture-of-experts layer, then expert
+parallelism.
 
 The layer. A router (Linear H -> E, softmax) scores each token; the token goes to its top-k experts
-(SwiGLU MLPs) and leaves as their outputs weighted by the router: the k probabilities renormalised to
-sum to 1 when k > 1 (Mixtral), the raw probability when k = 1 (Switch, so the loss still trains the router).
+(SwiGLU MLPs) and leaves as their outputs weighted by the router: the k probabilities renormalised
+to sum to 1 when k > 1 (Mixtral), the raw probability when k = 1 (Switch, so the loss still trains
+the router).
 
-Capacity (GShard, Lepikhin et al. 2020, §2.2). Tokens are routed in *groups*: a group is the tokens one
-rank holds (B·T of them). Per group each expert accepts at most C = ceil(cf·k·N/E) (token, choice)
-pairs, in this priority: every first choice (in token order) before any second choice. A dropped pair
-adds nothing; a token whose pairs are all dropped leaves as zero and the block's residual carries it.
-Decided inside a group, dropping needs no communication, and the EP layer (its tokens = one group)
-drops exactly what the single-process layer drops on the concatenated global batch with one group per
-rank: that layer, on that batch, is the reference of every test, with EP alone or EP × DP.
+Capacity (GShard, Lepikhin et al. 2020, §2.2). Tokens are routed in *groups*: a group is the tokens
+one rank holds (B·T of them). Per group each expert accepts at most C = ceil(cf·k·N/E) (token,
+choice) pairs, in this priority: every first choice (in token order) before any second choice. A
+dropped pair adds nothing; a token whose pairs are all dropped leaves as zero and the block's
+residual carries it. Decided inside a group, dropping needs no communication, and the EP layer (its
+tokens = one group) drops exactly what the single-process layer drops on the concatenated global
+batch with one group per rank: that layer, on that batch, is the reference of every test, with EP
+alone or EP × DP.
 
 Losses (they reach the router). Load balancing (Switch, Fedus et al. 2021, eq. 4): E·Σ_e f_e·P_e per
-group, f_e the share of the group's k·N pairs choosing e (before dropping), P_e the mean probability of
-e; 1 when balanced, averaged over groups. Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5):
+group, f_e the share of the group's k·N pairs choosing e (before dropping), P_e the mean probability
+of e; 1 when balanced, averaged over groups. Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5):
 mean over tokens of logsumexp(logits)².
 
 Expert parallelism. The ep ranks of an EP group hold E/ep experts each (rank r: experts r·E/ep ..
@@ -28,13 +31,14 @@ data-parallel. Per MoE layer, on the EP group:
               local experts on the received rows, then the reverse all_to_all_single (combine)
     backward  the two token all-to-alls in reverse (AllToAll.backward), the same bytes
 
-Bytes a rank r sends per layer per step (``labs.theory.moe``), rows(s -> d) = kept pairs s routes to d:
-dispatch sum_{d!=r} rows(r->d)·H·b, combine sum_{s!=r} rows(s->r)·H·b, counts 8·(ep-1)·E/ep; backward
-sends dispatch + combine again. Uniform routing without drops: N·k·(ep-1)/ep·H·b each way.
+Bytes a rank r sends per layer per step (``labs.theory.moe``), rows(s -> d) = kept pairs s routes to
+d: dispatch sum_{d!=r} rows(r->d)·H·b, combine sum_{s!=r} rows(s->r)·H·b, counts 8·(ep-1)·E/ep;
+backward sends dispatch + combine again. Uniform routing without drops: N·k·(ep-1)/ep·H·b each way.
 
 EP × DP: world = ep × world/ep ranks, all with different tokens. After backward the gradients are
 summed, experts over the ranks holding the same experts (expert-DP group), the rest over all ranks,
-and divided by the world size (``allreduce_gradients``); see the Ultra-Scale Playbook, "Expert parallelism".
+and divided by the world size (``allreduce_gradients``); see the Ultra-Scale Playbook, "Expert
+parallelism".
 """
 
 from __future__ import annotations
@@ -52,51 +56,72 @@ from labs.theory.moe import expert_capacity
 NOTEBOOK = "07_mixture_of_experts.ipynb"
 
 
-# --- routing -------------------------------------------------------------------------------------------
+# --- routing
+# -------------------------------------------------------------------------------------------
 def route(tokens: torch.Tensor, router: nn.Linear, top_k: int):
     """Score the tokens and pick their experts.
 
-    tokens: [N, H]; router: Linear(H, E). Returns ``(logits, probs, weights, chosen)``: logits [N, E],
-    probs [N, E] (softmax of the logits), chosen [N, k] (the k most probable experts, ``topk`` order)
-    and weights [N, k] (their probabilities, renormalised to sum to 1 when k > 1; raw when k = 1).
+    tokens: [N, H]; router: Linear(H, E). Returns ``(logits, probs, weights, chosen)``: logits [N,
+    E], probs [N, E] (softmax of the logits), chosen [N, k] (the k most probable experts, ``topk``
+    order) and weights [N, k] (their probabilities, renormalised to sum to 1 when k > 1; raw when k
+    = 1).
     """
-    raise NotImplementedError("exercise route is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise route is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
-def capacity_keep(chosen: torch.Tensor, n_experts: int, capacity: int | None, groups: int = 1) -> torch.Tensor:
+def capacity_keep(
+    chosen: torch.Tensor, n_experts: int, capacity: int | None, groups: int = 1
+) -> torch.Tensor:
     """Which (token, choice) pairs fit their expert's capacity: bool [N, k].
 
-    chosen: [N, k] expert ids of N tokens in ``groups`` contiguous groups. In each group every expert
-    keeps its first ``capacity`` pairs in this order: all first choices in token order, then all second
-    choices, ... ``capacity=None`` keeps every pair. Hint: a one-hot [G, k·N/G, E] in that order, and
-    its cumulative sum along the pairs is each pair's slot in its expert.
+    chosen: [N, k] expert ids of N tokens in ``groups`` contiguous groups. In each group every
+    expert keeps its first ``capacity`` pairs in this order: all first choices in token order, then
+    all second choices, ... ``capacity=None`` keeps every pair. Hint: a one-hot [G, k·N/G, E] in
+    that order, and its cumulative sum along the pairs is each pair's slot in its expert.
     """
-    raise NotImplementedError("exercise capacity_keep is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise capacity_keep is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """Switch's auxiliary loss E·sum_e f_e·P_e, per group of the N tokens, averaged over the groups.
 
-    probs: [N, E]; chosen: [N, k]. f_e: the share of a group's k·N/G pairs that chose e, before dropping
-    (a count: no gradient); P_e: the group's mean of probs[:, e] (the gradient flows here). 1.0 when balanced.
+    probs: [N, E]; chosen: [N, k]. f_e: the share of a group's k·N/G pairs that chose e, before
+    dropping (a count: no gradient); P_e: the group's mean of probs[:, e] (the gradient flows here).
+    1.0 when balanced.
     """
-    raise NotImplementedError("exercise load_balancing_loss is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise load_balancing_loss is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)², for logits [N, E]."""
-    raise NotImplementedError("exercise router_z_loss is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise router_z_loss is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
-# --- dispatch and combine on one process -------------------------------------------------------------------
+# --- dispatch and combine on one process
+# -------------------------------------------------------------------
 def sort_by_expert(chosen: torch.Tensor, keep: torch.Tensor, n_experts: int):
     """The kept pairs ordered by expert: ``(order, counts)``.
 
-    order: [M] indices into the N·k pairs (pair i is token i // k, choice i % k), kept pairs only, sorted
-    by expert, ties in pair order (a stable sort), so every expert sees its tokens in token order.
-    counts: [E] kept pairs per expert.
+    order: [M] indices into the N·k pairs (pair i is token i // k, choice i % k), kept pairs only,
+    sorted by expert, ties in pair order (a stable sort), so every expert sees its tokens in token
+    order. counts: [E] kept pairs per expert.
     """
-    raise NotImplementedError("exercise sort_by_expert is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise sort_by_expert is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
 def run_experts(rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
@@ -111,76 +136,104 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
     rows: [M, H] in ``order`` (from :func:`sort_by_expert`); weights: [N, k]. Returns [N, H];
     a dropped pair contributes zero.
     """
-    raise NotImplementedError("exercise combine is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise combine is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
 class MoELayer(nn.Module):
     """A mixture-of-experts feed-forward on one process: a drop-in for the course model's ``MLP``.
 
-    ``router``: Linear(H, E); ``experts[str(e)]``: SwiGLU MLPs with the course model's dims (``experts``:
-    the ids held, all E by default). The B·T tokens of a forward form ``groups`` contiguous groups
-    (capacity and the aux loss per group). Each forward leaves ``aux_loss`` (the coefficient-weighted
-    load-balancing + z-loss, with gradient) and ``routing`` (``chosen`` and ``keep``, detached).
+    ``router``: Linear(H, E); ``experts[str(e)]``: SwiGLU MLPs with the course model's dims
+    (``experts``: the ids held, all E by default). The B·T tokens of a forward form ``groups``
+    contiguous groups (capacity and the aux loss per group). Each forward leaves ``aux_loss`` (the
+    coefficient-weighted load-balancing + z-loss, with gradient) and ``routing`` (``chosen`` and
+    ``keep``, detached).
     """
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, groups: int = 1, experts: range | None = None):
+    def __init__(
+        self, cfg: ModelConfig, moe: MoEConfig, *, groups: int = 1, experts: range | None = None
+    ):
         super().__init__()
         self.cfg, self.moe, self.groups = cfg, moe, groups
         self.router = nn.Linear(cfg.n_embd, moe.n_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in (range(moe.n_experts) if experts is None else experts)})
+        self.experts = nn.ModuleDict(
+            {str(e): MLP(cfg) for e in (range(moe.n_experts) if experts is None else experts)}
+        )
         self.aux_loss, self.routing = None, None
 
     def capacity(self, tokens: int) -> int | None:
         """Pairs one expert accepts from a group of ``tokens`` tokens (None: no limit)."""
         cf = self.moe.capacity_factor
-        return None if cf is None else expert_capacity(tokens, self.moe.top_k, self.moe.n_experts, cf)
+        return (
+            None if cf is None else expert_capacity(tokens, self.moe.top_k, self.moe.n_experts, cf)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, H] -> [B, T, H]: route, drop what exceeds capacity, run the experts, combine."""
-        tokens = x.reshape(-1, x.shape[-1])                                              # [N, H]
+        """x: [B, T, H] -> [B, T, H]: route, drop what exceeds capacity, run the experts,
+        combine."""
+        tokens = x.reshape(-1, x.shape[-1])  # [N, H]
         check_divides(tokens.shape[0], "tokens", self.groups, "groups")
-        logits, probs, weights, chosen = route(tokens, self.router, self.moe.top_k)      # [N, E], [N, k]
-        keep = capacity_keep(chosen, self.moe.n_experts, self.capacity(tokens.shape[0] // self.groups),
-                             self.groups)                                                # [N, k]
-        out = self.experts_forward(tokens, weights, chosen, keep)                        # [N, H]
-        self.aux_loss = (self.moe.aux_loss_coef * load_balancing_loss(probs, chosen, self.groups)
-                         + self.moe.z_loss_coef * router_z_loss(logits))
+        logits, probs, weights, chosen = route(
+            tokens, self.router, self.moe.top_k
+        )  # [N, E], [N, k]
+        keep = capacity_keep(
+            chosen, self.moe.n_experts, self.capacity(tokens.shape[0] // self.groups), self.groups
+        )  # [N, k]
+        out = self.experts_forward(tokens, weights, chosen, keep)  # [N, H]
+        self.aux_loss = self.moe.aux_loss_coef * load_balancing_loss(
+            probs, chosen, self.groups
+        ) + self.moe.z_loss_coef * router_z_loss(logits)
         self.routing = {"chosen": chosen.detach(), "keep": keep.detach()}
         return out.view(x.shape)
 
     def experts_forward(self, tokens, weights, chosen, keep) -> torch.Tensor:
         """Every kept pair's token through its expert, combined: tokens [N, H] -> [N, H]."""
-        order, counts = sort_by_expert(chosen, keep, self.moe.n_experts)                # [M], [E]
-        rows = tokens[order // self.moe.top_k]                                           # [M, H] by expert
+        order, counts = sort_by_expert(chosen, keep, self.moe.n_experts)  # [M], [E]
+        rows = tokens[order // self.moe.top_k]  # [M, H] by expert
         return combine(run_experts(rows, counts, self.experts.values()), order, weights)
 
 
-# --- expert parallelism --------------------------------------------------------------------------------------
+# --- expert parallelism
+# --------------------------------------------------------------------------------------
 class AllToAll(torch.autograd.Function):
-    """fwd: all_to_all_single of rows, ``send[i]`` rows to rank i, ``recv[i]`` from it; bwd: the reverse
-    all-to-all of the gradients (splits swapped). Megatron's ``_AllToAll`` (core/tensor_parallel/mappings.py)."""
+    """fwd: all_to_all_single of rows, ``send[i]`` rows to rank i, ``recv[i]`` from it; bwd: the
+    reverse all-to-all of the gradients (splits swapped). Megatron's ``_AllToAll``
+    (core/tensor_parallel/mappings.py)."""
 
     @staticmethod
     def forward(ctx, rows, send: list[int], recv: list[int], group):
         """rows: [sum(send), H] -> [sum(recv), H], in source-rank order."""
-        raise NotImplementedError("exercise AllToAll.forward is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+        raise NotImplementedError(
+            "exercise AllToAll.forward is not written yet: "
+            "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+        )
 
     @staticmethod
     def backward(ctx, grad):
         """grad: [sum(recv), H] -> [sum(send), H]."""
-        raise NotImplementedError("exercise AllToAll.backward is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+        raise NotImplementedError(
+            "exercise AllToAll.backward is not written yet: "
+            "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+        )
 
 
 def exchange_counts(send: torch.Tensor, group=None) -> torch.Tensor:
     """The counts go first: ``send`` [ep, E/ep] (rows I route to each rank's local experts) becomes
-    ``recv`` [ep, E/ep] (rows each rank routes to my experts). One all_to_all_single, E/ep int64 per rank."""
-    raise NotImplementedError("exercise exchange_counts is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    ``recv`` [ep, E/ep] (rows each rank routes to my experts). One all_to_all_single, E/ep int64 per
+    rank."""
+    raise NotImplementedError(
+        "exercise exchange_counts is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )
 
 
 class ExpertParallelMoE(MoELayer):
     """The MoE layer with its experts spread over the ``ep`` ranks of ``group``: E/ep each, as
     ``experts[str(global id)]`` (so parameter names match the single-process layer's). The router is
-    replicated; this rank's tokens are one group. Expert parameters are tagged ``expert_parallel``."""
+    replicated; this rank's tokens are one group. Expert parameters are tagged
+    ``expert_parallel``."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, group=None):
         ep = dist.get_world_size(group)
@@ -193,8 +246,9 @@ class ExpertParallelMoE(MoELayer):
             p.expert_parallel = True  # averaged over the expert-DP group only (allreduce_gradients)
 
     @classmethod
-    def from_full(cls, layer: MoELayer, *, group=None) -> "ExpertParallelMoE":
-        """This rank's share of a single-process layer: the router and this rank's experts, copied."""
+    def from_full(cls, layer: MoELayer, *, group=None) -> ExpertParallelMoE:
+        """This rank's share of a single-process layer: the router and this rank's experts,
+        copied."""
         ep_layer = cls(layer.cfg, layer.moe, group=group).to(layer.router.weight.device)
         ep_layer.router.load_state_dict(layer.router.state_dict())
         for name, expert in ep_layer.experts.items():
@@ -202,24 +256,33 @@ class ExpertParallelMoE(MoELayer):
         return ep_layer
 
     def experts_forward(self, tokens, weights, chosen, keep) -> torch.Tensor:
-        """Send each kept pair's token to the rank holding its expert, run the local experts, bring the
-        outputs back and combine them: tokens [N, H] -> [N, H].
+        """Send each kept pair's token to the rank holding its expert, run the local experts, bring
+        the outputs back and combine them: tokens [N, H] -> [N, H].
 
-        1. ``sort_by_expert``: rows [M, H] by expert, hence by destination rank (experts sit in blocks);
-        2. ``exchange_counts`` of ``counts.view(ep, E/ep)``, then ``AllToAll`` the rows (uneven splits);
+        1. ``sort_by_expert``: rows [M, H] by expert, hence by destination rank (experts sit in
+           blocks);
+        2. ``exchange_counts`` of ``counts.view(ep, E/ep)``, then ``AllToAll`` the rows (uneven
+           splits);
         3. regroup the received rows by local expert (stable: by source rank, then token order),
            ``run_experts``, and undo the regrouping;
         4. ``AllToAll`` back (splits swapped) and ``combine``.
         """
-        raise NotImplementedError("exercise ExpertParallelMoE.experts_forward is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+        raise NotImplementedError(
+            "exercise ExpertParallelMoE.experts_forward is not written yet: "
+            "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+        )
 
 
 def allreduce_gradients(model: nn.Module, *, expert_dp_group, group=None) -> None:
     """EP × DP after backward: every gradient summed over the ranks holding that parameter, then
     divided by the world size of ``group`` (the data-parallel ranks); in place.
 
-    Expert parameters (``p.expert_parallel``) are summed over ``expert_dp_group`` (ranks with the same
-    experts), everything else over ``group``. One division fits both: each rank's loss is a mean over its
-    tokens, and the all-to-all backward already brought the EP group's tokens into each expert's gradient.
+    Expert parameters (``p.expert_parallel``) are summed over ``expert_dp_group`` (ranks with the
+    same experts), everything else over ``group``. One division fits both: each rank's loss is a
+    mean over its tokens, and the all-to-all backward already brought the EP group's tokens into
+    each expert's gradient.
     """
-    raise NotImplementedError("exercise allreduce_gradients is not written yet: see its docstring and notebooks/07_mixture_of_experts.ipynb")
+    raise NotImplementedError(
+        "exercise allreduce_gradients is not written yet: "
+        "see its docstring and notebooks/07_mixture_of_experts.ipynb"
+    )

@@ -1,38 +1,46 @@
 # Your exercise module, generated from solutions/multimodal.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
-"""Exercise 11 (notebooks/11_multimodal.ipynb): a vision encoder and the course decoder, trained in parallel three ways.
+"""Exercise 11 (notebooks/11_multimodal.ipynb): a vision encoder and the course decoder, trained in
+parallel three ways.
 
-The model (``labs.models.vision``): images [B, 3, S, S] -> encoder (ViT: P patches, width E) -> projector ->
-prefix [B, P, H]; the caption's embedding follows it, and the course decoder reads L = P + C tokens of width H.
-The parts differ in size and shape, so each plan below treats them differently; every plan reuses an earlier
-lab through ``exercise(...)`` and must reproduce the single-process run (``labs.models.vision.train_reference``).
+The model (``labs.models.vision``): images [B, 3, S, S] -> encoder (ViT: P patches, width E) ->
+projector -> prefix [B, P, H]; the caption's embedding follows it, and the course decoder reads L =
+P + C tokens of width H. The parts differ in size and shape, so each plan below treats them
+differently; every plan reuses an earlier lab through ``exercise(...)`` and must reproduce the
+single-process run (``labs.models.vision.train_reference``).
 
-(a) Pipeline, ``--mode pp`` (the encoder as its own stage; Megatron-LM's ``--encoder-pipeline-model-parallel-size``):
-    stage 0 ``EncoderStage``: encoder, projector and the *fusion* (embed the caption, concatenate after the
-    prefix), plus ``split[0]`` decoder layers; stage s > 0: ``split[s]`` decoder layers (notebook 05's
-    ``StageModule``); the last stage also norm, head and loss. Trained with notebook 05's 1F1B unchanged.
+(a) Pipeline, ``--mode pp`` (the encoder as its own stage; Megatron-LM's
+``--encoder-pipeline-model-parallel-size``):
+    stage 0 ``EncoderStage``: encoder, projector and the *fusion* (embed the caption, concatenate
+    after the prefix), plus ``split[0]`` decoder layers; stage s > 0: ``split[s]`` decoder layers
+    (notebook 05's ``StageModule``); the last stage also norm, head and loss. Trained with notebook
+    05's 1F1B unchanged.
         forward   stage s -> s+1   each micro-batch's fused activation     [B/M, L, H]   send / recv
         backward  stage s+1 -> s   its gradient                             [B/M, L, H]   send / recv
-    Bytes per rank per step: B·L·H·itemsize per direction it feeds (``labs.theory.pipeline.p2p_bytes_per_rank``
-    with seq_len = L). The image never leaves stage 0: its P·E features become P of the L tokens there. Stage 0's
-    work (encoder on P patches + split[0] layers) rarely equals a decoder stage's: the slowest stage sets the
-    pace and the others wait (``labs.theory.multimodal``); moving decoder layers onto it rebalances.
-(b) Data parallel, ``--mode dp``: the whole model on every rank, the batch split (notebook 02's ``BucketedDDP``):
+    Bytes per rank per step: B·L·H·itemsize per direction it feeds
+    (``labs.theory.pipeline.p2p_bytes_per_rank`` with seq_len = L). The image never leaves stage 0:
+    its P·E features become P of the L tokens there. Stage 0's work (encoder on P patches + split[0]
+    layers) rarely equals a decoder stage's: the slowest stage sets the pace and the others wait
+    (``labs.theory.multimodal``); moving decoder layers onto it rebalances.
+(b) Data parallel, ``--mode dp``: the whole model on every rank, the batch split (notebook 02's
+``BucketedDDP``):
         backward  all-reduce of every gradient, encoder's included      2(N-1)/N · 4(Ψ_enc + Ψ_proj + Ψ_dec)
-    or ZeRO-``zero`` (notebook 03's ``shard_model`` over ``model_units``: encoder | projector | embedding | each
-    decoder block | norm + head): reduce-scatter +
+    or ZeRO-``zero`` (notebook 03's ``shard_model`` over ``model_units``: encoder | projector |
+    embedding | each decoder block | norm + head): reduce-scatter +
     all-gather of the same volume (ZeRO-3: a second all-gather, 3(N-1)/N · 4Ψ padded).
-(c) Tensor parallel, ``--mode tp``: the decoder cut by notebook 04's ``apply_tensor_parallel``; the encoder and
-    projector *replicated*: each rank runs them on the whole batch. They need no communication at all: the
-    gradient that reaches the prefix is already complete and equal on every rank (f's all-reduce in each
-    block's backward), so the replicas take identical steps. The decoder's traffic is notebook 04's with
-    T = L, except the embedding's all-reduce (caption tokens only, B·C·H) and the loss's (B·C and 2·B·C fp32
-    numbers: only caption positions have targets) (``labs.theory.multimodal.tp_collectives``).
+(c) Tensor parallel, ``--mode tp``: the decoder cut by notebook 04's ``apply_tensor_parallel``; the
+encoder and
+    projector *replicated*: each rank runs them on the whole batch. They need no communication at
+    all: the gradient that reaches the prefix is already complete and equal on every rank (f's
+    all-reduce in each block's backward), so the replicas take identical steps. The decoder's
+    traffic is notebook 04's with T = L, except the embedding's all-reduce (caption tokens only,
+    B·C·H) and the loss's (B·C and 2·B·C fp32 numbers: only caption positions have targets)
+    (``labs.theory.multimodal.tp_collectives``).
 
-References: Liu et al. 2023, "Visual Instruction Tuning" (LLaVA) and "Improved Baselines" (LLaVA-1.5);
-Zhai et al. 2023, SigLIP; NVIDIA Megatron-LM ``examples/multimodal`` (encoder pipeline and tensor parallel sizes);
-Zhang et al. 2024, "DistTrain: Addressing Model and Data Heterogeneity with Disaggregated Training for
-Multimodal LLMs" (the encoder-stage imbalance).
+References: Liu et al. 2023, "Visual Instruction Tuning" (LLaVA) and "Improved Baselines"
+(LLaVA-1.5); Zhai et al. 2023, SigLIP; NVIDIA Megatron-LM ``examples/multimodal`` (encoder pipeline
+and tensor parallel sizes); Zhang et al. 2024, "DistTrain: Addressing Model and Data Heterogeneity
+with Disaggregated Training for Multimodal LLMs" (the encoder-stage imbalance).
 """
 
 from __future__ import annotations
@@ -55,104 +63,157 @@ NOTEBOOK = "11_multimodal.ipynb"
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-# --- (a) pipeline: the encoder as stage 0 ---------------------------------------------------------------
+# --- (a) pipeline: the encoder as stage 0
+# ---------------------------------------------------------------
 class EncoderStage(nn.Module):
-    """Stage 0: ``encoder``, ``projector``, the decoder's ``tok_emb`` (the fusion) and decoder ``layers``
-    ``layer_ids`` (the model's own modules, named ``layers.<i>`` as in the decoder). Called by notebook 05's
-    schedule like any first stage, with the micro-batch's tokens [b, L]; the images come through
-    :meth:`load` (the first stage reads its own data, as Megatron's does), one micro-batch per call."""
+    """Stage 0: ``encoder``, ``projector``, the decoder's ``tok_emb`` (the fusion) and decoder
+    ``layers`` ``layer_ids`` (the model's own modules, named ``layers.<i>`` as in the decoder).
+    Called by notebook 05's schedule like any first stage, with the micro-batch's tokens [b, L]; the
+    images come through :meth:`load` (the first stage reads its own data, as Megatron's does), one
+    micro-batch per call."""
 
     first, last = True, False
 
     def __init__(self, model: MultimodalModel, layer_ids):
         super().__init__()
-        self.cfg = model.decoder.cfg  # the schedule reads cfg.n_embd: the activation it sends is [b, L, H]
-        self.encoder, self.projector, self.tok_emb = model.encoder, model.projector, model.decoder.tok_emb
+        self.cfg = (
+            model.decoder.cfg
+        )  # the schedule reads cfg.n_embd: the activation it sends is [b, L, H]
+        self.encoder, self.projector, self.tok_emb = (
+            model.encoder,
+            model.projector,
+            model.decoder.tok_emb,
+        )
         self.layers = nn.ModuleDict({str(i): model.decoder.layers[i] for i in layer_ids})
         self.inbox: deque = deque()
 
     def load(self, images, tokens) -> None:
-        """Queue a step's micro-batches: images [[b, 3, S, S], ...] with their tokens [[b, L], ...]."""
+        """Queue a step's micro-batches: images [[b, 3, S, S], ...] with their tokens [[b, L],
+        ...]."""
         self.inbox.extend(zip(images, tokens))
 
     def next_images(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The queued images of the micro-batch whose tokens are ``tokens`` (the schedule runs them in order)."""
+        """The queued images of the micro-batch whose tokens are ``tokens`` (the schedule runs them
+        in order)."""
         if not self.inbox:
-            raise RuntimeError("EncoderStage has no images queued: call stage.load(images, tokens) before the step")
+            raise RuntimeError(
+                "EncoderStage has no images queued: call stage.load(images, tokens) before the step"
+            )
         images, expected = self.inbox.popleft()
         if not torch.equal(expected, tokens):
-            raise RuntimeError("EncoderStage got micro-batches in another order than load() queued them")
+            raise RuntimeError(
+                "EncoderStage got micro-batches in another order than load() queued them"
+            )
         return images
 
     def forward(self, tokens):
-        """tokens [b, L] (P placeholders, then the caption) -> the fused sequence after this stage's decoder
-        layers [b, L, H]: encoder on the micro-batch's images -> projector -> ``fuse`` -> ``run_blocks``."""
+        """tokens [b, L] (P placeholders, then the caption) -> the fused sequence after this stage's
+        decoder layers [b, L, H]: encoder on the micro-batch's images -> projector -> ``fuse`` ->
+        ``run_blocks``."""
         images = self.next_images(tokens)  # [b, 3, S, S]
-        raise NotImplementedError("exercise EncoderStage.forward is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+        raise NotImplementedError(
+            "exercise EncoderStage.forward is not written yet: "
+            "see its docstring and notebooks/11_multimodal.ipynb"
+        )
 
 
 def build_multimodal_stage(model: MultimodalModel, *, split, stage: int) -> nn.Module:
-    """Stage ``stage`` of ``split`` (decoder layers per stage, e.g. ``(0, 2, 1, 1)``): for stage 0 an
-    :class:`EncoderStage` with decoder layers 0..split[0]-1; for s > 0 notebook 05's ``StageModule`` over the
-    decoder with the next split[s] layers, ``first=False`` (stage 0 embedded the caption) and ``last`` on
-    the last stage (norm, head)."""
+    """Stage ``stage`` of ``split`` (decoder layers per stage, e.g. ``(0, 2, 1, 1)``): for stage 0
+    an :class:`EncoderStage` with decoder layers 0..split[0]-1; for s > 0 notebook 05's
+    ``StageModule`` over the decoder with the next split[s] layers, ``first=False`` (stage 0
+    embedded the caption) and ``last`` on the last stage (norm, head)."""
     split = check_split(split, n_layers=model.cfg.decoder.n_layer)
     if not 0 <= stage < len(split):
         raise ValueError(f"stage={stage} must be in 0..{len(split) - 1}")
-    raise NotImplementedError("exercise build_multimodal_stage is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+    raise NotImplementedError(
+        "exercise build_multimodal_stage is not written yet: "
+        "see its docstring and notebooks/11_multimodal.ipynb"
+    )
 
 
-def train_step_pp(stage: nn.Module, optimizer, batch, *, pipe, microbatches: int, timeline=None) -> float | None:
-    """One optimizer step of the pipeline on this rank's ``stage``. ``batch``: the global batch (images
-    [B, 3, S, S], tokens [B, L], targets [B, L]), which every rank loads. Cut it into ``microbatches``
-    micro-batches along B; the first stage queues the images (``stage.load``); run notebook 05's
-    ``train_step_1f1b`` on [(tokens_i, targets_i), ...]; step the optimizer. Returns the loss on the last
-    stage (the batch mean), None elsewhere."""
+def train_step_pp(
+    stage: nn.Module, optimizer, batch, *, pipe, microbatches: int, timeline=None
+) -> float | None:
+    """One optimizer step of the pipeline on this rank's ``stage``. ``batch``: the global batch
+    (images [B, 3, S, S], tokens [B, L], targets [B, L]), which every rank loads. Cut it into
+    ``microbatches`` micro-batches along B; the first stage queues the images (``stage.load``); run
+    notebook 05's ``train_step_1f1b`` on [(tokens_i, targets_i), ...]; step the optimizer. Returns
+    the loss on the last stage (the batch mean), None elsewhere."""
     images, tokens, targets = batch
     check_divides(tokens.shape[0], "batch_size", microbatches, "microbatches")
-    raise NotImplementedError("exercise train_step_pp is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+    raise NotImplementedError(
+        "exercise train_step_pp is not written yet: "
+        "see its docstring and notebooks/11_multimodal.ipynb"
+    )
 
 
-# --- (b) data parallel (DDP or ZeRO) over the whole model ------------------------------------------------
+# --- (b) data parallel (DDP or ZeRO) over the whole model
+# ------------------------------------------------
 def model_units(model: MultimodalModel) -> list:
-    """ZeRO units in forward order, each made of modules the forward calls (ZeRO-3 gathers a unit in its
-    first module's pre-forward hook): the encoder, the projector, the decoder's embedding, each decoder
-    block, the final norm with the head."""
-    return [("encoder", [model.encoder]), ("projector", [model.projector])] + course_units(model.decoder)
+    """ZeRO units in forward order, each made of modules the forward calls (ZeRO-3 gathers a unit in
+    its first module's pre-forward hook): the encoder, the projector, the decoder's embedding, each
+    decoder block, the final norm with the head."""
+    return [("encoder", [model.encoder]), ("projector", [model.projector])] + course_units(
+        model.decoder
+    )
 
 
 class DataParallelTrainer:
-    """The whole model on every rank of ``group``, each training on its share of the batch. ``zero=0``:
-    notebook 02's ``BucketedDDP`` (``bucket_mb``) and ``make_optimizer``; ``zero`` in 1..3: notebook 03's
-    ``shard_model`` over ``model_units`` (it owns the optimizer). Attributes: ``model`` (what to call),
-    ``optimizer`` (AdamW, or None under ZeRO), ``sharded`` (the ZeRO wrapper, or None)."""
+    """The whole model on every rank of ``group``, each training on its share of the batch.
+    ``zero=0``: notebook 02's ``BucketedDDP`` (``bucket_mb``) and ``make_optimizer``; ``zero`` in
+    1..3: notebook 03's ``shard_model`` over ``model_units`` (it owns the optimizer). Attributes:
+    ``model`` (what to call), ``optimizer`` (AdamW, or None under ZeRO), ``sharded`` (the ZeRO
+    wrapper, or None)."""
 
-    def __init__(self, model: MultimodalModel, *, cfg: TrainConfig, zero: int = 0, bucket_mb: float = 25.0,
-                 group=None):
+    def __init__(
+        self,
+        model: MultimodalModel,
+        *,
+        cfg: TrainConfig,
+        zero: int = 0,
+        bucket_mb: float = 25.0,
+        group=None,
+    ):
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
         self.zero, self.optimizer, self.sharded = zero, None, None
-        raise NotImplementedError("exercise DataParallelTrainer.__init__ is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+        raise NotImplementedError(
+            "exercise DataParallelTrainer.__init__ is not written yet: "
+            "see its docstring and notebooks/11_multimodal.ipynb"
+        )
 
     def step(self, images, tokens, targets) -> float:
-        """One optimizer step on this rank's batch (images [b, 3, S, S], tokens and targets [b, L]): zero the
-        gradients, forward, backward, the gradients' synchronisation, the update (the gradients stay held
-        until the next step, as the memory calculator counts them). Returns this rank's loss (a float)."""
-        raise NotImplementedError("exercise DataParallelTrainer.step is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+        """One optimizer step on this rank's batch (images [b, 3, S, S], tokens and targets [b, L]):
+        zero the gradients, forward, backward, the gradients' synchronisation, the update (the
+        gradients stay held until the next step, as the memory calculator counts them). Returns this
+        rank's loss (a float)."""
+        raise NotImplementedError(
+            "exercise DataParallelTrainer.step is not written yet: "
+            "see its docstring and notebooks/11_multimodal.ipynb"
+        )
 
 
-# --- (c) tensor-parallel decoder, replicated encoder ------------------------------------------------------
+# --- (c) tensor-parallel decoder, replicated encoder
+# ------------------------------------------------------
 class TensorParallelMultimodal(nn.Module):
-    """``model`` with its decoder cut by notebook 04's ``apply_tensor_parallel`` on ``group`` (default WORLD)
-    and copies of its ``encoder`` and ``projector`` (replicated: same weights, same inputs on every rank)."""
+    """``model`` with its decoder cut by notebook 04's ``apply_tensor_parallel`` on ``group``
+    (default WORLD) and copies of its ``encoder`` and ``projector`` (replicated: same weights, same
+    inputs on every rank)."""
 
     def __init__(self, model: MultimodalModel, *, group=None):
         super().__init__()
         self.cfg = model.cfg
-        raise NotImplementedError("exercise TensorParallelMultimodal.__init__ is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+        raise NotImplementedError(
+            "exercise TensorParallelMultimodal.__init__ is not written yet: "
+            "see its docstring and notebooks/11_multimodal.ipynb"
+        )
 
     def forward(self, images, tokens, targets=None):
-        """images [B, 3, S, S], tokens [B, L] -> this rank's logits [B, L, V/tp]; with targets [B, L] also the
-        caption loss on every rank: notebook 04's ``VocabParallelCrossEntropy`` over the positions whose
-        target is not ``IGNORE`` ([N, V/tp] logits, N = B·C), on the decoder's group."""
-        raise NotImplementedError("exercise TensorParallelMultimodal.forward is not written yet: see its docstring and notebooks/11_multimodal.ipynb")
+        """images [B, 3, S, S], tokens [B, L] -> this rank's logits [B, L, V/tp]; with targets [B,
+        L] also the caption loss on every rank: notebook 04's ``VocabParallelCrossEntropy`` over the
+        positions whose target is not ``IGNORE`` ([N, V/tp] logits, N = B·C), on the decoder's
+        group."""
+        raise NotImplementedError(
+            "exercise TensorParallelMultimodal.forward is not written yet: "
+            "see its docstring and notebooks/11_multimodal.ipynb"
+        )

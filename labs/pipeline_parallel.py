@@ -1,6 +1,7 @@
 # Your exercise module, generated from solutions/pipeline_parallel.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
-"""Exercise 05 (notebooks/05_pipeline_parallel.ipynb): pipeline parallelism: stages, GPipe, 1F1B, interleaved.
+"""Exercise 05 (notebooks/05_pipeline_parallel.ipynb): pipeline parallelism: stages, GPipe, 1F1B,
+interleaved.
 
 What is split: the layers. Stage s of P holds a contiguous slice of ``layers``; the first also
 ``tok_emb``, the last ``norm``, ``lm_head`` and the loss. A rank holds only its stage's parameters,
@@ -52,16 +53,18 @@ NOTEBOOK = "05_pipeline_parallel.ipynb"
 @dataclass(frozen=True)
 class Pipe:
     """Where this rank sits in the pipeline; neighbours are cyclic (interleaving wraps around)."""
+
     group: object  # the pipeline's process group (None: WORLD)
-    rank: int      # position in the group = stage index (of chunk 0)
-    size: int      # P
-    prev: int      # global rank of position rank-1 (mod P)
-    next: int      # global rank of position rank+1 (mod P)
+    rank: int  # position in the group = stage index (of chunk 0)
+    size: int  # P
+    prev: int  # global rank of position rank-1 (mod P)
+    next: int  # global rank of position rank+1 (mod P)
     device: torch.device  # where received tensors live (the GPU under NCCL)
 
 
 def pipe_group(group=None) -> Pipe:
-    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's ring's."""
+    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's
+    ring's."""
     me, n, nxt, prv = exercise("collectives").ring_neighbours(group)
     return Pipe(group, me, n, prv, nxt, rank_device())
 
@@ -81,54 +84,92 @@ class StageModule(nn.Module):
     def forward(self, x):
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
         (last stage) or hidden states [b, T, H]; rotary tables as in the full model."""
-        raise NotImplementedError("exercise StageModule.forward is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise StageModule.forward is not written yet: "
+            "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+        )
 
 
 def build_stage(model: Transformer, *, plan, stage: int) -> StageModule:
     """Stage ``stage`` of ``plan``, the layers per stage in order (one entry per virtual stage when
     interleaving). Stage 0 is the first (it embeds), stage len(plan)-1 the last (head, loss)."""
     if sum(plan) != len(model.layers) or not 0 <= stage < len(plan):
-        raise ValueError(f"plan={tuple(plan)} must split all {len(model.layers)} layers and stage={stage} "
-                         f"must be in 0..{len(plan) - 1}")
+        raise ValueError(
+            f"plan={tuple(plan)} must split all {len(model.layers)} layers and stage={stage} "
+            f"must be in 0..{len(plan) - 1}"
+        )
     if model.cfg.tie_embeddings and len(plan) > 1:
-        raise ValueError("tie_embeddings=True puts one weight on the first and the last stage; untie it for PP")
-    raise NotImplementedError("exercise build_stage is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+        raise ValueError(
+            "tie_embeddings=True puts one weight on the first and the last stage; untie it for PP"
+        )
+    raise NotImplementedError(
+        "exercise build_stage is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
-def p2p(pipe: Pipe, *, send_next=None, send_prev=None, recv_prev=None, recv_next=None, dtype=torch.float32):
+def p2p(
+    pipe: Pipe,
+    *,
+    send_next=None,
+    send_prev=None,
+    recv_prev=None,
+    recv_next=None,
+    dtype=torch.float32,
+):
     """One batch of point-to-point operations with the neighbours (``dist.batch_isend_irecv``),
     waited for. ``send_next`` / ``send_prev``: tensors for the next / previous stage;
     ``recv_prev`` / ``recv_next``: shapes [b, T, H] to receive from them. Returns (from_prev,
     from_next), None where nothing was asked. A send and a receive posted in one batch cannot
     deadlock when both neighbours send at once (1F1B's steady state)."""
-    raise NotImplementedError("exercise p2p is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise p2p is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
 def _span(timeline, name: str, microbatch: int, chunk: int = 0):
     """A timeline span around one operation ("F" or "B"), or nothing when not measuring."""
-    return timeline.span(name, microbatch=microbatch, chunk=chunk) if timeline is not None else nullcontext()
+    return (
+        timeline.span(name, microbatch=microbatch, chunk=chunk)
+        if timeline is not None
+        else nullcontext()
+    )
 
 
-def forward_step(stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int):
+def forward_step(
+    stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int
+):
     """One micro-batch through ``stage``. ``inputs``: token ids [b, T] (first stage) or the received
     activation [b, T, H], made to require grad (backward fills its ``.grad``). Returns the output
     [b, T, H]; on the last stage the cross-entropy (fp32, mean over b·T) / ``n_microbatches``."""
-    raise NotImplementedError("exercise forward_step is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise forward_step is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
 def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None):
     """Backward of one micro-batch through one stage: ``output`` is what ``forward_step`` returned,
     ``output_grad`` the gradient from the next stage [b, T, H] (None for the loss). Accumulates
-    the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first stage)."""
-    raise NotImplementedError("exercise backward_step is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first
+    stage)."""
+    raise NotImplementedError(
+        "exercise backward_step is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
 @torch.no_grad()
 def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline=None):
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
     from the previous stage (the first embeds ``tokens`` [B, T]), run the stage (span "F", micro-
-    batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at a time."""
-    raise NotImplementedError("exercise naive_forward is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at
+    a time."""
+    raise NotImplementedError(
+        "exercise naive_forward is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
 def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=None) -> float | None:
@@ -137,7 +178,10 @@ def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
     backward in the same order: receive the output's gradient, ``backward_step`` (span "B"), send
     the input's gradient back. Returns the step's loss (sum of the scaled micro-batch losses) on
     the last stage, None elsewhere; gradients stay accumulated in ``.grad``."""
-    raise NotImplementedError("exercise train_step_afab is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise train_step_afab is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
 def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=None) -> float | None:
@@ -145,10 +189,15 @@ def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
     then one backward (a result's send and the next receive of the other direction in one ``p2p``
     batch); cool-down, the warm-up's backwards. Spans, return value and gradients as in
     :func:`train_step_afab`. Any M works, also M < P."""
-    raise NotImplementedError("exercise train_step_1f1b is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise train_step_1f1b is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
 
 
-def train_step_interleaved(chunks: list[StageModule], microbatches, *, pipe: Pipe, timeline=None) -> float | None:
+def train_step_interleaved(
+    chunks: list[StageModule], microbatches, *, pipe: Pipe, timeline=None
+) -> float | None:
     """Interleaved 1F1B (Megatron-LM's order): ``chunks[c]`` is virtual stage c·P + rank; the k-th
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
     ``interleaved_warmup(P, M, rank, V)`` forwards; steady state: forward k+warmup, backward k;
@@ -157,4 +206,7 @@ def train_step_interleaved(chunks: list[StageModule], microbatches, *, pipe: Pip
     receiving virtual stage): one neighbour sends activations and gradients of several chunks.
     Spans carry ``chunk=c``. Returns the loss where the last virtual stage is, else None."""
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
-    raise NotImplementedError("exercise train_step_interleaved is not written yet: see its docstring and notebooks/05_pipeline_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise train_step_interleaved is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )

@@ -49,26 +49,47 @@ from labs.runtime.impl import EXERCISES
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ".release.json"
 NOT_SHIPPED_DIRS = ("solutions", "hidden_tests", ".ci", "notebooks/src", "out", "labs/grading")
-INSTRUCTOR_TOOLS = ("labs/release.py", "labs/grade.py", "labs/stubs.py", "scripts/execute_notebooks.py",
-                    "scripts/nbbuild.py")
+INSTRUCTOR_TOOLS = (
+    "labs/release.py",
+    "labs/grade.py",
+    "labs/stubs.py",
+    "scripts/execute_notebooks.py",
+    "scripts/nbbuild.py",
+)
 # Tests that check the course itself rather than the learner's work, or need solutions/.
-INSTRUCTOR_TESTS = ("tests/test_stubs.py", "tests/test_release.py", "tests/test_grade.py", "tests/test_browser.py",
-                    "tests/test_run_cli.py")
-REWRITTEN = ("conftest.py", "tests/conftest.py", "scripts/test.sh", "scripts/course.sh", "README.md")
-USES_SOLUTIONS = re.compile(r"(^|\W)(import|from)\s+solutions\b|[\"']solutions[\"']|LABS_IMPL\W{0,4}solutions", re.M)
+INSTRUCTOR_TESTS = (
+    "tests/test_stubs.py",
+    "tests/test_release.py",
+    "tests/test_grade.py",
+    "tests/test_browser.py",
+    "tests/test_run_cli.py",
+)
+REWRITTEN = (
+    "conftest.py",
+    "tests/conftest.py",
+    "scripts/test.sh",
+    "scripts/course.sh",
+    "README.md",
+)
+USES_SOLUTIONS = re.compile(
+    r"(^|\W)(import|from)\s+solutions\b|[\"']solutions[\"']|LABS_IMPL\W{0,4}solutions", re.M
+)
 RELEASE_CONFTEST = '''"""Test settings of the student release: your code in labs/ runs (LABS_IMPL defaults to labs)."""
 
 import os
 
 os.environ.setdefault("LABS_IMPL", "labs")
 '''
-README_BANNER = ("> **Student release.** The reference solutions are not included: every exercise module in `labs/` "
-                 "is yours to write, and the tests and notebooks run your code (`LABS_IMPL=labs`, the default). "
-                 "`bash scripts/test.sh` runs the public tests.\n\n")
+README_BANNER = (
+    "> **Student release.** The reference solutions are not included: every exercise module in `labs/` "
+    "is yours to write, and the tests and notebooks run your code (`LABS_IMPL=labs`, the default). "
+    "`bash scripts/test.sh` runs the public tests.\n\n"
+)
 
 
 def exercise_names() -> list[str]:
-    """The exercises this course has: a solution module ``solutions/<name>.py`` for a name in ``EXERCISES``."""
+    """The exercises this course has: a solution module ``solutions/<name>.py`` for a name in
+    ``EXERCISES``."""
     return [name for name in EXERCISES if (ROOT / "solutions" / f"{name}.py").exists()]
 
 
@@ -78,9 +99,9 @@ def exercise_notebook(name: str) -> str | None:
 
 
 def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
-    """The exercise a test file belongs to, by name: ``test_<exercise>.py`` or ``test_<exercise>_<more>.py``
-    (``test_<exercise>_hidden.py`` in hidden tests). The longest matching name wins (``tensor_parallel``
-    before a shorter one that prefixes it)."""
+    """The exercise a test file belongs to, by name: ``test_<exercise>.py`` or
+    ``test_<exercise>_<more>.py`` (``test_<exercise>_hidden.py`` in hidden tests). The longest
+    matching name wins (``tensor_parallel`` before a shorter one that prefixes it)."""
     for name in sorted(exercises, key=len, reverse=True):
         if path.stem == f"test_{name}" or path.stem.startswith(f"test_{name}_"):
             return name
@@ -88,20 +109,35 @@ def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
 
 
 def source_files() -> list[str]:
-    """Repository files as git sees them (tracked and untracked, .gitignore applied), relative paths."""
+    """Repository files as git sees them (tracked and untracked, .gitignore applied), relative
+    paths."""
     try:
-        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         names = [n for n in out.split("\0") if n]
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk, skipping the usual build outputs
+    except (
+        OSError,
+        subprocess.CalledProcessError,
+    ):  # not a git checkout: walk, skipping the usual build outputs
         skip = {".git", ".venv", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", "build"}
-        names = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
-                 if p.is_file() and not skip & set(p.relative_to(ROOT).parts) and not p.name.endswith(".pyc")]
+        names = [
+            p.relative_to(ROOT).as_posix()
+            for p in ROOT.rglob("*")
+            if p.is_file()
+            and not skip & set(p.relative_to(ROOT).parts)
+            and not p.name.endswith(".pyc")
+        ]
     return sorted(n for n in set(names) if (ROOT / n).is_file() and not (ROOT / n).is_symlink())
 
 
 def is_public_test(rel: str, text: str, exercises: list[str]) -> bool:
-    """A test file ships when it is a lab's test file, or a runtime test that does not need solutions/."""
+    """A test file ships when it is a lab's test file, or a runtime test that does not need
+    solutions/."""
     if rel in INSTRUCTOR_TESTS:
         return False
     name = Path(rel).name
@@ -111,7 +147,8 @@ def is_public_test(rel: str, text: str, exercises: list[str]) -> bool:
 
 
 def clear_notebook(text: str) -> str:
-    """A notebook as a learner should first see it: no outputs, no execution counts, no widget state."""
+    """A notebook as a learner should first see it: no outputs, no execution counts, no widget
+    state."""
     nb = nbformat.reads(text, as_version=4)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
@@ -122,11 +159,14 @@ def clear_notebook(text: str) -> str:
 
 
 def learner_test_script(text: str) -> str:
-    """scripts/test.sh for the release: the learner's code by default, never the (absent) solutions."""
+    """scripts/test.sh for the release: the learner's code by default, never the (absent)
+    solutions."""
     new = text.replace("LABS_IMPL=solutions", 'LABS_IMPL="${LABS_IMPL:-labs}"')
     new = re.sub(r"against the reference\s+solutions", "against your code in labs/", new)
     if new == text:
-        raise ValueError("scripts/test.sh no longer sets LABS_IMPL=solutions; update labs.release.learner_test_script")
+        raise ValueError(
+            "scripts/test.sh no longer sets LABS_IMPL=solutions; update labs.release.learner_test_script"
+        )
     return new
 
 
@@ -136,11 +176,17 @@ def _transform(rel: str, text: str) -> str:
     if rel == "conftest.py":
         return RELEASE_CONFTEST
     if rel == "tests/conftest.py":  # its docstring describes the instructor's root conftest
-        return text.replace("../conftest.py selects solutions", "../conftest.py selects your code in labs/")
+        return text.replace(
+            "../conftest.py selects solutions", "../conftest.py selects your code in labs/"
+        )
     if rel == "scripts/test.sh":
         return learner_test_script(text)
-    if rel == "scripts/course.sh":  # its hint about running the solutions does not apply without them
-        return "".join(line for line in text.splitlines(keepends=True) if "LABS_IMPL=solutions" not in line)
+    if (
+        rel == "scripts/course.sh"
+    ):  # its hint about running the solutions does not apply without them
+        return "".join(
+            line for line in text.splitlines(keepends=True) if "LABS_IMPL=solutions" not in line
+        )
     if rel == "README.md":
         lines = text.split("\n", 2)  # keep the title first
         return "\n".join(lines[:2]) + "\n" + README_BANNER + (lines[2] if len(lines) > 2 else "")
@@ -148,7 +194,8 @@ def _transform(rel: str, text: str) -> str:
 
 
 def release_plan() -> dict[str, str | Path]:
-    """Release path -> its text (a transformed or generated file) or the source Path to copy as is."""
+    """Release path -> its text (a transformed or generated file) or the source Path to copy as
+    is."""
     exercises = exercise_names()
     stub_names = {f"labs/{name}.py" for name in EXERCISES}
     plan: dict[str, str | Path] = {}
@@ -161,7 +208,11 @@ def release_plan() -> dict[str, str | Path]:
             plan[rel] = path  # copied as is
             continue
         text = path.read_text()
-        if rel.startswith("tests/") and rel.endswith(".py") and not is_public_test(rel, text, exercises):
+        if (
+            rel.startswith("tests/")
+            and rel.endswith(".py")
+            and not is_public_test(rel, text, exercises)
+        ):
             continue
         if rel.startswith("scripts/") and rel not in REWRITTEN and USES_SOLUTIONS.search(text):
             continue  # an instructor's script (it selects the solutions)
@@ -181,19 +232,27 @@ def generated_stub(name: str) -> str:
 
 def _commit(root: Path) -> dict:
     def git(*args):
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+
     try:
-        return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+        return {
+            "commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain")),
+        }
     except OSError:
         return {"commit": None, "dirty": None}
 
 
 def build_release(out: Path, force: bool = False) -> dict:
-    """Write the student release into the empty or missing folder ``out`` (``force``: replace what is there);
-    returns its manifest."""
+    """Write the student release into the empty or missing folder ``out`` (``force``: replace what
+    is there); returns its manifest."""
     out = Path(out).resolve()
     if ROOT.is_relative_to(out):
-        raise ValueError(f"OUT_DIR={out} would contain the course itself; choose a folder outside {ROOT}")
+        raise ValueError(
+            f"OUT_DIR={out} would contain the course itself; choose a folder outside {ROOT}"
+        )
     if force and out.exists():
         shutil.rmtree(out)
     if out.exists() and any(out.iterdir()):
@@ -207,17 +266,21 @@ def build_release(out: Path, force: bool = False) -> dict:
         else:
             target.write_text(content)
     exercises = exercise_names()
-    manifest = {"course": "LLM Parallelism Labs (student release)", **_commit(ROOT),
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "exercises": {name: exercise_notebook(name) for name in exercises},
-                "notebooks": sorted(r for r in plan if r.startswith("notebooks/") and r.endswith(".ipynb")),
-                "public_tests": sorted(r for r in plan if r.startswith("tests/test_"))}
+    manifest = {
+        "course": "LLM Parallelism Labs (student release)",
+        **_commit(ROOT),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "exercises": {name: exercise_notebook(name) for name in exercises},
+        "notebooks": sorted(r for r in plan if r.startswith("notebooks/") and r.endswith(".ipynb")),
+        "public_tests": sorted(r for r in plan if r.startswith("tests/test_")),
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
 def check_release(path: Path) -> list[str]:
-    """Problems with the release at ``path`` (empty when it follows every rule in the module docstring)."""
+    """Problems with the release at ``path`` (empty when it follows every rule in the module
+    docstring)."""
     path, problems = Path(path), []
     for d in NOT_SHIPPED_DIRS:
         if (path / d).exists():
@@ -232,7 +295,9 @@ def check_release(path: Path) -> list[str]:
             problems.append(f"labs/{name}.py is not the generated stub")
     for nb_path in sorted((path / "notebooks").glob("*.ipynb")):
         nb = nbformat.read(nb_path, as_version=4)
-        if "widgets" in nb.metadata or any(c.get("outputs") or c.get("execution_count") for c in nb.cells):
+        if "widgets" in nb.metadata or any(
+            c.get("outputs") or c.get("execution_count") for c in nb.cells
+        ):
             problems.append(f"notebooks/{nb_path.name} has outputs or widget state")
     for f in [path / "conftest.py", *sorted((path / "scripts").glob("*"))]:
         if f.is_file() and USES_SOLUTIONS.search(f.read_text()):
@@ -240,13 +305,19 @@ def check_release(path: Path) -> list[str]:
     for f in sorted((path / "tests").glob("test_*.py")):
         for lineno, line in enumerate(f.read_text().splitlines(), 1):
             if USES_SOLUTIONS.search(line):
-                problems.append(f"tests/{f.name}:{lineno} uses the solutions, absent from the release")
+                problems.append(
+                    f"tests/{f.name}:{lineno} uses the solutions, absent from the release"
+                )
     return problems
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labs.release", description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, metavar="OUT_DIR", help="folder to write (must be empty or missing)")
+    parser = argparse.ArgumentParser(
+        prog="python -m labs.release", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "out", type=Path, metavar="OUT_DIR", help="folder to write (must be empty or missing)"
+    )
     parser.add_argument("--archive", action="store_true", help="also write OUT_DIR.zip")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
@@ -258,8 +329,10 @@ def main(argv=None) -> int:
     problems = check_release(out)
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
-    print(f"wrote {out}: {len(manifest['exercises'])} exercise stubs, {len(manifest['notebooks'])} notebooks, "
-          f"{len(manifest['public_tests'])} public test files")
+    print(
+        f"wrote {out}: {len(manifest['exercises'])} exercise stubs, {len(manifest['notebooks'])} notebooks, "
+        f"{len(manifest['public_tests'])} public test files"
+    )
     if args.archive:
         archive = shutil.make_archive(str(out), "zip", root_dir=out.parent, base_dir=out.name)
         print(f"wrote {archive}")

@@ -21,31 +21,43 @@ import sys
 
 # Lab name -> experiment module. Each module has run(**options) and add_arguments(parser).
 LABS = {
-    "collectives": "labs.experiments.collectives",   # notebook 00
-    "memory": "labs.experiments.memory",             # notebook 01
-    "ddp": "labs.experiments.ddp",                   # notebook 02
-    "zero": "labs.experiments.zero",                 # notebook 03
-    "tp": "labs.experiments.tp",                     # notebook 04
-    "pp": "labs.experiments.pp",                     # notebook 05
-    "cp": "labs.experiments.cp",                     # notebook 06
-    "moe": "labs.experiments.moe",                   # notebook 07
-    "mesh": "labs.experiments.mesh",                 # notebook 08
-    "infer": "labs.experiments.infer",               # notebook 09
-    "multimodal": "labs.experiments.multimodal",     # notebook 11
+    "collectives": "labs.experiments.collectives",  # notebook 00
+    "memory": "labs.experiments.memory",  # notebook 01
+    "ddp": "labs.experiments.ddp",  # notebook 02
+    "zero": "labs.experiments.zero",  # notebook 03
+    "tp": "labs.experiments.tp",  # notebook 04
+    "pp": "labs.experiments.pp",  # notebook 05
+    "cp": "labs.experiments.cp",  # notebook 06
+    "moe": "labs.experiments.moe",  # notebook 07
+    "mesh": "labs.experiments.mesh",  # notebook 08
+    "infer": "labs.experiments.infer",  # notebook 09
+    "multimodal": "labs.experiments.multimodal",  # notebook 11
 }
 
 
 def build_parser(lab: str | None, module=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labs.run", description="Run a lab and print its summary.")
+    parser = argparse.ArgumentParser(
+        prog="python -m labs.run", description="Run a lab and print its summary."
+    )
     parser.add_argument("lab", choices=sorted(LABS), help="which lab")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: WORLD_SIZE under torchrun, else 4)")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default: WORLD_SIZE under torchrun, else 4)"
+    )
     parser.add_argument("--steps", type=int, default=5, help="training steps (or repetitions)")
-    parser.add_argument("--impl", choices=("solutions", "labs"), default=None,
-                        help="whose exercise code runs (default: the LABS_IMPL switch, else labs)")
+    parser.add_argument(
+        "--impl",
+        choices=("solutions", "labs"),
+        default=None,
+        help="whose exercise code runs (default: the LABS_IMPL switch, else labs)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--vs-torch", action="store_true", help="also time PyTorch's own implementation")
+    parser.add_argument(
+        "--vs-torch", action="store_true", help="also time PyTorch's own implementation"
+    )
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is stopped")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before the run is stopped"
+    )
     if module is not None and hasattr(module, "add_arguments"):
         module.add_arguments(parser.add_argument_group(f"{lab} options"))
     return parser
@@ -66,10 +78,10 @@ def main(argv=None) -> int:
         return 2
     args = build_parser(lab, module).parse_args(argv)
 
-    from labs.runtime.impl import set_implementation
-    from labs.runtime.errors import RankError
-    from labs.runtime.launcher import under_torchrun
     from labs.experiments.common import format_summary, to_json
+    from labs.runtime.errors import RankError
+    from labs.runtime.impl import set_implementation
+    from labs.runtime.launcher import under_torchrun
 
     if args.impl:
         set_implementation(args.impl)  # ranks inherit the environment

@@ -22,6 +22,7 @@ import argparse
 import ast
 import difflib
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,8 +31,10 @@ SOLUTIONS = ROOT / "solutions"
 LABS = ROOT / "labs"
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
-HEADER = ("# Your exercise module, generated from solutions/{name} by `python -m labs.stubs`.\n"
-          "# Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.\n")
+HEADER = (
+    "# Your exercise module, generated from solutions/{name} by `python -m labs.stubs`.\n"
+    "# Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.\n"
+)
 
 
 def _enclosing_functions(source: str) -> dict[int, str]:
@@ -79,8 +82,12 @@ def make_stub(source: str, name: str) -> str:
             function = owners.get(lineno)
             if function is None:
                 raise ValueError(f"solutions/{name}:{lineno}: {BEGIN} outside a function")
-            out.append(f'{indent}raise NotImplementedError("exercise {function} is not written yet: '
-                       f'see its docstring and {notebook}")\n')
+            out.append(
+                f"{indent}raise NotImplementedError(\n"
+                f'{indent}    "exercise {function} is not written yet: "\n'
+                f'{indent}    "see its docstring and {notebook}"\n'
+                f"{indent})\n"
+            )
         elif stripped == END:
             if not inside:
                 raise ValueError(f"solutions/{name}:{lineno}: {END} without {BEGIN}")
@@ -89,20 +96,47 @@ def make_stub(source: str, name: str) -> str:
             out.append(line)
     if inside:
         raise ValueError(f"solutions/{name}: {BEGIN} is never closed")
-    return "".join(out)
+    return ruff_format("".join(out), LABS / name)
+
+
+def ruff_format(source: str, path: Path) -> str:
+    """``source`` as ``ruff format`` (the repository's settings) writes it at ``path``.
+
+    A stub's ``raise`` line can be longer than the solution block it replaces, so the stub is
+    formatted like any other module: the drift check and ``ruff format --check`` then agree.
+    """
+    from ruff.__main__ import find_ruff_bin
+
+    proc = subprocess.run(
+        [find_ruff_bin(), "format", "--stdin-filename", str(path), "-"],
+        input=source,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"ruff could not format the stub {path.name}:\n{proc.stderr}")
+    return proc.stdout
 
 
 def expected_stubs(names: list[str] | None = None) -> dict[Path, str]:
-    """labs/<name>.py -> generated text, for the exercise modules in solutions/ (all, or ``names``)."""
+    """labs/<name>.py -> generated text, for the exercise modules in solutions/ (all, or
+    ``names``)."""
     paths = [SOLUTIONS / f"{n}.py" for n in names] if names else sorted(SOLUTIONS.glob("*.py"))
     for path in paths:
         if not path.exists():
             raise SystemExit(f"no exercise solutions/{path.name}")
-    return {LABS / path.name: make_stub(path.read_text(), path.name) for path in paths if path.name != "__init__.py"}
+    return {
+        LABS / path.name: make_stub(path.read_text(), path.name)
+        for path in paths
+        if path.name != "__init__.py"
+    }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labs.stubs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m labs.stubs", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("names", nargs="*", help="exercise modules to generate (default: all)")
     parser.add_argument("--check", action="store_true", help="report drift instead of writing")
     args = parser.parse_args(argv)
@@ -113,13 +147,18 @@ def main(argv=None) -> int:
             continue
         if args.check:
             drift += 1
-            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), str(path), "generated", lineterm="", n=1)
+            diff = difflib.unified_diff(
+                current.splitlines(), text.splitlines(), str(path), "generated", lineterm="", n=1
+            )
             print("\n".join(list(diff)[:40]))
         else:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
     if args.check and drift:
-        print(f"{drift} learner module(s) differ from solutions/; run `python -m labs.stubs`", file=sys.stderr)
+        print(
+            f"{drift} learner module(s) differ from solutions/; run `python -m labs.stubs`",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

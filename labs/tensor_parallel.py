@@ -1,13 +1,15 @@
 # Your exercise module, generated from solutions/tensor_parallel.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
-"""Exercise 04 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism, Megatron style.
+"""Exercise 04 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism, Megatron
+style.
 
 Sharded over the N = tp ranks of ``group`` (rank r holds the r-th contiguous block):
     q/k/v_proj, gate/up_proj, lm_head   column-parallel, output features [out/tp, in]: nh/tp, nkv/tp heads per rank
     o_proj, down_proj                   row-parallel, input features [out, in/tp]
     tok_emb                             vocab-parallel, rows [V/tp, H]          (RMSNorm weights: replicated [H])
 
-Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022, §4.2.2):
+Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022,
+§4.2.2):
     f   CopyToModelParallelRegion              fwd identity           bwd all-reduce          enter attention/MLP
     g   ReduceFromModelParallelRegion          fwd all-reduce         bwd identity            leave them
         GatherFromModelParallelRegion          fwd all-gather(last)   bwd split(last)
@@ -15,9 +17,10 @@ Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti
     SP  GatherFromSequenceParallelRegion       fwd all-gather(T)      bwd reduce-scatter(T)   replaces f
     SP  ReduceScatterToSequenceParallelRegion  fwd reduce-scatter(T)  bwd all-gather(T)       replaces g
 
-Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective: ``labs.theory.tensor_parallel``): per
-block 4·c·K, as 2 all-reduces each way or, with SP, 2 all-gathers + 2 reduce-scatters each way, plus c·H·bytes per
-norm weight; outside the blocks tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
+Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective:
+``labs.theory.tensor_parallel``): per block 4·c·K, as 2 all-reduces each way or, with SP, 2
+all-gathers + 2 reduce-scatters each way, plus c·H·bytes per norm weight; outside the blocks
+tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
 """
 
 import copy
@@ -30,7 +33,13 @@ import torch.nn.functional as F
 
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import Block, ModelConfig, RMSNorm, Transformer
-from labs.runtime.tensor_comm import all_gather_along, all_reduce_copy, reduce_scatter_along, shard_weight, split_along
+from labs.runtime.tensor_comm import (
+    all_gather_along,
+    all_reduce_copy,
+    reduce_scatter_along,
+    shard_weight,
+    split_along,
+)
 from labs.theory.dims import ParallelDims, check_divides
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
@@ -40,6 +49,7 @@ SEQ_DIM = 1  # activations are [B, T, H]: T is dim 1
 # --- the conjugate operators. Exercise: each forward is given; write the backward, its adjoint ---
 class CopyToModelParallelRegion(torch.autograd.Function):
     """fwd: identity; bwd: all-reduce. Megatron's f: a replicated activation enters a TP region."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -47,22 +57,30 @@ class CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise CopyToModelParallelRegion.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise CopyToModelParallelRegion.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class ReduceFromModelParallelRegion(torch.autograd.Function):
     """fwd: all-reduce; bwd: identity. Megatron's g: partial sums leave a TP region."""
+
     @staticmethod
     def forward(ctx, x, group):
         return all_reduce_copy(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise ReduceFromModelParallelRegion.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise ReduceFromModelParallelRegion.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class GatherFromModelParallelRegion(torch.autograd.Function):
     """fwd: all-gather along the last dim; bwd: keep this rank's slice of the last dim."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -70,11 +88,15 @@ class GatherFromModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise GatherFromModelParallelRegion.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise GatherFromModelParallelRegion.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class ScatterToModelParallelRegion(torch.autograd.Function):
     """fwd: keep this rank's slice of the last dim; bwd: all-gather along the last dim."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -82,11 +104,15 @@ class ScatterToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise ScatterToModelParallelRegion.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise ScatterToModelParallelRegion.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """fwd: all-gather along T, [B, T/tp, H] -> [B, T, H]; bwd: reduce-scatter along T. SP's f."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -94,11 +120,16 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise GatherFromSequenceParallelRegion.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise GatherFromSequenceParallelRegion.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """fwd: reduce-scatter along T, partial sums [B, T, H] -> [B, T/tp, H]; bwd: all-gather along T. SP's g."""
+    """fwd: reduce-scatter along T, partial sums [B, T, H] -> [B, T/tp, H]; bwd: all-gather along T.
+    SP's g."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -106,40 +137,65 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise ReduceScatterToSequenceParallelRegion.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise ReduceScatterToSequenceParallelRegion.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 def enter_parallel_region(x, group, sequence_parallel: bool):
-    """A replicated activation enters a TP region: f, or with SP the all-gather [B, T/tp, H] -> [B, T, H]."""
-    raise NotImplementedError("exercise enter_parallel_region is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+    """A replicated activation enters a TP region: f, or with SP the all-gather [B, T/tp, H] -> [B,
+    T, H]."""
+    raise NotImplementedError(
+        "exercise enter_parallel_region is not written yet: "
+        "see its docstring and notebooks/04_tensor_parallel.ipynb"
+    )
 
 
 def exit_parallel_region(x, group, sequence_parallel: bool):
-    """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter -> [B, T/tp, H]."""
-    raise NotImplementedError("exercise exit_parallel_region is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+    """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter ->
+    [B, T/tp, H]."""
+    raise NotImplementedError(
+        "exercise exit_parallel_region is not written yet: "
+        "see its docstring and notebooks/04_tensor_parallel.ipynb"
+    )
 
 
-# --- layers, each cut from the full layer of the original model (``shard_weight``) ------------------
+# --- layers, each cut from the full layer of the original model (``shard_weight``)
+# ------------------
 class ColumnParallelLinear(nn.Module):
-    """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes X A_r.
+    """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes
+    X A_r.
         X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}:  Y_r [B, T, out/tp]   (gather_output: [B, T, out])
-    ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False when the
-    caller entered it once for several linears reading the same input (q, k, v)."""
+    ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False
+    when the caller entered it once for several linears reading the same input (q, k, v)."""
 
-    def __init__(self, full: nn.Linear, *, group, gather_output=False, sequence_parallel=False, copy_input=True):
+    def __init__(
+        self,
+        full: nn.Linear,
+        *,
+        group,
+        gather_output=False,
+        sequence_parallel=False,
+        copy_input=True,
+    ):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gather_output, self.copy_input = gather_output, copy_input
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
     def forward(self, x):
-        raise NotImplementedError("exercise ColumnParallelLinear.forward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise ColumnParallelLinear.forward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives split.
+    """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives
+    split.
 
-        X_0 | X_1 | ... [B, T, in/tp]   Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]  (SP: [B, T/tp, out])"""
+    X_0 | X_1 | ... [B, T, in/tp]   Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]  (SP: [B, T/tp, out])"""
 
     def __init__(self, full: nn.Linear, *, group, sequence_parallel=False):
         super().__init__()
@@ -147,12 +203,16 @@ class RowParallelLinear(nn.Module):
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
     def forward(self, x):
-        raise NotImplementedError("exercise RowParallelLinear.forward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise RowParallelLinear.forward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token table split by vocabulary rows: rank r holds ids [r V/tp, (r+1) V/tp). forward(idx [B, T]):
-    its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP: [B, T/tp, H])."""
+    """The token table split by vocabulary rows: rank r holds ids [r V/tp, (r+1) V/tp). forward(idx
+    [B, T]): its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP:
+    [B, T/tp, H])."""
 
     def __init__(self, full: nn.Embedding, *, group, sequence_parallel=False):
         super().__init__()
@@ -160,42 +220,67 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
     def forward(self, idx):
-        raise NotImplementedError("exercise VocabParallelEmbedding.forward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise VocabParallelEmbedding.forward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) from 2 all-reduces (max, N numbers; sum of
-    exp and target logit, 2N), on every rank. bwd: (softmax - one_hot) / N on the local slice. Saves [N, V/tp]."""
+    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) from 2 all-reduces (max, N
+    numbers; sum of exp and target logit, 2N), on every rank. bwd: (softmax - one_hot) / N on the
+    local slice. Saves [N, V/tp]."""
+
     @staticmethod
     def forward(ctx, logits, targets, group):
-        raise NotImplementedError("exercise VocabParallelCrossEntropy.forward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise VocabParallelCrossEntropy.forward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("exercise VocabParallelCrossEntropy.backward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise VocabParallelCrossEntropy.backward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> RMSNorm:
-    """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an all-reduce on it."""
-    raise NotImplementedError("exercise sequence_parallel_norm is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+    """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an
+    all-reduce on it."""
+    raise NotImplementedError(
+        "exercise sequence_parallel_norm is not written yet: "
+        "see its docstring and notebooks/04_tensor_parallel.ipynb"
+    )
 
 
 class ParallelBlock(Block):
-    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms, residual adds (and
-    dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once each, outputs back in x's shape."""
+    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms,
+    residual adds (and dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once
+    each, outputs back in x's shape."""
 
     def __init__(self, full: Block, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = full.attn_norm, full.attn, full.mlp_norm, full.mlp
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = (
+            full.attn_norm,
+            full.attn,
+            full.mlp_norm,
+            full.mlp,
+        )
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x, cos, sin):
-        raise NotImplementedError("exercise ParallelBlock.forward is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+        raise NotImplementedError(
+            "exercise ParallelBlock.forward is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
 
 
 class TensorParallelTransformer(Transformer):
     """The course model, tensor-parallel: the same parameter names, each rank holding its shards;
-    ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by ``apply_tensor_parallel``."""
+    ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by
+    ``apply_tensor_parallel``."""
 
     def __init__(self, cfg: ModelConfig, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
@@ -203,26 +288,46 @@ class TensorParallelTransformer(Transformer):
         self.layers = nn.ModuleList()
 
     def forward(self, idx, targets=None, positions=None):
-        """idx [B, T] -> this rank's logits [B, T, V/tp]; with targets also the mean cross-entropy (every rank)."""
+        """idx [B, T] -> this rank's logits [B, T, V/tp]; with targets also the mean cross-entropy
+        (every rank)."""
         if self.sequence_parallel:
             check_divides(idx.shape[1], "sequence length T", dist.get_world_size(self.group), "tp")
-        logits = super().forward(idx, positions=positions)  # [B, T, V/tp]: the vocabulary stays split
+        logits = super().forward(
+            idx, positions=positions
+        )  # [B, T, V/tp]: the vocabulary stays split
         if targets is None:
             return logits  # the loss never gathers them either: ``VocabParallelCrossEntropy``
-        return logits, VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.group)
+        return logits, VocabParallelCrossEntropy.apply(
+            logits.float().flatten(0, 1), targets.flatten(), self.group
+        )
 
 
-def apply_tensor_parallel(model: nn.Module, *, group=None, sequence_parallel=False) -> TensorParallelTransformer:
-    """The tensor-parallel version of ``model`` (the course ``Transformer`` or a ``transformers`` ``LlamaForCausalLM``,
-    left unchanged) on ``group`` (default WORLD), every weight cut from the original's. The plan: ``tok_emb``
-    vocab-parallel; per ``ParallelBlock`` q/k/v, gate/up column-parallel (``copy_input=False``), o/down row-parallel,
-    ``sequence_parallel_norm`` norms, head counts / tp (rank r: query heads [r nh/tp, (r+1) nh/tp), kv heads
-    [r nkv/tp, ...), which SDPA's ``enable_gqa`` pairs right: query head j uses kv head j // (nh/nkv)); ``lm_head``
-    column-parallel, output split over V. ValueError (before any collective) unless tp divides nh, nkv, H, F, V."""
+def apply_tensor_parallel(
+    model: nn.Module, *, group=None, sequence_parallel=False
+) -> TensorParallelTransformer:
+    """The tensor-parallel version of ``model`` (the course ``Transformer`` or a ``transformers``
+    ``LlamaForCausalLM``, left unchanged) on ``group`` (default WORLD), every weight cut from the
+    original's. The plan: ``tok_emb`` vocab-parallel; per ``ParallelBlock`` q/k/v, gate/up
+    column-parallel (``copy_input=False``), o/down row-parallel, ``sequence_parallel_norm`` norms,
+    head counts / tp (rank r: query heads [r nh/tp, (r+1) nh/tp), kv heads [r nkv/tp, ...), which
+    SDPA's ``enable_gqa`` pairs right: query head j uses kv head j // (nh/nkv)); ``lm_head``
+    column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
+    nkv, H, F, V."""
     group = group if group is not None else dist.group.WORLD
-    full, tp = copy.deepcopy(course_model_from(model)), dist.get_world_size(group)  # HF names -> course's
+    full, tp = (
+        copy.deepcopy(course_model_from(model)),
+        dist.get_world_size(group),
+    )  # HF names -> course's
     cfg = full.cfg
-    ParallelDims(tp=tp).check_model(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
-                                    ffn_hidden=cfg.ffn_hidden, vocab_size=cfg.vocab_size)
+    ParallelDims(tp=tp).check_model(
+        n_head=cfg.n_head,
+        n_kv_head=cfg.n_kv_head,
+        n_embd=cfg.n_embd,
+        ffn_hidden=cfg.ffn_hidden,
+        vocab_size=cfg.vocab_size,
+    )
     kw = dict(group=group, sequence_parallel=sequence_parallel)
-    raise NotImplementedError("exercise apply_tensor_parallel is not written yet: see its docstring and notebooks/04_tensor_parallel.ipynb")
+    raise NotImplementedError(
+        "exercise apply_tensor_parallel is not written yet: "
+        "see its docstring and notebooks/04_tensor_parallel.ipynb"
+    )

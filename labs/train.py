@@ -35,13 +35,13 @@ TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, t
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 5
-    batch_size: int = 8             # global batch: sequences per optimizer step, all ranks together
+    batch_size: int = 8  # global batch: sequences per optimizer step, all ranks together
     seq_len: int = 32
     lr: float = 3e-3
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
-    seed: int = 0                   # model initialisation
-    data_seed: int = 0              # order of the data
+    seed: int = 0  # model initialisation
+    data_seed: int = 0  # order of the data
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):
@@ -53,38 +53,56 @@ class TrainConfig:
     def per_rank_batch(self, dp: int) -> int:
         """Sequences per rank per step when ``dp`` data-parallel ranks share the global batch."""
         if self.batch_size % dp:
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by the data-parallel degree {dp};"
-                             f" use a batch_size that is a multiple of {dp}")
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by the data-parallel degree {dp};"
+                f" use a batch_size that is a multiple of {dp}"
+            )
         return self.batch_size // dp
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW as every lab uses it. ``foreach=False``: the plain per-parameter loop, which
     works on any mix of tensors (DTensor included) and gives the same numbers everywhere."""
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False
+    )
 
 
 def data_for(cfg: TrainConfig, dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch of every step, laid out as ``dp`` data-parallel ranks would load it."""
-    return global_batches(steps=cfg.steps, batch_size=cfg.per_rank_batch(dp), seq_len=cfg.seq_len,
-                          world_size=dp, seed=cfg.data_seed)
+    return global_batches(
+        steps=cfg.steps,
+        batch_size=cfg.per_rank_batch(dp),
+        seq_len=cfg.seq_len,
+        world_size=dp,
+        seed=cfg.data_seed,
+    )
 
 
 @dataclass
 class ReferenceResult:
     losses: list[float]
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)   # after step 1's backward
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # after step 1's backward
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
 
 
-def train_reference(model_cfg: ModelConfig, cfg: TrainConfig, *, dp: int = 1, model: torch.nn.Module | None = None,
-                    batches: list[tuple] | None = None, return_grads: bool = False) -> ReferenceResult:
+def train_reference(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    *,
+    dp: int = 1,
+    model: torch.nn.Module | None = None,
+    batches: list[tuple] | None = None,
+    return_grads: bool = False,
+) -> ReferenceResult:
     """Train single-process for ``cfg.steps`` steps; the global batches are laid out as ``dp``
     ranks would load them (same samples for any ``dp``, in rank order). ``model`` overrides
     the course model (it must return ``(logits, loss)`` given a batch, ``(x, y)`` unless
     ``batches`` gives others)."""
     with one_thread():  # as the ranks run: same arithmetic, and no thread contention with them
-        return _train_reference(model_cfg, cfg, dp=dp, model=model, batches=batches, return_grads=return_grads)
+        return _train_reference(
+            model_cfg, cfg, dp=dp, model=model, batches=batches, return_grads=return_grads
+        )
 
 
 def _train_reference(model_cfg, cfg, *, dp, model, batches, return_grads) -> ReferenceResult:
@@ -96,7 +114,11 @@ def _train_reference(model_cfg, cfg, *, dp, model, batches, return_grads) -> Ref
         _, loss = model(*batch)
         loss.backward()
         if step == 0 and return_grads:
-            result.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            result.grads = {
+                n: p.grad.detach().clone()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
@@ -115,11 +137,21 @@ def compare_losses(losses: list[float], reference: list[float]) -> dict:
     if len(losses) != len(reference):
         raise ValueError(f"{len(losses)} losses vs {len(reference)} reference losses")
     diffs = [abs(a - b) for a, b in zip(losses, reference)]
-    return {"max_abs_loss_diff": max(diffs), "max_rel_loss_diff": max(d / abs(b) for d, b in zip(diffs, reference))}
+    return {
+        "max_abs_loss_diff": max(diffs),
+        "max_rel_loss_diff": max(d / abs(b) for d, b in zip(diffs, reference)),
+    }
 
 
-def assert_close_tensors(actual: dict, expected: dict, *, dtype=torch.float32, what: str = "parameter",
-                         step: int | None = None, rank: int | None = None) -> float:
+def assert_close_tensors(
+    actual: dict,
+    expected: dict,
+    *,
+    dtype=torch.float32,
+    what: str = "parameter",
+    step: int | None = None,
+    rank: int | None = None,
+) -> float:
     """Every tensor in ``expected`` matched by name in ``actual`` within ``TOLERANCES[dtype]``
     (relative to the reference tensor's largest magnitude). Raises naming step, rank,
     tensor and the difference. Returns the largest relative difference found."""
@@ -131,10 +163,19 @@ def assert_close_tensors(actual: dict, expected: dict, *, dtype=torch.float32, w
     for name, ref in expected.items():
         got = actual[name]
         if got.shape != ref.shape:
-            raise AssertionError(f"{what} {name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
+            raise AssertionError(
+                f"{what} {name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+            )
         rel = max_rel_diff(got.double(), ref.double())
         worst = max(worst, rel)
         if rel > tol:
-            where = "".join([f" at step {step}" if step is not None else "", f" on rank {rank}" if rank is not None else ""])
-            raise AssertionError(f"{what} {name}{where}: max relative difference {rel:.3e} > tolerance {tol:g}")
+            where = "".join(
+                [
+                    f" at step {step}" if step is not None else "",
+                    f" on rank {rank}" if rank is not None else "",
+                ]
+            )
+            raise AssertionError(
+                f"{what} {name}{where}: max relative difference {rel:.3e} > tolerance {tol:g}"
+            )
     return worst

@@ -47,13 +47,15 @@ NOTEBOOK = "03_zero_and_fsdp.ipynb"
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    stage: int = 3          # 1: optimizer state sharded; 2: + gradients; 3: + parameters
-    offload: bool = False   # AdamW and its state on the host (ZeRO-Offload)
-    prefetch: bool = True   # ZeRO-3: all-gather unit k+1 while unit k computes
+    stage: int = 3  # 1: optimizer state sharded; 2: + gradients; 3: + parameters
+    offload: bool = False  # AdamW and its state on the host (ZeRO-Offload)
+    prefetch: bool = True  # ZeRO-3: all-gather unit k+1 while unit k computes
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
-            raise ValueError(f"stage={self.stage!r} is not one of (1, 2, 3); stage 0 is plain data parallelism")
+            raise ValueError(
+                f"stage={self.stage!r} is not one of (1, 2, 3); stage 0 is plain data parallelism"
+            )
 
 
 class FlatUnit(FlatBuffer):
@@ -67,7 +69,10 @@ class FlatUnit(FlatBuffer):
     def flatten(self, tensors) -> torch.Tensor:
         """The tensors (one per parameter; None counts as zeros) laid end to end, then zeros
         up to ``padded`` elements: ``[padded]``, same dtype and device as the parameters."""
-        raise NotImplementedError("exercise FlatUnit.flatten is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise FlatUnit.flatten is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
 
 class _Sharded:
@@ -79,18 +84,22 @@ class _Sharded:
         units = units if units is not None else [("model", [model])]
         self.modules, seen, self.units = [modules for _, modules in units], set(), []
         for name, modules in units:  # a parameter shared by two units (tied) belongs to the first
-            params = [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
+            params = [
+                p for m in modules for p in m.parameters() if p.requires_grad and p not in seen
+            ]
             seen.update(params)
             self.units.append(FlatUnit(name, params, self.rank, self.world))
         self.ready = GradReadiness(self.units, self.post_backward)
         self.host_bytes = 0  # bytes copied between device and host (offload)
         self._build()
         for u in self.units:
-            u.shard_param.grad = u.full_grad[u.lo: u.hi] if zero.stage == 1 else u.shard_grad
+            u.shard_param.grad = u.full_grad[u.lo : u.hi] if zero.stage == 1 else u.shard_grad
             if zero.offload:  # ZeRO-Offload: AdamW updates an fp32 copy of the shard on the host
                 u.host = nn.Parameter(u.shard_param.detach().to("cpu", copy=True))
                 u.host.grad = torch.zeros_like(u.host)
-        self.optimizer = make_optimizer([u.host if zero.offload else u.shard_param for u in self.units], cfg)
+        self.optimizer = make_optimizer(
+            [u.host if zero.offload else u.shard_param for u in self.units], cfg
+        )
 
     def zero_grad(self) -> None:
         self.ready.reset()
@@ -113,7 +122,10 @@ class _Sharded:
         Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded bytes.
         """
         u = self.units[k]
-        raise NotImplementedError("exercise _Sharded.reduce_scatter_grads is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise _Sharded.reduce_scatter_grads is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
     def update_shards(self) -> None:
         """AdamW on this rank's shards (``self.optimizer``, whose params are the units'
@@ -124,7 +136,10 @@ class _Sharded:
         Elements of parameters that got no gradient (``u.untouched(self.ready.got_grad)``) keep
         their values: torch's AdamW skips such parameters, weight decay included.
         """
-        raise NotImplementedError("exercise _Sharded.update_shards is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise _Sharded.update_shards is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
 
 class Zero12(_Sharded):
@@ -132,12 +147,12 @@ class Zero12(_Sharded):
 
     def _build(self) -> None:
         for u in self.units:
-            u.bind(u.flatten([p.detach() for p in u.params]))                 # [N*S], padded
-            u.shard_param = nn.Parameter(u.full[u.lo: u.hi])                  # a view: AdamW writes into full
+            u.bind(u.flatten([p.detach() for p in u.params]))  # [N*S], padded
+            u.shard_param = nn.Parameter(u.full[u.lo : u.hi])  # a view: AdamW writes into full
             if self.zero.stage == 1:
                 u.full_grad = torch.zeros_like(u.full)
                 for p, g in zip(u.params, u.views(u.full_grad)):
-                    p.grad = g                                               # autograd accumulates into it
+                    p.grad = g  # autograd accumulates into it
             else:
                 u.shard_grad = torch.zeros(u.shard, dtype=u.full.dtype, device=u.full.device)
 
@@ -150,18 +165,21 @@ class Zero12(_Sharded):
         did during backward), then update the shards, then all-gather each unit's updated
         shard into its ``full`` buffer in place (``dist.all_gather_single(u.full,
         u.full[u.lo:u.hi])``), so every rank's model holds the new parameters."""
-        raise NotImplementedError("exercise Zero12.step is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise Zero12.step is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
 
 class Zero3(_Sharded):
     """ZeRO-3 / FSDP: parameters sharded too, gathered one unit at a time around its use."""
 
     def _build(self) -> None:
-        self.inflight: dict[int, object] = {}      # unit -> async all-gather work
+        self.inflight: dict[int, object] = {}  # unit -> async all-gather work
         self.peak = {"forward": 0, "backward": 0}  # most parameter bytes held at once
         for k, u in enumerate(self.units):
             full = u.flatten([p.detach() for p in u.params])
-            u.shard_param = nn.Parameter(full[u.lo: u.hi].clone())           # [S]: the only copy kept
+            u.shard_param = nn.Parameter(full[u.lo : u.hi].clone())  # [S]: the only copy kept
             u.shard_grad = torch.zeros_like(u.shard_param)
             u.bind(full)
             u.release()
@@ -171,14 +189,24 @@ class Zero3(_Sharded):
 
     def _after_forward(self, k, out) -> None:
         self.post_forward(k)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:  # runs when the first gradient w.r.t. the unit's output arrives: before its backward
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(k), mode="any")
+        tensors = [
+            t
+            for t in torch.utils._pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if (
+            tensors
+        ):  # runs when the first gradient w.r.t. the unit's output arrives: before its backward
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _: self.pre_backward(k), mode="any"
+            )
 
     def param_bytes(self) -> int:
         """Parameter bytes held now: every shard plus every allocated full buffer."""
-        return sum(u.shard_param.numel() * u.shard_param.element_size() + u.full.untyped_storage().nbytes()
-                   for u in self.units)
+        return sum(
+            u.shard_param.numel() * u.shard_param.element_size() + u.full.untyped_storage().nbytes()
+            for u in self.units
+        )
 
     def gather(self, k: int, async_op: bool = False) -> None:
         """Make unit k's ``full`` buffer hold all N shards.
@@ -189,34 +217,61 @@ class Zero3(_Sharded):
         Sends (N-1)/N · 4 padded bytes.
         """
         u = self.units[k]
-        raise NotImplementedError("exercise Zero3.gather is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise Zero3.gather is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
         phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
         self.peak[phase] = max(self.peak[phase], self.param_bytes())
 
     def pre_forward(self, k: int) -> None:
-        """Before unit k's forward: gather it; with ``self.zero.prefetch`` start gathering unit k+1."""
-        raise NotImplementedError("exercise Zero3.pre_forward is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        """Before unit k's forward: gather it; with ``self.zero.prefetch`` start gathering unit
+        k+1."""
+        raise NotImplementedError(
+            "exercise Zero3.pre_forward is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
     def post_forward(self, k: int) -> None:
         """After unit k's forward: free its full parameters (``release``)."""
-        raise NotImplementedError("exercise Zero3.post_forward is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise Zero3.post_forward is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
     def pre_backward(self, k: int) -> None:
         """Before unit k's backward: gather it again; with prefetch start gathering unit k-1."""
-        raise NotImplementedError("exercise Zero3.pre_backward is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise Zero3.pre_backward is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
     def post_backward(self, k: int) -> None:
         """Unit k's gradients are complete: reduce-scatter them and free its full parameters."""
-        raise NotImplementedError("exercise Zero3.post_backward is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise Zero3.post_backward is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
     def step(self) -> None:
         """After ``loss.backward()`` (every unit already reduce-scattered): update the shards.
         No all-gather: the next forward gathers each unit when it needs it."""
-        raise NotImplementedError("exercise Zero3.step is not written yet: see its docstring and notebooks/03_zero_and_fsdp.ipynb")
+        raise NotImplementedError(
+            "exercise Zero3.step is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
 
 
-def shard_model(model: nn.Module, *, stage: int, cfg: TrainConfig, units=None, offload: bool = False,
-                prefetch: bool = True, group=None) -> Zero12 | Zero3:
+def shard_model(
+    model: nn.Module,
+    *,
+    stage: int,
+    cfg: TrainConfig,
+    units=None,
+    offload: bool = False,
+    prefetch: bool = True,
+    group=None,
+) -> Zero12 | Zero3:
     """Wrap ``model`` for ZeRO ``stage`` (1, 2 or 3) on ``group``. ``units``: [(name, [modules])]
     run in that order (default: the whole model is one unit). Train with
     ``loss.backward(); z.step(); z.zero_grad()``."""

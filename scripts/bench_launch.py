@@ -35,7 +35,9 @@ def trivial() -> int:
 
 def _spawn_entry(rank, world, port, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     result = trivial()
     with open(os.path.join(out_dir, f"{rank}"), "w") as f:
         f.write(str(result))
@@ -44,6 +46,7 @@ def _spawn_entry(rank, world, port, out_dir):
 
 def with_spawn(nproc: int) -> list[int]:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -54,13 +57,18 @@ def with_spawn(nproc: int) -> list[int]:
 
 def with_torchrun(nproc: int) -> None:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    code = ("import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
-            "t = torch.ones(1); dist.all_reduce(t); print(dist.get_rank()); dist.destroy_process_group()")
+    code = (
+        "import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+        "t = torch.ones(1); dist.all_reduce(t); print(dist.get_rank()); dist.destroy_process_group()"
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
         script.write(code)
         script.flush()
-        subprocess.run([torchrun, "--standalone", f"--nproc-per-node={nproc}", script.name], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [torchrun, "--standalone", f"--nproc-per-node={nproc}", script.name],
+            check=True,
+            capture_output=True,
+        )
 
 
 def timed(fn, repeats):
@@ -77,11 +85,15 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    rows = [("labs.launch (fork)", timed(lambda: launch(trivial, args.nproc), args.repeats)),
-            ("torch.multiprocessing.spawn", timed(lambda: with_spawn(args.nproc), args.repeats)),
-            ("torchrun --standalone", timed(lambda: with_torchrun(args.nproc), args.repeats))]
+    rows = [
+        ("labs.launch (fork)", timed(lambda: launch(trivial, args.nproc), args.repeats)),
+        ("torch.multiprocessing.spawn", timed(lambda: with_spawn(args.nproc), args.repeats)),
+        ("torchrun --standalone", timed(lambda: with_torchrun(args.nproc), args.repeats)),
+    ]
     fork = rows[0][1]
-    print(f"{args.nproc} gloo ranks, trivial all-reduce, median of {args.repeats}, {os.cpu_count()} cores:")
+    print(
+        f"{args.nproc} gloo ranks, trivial all-reduce, median of {args.repeats}, {os.cpu_count()} cores:"
+    )
     for name, seconds in rows:
         print(f"  {name:<30} {seconds:7.3f} s   ({seconds / fork:5.1f}x the fork launcher)")
     return 0

@@ -23,14 +23,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def execute(path: Path, timeout: int = 600) -> float:
     nb = nbformat.read(path, as_version=4)
-    os.environ.update(LABS_IMPL="solutions", MPLBACKEND="module://matplotlib_inline.backend_inline",
-                      PYTHONHASHSEED="0")
+    os.environ.update(
+        LABS_IMPL="solutions",
+        MPLBACKEND="module://matplotlib_inline.backend_inline",
+        PYTHONHASHSEED="0",
+    )
     t0 = time.perf_counter()
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
-                       store_widget_state=True).execute()
+        NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+            store_widget_state=True,
+        ).execute()
     finally:
-        nbformat.write(nb, path)  # on failure too: the outputs up to the failing cell show what went wrong
+        nbformat.write(
+            nb, path
+        )  # on failure too: the outputs up to the failing cell show what went wrong
     return time.perf_counter() - t0
 
 

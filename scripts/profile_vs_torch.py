@@ -18,8 +18,23 @@ import importlib
 import sys
 import time
 
-COMM_MARKERS = ("c10d", "gloo", "nccl", "send", "recv", "all_reduce", "allreduce", "all_gather", "allgather",
-                "reduce_scatter", "broadcast", "all_to_all", "alltoall", "barrier", "wait")
+COMM_MARKERS = (
+    "c10d",
+    "gloo",
+    "nccl",
+    "send",
+    "recv",
+    "all_reduce",
+    "allreduce",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "alltoall",
+    "barrier",
+    "wait",
+)
 
 
 def is_comm(name: str) -> bool:
@@ -29,10 +44,12 @@ def is_comm(name: str) -> bool:
 
 def profiled(fn, top: int):
     """``fn`` run under torch.profiler; returns (fn's result, this rank's profile digest)."""
+
     def rank_fn(*args):
         import torch
         import torch.distributed as dist
         from torch.profiler import ProfilerActivity, profile
+
         wall0, cpu0 = time.perf_counter(), time.process_time()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = fn(*args)
@@ -41,22 +58,37 @@ def profiled(fn, top: int):
         events = [e for e in averages if "ProfilerStep" not in e.key]
         total = sum(e.self_cpu_time_total for e in events) or 1.0
         comm = sum(e.self_cpu_time_total for e in events if is_comm(e.key))
-        table = averages.table(sort_by="self_cpu_time_total", row_limit=top) if dist.get_rank() == 0 else ""
-        digest = {"rank": dist.get_rank(), "wall_s": wall, "cpu_s": cpu, "threads": torch.get_num_threads(),
-                  "profiled_self_cpu_s": total / 1e6, "comm_share": comm / total, "table": table}
+        table = (
+            averages.table(sort_by="self_cpu_time_total", row_limit=top)
+            if dist.get_rank() == 0
+            else ""
+        )
+        digest = {
+            "rank": dist.get_rank(),
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "threads": torch.get_num_threads(),
+            "profiled_self_cpu_s": total / 1e6,
+            "comm_share": comm / total,
+            "table": table,
+        }
         return out, digest
+
     return rank_fn
 
 
 def profile_lab(lab: str, *, nproc: int, steps: int, top: int, options: dict) -> list[dict]:
     """Run ``lab`` with its launches profiled; one record per launch: desc and per-rank digests."""
     from labs.run import LABS
+
     module = importlib.import_module(LABS[lab])
     original, launches = module.launch, []
 
     def launch(fn, nprocs, *args, **kw):
         results = original(profiled(fn, top), nprocs, *args, **kw)
-        launches.append({"desc": kw.get("desc", getattr(fn, "__name__", "?")), "ranks": [d for _, d in results]})
+        launches.append(
+            {"desc": kw.get("desc", getattr(fn, "__name__", "?")), "ranks": [d for _, d in results]}
+        )
         return [out for out, _ in results]
 
     module.launch = launch
@@ -64,8 +96,10 @@ def profile_lab(lab: str, *, nproc: int, steps: int, top: int, options: dict) ->
         summary = module.run(nproc=nproc, steps=steps, vs_torch=True, **options)
     finally:
         module.launch = original
-    print(f"{lab}: ours {summary['step_time_s'] * 1e3:.1f} ms/step, torch "
-          f"{(summary.get('torch_step_time_s') or float('nan')) * 1e3:.1f} ms/step")
+    print(
+        f"{lab}: ours {summary['step_time_s'] * 1e3:.1f} ms/step, torch "
+        f"{(summary.get('torch_step_time_s') or float('nan')) * 1e3:.1f} ms/step"
+    )
     return launches
 
 
@@ -74,24 +108,34 @@ def report(launches: list[dict]) -> str:
     for launch in launches:
         lines.append(f"\n=== launch {launch['desc']!r}")
         for d in launch["ranks"]:
-            lines.append(f"  rank {d['rank']}: wall {d['wall_s']:.2f} s, own CPU {d['cpu_s']:.2f} s "
-                         f"({d['cpu_s'] / d['wall_s']:.0%} of wall), self CPU in comm ops {d['comm_share']:.0%}")
+            lines.append(
+                f"  rank {d['rank']}: wall {d['wall_s']:.2f} s, own CPU {d['cpu_s']:.2f} s "
+                f"({d['cpu_s'] / d['wall_s']:.0%} of wall), self CPU in comm ops {d['comm_share']:.0%}"
+            )
         lines.append(launch["ranks"][0]["table"])
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     from labs.run import LABS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("lab", choices=sorted(LABS))
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15, help="operators shown for rank 0")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a lab option, e.g. --option stage=2 (value parsed as Python literal)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a lab option, e.g. --option stage=2 (value parsed as Python literal)",
+    )
     args = parser.parse_args(argv)
     import ast
+
     from labs.runtime.impl import set_implementation
+
     set_implementation("solutions")
     options = {}
     for item in args.option:
@@ -100,7 +144,11 @@ def main(argv=None) -> int:
             options[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             options[key] = value
-    print(report(profile_lab(args.lab, nproc=args.nproc, steps=args.steps, top=args.top, options=options)))
+    print(
+        report(
+            profile_lab(args.lab, nproc=args.nproc, steps=args.steps, top=args.top, options=options)
+        )
+    )
     return 0
 
 

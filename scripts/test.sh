@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export LABS_IMPL=solutions PYTHONHASHSEED=0
+# Lint and format first: a repository that ruff rejects fails here, in seconds.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"

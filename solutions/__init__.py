@@ -1,1 +1,2 @@
-"""Reference implementations of the exercise modules (the single source of the learner stubs in labs/)."""
+"""Reference implementations of the exercise modules (the single source of the learner stubs in
+labs/)."""

@@ -27,23 +27,38 @@ NOTEBOOK = "00_setup_and_collectives.ipynb"
 
 
 def ring_neighbours(group=None) -> tuple[int, int, int, int]:
-    """(my position in the group, N, global rank of the next rank, global rank of the previous rank)."""
+    """(my position in the group, N, global rank of the next rank, global rank of the previous
+    rank)."""
     me, n = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
     prv = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     return me, n, nxt, prv
 
 
-def post_exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None,
-                  tag: int = 0) -> list:
-    """Start sending ``send_buf`` to ``to_rank`` and receiving ``recv_buf`` from ``from_rank``, both posted at once
-    (``batch_isend_irecv``: neither side waits for the other to go first); returns the works to wait on."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send_buf, to_rank, group, tag),
-                                   dist.P2POp(dist.irecv, recv_buf, from_rank, group, tag)])
+def post_exchange(
+    send_buf: torch.Tensor,
+    recv_buf: torch.Tensor,
+    to_rank: int,
+    from_rank: int,
+    group=None,
+    tag: int = 0,
+) -> list:
+    """Start sending ``send_buf`` to ``to_rank`` and receiving ``recv_buf`` from ``from_rank``, both
+    posted at once (``batch_isend_irecv``: neither side waits for the other to go first); returns
+    the works to wait on."""
+    return dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send_buf, to_rank, group, tag),
+            dist.P2POp(dist.irecv, recv_buf, from_rank, group, tag),
+        ]
+    )
 
 
-def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None) -> None:
-    """Send ``send_buf`` to ``to_rank`` while receiving ``recv_buf`` from ``from_rank``; wait for both."""
+def exchange(
+    send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None
+) -> None:
+    """Send ``send_buf`` to ``to_rank`` while receiving ``recv_buf`` from ``from_rank``; wait for
+    both."""
     for work in post_exchange(send_buf, recv_buf, to_rank, from_rank, group):
         work.wait()
 

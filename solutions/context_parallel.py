@@ -1,4 +1,5 @@
-"""Exercise 06 (notebooks/06_context_parallel.ipynb): ring attention, forward and backward, with zig-zag balance.
+"""Exercise 06 (notebooks/06_context_parallel.ipynb): ring attention, forward and backward, with
+zig-zag balance.
 
 What is sharded: the sequence. The T tokens are cut into 2·CP chunks of c = T/(2·CP); rank r
 holds chunks r and 2·CP−1−r (zig-zag) or 2r and 2r+1 (contiguous), with their positions, so
@@ -18,9 +19,10 @@ Communication on the CP ``group`` (a ring; peers by ``dist.get_global_rank``), p
   2 (CP−1)/CP · Ψ · itemsize bytes per step (``all_reduce_gradients``).
 Saved for backward per layer: local q, k, v, out, log-sum-exp, ∝ T/CP; no T×T matrix (recomputed).
 
-References: Liu et al., "Ring Attention with Blockwise Transformers" (2023) §3; Milakov & Gimelshein,
-"Online normalizer calculation for softmax" (2018); Dao et al., "FlashAttention" (2022) §3.1, App. B.2
-(backward from the log-sum-exp); Dubey et al., "The Llama 3 Herd of Models" (2024) §3.3.2 (zig-zag).
+References: Liu et al., "Ring Attention with Blockwise Transformers" (2023) §3; Milakov &
+Gimelshein, "Online normalizer calculation for softmax" (2018); Dao et al., "FlashAttention" (2022)
+§3.1, App. B.2 (backward from the log-sum-exp); Dubey et al., "The Llama 3 Herd of Models" (2024)
+§3.3.2 (zig-zag).
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ def block_kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     ### END SOLUTION
 
 
-def split_sequence(x: torch.Tensor, *, cp: int, rank: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
+def split_sequence(
+    x: torch.Tensor, *, cp: int, rank: int, zigzag: bool = True, dim: int = 1
+) -> torch.Tensor:
     """This rank's tokens of ``x`` along ``dim`` (length T): chunks ``chunk_ids(rank, cp, zigzag)``
     of the 2·cp chunks, concatenated in that order. ``[B, T, ...] -> [B, T/cp, ...]`` for dim=1.
     Raises ValueError when T is not divisible by 2·cp."""
@@ -72,21 +76,32 @@ def split_sequence(x: torch.Tensor, *, cp: int, rank: int, zigzag: bool = True, 
     ### END SOLUTION
 
 
-def unsplit_sequence(parts: list[torch.Tensor], *, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
-    """The inverse of ``split_sequence``: ``parts[r]`` is rank r's share; returns the full sequence."""
+def unsplit_sequence(
+    parts: list[torch.Tensor], *, zigzag: bool = True, dim: int = 1
+) -> torch.Tensor:
+    """The inverse of ``split_sequence``: ``parts[r]`` is rank r's share; returns the full
+    sequence."""
     ### BEGIN SOLUTION
-    pieces = {i: piece for rank, part in enumerate(parts)  # global chunk index -> its tokens
-              for i, piece in zip(chunk_ids(rank, len(parts), zigzag), part.chunk(2, dim=dim))}
+    pieces = {
+        i: piece
+        for rank, part in enumerate(parts)  # global chunk index -> its tokens
+        for i, piece in zip(chunk_ids(rank, len(parts), zigzag), part.chunk(2, dim=dim))
+    }
     return torch.cat([pieces[i] for i in range(2 * len(parts))], dim=dim)
     ### END SOLUTION
 
 
 def _scores(q, k, v, causal: bool, scale: float):
-    """k, v repeated to the nh query heads, and the scores q kᵀ·scale (masked above the diagonal if causal)."""
+    """k, v repeated to the nh query heads, and the scores q kᵀ·scale (masked above the diagonal if
+    causal)."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, nh, Tk, hd]
     s = q @ k.transpose(-2, -1) * scale  # [B, nh, Tq, Tk]
-    return k, v, s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+    return (
+        k,
+        v,
+        s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s,
+    )
 
 
 def attention_block(q, k, v, *, causal: bool, scale: float):
@@ -117,7 +132,11 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: fl
     dv = p.transpose(-2, -1) @ dout  # [B, nh, Tk, hd]
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))  # [B, nh, Tq, Tk]
     dq, dk = ds @ k * scale, ds.transpose(-2, -1) @ q * scale
-    return dq, dk.view(b, nkv, g, tk, hd).sum(2), dv.view(b, nkv, g, tk, hd).sum(2)  # [B, nkv, Tk, hd]
+    return (
+        dq,
+        dk.view(b, nkv, g, tk, hd).sum(2),
+        dv.view(b, nkv, g, tk, hd).sum(2),
+    )  # [B, nkv, Tk, hd]
 
 
 def merge_partials(out, lse, block_out, block_lse):
@@ -130,14 +149,22 @@ def merge_partials(out, lse, block_out, block_lse):
     """
     ### BEGIN SOLUTION
     new_lse = torch.logaddexp(lse, block_lse)  # [B, nh, Tq]
-    out = torch.exp(lse - new_lse)[..., None] * out + torch.exp(block_lse - new_lse)[..., None] * block_out
+    out = (
+        torch.exp(lse - new_lse)[..., None] * out
+        + torch.exp(block_lse - new_lse)[..., None] * block_out
+    )
     return out, new_lse
     ### END SOLUTION
 
 
 def _pairs(q_ids, k_ids, causal):
-    """(local q chunk, local k chunk, causal mask?) for the chunk pairs that are not fully masked."""
-    kinds = [(a, b, block_kind(qa, kb, causal)) for a, qa in enumerate(q_ids) for b, kb in enumerate(k_ids)]
+    """(local q chunk, local k chunk, causal mask?) for the chunk pairs that are not fully
+    masked."""
+    kinds = [
+        (a, b, block_kind(qa, kb, causal))
+        for a, qa in enumerate(q_ids)
+        for b, kb in enumerate(k_ids)
+    ]
     return [(a, b, kind == "diagonal") for a, b, kind in kinds if kind != "masked"]
 
 
@@ -154,13 +181,13 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, zigzag):
         """q: [B, nh, T/cp, hd], k, v: [B, nkv, T/cp, hd], this rank's tokens (``split_sequence``).
 
-        Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group works).
-        CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
+        Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group
+        works). CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
         [2, B, nkv, T/cp, hd]); unless it is the last step, first post the exchange that brings the
-        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk pair of
-        ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse), then wait.
-        Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in memory as
-        SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
+        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk
+        pair of ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse),
+        then wait. Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in
+        memory as SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
         """
         ### BEGIN SOLUTION
         ring = exercise("collectives")  # notebook 00's ring helpers
@@ -174,13 +201,20 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = ring.post_exchange(kv, incoming, nxt, prv, group, KV_TAG)
             for a, b, diag in _pairs(q_ids, chunk_ids((me - s) % cp, cp, zigzag), causal):
-                o_b, lse_b = attention_block(_chunk(q, a), _chunk(kv[0], b), _chunk(kv[1], b), causal=diag, scale=scale)
-                outs[a], lses[a] = (o_b, lse_b) if outs[a] is None else merge_partials(outs[a], lses[a], o_b, lse_b)
+                o_b, lse_b = attention_block(
+                    _chunk(q, a), _chunk(kv[0], b), _chunk(kv[1], b), causal=diag, scale=scale
+                )
+                outs[a], lses[a] = (
+                    (o_b, lse_b)
+                    if outs[a] is None
+                    else merge_partials(outs[a], lses[a], o_b, lse_b)
+                )
             if s < cp - 1:
                 _wait(works)
                 kv = incoming
         lse = torch.cat(lses, dim=-1)  # [B, nh, T/cp]
-        # Stored [B, T/cp, nh, hd]-major as SDPA does: the caller's reshape to [B, T/cp, H] is a view, not a copy.
+        # Stored [B, T/cp, nh, hd]-major as SDPA does: the caller's reshape to [B, T/cp, H] is a
+        # view, not a copy.
         out = torch.cat(outs, dim=-2).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.zigzag = group, causal, zigzag
@@ -189,7 +223,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        """dout: [B, nh, T/cp, hd]. Returns dq, dk, dv for this rank's tokens (and None for the rest).
+        """dout: [B, nh, T/cp, hd]. Returns dq, dk, dv for this rank's tokens (and None for the
+        rest).
 
         Step s holds K/V of rank (me − s) mod CP as in forward (post the next exchange first)
         and computes, per chunk pair, ``attention_block_backward`` with the saved *global* out
@@ -200,7 +235,12 @@ class RingAttention(torch.autograd.Function):
         of our own block and add it to what we kept.
         """
         ### BEGIN SOLUTION
-        (q, k, v, out, lse), group, causal, zigzag = ctx.saved_tensors, ctx.group, ctx.causal, ctx.zigzag
+        (q, k, v, out, lse), group, causal, zigzag = (
+            ctx.saved_tensors,
+            ctx.group,
+            ctx.causal,
+            ctx.zigzag,
+        )
         ring = exercise("collectives")  # notebook 00's ring helpers
         me, cp, nxt, prv = ring.ring_neighbours(group)  # ring peers, global ranks
         scale = q.shape[-1] ** -0.5
@@ -212,11 +252,20 @@ class RingAttention(torch.autograd.Function):
             if s < cp - 1:
                 incoming = torch.empty_like(kv)
                 works = ring.post_exchange(kv, incoming, nxt, prv, group, KV_TAG)
-            dkv = torch.zeros_like(kv)  # our queries' contribution to the gradient of the block we hold
+            dkv = torch.zeros_like(
+                kv
+            )  # our queries' contribution to the gradient of the block we hold
             for a, b, diag in _pairs(q_ids, chunk_ids((me - s) % cp, cp, zigzag), causal):
                 dq_a, dk_b, dv_b = attention_block_backward(
-                    _chunk(dout, a), _chunk(q, a), _chunk(kv[0], b), _chunk(kv[1], b), _chunk(out, a),
-                    _chunk(lse, a, dim=-1), causal=diag, scale=scale)
+                    _chunk(dout, a),
+                    _chunk(q, a),
+                    _chunk(kv[0], b),
+                    _chunk(kv[1], b),
+                    _chunk(out, a),
+                    _chunk(lse, a, dim=-1),
+                    causal=diag,
+                    scale=scale,
+                )
                 _chunk(dq, a).add_(dq_a)
                 _chunk(dkv[0], b).add_(dk_b)
                 _chunk(dkv[1], b).add_(dv_b)
@@ -246,22 +295,30 @@ def ring_attention(q, k, v, group, *, causal: bool = True, zigzag: bool = True):
 
 class ContextParallelAttention(Attention):
     """The course model's attention (``labs.models.transformer.Attention``) on this rank's tokens:
-    the same q/k/v/o projections (so parameter names and values are unchanged, and ``project`` works),
-    ring attention over ``group`` instead of SDPA."""
+    the same q/k/v/o projections (so parameter names and values are unchanged, and ``project``
+    works), ring attention over ``group`` instead of SDPA."""
 
     def __init__(self, attn: Attention, group, *, zigzag: bool = True):
         nn.Module.__init__(self)  # no fresh projections: ``attn``'s own are taken below
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+        )
         self.group, self.zigzag = group, zigzag
 
     def forward(self, x, cos, sin):
         """x: [B, T/cp, H], this rank's tokens; cos, sin: [T/cp, hd] for *their* positions.
-        ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V), ``o_proj``: [B, T/cp, H]."""
+        ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V),
+        ``o_proj``: [B, T/cp, H]."""
         ### BEGIN SOLUTION
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)  # [B, nh, T/cp, hd], [B, nkv, T/cp, hd] x 2
-        y = ring_attention(q, k, v, self.group, causal=True, zigzag=self.zigzag)  # [B, nh, T/cp, hd]
+        y = ring_attention(
+            q, k, v, self.group, causal=True, zigzag=self.zigzag
+        )  # [B, nh, T/cp, hd]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # [B, T/cp, H]
         ### END SOLUTION
 
@@ -278,12 +335,14 @@ def shard_inputs(idx: torch.Tensor, targets: torch.Tensor, group, *, zigzag: boo
     """This rank's (tokens [B, T/cp], targets [B, T/cp], positions [T/cp]) of a global batch."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
     positions = torch.arange(idx.shape[1], device=idx.device)
-    return tuple(split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=-1) for t in (idx, targets, positions))
+    return tuple(
+        split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=-1) for t in (idx, targets, positions)
+    )
 
 
 def all_reduce_gradients(model: nn.Module, group) -> None:
-    """Sum every gradient over ``group``: one all-reduce of a flat buffer, 2 (CP−1)/CP · Ψ · itemsize
-    bytes per rank. Each rank's gradient already carries its token share of the loss."""
+    """Sum every gradient over ``group``: one all-reduce of a flat buffer, 2 (CP−1)/CP · Ψ ·
+    itemsize bytes per rank. Each rank's gradient already carries its token share of the loss."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)

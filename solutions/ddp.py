@@ -119,11 +119,15 @@ class OverlappedDDP(_DataParallel):
 
     def __init__(self, module: nn.Module, *, group=None):
         super().__init__(module, group)
-        self.pending: list[tuple[torch.Tensor, dist.Work]] = []  # (gradient, its all-reduce in flight)
+        self.pending: list[
+            tuple[torch.Tensor, dist.Work]
+        ] = []  # (gradient, its all-reduce in flight)
         # Register ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable
         # parameter (``p.register_post_accumulate_grad_hook``); keep the handles in self.handles.
         ### BEGIN SOLUTION
-        self.handles = [p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params]
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params
+        ]
         ### END SOLUTION
 
     def on_gradient_ready(self, param: nn.Parameter) -> None:
@@ -132,7 +136,9 @@ class OverlappedDDP(_DataParallel):
         on the group and remember the gradient and the returned work handle. Do not wait here."""
         ### BEGIN SOLUTION
         if self.require_backward_grad_sync:
-            self.pending.append((param.grad, dist.all_reduce(param.grad, group=self.group, async_op=True)))
+            self.pending.append(
+                (param.grad, dist.all_reduce(param.grad, group=self.group, async_op=True))
+            )
         ### END SOLUTION
 
     def finish_gradient_synchronization(self) -> None:
@@ -154,8 +160,8 @@ class BucketedDDP(_DataParallel):
     backward produces their gradients (torch's DDP starts from the same guess). Walk them,
     add each parameter to the open bucket and close the bucket once it holds at least
     ``bucket_mb * MiB`` bytes (``labs.theory.overlap.bucket_layout``'s rule). Each bucket
-    is one flat buffer of the parameters' dtype; a parameter owns the slice at its offset. Costs G extra
-    bytes per rank for the buffers (torch avoids it with ``gradient_as_bucket_view``).
+    is one flat buffer of the parameters' dtype; a parameter owns the slice at its offset. Costs G
+    extra bytes per rank for the buffers (torch avoids it with ``gradient_as_bucket_view``).
     """
 
     def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, group=None):
@@ -165,9 +171,13 @@ class BucketedDDP(_DataParallel):
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             raise ValueError("BucketedDDP needs every trainable parameter on one dtype and device")
         self.bucket_bytes = bucket_mb * MiB
-        self.buckets: list[torch.Tensor] = []              # flat gradient buffers, [numel of the bucket]
-        self.bucket_params: list[list[nn.Parameter]] = []  # the parameters of each bucket, in backward order
-        self.slots: dict[nn.Parameter, tuple[int, int]] = {}  # parameter -> (bucket index, offset in it)
+        self.buckets: list[torch.Tensor] = []  # flat gradient buffers, [numel of the bucket]
+        self.bucket_params: list[
+            list[nn.Parameter]
+        ] = []  # the parameters of each bucket, in backward order
+        self.slots: dict[
+            nn.Parameter, tuple[int, int]
+        ] = {}  # parameter -> (bucket index, offset in it)
         # Fill the three attributes above as the class docstring says, and register
         # ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable parameter.
         ### BEGIN SOLUTION
@@ -186,12 +196,20 @@ class BucketedDDP(_DataParallel):
                 self.slots[p] = (i, offset)
                 offset += p.numel()
             self.buckets.append(torch.zeros(offset, dtype=params[0].dtype, device=params[0].device))
-        self.handles = [p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params]
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params
+        ]
         ### END SOLUTION
-        self.works: list[dist.Work | None] = [None] * len(self.buckets)  # each bucket's all-reduce in flight
-        self.arrived: list[set[nn.Parameter]] = [set() for _ in self.buckets]  # gradients copied in this step
-        self._views = {p: self.buckets[i][offset: offset + p.numel()].view_as(p)  # each parameter's slot
-                       for p, (i, offset) in self.slots.items()}
+        self.works: list[dist.Work | None] = [None] * len(
+            self.buckets
+        )  # each bucket's all-reduce in flight
+        self.arrived: list[set[nn.Parameter]] = [
+            set() for _ in self.buckets
+        ]  # gradients copied in this step
+        self._views = {
+            p: self.buckets[i][offset : offset + p.numel()].view_as(p)  # each parameter's slot
+            for p, (i, offset) in self.slots.items()
+        }
 
     def _slice(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s slot in its bucket (a view, shaped like ``param``)."""
@@ -234,7 +252,9 @@ class BucketedDDP(_DataParallel):
         ### END SOLUTION
 
 
-def rank_data(cfg, *, group=None, grad_accum: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def rank_data(
+    cfg, *, group=None, grad_accum: int = 1
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """This rank's data: for each of ``cfg.steps`` steps, ``grad_accum`` micro-batches (x, y),
     each ``[B/(N·K), T]`` (B = ``cfg.batch_size``, the global batch; K = ``grad_accum``).
 
@@ -242,15 +262,24 @@ def rank_data(cfg, *, group=None, grad_accum: int = 1) -> list[list[tuple[torch.
     ``DistributedSampler``: rank r of N gets a disjoint slice of one permutation seeded
     with ``cfg.data_seed``; ``seq_len=cfg.seq_len``), r and N being this rank's place in
     ``group``, and split each batch along dim 0 into K micro-batches. The N ranks' batches of
-    a step, in rank order, are then exactly the single-process global batch (``labs.train.data_for``).
+    a step, in rank order, are then exactly the single-process global batch
+    (``labs.train.data_for``).
     """
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     check_positive(grad_accum=grad_accum)
     check_divides(cfg.batch_size, "batch_size", n * grad_accum, "dp*grad_accum")
     ### BEGIN SOLUTION
-    batches = rank_batches(steps=cfg.steps, batch_size=cfg.batch_size // n, seq_len=cfg.seq_len, rank=rank,
-                           world_size=n, seed=cfg.data_seed)
-    return [list(zip(x.chunk(grad_accum), y.chunk(grad_accum))) for x, y in batches]  # K x ([B/(N K), T], ...)
+    batches = rank_batches(
+        steps=cfg.steps,
+        batch_size=cfg.batch_size // n,
+        seq_len=cfg.seq_len,
+        rank=rank,
+        world_size=n,
+        seed=cfg.data_seed,
+    )
+    return [
+        list(zip(x.chunk(grad_accum), y.chunk(grad_accum))) for x, y in batches
+    ]  # K x ([B/(N K), T], ...)
     ### END SOLUTION
 
 

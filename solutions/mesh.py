@@ -1,10 +1,10 @@
-"""Exercise 08 (notebooks/08_composing_4d.ipynb): the DP x PP x CP x TP device mesh, and one training
-step of the course model that composes the earlier labs on it.
+"""Exercise 08 (notebooks/08_composing_4d.ipynb): the DP x PP x CP x TP device mesh, and one
+training step of the course model that composes the earlier labs on it.
 
 Rank order (``labs.theory.dims.ParallelDims``): ranks fill a (dp, pp, cp, tp) grid, tp innermost, so
-rank = ((d·PP + p)·CP + c)·TP + t. A TP group is TP consecutive ranks, which on a machine with K GPUs
-per node (TP <= K, K % TP == 0) is one node: TP's per-layer collectives stay on the fast link. The
-groups, each built with ``dist.new_group`` on every rank in the same order:
+rank = ((d·PP + p)·CP + c)·TP + t. A TP group is TP consecutive ranks, which on a machine with K
+GPUs per node (TP <= K, K % TP == 0) is one node: TP's per-layer collectives stay on the fast link.
+The groups, each built with ``dist.new_group`` on every rank in the same order:
 
     tp     ranks that differ only in t            tensor (+ sequence) parallelism      (lab 04)
     cp     ... only in c                           ring attention                       (lab 06)
@@ -18,10 +18,10 @@ groups, each built with ``dist.new_group`` on every rank in the same order:
 The step, per rank: take this DP rank's rows of the global batch [B/dp, T]; CP keeps its zig-zag
 T/cp tokens and their positions; TP ranks share them (SP splits T/cp by tp inside the blocks when
 there is no PP); PP splits the rows into M micro-batches and runs 1F1B; then ZeRO averages the
-gradients over dp_cp and steps. Bytes per rank per step (``labs.theory.planner.comm_per_step`` is the
-layer-level formula, each lab's theory module the exact one): tp 4·ℓ·M·2(tp-1)/tp·K_a (+ embedding,
-head and loss collectives); cp 3·ℓ·M·(cp-1)/cp·KV; pp M·K_a per direction a stage feeds; dp_cp
-ZeRO-1 2(N-1)/N·Ψ_r·4, ZeRO-3 3(N-1)/N·Ψ_r·4 (N = dp·cp), K_a = (B/dp/M)·(T/cp)·H·4 bytes.
+gradients over dp_cp and steps. Bytes per rank per step (``labs.theory.planner.comm_per_step`` is
+the layer-level formula, each lab's theory module the exact one): tp 4·ℓ·M·2(tp-1)/tp·K_a (+
+embedding, head and loss collectives); cp 3·ℓ·M·(cp-1)/cp·KV; pp M·K_a per direction a stage feeds;
+dp_cp ZeRO-1 2(N-1)/N·Ψ_r·4, ZeRO-3 3(N-1)/N·Ψ_r·4 (N = dp·cp), K_a = (B/dp/M)·(T/cp)·H·4 bytes.
 
 What the earlier labs' APIs allow (and what they do not): TP and CP take their group; CP's attention
 replaces TP's in place, so TP x CP composes as is. PP's ``StageModule`` builds rotary tables from
@@ -53,7 +53,9 @@ NOTEBOOK = "08_composing_4d.ipynb"
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
 
 
-def check_mesh(*, world_size: int, gpus_per_node: int | None = None, **degrees: int) -> ParallelDims:
+def check_mesh(
+    *, world_size: int, gpus_per_node: int | None = None, **degrees: int
+) -> ParallelDims:
     """The validated degrees: ValueError (before any group exists) when their product is not
     ``world_size`` or when a TP group cannot sit inside one node of ``gpus_per_node`` GPUs."""
     unknown = sorted(set(degrees) - set(AXES))
@@ -61,8 +63,10 @@ def check_mesh(*, world_size: int, gpus_per_node: int | None = None, **degrees: 
         raise ValueError(f"unknown mesh axis {unknown}; the axes are {AXES}")
     dims = ParallelDims(**degrees, world_size=world_size)
     if gpus_per_node is not None and (dims.tp > gpus_per_node or gpus_per_node % dims.tp):
-        raise ValueError(f"tp={dims.tp} cannot be placed on nodes of gpus_per_node={gpus_per_node}: a TP group "
-                         f"must sit inside one node; use tp in {{{','.join(map(str, divisors(gpus_per_node)))}}}")
+        raise ValueError(
+            f"tp={dims.tp} cannot be placed on nodes of gpus_per_node={gpus_per_node}: a TP group "
+            f"must sit inside one node; use tp in {{{','.join(map(str, divisors(gpus_per_node)))}}}"
+        )
     return dims
 
 
@@ -70,6 +74,7 @@ def check_mesh(*, world_size: int, gpus_per_node: int | None = None, **degrees: 
 class Mesh:
     """This rank's place in the mesh: its coordinates, and for each group name in ``GROUPS`` the
     global ranks of its group (``ranks``) and the process group (``groups``; None for size 1)."""
+
     dims: ParallelDims
     rank: int
     coords: dict = field(default_factory=dict)
@@ -81,9 +86,9 @@ class Mesh:
 
 
 def group_ranks(dims: ParallelDims, axes: tuple[str, ...]) -> list[list[int]]:
-    """Every group of ranks that differ only in the coordinates ``axes`` (e.g. ("tp",) or ("dp", "cp")),
-    each listed in increasing rank, the groups ordered by their first rank. Use ``dims.coords(rank)``:
-    two ranks share a group when all their other coordinates agree."""
+    """Every group of ranks that differ only in the coordinates ``axes`` (e.g. ("tp",) or ("dp",
+    "cp")), each listed in increasing rank, the groups ordered by their first rank. Use
+    ``dims.coords(rank)``: two ranks share a group when all their other coordinates agree."""
     ### BEGIN SOLUTION
     groups: dict[tuple, list[int]] = {}
     for rank in range(dims.world_size):
@@ -101,7 +106,9 @@ def build_mesh(dims: ParallelDims) -> Mesh:
     Groups of one rank are not created (``groups[name] = None``); ``ranks[name]`` is always set."""
     rank = dist.get_rank()
     if dims.world_size != dist.get_world_size():
-        raise ValueError(f"the mesh has {dims.world_size} ranks but the job has {dist.get_world_size()}")
+        raise ValueError(
+            f"the mesh has {dims.world_size} ranks but the job has {dist.get_world_size()}"
+        )
     ranks, groups = {}, {}
     ### BEGIN SOLUTION
     for name, axes in GROUPS.items():
@@ -118,6 +125,7 @@ class Composed:
     """What one rank trains: ``module`` (the model, or its pipeline stage), ``optimizer`` (a ZeRO
     wrapper with step() / zero_grad(), or AdamW), ``pipe`` (the PP lab's ``Pipe`` or None) and the
     ``mesh`` and settings it was built for."""
+
     module: torch.nn.Module
     optimizer: object
     pipe: object
@@ -126,39 +134,64 @@ class Composed:
     zero: int
 
 
-def check_composition(mesh: Mesh, model_cfg: ModelConfig, cfg: TrainConfig, *, zero: int, microbatches: int) -> None:
+def check_composition(
+    mesh: Mesh, model_cfg: ModelConfig, cfg: TrainConfig, *, zero: int, microbatches: int
+) -> None:
     """ValueError for what the composed step cannot do, naming the fix (called before building)."""
     d = mesh.dims
-    d.check_model(n_head=model_cfg.n_head, n_kv_head=model_cfg.n_kv_head, n_embd=model_cfg.n_embd,
-                  vocab_size=model_cfg.vocab_size, ffn_hidden=model_cfg.ffn_hidden, n_layer=model_cfg.n_layer,
-                  seq_len=cfg.seq_len, cp_chunks_per_rank=2)
-    check_divides(model_cfg.n_layer, "n_layer", d.pp, "pp")  # equal stages: plan [n_layer // pp] * pp
+    d.check_model(
+        n_head=model_cfg.n_head,
+        n_kv_head=model_cfg.n_kv_head,
+        n_embd=model_cfg.n_embd,
+        vocab_size=model_cfg.vocab_size,
+        ffn_hidden=model_cfg.ffn_hidden,
+        n_layer=model_cfg.n_layer,
+        seq_len=cfg.seq_len,
+        cp_chunks_per_rank=2,
+    )
+    check_divides(
+        model_cfg.n_layer, "n_layer", d.pp, "pp"
+    )  # equal stages: plan [n_layer // pp] * pp
     if d.pp > 1 and d.cp > 1:
-        raise ValueError(f"pp={d.pp} with cp={d.cp}: the pipeline lab's StageModule builds rotary positions from "
-                         f"arange(T), not the zig-zag positions of a CP rank; use pp=1 or cp=1")
+        raise ValueError(
+            f"pp={d.pp} with cp={d.cp}: the pipeline lab's StageModule builds rotary positions from "
+            f"arange(T), not the zig-zag positions of a CP rank; use pp=1 or cp=1"
+        )
     if zero not in (1, 2, 3) or (d.pp > 1 and zero != 1):
-        raise ValueError(f"zero={zero} with pp={d.pp}: use zero in {{1,2,3}} (only 1 with pp > 1: ZeRO-2/3 "
-                         f"reduce gradients inside backward, once, not after all micro-batches)")
+        raise ValueError(
+            f"zero={zero} with pp={d.pp}: use zero in {{1,2,3}} (only 1 with pp > 1: ZeRO-2/3 "
+            f"reduce gradients inside backward, once, not after all micro-batches)"
+        )
     b = cfg.per_rank_batch(d.dp)
     if b % microbatches or microbatches < d.pp:
-        raise ValueError(f"microbatches={microbatches} must divide the {b} sequences of a DP rank and be >= "
-                         f"pp={d.pp}; use one of {[m for m in divisors(b) if m >= d.pp]}")
+        raise ValueError(
+            f"microbatches={microbatches} must divide the {b} sequences of a DP rank and be >= "
+            f"pp={d.pp}; use one of {[m for m in divisors(b) if m >= d.pp]}"
+        )
     if d.tp > 1 and d.pp == 1 and (cfg.seq_len // d.cp) % d.tp:
-        raise ValueError(f"seq_len/cp={cfg.seq_len // d.cp} tokens must split over tp={d.tp} (sequence parallelism)")
+        raise ValueError(
+            f"seq_len/cp={cfg.seq_len // d.cp} tokens must split over tp={d.tp} (sequence parallelism)"
+        )
 
 
-def compose(model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig, *, zero: int = 1,
-            microbatches: int | None = None) -> Composed:
-    """The course model (``build_model(model_cfg, seed=cfg.seed)`` on this rank's device: the reference's
-    weights) made parallel along every axis of ``mesh`` of degree > 1, with the labs, through
-    ``exercise(...)``, in this order:
+def compose(
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    cfg: TrainConfig,
+    *,
+    zero: int = 1,
+    microbatches: int | None = None,
+) -> Composed:
+    """The course model (``build_model(model_cfg, seed=cfg.seed)`` on this rank's device: the
+    reference's weights) made parallel along every axis of ``mesh`` of degree > 1, with the labs,
+    through ``exercise(...)``, in this order:
 
     1. TP: ``apply_tensor_parallel(model, group=tp, sequence_parallel=pp == 1)``; with PP, the head
        becomes ``ColumnParallelLinear(model.lm_head, group=tp, gather_output=True)`` (whole logits).
     2. CP: ``apply_context_parallel(model, cp)`` (zig-zag).
     3. PP: ``build_stage(model, plan=[n_layer // pp] * pp, stage=p)`` and ``pipe_group(pp)``.
-    4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=course_units(module), group=dp_cp)``
-       when dp·cp > 1, else ``make_optimizer(module.parameters(), cfg)``.
+    4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=course_units(module),
+       group=dp_cp)`` when dp·cp > 1, else ``make_optimizer(module.parameters(), cfg)``.
     ``microbatches`` defaults to 2·pp (1 without PP)."""
     d = mesh.dims
     microbatches = microbatches or (2 * d.pp if d.pp > 1 else 1)
@@ -171,16 +204,21 @@ def compose(model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig, *, zero: int =
         tp_lab = exercise("tensor_parallel")
         module = tp_lab.apply_tensor_parallel(model, group=g["tp"], sequence_parallel=d.pp == 1)
         if d.pp > 1:  # the pipeline's loss takes whole logits
-            module.lm_head = tp_lab.ColumnParallelLinear(model.lm_head, group=g["tp"], gather_output=True)
+            module.lm_head = tp_lab.ColumnParallelLinear(
+                model.lm_head, group=g["tp"], gather_output=True
+            )
     if d.cp > 1:
         exercise("context_parallel").apply_context_parallel(module, g["cp"])
     if d.pp > 1:
         pp_lab = exercise("pipeline_parallel")
-        module = pp_lab.build_stage(module, plan=[model_cfg.n_layer // d.pp] * d.pp, stage=mesh.coords["pp"])
+        module = pp_lab.build_stage(
+            module, plan=[model_cfg.n_layer // d.pp] * d.pp, stage=mesh.coords["pp"]
+        )
         pipe = pp_lab.pipe_group(g["pp"])
     if mesh.size("dp_cp") > 1:
-        optimizer = exercise("zero").shard_model(module, stage=zero, cfg=cfg, units=course_units(module),
-                                                 group=g["dp_cp"])
+        optimizer = exercise("zero").shard_model(
+            module, stage=zero, cfg=cfg, units=course_units(module), group=g["dp_cp"]
+        )
     else:
         optimizer = make_optimizer(module.parameters(), cfg)
     ### END SOLUTION
@@ -188,26 +226,30 @@ def compose(model_cfg: ModelConfig, mesh: Mesh, cfg: TrainConfig, *, zero: int =
 
 
 def train_step(c: Composed, x: torch.Tensor, y: torch.Tensor) -> float | None:
-    """One optimizer step on the global batch ``x``, ``y`` [B, T] (laid out as ``labs.train.data_for(cfg,
-    dp)`` gives it: DP rank d's sequences are rows [d·B/dp, (d+1)·B/dp)). Returns this rank's loss, the
-    mean cross-entropy over its tokens (the last stage's, summed over micro-batches / M, with PP), or
-    None on other stages; the global loss is the mean over the dp·cp ranks of the last stage.
+    """One optimizer step on the global batch ``x``, ``y`` [B, T] (laid out as
+    ``labs.train.data_for(cfg, dp)`` gives it: DP rank d's sequences are rows [d·B/dp, (d+1)·B/dp)).
+    Returns this rank's loss, the mean cross-entropy over its tokens (the last stage's, summed over
+    micro-batches / M, with PP), or None on other stages; the global loss is the mean over the dp·cp
+    ranks of the last stage.
 
-    Rows: ``x.chunk(dp)[d]``; CP: ``shard_inputs(rows_x, rows_y, cp)`` -> tokens, targets, positions;
-    no PP: ``loss = module(tokens, targets, positions)[1]``, ``loss.backward()``; PP: M micro-batches
-    (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches, pipe=pipe)``. Then
-    ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+    Rows: ``x.chunk(dp)[d]``; CP: ``shard_inputs(rows_x, rows_y, cp)`` -> tokens, targets,
+    positions; no PP: ``loss = module(tokens, targets, positions)[1]``, ``loss.backward()``; PP: M
+    micro-batches (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches,
+    pipe=pipe)``. Then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
     mesh, d = c.mesh, c.mesh.dims
     x, y = x.to(rank_device()), y.to(rank_device())
     ### BEGIN SOLUTION
     x, y = x.chunk(d.dp)[mesh.coords["dp"]], y.chunk(d.dp)[mesh.coords["dp"]]  # [B/dp, T]
     positions = None
     if d.cp > 1:
-        x, y, positions = exercise("context_parallel").shard_inputs(x, y, mesh.groups["cp"])  # [B/dp, T/cp]
+        x, y, positions = exercise("context_parallel").shard_inputs(
+            x, y, mesh.groups["cp"]
+        )  # [B/dp, T/cp]
     if d.pp > 1:
         pp_lab = exercise("pipeline_parallel")
-        loss = pp_lab.train_step_1f1b(c.module, list(zip(x.chunk(c.microbatches), y.chunk(c.microbatches))),
-                                      pipe=c.pipe)
+        loss = pp_lab.train_step_1f1b(
+            c.module, list(zip(x.chunk(c.microbatches), y.chunk(c.microbatches))), pipe=c.pipe
+        )
     else:
         _, loss = c.module(x, y, positions)
         loss.backward()

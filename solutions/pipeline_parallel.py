@@ -1,4 +1,5 @@
-"""Exercise 05 (notebooks/05_pipeline_parallel.ipynb): pipeline parallelism: stages, GPipe, 1F1B, interleaved.
+"""Exercise 05 (notebooks/05_pipeline_parallel.ipynb): pipeline parallelism: stages, GPipe, 1F1B,
+interleaved.
 
 What is split: the layers. Stage s of P holds a contiguous slice of ``layers``; the first also
 ``tok_emb``, the last ``norm``, ``lm_head`` and the loss. A rank holds only its stage's parameters,
@@ -50,16 +51,18 @@ NOTEBOOK = "05_pipeline_parallel.ipynb"
 @dataclass(frozen=True)
 class Pipe:
     """Where this rank sits in the pipeline; neighbours are cyclic (interleaving wraps around)."""
+
     group: object  # the pipeline's process group (None: WORLD)
-    rank: int      # position in the group = stage index (of chunk 0)
-    size: int      # P
-    prev: int      # global rank of position rank-1 (mod P)
-    next: int      # global rank of position rank+1 (mod P)
+    rank: int  # position in the group = stage index (of chunk 0)
+    size: int  # P
+    prev: int  # global rank of position rank-1 (mod P)
+    next: int  # global rank of position rank+1 (mod P)
     device: torch.device  # where received tensors live (the GPU under NCCL)
 
 
 def pipe_group(group=None) -> Pipe:
-    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's ring's."""
+    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's
+    ring's."""
     me, n, nxt, prv = exercise("collectives").ring_neighbours(group)
     return Pipe(group, me, n, prv, nxt, rank_device())
 
@@ -80,10 +83,12 @@ class StageModule(nn.Module):
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
         (last stage) or hidden states [b, T, H]; rotary tables as in the full model."""
         ### BEGIN SOLUTION
-        cos, sin = rotary_cos_sin(torch.arange(x.shape[1], device=x.device), self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rotary_cos_sin(
+            torch.arange(x.shape[1], device=x.device), self.cfg.head_dim, self.cfg.rope_theta
+        )
         h = self.tok_emb(x) if self.first else x  # [b, T, H]
         for block in self.layers.values():
-            h = block(h, cos, sin)                # [b, T, H]
+            h = block(h, cos, sin)  # [b, T, H]
         return self.lm_head(self.norm(h)) if self.last else h  # [b, T, V] or [b, T, H]
         ### END SOLUTION
 
@@ -92,28 +97,53 @@ def build_stage(model: Transformer, *, plan, stage: int) -> StageModule:
     """Stage ``stage`` of ``plan``, the layers per stage in order (one entry per virtual stage when
     interleaving). Stage 0 is the first (it embeds), stage len(plan)-1 the last (head, loss)."""
     if sum(plan) != len(model.layers) or not 0 <= stage < len(plan):
-        raise ValueError(f"plan={tuple(plan)} must split all {len(model.layers)} layers and stage={stage} "
-                         f"must be in 0..{len(plan) - 1}")
+        raise ValueError(
+            f"plan={tuple(plan)} must split all {len(model.layers)} layers and stage={stage} "
+            f"must be in 0..{len(plan) - 1}"
+        )
     if model.cfg.tie_embeddings and len(plan) > 1:
-        raise ValueError("tie_embeddings=True puts one weight on the first and the last stage; untie it for PP")
+        raise ValueError(
+            "tie_embeddings=True puts one weight on the first and the last stage; untie it for PP"
+        )
     ### BEGIN SOLUTION
     start = sum(plan[:stage])
-    return StageModule(model, range(start, start + plan[stage]), first=stage == 0, last=stage == len(plan) - 1)
+    return StageModule(
+        model, range(start, start + plan[stage]), first=stage == 0, last=stage == len(plan) - 1
+    )
     ### END SOLUTION
 
 
-def p2p(pipe: Pipe, *, send_next=None, send_prev=None, recv_prev=None, recv_next=None, dtype=torch.float32):
+def p2p(
+    pipe: Pipe,
+    *,
+    send_next=None,
+    send_prev=None,
+    recv_prev=None,
+    recv_next=None,
+    dtype=torch.float32,
+):
     """One batch of point-to-point operations with the neighbours (``dist.batch_isend_irecv``),
     waited for. ``send_next`` / ``send_prev``: tensors for the next / previous stage;
     ``recv_prev`` / ``recv_next``: shapes [b, T, H] to receive from them. Returns (from_prev,
     from_next), None where nothing was asked. A send and a receive posted in one batch cannot
     deadlock when both neighbours send at once (1F1B's steady state)."""
     ### BEGIN SOLUTION
-    from_prev = torch.empty(recv_prev, dtype=dtype, device=pipe.device) if recv_prev is not None else None
-    from_next = torch.empty(recv_next, dtype=dtype, device=pipe.device) if recv_next is not None else None
-    ops = [dist.P2POp(op, t, peer, pipe.group) for op, t, peer in (
-        (dist.isend, send_next, pipe.next), (dist.isend, send_prev, pipe.prev),
-        (dist.irecv, from_prev, pipe.prev), (dist.irecv, from_next, pipe.next)) if t is not None]
+    from_prev = (
+        torch.empty(recv_prev, dtype=dtype, device=pipe.device) if recv_prev is not None else None
+    )
+    from_next = (
+        torch.empty(recv_next, dtype=dtype, device=pipe.device) if recv_next is not None else None
+    )
+    ops = [
+        dist.P2POp(op, t, peer, pipe.group)
+        for op, t, peer in (
+            (dist.isend, send_next, pipe.next),
+            (dist.isend, send_prev, pipe.prev),
+            (dist.irecv, from_prev, pipe.prev),
+            (dist.irecv, from_next, pipe.next),
+        )
+        if t is not None
+    ]
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     return from_prev, from_next
@@ -122,10 +152,16 @@ def p2p(pipe: Pipe, *, send_next=None, send_prev=None, recv_prev=None, recv_next
 
 def _span(timeline, name: str, microbatch: int, chunk: int = 0):
     """A timeline span around one operation ("F" or "B"), or nothing when not measuring."""
-    return timeline.span(name, microbatch=microbatch, chunk=chunk) if timeline is not None else nullcontext()
+    return (
+        timeline.span(name, microbatch=microbatch, chunk=chunk)
+        if timeline is not None
+        else nullcontext()
+    )
 
 
-def forward_step(stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int):
+def forward_step(
+    stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int
+):
     """One micro-batch through ``stage``. ``inputs``: token ids [b, T] (first stage) or the received
     activation [b, T, H], made to require grad (backward fills its ``.grad``). Returns the output
     [b, T, H]; on the last stage the cross-entropy (fp32, mean over b·T) / ``n_microbatches``."""
@@ -142,7 +178,8 @@ def forward_step(stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor
 def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None):
     """Backward of one micro-batch through one stage: ``output`` is what ``forward_step`` returned,
     ``output_grad`` the gradient from the next stage [b, T, H] (None for the loss). Accumulates
-    the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first stage)."""
+    the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first
+    stage)."""
     ### BEGIN SOLUTION
     torch.autograd.backward(output, grad_tensors=output_grad)
     return inputs.grad if inputs.requires_grad else None
@@ -153,7 +190,8 @@ def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch
 def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline=None):
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
     from the previous stage (the first embeds ``tokens`` [B, T]), run the stage (span "F", micro-
-    batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at a time."""
+    batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at
+    a time."""
     ### BEGIN SOLUTION
     x = tokens if stage.first else p2p(pipe, recv_prev=(*tokens.shape, stage.cfg.n_embd))[0]
     with _span(timeline, "F", 0):
@@ -173,7 +211,9 @@ def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
     ### BEGIN SOLUTION
     M, shape = len(microbatches), (*microbatches[0][0].shape, stage.cfg.n_embd)  # [b, T, H]
     held, loss = [], 0.0
-    for i, (x, y) in enumerate(microbatches):  # all forwards: every stage ends up holding M micro-batches
+    for i, (x, y) in enumerate(
+        microbatches
+    ):  # all forwards: every stage ends up holding M micro-batches
         inp = x if stage.first else p2p(pipe, recv_prev=shape)[0]
         with _span(timeline, "F", i):
             out = forward_step(stage, inp, y, n_microbatches=M)
@@ -243,7 +283,9 @@ def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
     ### END SOLUTION
 
 
-def train_step_interleaved(chunks: list[StageModule], microbatches, *, pipe: Pipe, timeline=None) -> float | None:
+def train_step_interleaved(
+    chunks: list[StageModule], microbatches, *, pipe: Pipe, timeline=None
+) -> float | None:
     """Interleaved 1F1B (Megatron-LM's order): ``chunks[c]`` is virtual stage c·P + rank; the k-th
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
     ``interleaved_warmup(P, M, rank, V)`` forwards; steady state: forward k+warmup, backward k;
@@ -254,7 +296,10 @@ def train_step_interleaved(chunks: list[StageModule], microbatches, *, pipe: Pip
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     ### BEGIN SOLUTION
     P, V, M = pipe.size, len(chunks), len(microbatches)
-    shape, warmup = (*microbatches[0][0].shape, chunks[0].cfg.n_embd), interleaved_warmup(P, M, pipe.rank, V)
+    shape, warmup = (
+        (*microbatches[0][0].shape, chunks[0].cfg.n_embd),
+        interleaved_warmup(P, M, pipe.rank, V),
+    )
     total, held, sends, losses = V * M, {}, [], []
 
     def tag(kind, mb, vs):  # unique per message of the step
@@ -286,12 +331,12 @@ def train_step_interleaved(chunks: list[StageModule], microbatches, *, pipe: Pip
         if not stage.first:
             sends.append(dist.isend(in_grad, pipe.prev, pipe.group, tag=tag("B", mb, vs - 1)))
 
-    for k in range(warmup):                  # warm-up: forwards only
+    for k in range(warmup):  # warm-up: forwards only
         forward(k)
-    for k in range(total - warmup):          # steady state: one forward, one backward
+    for k in range(total - warmup):  # steady state: one forward, one backward
         forward(warmup + k)
         backward(k)
-    for k in range(total - warmup, total):   # cool-down: the remaining backwards
+    for k in range(total - warmup, total):  # cool-down: the remaining backwards
         backward(k)
     for work in sends:
         work.wait()

@@ -1,11 +1,13 @@
-"""Exercise 04 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism, Megatron style.
+"""Exercise 04 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism, Megatron
+style.
 
 Sharded over the N = tp ranks of ``group`` (rank r holds the r-th contiguous block):
     q/k/v_proj, gate/up_proj, lm_head   column-parallel, output features [out/tp, in]: nh/tp, nkv/tp heads per rank
     o_proj, down_proj                   row-parallel, input features [out, in/tp]
     tok_emb                             vocab-parallel, rows [V/tp, H]          (RMSNorm weights: replicated [H])
 
-Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022, §4.2.2):
+Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022,
+§4.2.2):
     f   CopyToModelParallelRegion              fwd identity           bwd all-reduce          enter attention/MLP
     g   ReduceFromModelParallelRegion          fwd all-reduce         bwd identity            leave them
         GatherFromModelParallelRegion          fwd all-gather(last)   bwd split(last)
@@ -13,9 +15,10 @@ Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti
     SP  GatherFromSequenceParallelRegion       fwd all-gather(T)      bwd reduce-scatter(T)   replaces f
     SP  ReduceScatterToSequenceParallelRegion  fwd reduce-scatter(T)  bwd all-gather(T)       replaces g
 
-Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective: ``labs.theory.tensor_parallel``): per
-block 4·c·K, as 2 all-reduces each way or, with SP, 2 all-gathers + 2 reduce-scatters each way, plus c·H·bytes per
-norm weight; outside the blocks tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
+Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective:
+``labs.theory.tensor_parallel``): per block 4·c·K, as 2 all-reduces each way or, with SP, 2
+all-gathers + 2 reduce-scatters each way, plus c·H·bytes per norm weight; outside the blocks
+tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
 """
 
 import copy
@@ -28,7 +31,13 @@ import torch.nn.functional as F
 
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import Block, ModelConfig, RMSNorm, Transformer
-from labs.runtime.tensor_comm import all_gather_along, all_reduce_copy, reduce_scatter_along, shard_weight, split_along
+from labs.runtime.tensor_comm import (
+    all_gather_along,
+    all_reduce_copy,
+    reduce_scatter_along,
+    shard_weight,
+    split_along,
+)
 from labs.theory.dims import ParallelDims, check_divides
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
@@ -38,6 +47,7 @@ SEQ_DIM = 1  # activations are [B, T, H]: T is dim 1
 # --- the conjugate operators. Exercise: each forward is given; write the backward, its adjoint ---
 class CopyToModelParallelRegion(torch.autograd.Function):
     """fwd: identity; bwd: all-reduce. Megatron's f: a replicated activation enters a TP region."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -52,6 +62,7 @@ class CopyToModelParallelRegion(torch.autograd.Function):
 
 class ReduceFromModelParallelRegion(torch.autograd.Function):
     """fwd: all-reduce; bwd: identity. Megatron's g: partial sums leave a TP region."""
+
     @staticmethod
     def forward(ctx, x, group):
         return all_reduce_copy(x, group)
@@ -65,6 +76,7 @@ class ReduceFromModelParallelRegion(torch.autograd.Function):
 
 class GatherFromModelParallelRegion(torch.autograd.Function):
     """fwd: all-gather along the last dim; bwd: keep this rank's slice of the last dim."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -79,6 +91,7 @@ class GatherFromModelParallelRegion(torch.autograd.Function):
 
 class ScatterToModelParallelRegion(torch.autograd.Function):
     """fwd: keep this rank's slice of the last dim; bwd: all-gather along the last dim."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -93,6 +106,7 @@ class ScatterToModelParallelRegion(torch.autograd.Function):
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """fwd: all-gather along T, [B, T/tp, H] -> [B, T, H]; bwd: reduce-scatter along T. SP's f."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -106,7 +120,9 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """fwd: reduce-scatter along T, partial sums [B, T, H] -> [B, T/tp, H]; bwd: all-gather along T. SP's g."""
+    """fwd: reduce-scatter along T, partial sums [B, T, H] -> [B, T/tp, H]; bwd: all-gather along T.
+    SP's g."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -120,28 +136,46 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 def enter_parallel_region(x, group, sequence_parallel: bool):
-    """A replicated activation enters a TP region: f, or with SP the all-gather [B, T/tp, H] -> [B, T, H]."""
+    """A replicated activation enters a TP region: f, or with SP the all-gather [B, T/tp, H] -> [B,
+    T, H]."""
     ### BEGIN SOLUTION
-    return (GatherFromSequenceParallelRegion if sequence_parallel else CopyToModelParallelRegion).apply(x, group)
+    return (
+        GatherFromSequenceParallelRegion if sequence_parallel else CopyToModelParallelRegion
+    ).apply(x, group)
     ### END SOLUTION
 
 
 def exit_parallel_region(x, group, sequence_parallel: bool):
-    """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter -> [B, T/tp, H]."""
+    """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter ->
+    [B, T/tp, H]."""
     ### BEGIN SOLUTION
-    op = ReduceScatterToSequenceParallelRegion if sequence_parallel else ReduceFromModelParallelRegion
+    op = (
+        ReduceScatterToSequenceParallelRegion
+        if sequence_parallel
+        else ReduceFromModelParallelRegion
+    )
     return op.apply(x, group)
     ### END SOLUTION
 
 
-# --- layers, each cut from the full layer of the original model (``shard_weight``) ------------------
+# --- layers, each cut from the full layer of the original model (``shard_weight``)
+# ------------------
 class ColumnParallelLinear(nn.Module):
-    """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes X A_r.
+    """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes
+    X A_r.
         X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}:  Y_r [B, T, out/tp]   (gather_output: [B, T, out])
-    ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False when the
-    caller entered it once for several linears reading the same input (q, k, v)."""
+    ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False
+    when the caller entered it once for several linears reading the same input (q, k, v)."""
 
-    def __init__(self, full: nn.Linear, *, group, gather_output=False, sequence_parallel=False, copy_input=True):
+    def __init__(
+        self,
+        full: nn.Linear,
+        *,
+        group,
+        gather_output=False,
+        sequence_parallel=False,
+        copy_input=True,
+    ):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gather_output, self.copy_input = gather_output, copy_input
@@ -157,9 +191,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives split.
+    """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives
+    split.
 
-        X_0 | X_1 | ... [B, T, in/tp]   Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]  (SP: [B, T/tp, out])"""
+    X_0 | X_1 | ... [B, T, in/tp]   Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]  (SP: [B, T/tp, out])"""
 
     def __init__(self, full: nn.Linear, *, group, sequence_parallel=False):
         super().__init__()
@@ -174,8 +209,9 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token table split by vocabulary rows: rank r holds ids [r V/tp, (r+1) V/tp). forward(idx [B, T]):
-    its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP: [B, T/tp, H])."""
+    """The token table split by vocabulary rows: rank r holds ids [r V/tp, (r+1) V/tp). forward(idx
+    [B, T]): its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP:
+    [B, T/tp, H])."""
 
     def __init__(self, full: nn.Embedding, *, group, sequence_parallel=False):
         super().__init__()
@@ -187,13 +223,17 @@ class VocabParallelEmbedding(nn.Module):
         start, per_rank = dist.get_rank(self.group) * self.weight.shape[0], self.weight.shape[0]
         elsewhere = (idx < start) | (idx >= start + per_rank)  # [B, T]: ids another rank holds
         x = F.embedding((idx - start).masked_fill(elsewhere, 0), self.weight)  # [B, T, H]
-        return exit_parallel_region(x.masked_fill(elsewhere[..., None], 0.0), self.group, self.sequence_parallel)
+        return exit_parallel_region(
+            x.masked_fill(elsewhere[..., None], 0.0), self.group, self.sequence_parallel
+        )
         ### END SOLUTION
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) from 2 all-reduces (max, N numbers; sum of
-    exp and target logit, 2N), on every rank. bwd: (softmax - one_hot) / N on the local slice. Saves [N, V/tp]."""
+    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) from 2 all-reduces (max, N
+    numbers; sum of exp and target logit, 2N), on every rank. bwd: (softmax - one_hot) / N on the
+    local slice. Saves [N, V/tp]."""
+
     @staticmethod
     def forward(ctx, logits, targets, group):
         ### BEGIN SOLUTION
@@ -204,8 +244,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         elsewhere = (targets < start) | (targets >= start + per_rank)  # [N]: target on another rank
         local = (targets - start).masked_fill(elsewhere, 0)
         exp = shifted.exp()
-        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(elsewhere, 0.0)  # [N]
-        sums = torch.stack([exp.sum(dim=-1), target_logit])  # [2, N]: both summed over ranks in one all-reduce
+        target_logit = (
+            shifted.gather(1, local[:, None]).squeeze(1).masked_fill(elsewhere, 0.0)
+        )  # [N]
+        sums = torch.stack(
+            [exp.sum(dim=-1), target_logit]
+        )  # [2, N]: both summed over ranks in one all-reduce
         dist.all_reduce(sums, group=group)
         ctx.save_for_backward(exp / sums[0][:, None], local, elsewhere)  # softmax [N, V/tp]
         return (sums[0].log() - sums[1]).mean()
@@ -216,13 +260,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ### BEGIN SOLUTION
         softmax, local, elsewhere = ctx.saved_tensors
         grad_logits = softmax.clone()
-        grad_logits[torch.arange(len(local), device=local.device), local] -= (~elsewhere).to(softmax.dtype)  # - one_hot
+        grad_logits[torch.arange(len(local), device=local.device), local] -= (~elsewhere).to(
+            softmax.dtype
+        )  # - one_hot
         return grad_logits * (grad / len(local)), None, None
         ### END SOLUTION
 
 
 def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> RMSNorm:
-    """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an all-reduce on it."""
+    """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an
+    all-reduce on it."""
     ### BEGIN SOLUTION
     out = copy.deepcopy(norm)
     if sequence_parallel:
@@ -232,24 +279,35 @@ def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> 
 
 
 class ParallelBlock(Block):
-    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms, residual adds (and
-    dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once each, outputs back in x's shape."""
+    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms,
+    residual adds (and dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once
+    each, outputs back in x's shape."""
 
     def __init__(self, full: Block, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = full.attn_norm, full.attn, full.mlp_norm, full.mlp
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = (
+            full.attn_norm,
+            full.attn,
+            full.mlp_norm,
+            full.mlp,
+        )
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x, cos, sin):
         ### BEGIN SOLUTION
-        x = x + self.attn(enter_parallel_region(self.attn_norm(x), self.group, self.sequence_parallel), cos, sin)
-        return x + self.mlp(enter_parallel_region(self.mlp_norm(x), self.group, self.sequence_parallel))
+        x = x + self.attn(
+            enter_parallel_region(self.attn_norm(x), self.group, self.sequence_parallel), cos, sin
+        )
+        return x + self.mlp(
+            enter_parallel_region(self.mlp_norm(x), self.group, self.sequence_parallel)
+        )
         ### END SOLUTION
 
 
 class TensorParallelTransformer(Transformer):
     """The course model, tensor-parallel: the same parameter names, each rank holding its shards;
-    ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by ``apply_tensor_parallel``."""
+    ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by
+    ``apply_tensor_parallel``."""
 
     def __init__(self, cfg: ModelConfig, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
@@ -257,33 +315,62 @@ class TensorParallelTransformer(Transformer):
         self.layers = nn.ModuleList()
 
     def forward(self, idx, targets=None, positions=None):
-        """idx [B, T] -> this rank's logits [B, T, V/tp]; with targets also the mean cross-entropy (every rank)."""
+        """idx [B, T] -> this rank's logits [B, T, V/tp]; with targets also the mean cross-entropy
+        (every rank)."""
         if self.sequence_parallel:
             check_divides(idx.shape[1], "sequence length T", dist.get_world_size(self.group), "tp")
-        logits = super().forward(idx, positions=positions)  # [B, T, V/tp]: the vocabulary stays split
+        logits = super().forward(
+            idx, positions=positions
+        )  # [B, T, V/tp]: the vocabulary stays split
         if targets is None:
             return logits  # the loss never gathers them either: ``VocabParallelCrossEntropy``
-        return logits, VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.group)
+        return logits, VocabParallelCrossEntropy.apply(
+            logits.float().flatten(0, 1), targets.flatten(), self.group
+        )
 
 
-def apply_tensor_parallel(model: nn.Module, *, group=None, sequence_parallel=False) -> TensorParallelTransformer:
-    """The tensor-parallel version of ``model`` (the course ``Transformer`` or a ``transformers`` ``LlamaForCausalLM``,
-    left unchanged) on ``group`` (default WORLD), every weight cut from the original's. The plan: ``tok_emb``
-    vocab-parallel; per ``ParallelBlock`` q/k/v, gate/up column-parallel (``copy_input=False``), o/down row-parallel,
-    ``sequence_parallel_norm`` norms, head counts / tp (rank r: query heads [r nh/tp, (r+1) nh/tp), kv heads
-    [r nkv/tp, ...), which SDPA's ``enable_gqa`` pairs right: query head j uses kv head j // (nh/nkv)); ``lm_head``
-    column-parallel, output split over V. ValueError (before any collective) unless tp divides nh, nkv, H, F, V."""
+def apply_tensor_parallel(
+    model: nn.Module, *, group=None, sequence_parallel=False
+) -> TensorParallelTransformer:
+    """The tensor-parallel version of ``model`` (the course ``Transformer`` or a ``transformers``
+    ``LlamaForCausalLM``, left unchanged) on ``group`` (default WORLD), every weight cut from the
+    original's. The plan: ``tok_emb`` vocab-parallel; per ``ParallelBlock`` q/k/v, gate/up
+    column-parallel (``copy_input=False``), o/down row-parallel, ``sequence_parallel_norm`` norms,
+    head counts / tp (rank r: query heads [r nh/tp, (r+1) nh/tp), kv heads [r nkv/tp, ...), which
+    SDPA's ``enable_gqa`` pairs right: query head j uses kv head j // (nh/nkv)); ``lm_head``
+    column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
+    nkv, H, F, V."""
     group = group if group is not None else dist.group.WORLD
-    full, tp = copy.deepcopy(course_model_from(model)), dist.get_world_size(group)  # HF names -> course's
+    full, tp = (
+        copy.deepcopy(course_model_from(model)),
+        dist.get_world_size(group),
+    )  # HF names -> course's
     cfg = full.cfg
-    ParallelDims(tp=tp).check_model(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
-                                    ffn_hidden=cfg.ffn_hidden, vocab_size=cfg.vocab_size)
+    ParallelDims(tp=tp).check_model(
+        n_head=cfg.n_head,
+        n_kv_head=cfg.n_kv_head,
+        n_embd=cfg.n_embd,
+        ffn_hidden=cfg.ffn_hidden,
+        vocab_size=cfg.vocab_size,
+    )
     kw = dict(group=group, sequence_parallel=sequence_parallel)
     ### BEGIN SOLUTION
-    column, row = partial(ColumnParallelLinear, copy_input=False, **kw), partial(RowParallelLinear, **kw)
+    column, row = (
+        partial(ColumnParallelLinear, copy_input=False, **kw),
+        partial(RowParallelLinear, **kw),
+    )
     norm = partial(sequence_parallel_norm, **kw)
-    plan = {"attn_norm": norm, "attn.q_proj": column, "attn.k_proj": column, "attn.v_proj": column,
-            "attn.o_proj": row, "mlp_norm": norm, "mlp.gate_proj": column, "mlp.up_proj": column, "mlp.down_proj": row}
+    plan = {
+        "attn_norm": norm,
+        "attn.q_proj": column,
+        "attn.k_proj": column,
+        "attn.v_proj": column,
+        "attn.o_proj": row,
+        "mlp_norm": norm,
+        "mlp.gate_proj": column,
+        "mlp.up_proj": column,
+        "mlp.down_proj": row,
+    }
     tp_model = TensorParallelTransformer(cfg, **kw)
     tp_model.tok_emb = VocabParallelEmbedding(full.tok_emb, **kw)
     for full_block in full.layers:

@@ -45,13 +45,15 @@ NOTEBOOK = "03_zero_and_fsdp.ipynb"
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    stage: int = 3          # 1: optimizer state sharded; 2: + gradients; 3: + parameters
-    offload: bool = False   # AdamW and its state on the host (ZeRO-Offload)
-    prefetch: bool = True   # ZeRO-3: all-gather unit k+1 while unit k computes
+    stage: int = 3  # 1: optimizer state sharded; 2: + gradients; 3: + parameters
+    offload: bool = False  # AdamW and its state on the host (ZeRO-Offload)
+    prefetch: bool = True  # ZeRO-3: all-gather unit k+1 while unit k computes
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
-            raise ValueError(f"stage={self.stage!r} is not one of (1, 2, 3); stage 0 is plain data parallelism")
+            raise ValueError(
+                f"stage={self.stage!r} is not one of (1, 2, 3); stage 0 is plain data parallelism"
+            )
 
 
 class FlatUnit(FlatBuffer):
@@ -84,18 +86,22 @@ class _Sharded:
         units = units if units is not None else [("model", [model])]
         self.modules, seen, self.units = [modules for _, modules in units], set(), []
         for name, modules in units:  # a parameter shared by two units (tied) belongs to the first
-            params = [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
+            params = [
+                p for m in modules for p in m.parameters() if p.requires_grad and p not in seen
+            ]
             seen.update(params)
             self.units.append(FlatUnit(name, params, self.rank, self.world))
         self.ready = GradReadiness(self.units, self.post_backward)
         self.host_bytes = 0  # bytes copied between device and host (offload)
         self._build()
         for u in self.units:
-            u.shard_param.grad = u.full_grad[u.lo: u.hi] if zero.stage == 1 else u.shard_grad
+            u.shard_param.grad = u.full_grad[u.lo : u.hi] if zero.stage == 1 else u.shard_grad
             if zero.offload:  # ZeRO-Offload: AdamW updates an fp32 copy of the shard on the host
                 u.host = nn.Parameter(u.shard_param.detach().to("cpu", copy=True))
                 u.host.grad = torch.zeros_like(u.host)
-        self.optimizer = make_optimizer([u.host if zero.offload else u.shard_param for u in self.units], cfg)
+        self.optimizer = make_optimizer(
+            [u.host if zero.offload else u.shard_param for u in self.units], cfg
+        )
 
     def zero_grad(self) -> None:
         self.ready.reset()
@@ -120,10 +126,10 @@ class _Sharded:
         u = self.units[k]
         ### BEGIN SOLUTION
         if self.zero.stage == 1:
-            dist.reduce_scatter_single(u.full_grad[u.lo: u.hi], u.full_grad, group=self.group)
-            u.full_grad[u.lo: u.hi].div_(self.world)
+            dist.reduce_scatter_single(u.full_grad[u.lo : u.hi], u.full_grad, group=self.group)
+            u.full_grad[u.lo : u.hi].div_(self.world)
             return
-        flat = u.flatten([p.grad for p in u.params])                     # [N*S]
+        flat = u.flatten([p.grad for p in u.params])  # [N*S]
         dist.reduce_scatter_single(u.shard_grad, flat, group=self.group)  # [S]
         u.shard_grad.div_(self.world)
         for p in u.params:
@@ -163,12 +169,12 @@ class Zero12(_Sharded):
 
     def _build(self) -> None:
         for u in self.units:
-            u.bind(u.flatten([p.detach() for p in u.params]))                 # [N*S], padded
-            u.shard_param = nn.Parameter(u.full[u.lo: u.hi])                  # a view: AdamW writes into full
+            u.bind(u.flatten([p.detach() for p in u.params]))  # [N*S], padded
+            u.shard_param = nn.Parameter(u.full[u.lo : u.hi])  # a view: AdamW writes into full
             if self.zero.stage == 1:
                 u.full_grad = torch.zeros_like(u.full)
                 for p, g in zip(u.params, u.views(u.full_grad)):
-                    p.grad = g                                               # autograd accumulates into it
+                    p.grad = g  # autograd accumulates into it
             else:
                 u.shard_grad = torch.zeros(u.shard, dtype=u.full.dtype, device=u.full.device)
 
@@ -187,7 +193,7 @@ class Zero12(_Sharded):
                 self.reduce_scatter_grads(k)
         self.update_shards()
         for u in self.units:
-            dist.all_gather_single(u.full, u.full[u.lo: u.hi], group=self.group)
+            dist.all_gather_single(u.full, u.full[u.lo : u.hi], group=self.group)
         ### END SOLUTION
 
 
@@ -195,11 +201,11 @@ class Zero3(_Sharded):
     """ZeRO-3 / FSDP: parameters sharded too, gathered one unit at a time around its use."""
 
     def _build(self) -> None:
-        self.inflight: dict[int, object] = {}      # unit -> async all-gather work
+        self.inflight: dict[int, object] = {}  # unit -> async all-gather work
         self.peak = {"forward": 0, "backward": 0}  # most parameter bytes held at once
         for k, u in enumerate(self.units):
             full = u.flatten([p.detach() for p in u.params])
-            u.shard_param = nn.Parameter(full[u.lo: u.hi].clone())           # [S]: the only copy kept
+            u.shard_param = nn.Parameter(full[u.lo : u.hi].clone())  # [S]: the only copy kept
             u.shard_grad = torch.zeros_like(u.shard_param)
             u.bind(full)
             u.release()
@@ -209,14 +215,24 @@ class Zero3(_Sharded):
 
     def _after_forward(self, k, out) -> None:
         self.post_forward(k)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:  # runs when the first gradient w.r.t. the unit's output arrives: before its backward
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self.pre_backward(k), mode="any")
+        tensors = [
+            t
+            for t in torch.utils._pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if (
+            tensors
+        ):  # runs when the first gradient w.r.t. the unit's output arrives: before its backward
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _: self.pre_backward(k), mode="any"
+            )
 
     def param_bytes(self) -> int:
         """Parameter bytes held now: every shard plus every allocated full buffer."""
-        return sum(u.shard_param.numel() * u.shard_param.element_size() + u.full.untyped_storage().nbytes()
-                   for u in self.units)
+        return sum(
+            u.shard_param.numel() * u.shard_param.element_size() + u.full.untyped_storage().nbytes()
+            for u in self.units
+        )
 
     def gather(self, k: int, async_op: bool = False) -> None:
         """Make unit k's ``full`` buffer hold all N shards.
@@ -230,8 +246,9 @@ class Zero3(_Sharded):
         ### BEGIN SOLUTION
         if not u.allocated():
             u.allocate()
-            self.inflight[k] = dist.all_gather_single(u.full, u.shard_param.detach(), group=self.group,
-                                                      async_op=True)
+            self.inflight[k] = dist.all_gather_single(
+                u.full, u.shard_param.detach(), group=self.group, async_op=True
+            )
         if not async_op and k in self.inflight:
             self.inflight.pop(k).wait()
         ### END SOLUTION
@@ -239,7 +256,8 @@ class Zero3(_Sharded):
         self.peak[phase] = max(self.peak[phase], self.param_bytes())
 
     def pre_forward(self, k: int) -> None:
-        """Before unit k's forward: gather it; with ``self.zero.prefetch`` start gathering unit k+1."""
+        """Before unit k's forward: gather it; with ``self.zero.prefetch`` start gathering unit
+        k+1."""
         ### BEGIN SOLUTION
         self.gather(k)
         if self.zero.prefetch and k + 1 < len(self.units):
@@ -275,8 +293,16 @@ class Zero3(_Sharded):
         ### END SOLUTION
 
 
-def shard_model(model: nn.Module, *, stage: int, cfg: TrainConfig, units=None, offload: bool = False,
-                prefetch: bool = True, group=None) -> Zero12 | Zero3:
+def shard_model(
+    model: nn.Module,
+    *,
+    stage: int,
+    cfg: TrainConfig,
+    units=None,
+    offload: bool = False,
+    prefetch: bool = True,
+    group=None,
+) -> Zero12 | Zero3:
     """Wrap ``model`` for ZeRO ``stage`` (1, 2 or 3) on ``group``. ``units``: [(name, [modules])]
     run in that order (default: the whole model is one unit). Train with
     ``loss.backward(); z.step(); z.zero_grad()``."""

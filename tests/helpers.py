@@ -19,15 +19,24 @@ def alive(pid: int) -> bool:
 
 
 def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python <args>`` from the repository root with LABS_IMPL from ``env`` or this process."""
+    """Run ``python <args>`` from the repository root with LABS_IMPL from ``env`` or this
+    process."""
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def junit_outcomes(path) -> dict[str, str]:
-    """classname::name -> "passed", "failure", "error" or "skipped", from a pytest ``--junitxml`` report."""
+    """classname::name -> "passed", "failure", "error" or "skipped", from a pytest ``--junitxml``
+    report."""
     import xml.etree.ElementTree as ET
+
     outcomes = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         tags = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
@@ -36,18 +45,22 @@ def junit_outcomes(path) -> dict[str, str]:
 
 
 def json_lines(stdout: str) -> list[dict]:
-    """The JSON objects a run printed, one per line (under torchrun, only rank 0 prints its summary)."""
+    """The JSON objects a run printed, one per line (under torchrun, only rank 0 prints its
+    summary)."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def run_json(*args, **kw) -> dict:
     proc = run_cli(*args, **kw)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def find_widget(root, css_class: str):
-    """The widget under ``root`` (an ipywidgets container) that carries ``css_class``; fails the test if none."""
+    """The widget under ``root`` (an ipywidgets container) that carries ``css_class``; fails the
+    test if none."""
     stack = [root]
     while stack:
         widget = stack.pop()
@@ -58,8 +71,12 @@ def find_widget(root, css_class: str):
 
 
 def assert_torch_free(code: str, timeout: float = 120) -> None:
-    """Run ``code`` in a fresh interpreter (matplotlib's Agg backend); fail unless it ran to the end without
-    importing torch (the theory and its widgets must work where torch is not installed)."""
-    proc = run_cli("-c", f"import sys\n{code}\nassert 'torch' not in sys.modules, 'torch imported'",
-                   env={"MPLBACKEND": "Agg"}, timeout=timeout)
+    """Run ``code`` in a fresh interpreter (matplotlib's Agg backend); fail unless it ran to the end
+    without importing torch (the theory and its widgets must work where torch is not installed)."""
+    proc = run_cli(
+        "-c",
+        f"import sys\n{code}\nassert 'torch' not in sys.modules, 'torch imported'",
+        env={"MPLBACKEND": "Agg"},
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr

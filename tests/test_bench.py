@@ -1,6 +1,8 @@
-"""The course benchmark (labs/bench.py) and the GPU validation path's CPU run (scripts/gpu_check.py).
+"""The course benchmark (labs/bench.py) and the GPU validation path's CPU run
+(scripts/gpu_check.py).
 
-Harness tests: they run the reference solutions (``--impl solutions``), so they are not marked exercise.
+Harness tests: they run the reference solutions (``--impl solutions``), so they are not marked
+exercise.
 """
 
 from __future__ import annotations
@@ -19,10 +21,28 @@ from scripts import gpu_check
 from tests.helpers import run_cli
 
 
-# --- the bench, end to end on two cheap labs -------------------------------------------------------
+# --- the bench, end to end on two cheap labs
+# -------------------------------------------------------
 def test_bench_writes_table_csv_and_figure(tmp_path):
-    proc = run_cli("-m", "labs.bench", "--labs", "collectives", "memory", "--nproc", "2", "--steps", "2",
-                   "--repeats", "1", "--impl", "solutions", "--no-progress", "--out", str(tmp_path), timeout=240)
+    proc = run_cli(
+        "-m",
+        "labs.bench",
+        "--labs",
+        "collectives",
+        "memory",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--impl",
+        "solutions",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "bench.csv") as f:
         reader = csv.DictReader(f)
@@ -38,12 +58,21 @@ def test_bench_writes_table_csv_and_figure(tmp_path):
         assert float(row["state_ratio"]) == pytest.approx(1.0, abs=1e-9)
         assert row["matches_reference"] == "True" and float(row["max_diff"]) <= 1e-5
     # torch's counterpart: dist.all_reduce for the ring; none for the memory lab
-    assert float(ring["torch_ms"]) > 0 and ring["torch_impl"] == "dist.all_reduce" and ring["same_job"] == "True"
-    assert float(ring["ours_over_torch"]) == pytest.approx(float(ring["ours_ms"]) / float(ring["torch_ms"]))
+    assert (
+        float(ring["torch_ms"]) > 0
+        and ring["torch_impl"] == "dist.all_reduce"
+        and ring["same_job"] == "True"
+    )
+    assert float(ring["ours_over_torch"]) == pytest.approx(
+        float(ring["ours_ms"]) / float(ring["torch_ms"])
+    )
     assert memory["torch_ms"] == "" and memory["ours_over_torch"] == ""
     md = (tmp_path / "bench.md").read_text()
     assert "| lab | ranks | ours (ms) | torch (ms) |" in md and "cores" in md and "torch 2." in md
-    assert md.count("\n| collectives | 2 |") == 1 and md.count("\n| memory (fp32, no recompute) | 2 |") == 1
+    assert (
+        md.count("\n| collectives | 2 |") == 1
+        and md.count("\n| memory (fp32, no recompute) | 2 |") == 1
+    )
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "bench.md" in proc.stdout
 
@@ -59,13 +88,26 @@ def test_bench_rejects_bad_input():
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
-# --- rows from summaries: ratios, notes, missing and failing labs ----------------------------------
+# --- rows from summaries: ratios, notes, missing and failing labs
+# ----------------------------------
 def _summary(**kw):
-    s = {"lab": "pp", "nproc": 4, "backend": "gloo", "impl": "solutions", "steps": 5, "step_time_s": 0.3,
-         "torch_step_time_s": 0.2, "comm_bytes_per_rank": [100.0, 200.0, 200.0, 100.0],
-         "theory_comm_bytes_per_rank": [100, 200, 210, 100], "state_bytes_per_rank": [8, 8, 8, 8],
-         "theory_state_bytes_per_rank": 8, "max_rel_loss_diff": 2e-7, "matches_reference": True,
-         "bubble_fraction": 0.3, "theory_bubble_fraction": 0.25}
+    s = {
+        "lab": "pp",
+        "nproc": 4,
+        "backend": "gloo",
+        "impl": "solutions",
+        "steps": 5,
+        "step_time_s": 0.3,
+        "torch_step_time_s": 0.2,
+        "comm_bytes_per_rank": [100.0, 200.0, 200.0, 100.0],
+        "theory_comm_bytes_per_rank": [100, 200, 210, 100],
+        "state_bytes_per_rank": [8, 8, 8, 8],
+        "theory_state_bytes_per_rank": 8,
+        "max_rel_loss_diff": 2e-7,
+        "matches_reference": True,
+        "bubble_fraction": 0.3,
+        "theory_bubble_fraction": 0.25,
+    }
     return {**s, **kw}
 
 
@@ -74,7 +116,9 @@ def test_row_ratios_bubble_and_slow_note():
     row = bench.row_from_summary(_summary(), entry, wall_s=1.0)
     assert row["comm_ratio"] == pytest.approx(200 / 210)  # the rank farthest from theory
     assert row["state_ratio"] == 1.0 and row["theory_comm_bytes"] == 210
-    assert row["bubble_ratio"] == pytest.approx(1.2) and row["ours_over_torch"] == pytest.approx(1.5)
+    assert row["bubble_ratio"] == pytest.approx(1.2) and row["ours_over_torch"] == pytest.approx(
+        1.5
+    )
     assert row["diff_key"] == "max_rel_loss_diff" and row["matches_reference"] is True
     assert "1.50x torch's" in row["note"]  # > 20% slower: the row carries a note
     fast = bench.row_from_summary(_summary(step_time_s=0.23), entry, wall_s=1.0)
@@ -83,14 +127,20 @@ def test_row_ratios_bubble_and_slow_note():
     assert unpadded["bubble"] is None and unpadded["note"].startswith("why Ours is 1.50x")
     cp = bench.row_from_summary(_summary(lab="cp"), bench.BENCH["cp"][0], wall_s=1.0)
     assert "not of the same parallel job" in cp["note"] and bench.EXPLANATIONS["cp"] in cp["note"]
-    md = bench_report.markdown([row, fast], {"date": "today", "impl": "solutions", "command": "x",
-                                             "hardware": bench_report.hardware()})
+    md = bench_report.markdown(
+        [row, fast],
+        {"date": "today", "impl": "solutions", "command": "x", "hardware": bench_report.hardware()},
+    )
     assert "## Notes" in md and "0.300 (0.250)" in md and "✓" in md
 
 
 def test_repeats_keep_the_fastest_time_and_the_worst_difference():
-    runs = [_summary(step_time_s=0.4, torch_step_time_s=0.2, max_rel_loss_diff=1e-7),
-            _summary(step_time_s=0.3, torch_step_time_s=0.25, max_rel_loss_diff=3e-7, matches_reference=False)]
+    runs = [
+        _summary(step_time_s=0.4, torch_step_time_s=0.2, max_rel_loss_diff=1e-7),
+        _summary(
+            step_time_s=0.3, torch_step_time_s=0.25, max_rel_loss_diff=3e-7, matches_reference=False
+        ),
+    ]
     merged = bench.merge_repeats(runs, bench.Entry())
     assert (merged["step_time_s"], merged["torch_step_time_s"]) == (0.3, 0.2)
     assert merged["max_rel_loss_diff"] == 3e-7 and merged["matches_reference"] is False
@@ -102,24 +152,30 @@ def test_missing_and_failing_labs_are_rows(monkeypatch):
     monkeypatch.setitem(LABS, "ghost", "labs.experiments.ghost_lab_not_here")
     [row] = bench.run_lab("ghost", nproc=2, steps=2)
     assert row["status"] == "skipped" and "not in this copy" in row["note"]
-    for name, exc, status in (("boom", RuntimeError("rank 1 died"), "failed"),
-                              ("picky", ValueError("nproc=2 is not one of (4,)"), "invalid"),
-                              ("stub", NotImplementedError("write ring_all_reduce"), "not written")):
+    for name, exc, status in (
+        ("boom", RuntimeError("rank 1 died"), "failed"),
+        ("picky", ValueError("nproc=2 is not one of (4,)"), "invalid"),
+        ("stub", NotImplementedError("write ring_all_reduce"), "not written"),
+    ):
         module = types.ModuleType(f"labs.experiments.{name}_fake")
 
         def run(*, nproc, steps, backend, vs_torch, timeout, _exc=exc):
             raise _exc
+
         module.run = run
         monkeypatch.setitem(sys.modules, module.__name__, module)
         monkeypatch.setitem(LABS, name, module.__name__)
         [row] = bench.run_lab(name, nproc=2, steps=2)
         assert row["status"] == status and str(exc) in row["note"]
-    monkeypatch.setitem(bench.BENCH, "boom", [bench.Entry(options={"stage": 3})])  # an option the lab lost
+    monkeypatch.setitem(
+        bench.BENCH, "boom", [bench.Entry(options={"stage": 3})]
+    )  # an option the lab lost
     [row] = bench.run_lab("boom", nproc=2, steps=2)
     assert row["status"] == "invalid" and "takes no option(s) ['stage']" in row["note"]
 
 
-# --- the GPU path: its planning, and its CPU run with the same code --------------------------------
+# --- the GPU path: its planning, and its CPU run with the same code
+# --------------------------------
 def test_plan_states_the_fallback():
     assert gpu_check.lab_plan(4, 8, "auto") == [(4, "nccl", "NCCL, one process per GPU (4 of 8)")]
     assert [p[:2] for p in gpu_check.lab_plan(4, 0, "auto")] == [(4, "gloo")]
@@ -135,16 +191,26 @@ def test_peak_and_the_1b_scale_up():
     assert gpu_check.gpu_spec(["Mystery GPU"], None)[:2] == (None, None)
     assert gpu_check.gpu_spec(["NVIDIA H200"], 100.0)[0] == 100e12
     import torch
+
     from labs.models.transformer import ModelConfig, Transformer, count_params
     from labs.theory.memory import param_count
+
     cfg = gpu_check.model_config(tiny=False)
     with torch.device("meta"):
         n = count_params(Transformer(ModelConfig(**cfg)))
     assert n == param_count(gpu_check.spec_of(cfg)) and 0.9e9 < n < 1.1e9
     mbs = gpu_check.pick_micro_batch(cfg, world=1, gpu_gib=gib)
-    assert mbs >= 4 and max(gpu_check.predicted_bytes(cfg, world=1, micro_batch=mbs).values()) <= gib * 2**30 / 2
-    assert max(gpu_check.predicted_bytes(cfg, world=1, micro_batch=2 * mbs).values()) > gib * 2**30 / 2
-    assert gpu_check.pick_micro_batch(cfg, world=8, gpu_gib=None) == 2  # no GPU: the tiny run's size
+    assert (
+        mbs >= 4
+        and max(gpu_check.predicted_bytes(cfg, world=1, micro_batch=mbs).values())
+        <= gib * 2**30 / 2
+    )
+    assert (
+        max(gpu_check.predicted_bytes(cfg, world=1, micro_batch=2 * mbs).values()) > gib * 2**30 / 2
+    )
+    assert (
+        gpu_check.pick_micro_batch(cfg, world=8, gpu_gib=None) == 2
+    )  # no GPU: the tiny run's size
 
 
 def _notebook(path, source):
@@ -157,8 +223,17 @@ def _notebook(path, source):
 def test_gpu_check_cpu_smoke(tmp_path):
     good = _notebook(tmp_path / "good.ipynb", "assert 1 + 1 == 2")
     out = tmp_path / "out"
-    proc = run_cli("scripts/gpu_check.py", "--cpu-smoke", "--peak-tflops", "1", "--notebooks", str(good),
-                   "--out", str(out), timeout=300)
+    proc = run_cli(
+        "scripts/gpu_check.py",
+        "--cpu-smoke",
+        "--peak-tflops",
+        "1",
+        "--notebooks",
+        str(good),
+        "--out",
+        str(out),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["plan"] == [[4, "gloo", "gloo, CPU tensors"]]
@@ -167,41 +242,72 @@ def test_gpu_check_cpu_smoke(tmp_path):
     rows = {r["mode"]: r for r in report["throughput"]["rows"]}
     assert set(rows) == set(gpu_check.MODE_NAMES)
     for r in rows.values():
-        assert r["status"] == "ok" and r["world"] == 2 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
-    # ours and torch's train the same weights on the same tokens: the same losses, up to bf16 rounding
+        assert (
+            r["status"] == "ok" and r["world"] == 2 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        )
+    # ours and torch's train the same weights on the same tokens: the same losses, up to bf16
+    # rounding
     for ours in gpu_check.OURS:
         assert rows[ours]["max_rel_loss_diff_vs_torch"] <= 1e-3
-    assert report["notebooks"] == [dict(report["notebooks"][0], notebook="good.ipynb", status="passed")]
+    assert report["notebooks"] == [
+        dict(report["notebooks"][0], notebook="good.ipynb", status="passed")
+    ]
     md = (out / "gpu_check.md").read_text()
     assert "## Throughput" in md and "our ZeRO-3" in md and "PASSED" in proc.stdout
 
 
 def test_notebook_phase_reports_failures(tmp_path):
     import time
+
     bad = tmp_path / "bad.ipynb"
     bad.write_text("{ not a notebook")  # nbval fails on it without starting a kernel
-    rows = gpu_check.run_notebooks([bad], jobs=1, deadline=time.monotonic() + 120, log=lambda _: None)
+    rows = gpu_check.run_notebooks(
+        [bad], jobs=1, deadline=time.monotonic() + 120, log=lambda _: None
+    )
     assert [(r["notebook"], r["status"]) for r in rows] == [("bad.ipynb", "failed")]
-    late = gpu_check.run_notebooks([bad], jobs=1, deadline=time.monotonic() + 10, log=lambda _: None)
-    assert [(r["notebook"], r["status"]) for r in late] == [("bad.ipynb", "skipped")]  # no time left to start
+    late = gpu_check.run_notebooks(
+        [bad], jobs=1, deadline=time.monotonic() + 10, log=lambda _: None
+    )
+    assert [(r["notebook"], r["status"]) for r in late] == [
+        ("bad.ipynb", "skipped")
+    ]  # no time left to start
 
 
 def test_throughput_halves_the_micro_batch_on_out_of_memory(monkeypatch):
     import time
+
     from labs.runtime import launcher
+
     tried = []
 
     def fake_launch(fn, nprocs, run, **kw):
         tried.append(run.micro_batch)
         if run.micro_batch > 2:
             raise RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
-        return [{"device_name": "fake", "step_time_s": 0.5, "losses": [5.0, 4.0], "n_params": 10,
-                 "peak_memory_bytes": None}] * nprocs
+        return [
+            {
+                "device_name": "fake",
+                "step_time_s": 0.5,
+                "losses": [5.0, 4.0],
+                "n_params": 10,
+                "peak_memory_bytes": None,
+            }
+        ] * nprocs
 
     monkeypatch.setattr(launcher, "launch", fake_launch)
     cfg = gpu_check.model_config(tiny=True)
-    [row] = gpu_check.measure_throughput(["ddp"], cfg=cfg, world=2, backend="gloo", micro_batch=8,
-                                         predict_memory=False, peak=1e12, steps=2, timeout=60,
-                                         deadline=time.monotonic() + 60, log=lambda _: None)
+    [row] = gpu_check.measure_throughput(
+        ["ddp"],
+        cfg=cfg,
+        world=2,
+        backend="gloo",
+        micro_batch=8,
+        predict_memory=False,
+        peak=1e12,
+        steps=2,
+        timeout=60,
+        deadline=time.monotonic() + 60,
+        log=lambda _: None,
+    )
     assert tried == [8, 4, 2] and row["status"] == "ok" and row["micro_batch"] == 2
     assert row["tokens_per_s"] == 2 * 2 * cfg["seq_len"] / 0.5  # world x micro-batch x seq per step

@@ -1,5 +1,6 @@
-"""End to end in a real browser: JupyterLab serves notebook 01, Debian's Chromium (driven by Playwright)
-runs every cell, moves a memory-calculator control, and the verdict and the chart change.
+"""End to end in a real browser: JupyterLab serves notebook 01, Debian's Chromium (driven by
+Playwright) runs every cell, moves a memory-calculator control, and the verdict and the chart
+change.
 
     python -m pytest tests/test_browser.py -p no:cacheprovider     # needs /usr/bin/chromium
 
@@ -31,15 +32,27 @@ from labs.grading.processes import descendants
 from tests.helpers import ROOT
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless=new",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
 SCREENSHOTS = ROOT / "out" / "browser"
 TOKEN = "labs-browser-test-" + os.urandom(8).hex()
 # JupyterLab settings for the run: every cell in the DOM (no lazy rendering), no news pop-up.
-SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
-            "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
-                                                                                "checkForUpdates": False}}
-# The kernel item of the status bar; the toolbar's execution indicator says "idle" before a kernel exists.
+SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
+}
+# The kernel item of the status bar; the toolbar's execution indicator says "idle" before a kernel
+# exists.
 KERNEL_IDLE = """() => {
     const item = document.querySelector('.jp-StatusBar-TextItem[title^="Change kernel"]');
     return item !== null && item.textContent.trim().endsWith('| Idle');
@@ -53,21 +66,33 @@ ALL_PROMPTS_NUMBERED = """() => {
 @dataclass(frozen=True)
 class Target:
     """What the test drives in a notebook."""
+
     notebook: str
-    control: str                 # CSS selector of the control to move
-    value: str                   # the option to select, or the text to type (then Enter)
-    chart: str                   # CSS selector of the Output widget whose image must change
-    verdict: str | None = None   # CSS selector of the verdict, whose text must change
+    control: str  # CSS selector of the control to move
+    value: str  # the option to select, or the text to type (then Enter)
+    chart: str  # CSS selector of the Output widget whose image must change
+    verdict: str | None = None  # CSS selector of the verdict, whose text must change
     flips: tuple[str, str] | None = None  # how the verdict starts before and after the move
 
 
-# Notebook 01 opens the calculator on Llama-3 8B, seq 4096, ZeRO-3 over dp=8 on an H100 80GB (41.6 GiB:
+# Notebook 01 opens the calculator on Llama-3 8B, seq 4096, ZeRO-3 over dp=8 on an H100 80GB (41.6
+# GiB:
 # fits); ZeRO off puts the whole 146 GiB of state on each GPU (does not fit).
 TARGETS = {
-    "01": Target("01_memory_anatomy.ipynb", control=".labs-memory-zero select", value="0",
-                 chart=".labs-memory-chart", verdict=".labs-memory-verdict", flips=("fits", "does not fit")),
-    "00": Target("00_setup_and_collectives.ipynb", control=".widget-dropdown select", value="all_gather",
-                 chart=".widget-output"),
+    "01": Target(
+        "01_memory_anatomy.ipynb",
+        control=".labs-memory-zero select",
+        value="0",
+        chart=".labs-memory-chart",
+        verdict=".labs-memory-verdict",
+        flips=("fits", "does not fit"),
+    ),
+    "00": Target(
+        "00_setup_and_collectives.ipynb",
+        control=".widget-dropdown select",
+        value="all_gather",
+        chart=".widget-output",
+    ),
 }
 
 
@@ -108,25 +133,46 @@ def jupyter_lab(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "JUPYTER_TOKEN")}
-    env.update(LABS_IMPL="solutions", PYTHONHASHSEED="0", JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), IPYTHONDIR=str(tmp_path / "ipython"))
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
-           "--ServerApp.port=0", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={served}",
-           f"--LabApp.user_settings_dir={tmp_path / 'settings'}", f"--LabApp.workspaces_dir={tmp_path / 'ws'}",
-           "--LabApp.extension_manager=readonly"]
+    env.update(
+        LABS_IMPL="solutions",
+        PYTHONHASHSEED="0",
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        IPYTHONDIR=str(tmp_path / "ipython"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--allow-root",
+        "--ServerApp.ip=127.0.0.1",
+        "--ServerApp.port=0",
+        f"--IdentityProvider.token={TOKEN}",
+        f"--ServerApp.root_dir={served}",
+        f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+        f"--LabApp.workspaces_dir={tmp_path / 'ws'}",
+        "--LabApp.extension_manager=readonly",
+    ]
     log = open(tmp_path / "jupyter.log", "wb")
-    server = subprocess.Popen(cmd, env=env, cwd=served, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        cmd, env=env, cwd=served, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         info_file = tmp_path / "runtime" / f"jpserver-{server.pid}.json"
         deadline = time.monotonic() + 180
         while not info_file.exists():
-            assert server.poll() is None, "jupyter lab exited:\n" + (tmp_path / "jupyter.log").read_text()[-3000:]
+            assert server.poll() is None, (
+                "jupyter lab exited:\n" + (tmp_path / "jupyter.log").read_text()[-3000:]
+            )
             assert time.monotonic() < deadline, "jupyter lab did not start in 180 s"
             time.sleep(0.5)
         time.sleep(0.5)  # the file is written in one go, but give it a moment
         yield f"http://127.0.0.1:{json.loads(info_file.read_text())['port']}", served
     finally:
-        started = descendants(server.pid)  # the kernel and its ranks, which SIGTERM should shut down
+        started = descendants(
+            server.pid
+        )  # the kernel and its ranks, which SIGTERM should shut down
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=30)
@@ -153,10 +199,14 @@ def _run_all(page) -> None:
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.click("li[data-command='runmenu:run-all']")
     try:
-        page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=300_000)  # a failing cell stops Run All
+        page.wait_for_function(
+            ALL_PROMPTS_NUMBERED, timeout=300_000
+        )  # a failing cell stops Run All
     except Exception as exc:  # noqa: BLE001 - say which cell stopped it
         states = "\n".join(page.evaluate(CELL_STATES))
-        raise AssertionError(f"the notebook did not run to the end ({type(exc).__name__}); cells:\n{states}") from None
+        raise AssertionError(
+            f"the notebook did not run to the end ({type(exc).__name__}); cells:\n{states}"
+        ) from None
     page.wait_for_function(KERNEL_IDLE)
 
 
@@ -185,18 +235,26 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
     goal = target()
     stem = goal.notebook.split("_")[0]
     shot = tmp_path / f"notebook{stem}.png"
-    code_cells = sum(c.cell_type == "code" for c in nbformat.read(served / goal.notebook, as_version=4).cells)
+    code_cells = sum(
+        c.cell_type == "code" for c in nbformat.read(served / goal.notebook, as_version=4).cells
+    )
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000})
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
         page = browser.pages[0] if browser.pages else browser.new_page()
         page.set_default_timeout(120_000)
         try:
             page.goto(f"{base}/lab/tree/{goal.notebook}?token={TOKEN}")
             page.wait_for_function(KERNEL_IDLE)
-            page.wait_for_function(f"() => document.querySelectorAll('.jp-Notebook .jp-CodeCell').length "
-                                   f"=== {code_cells}")
+            page.wait_for_function(
+                f"() => document.querySelectorAll('.jp-Notebook .jp-CodeCell').length "
+                f"=== {code_cells}"
+            )
             _run_all(page)
 
             control = page.locator(goal.control).first
@@ -212,8 +270,11 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
                 control.press("Enter")
             deadline = time.monotonic() + 60
             while (after := (_text(page, goal.verdict), _image(page, goal.chart))) and (
-                    (goal.verdict and after[0] == before[0]) or after[1] in (before[1], None)):
-                assert time.monotonic() < deadline, f"the widget did not update: {before[0]!r} -> {after[0]!r}"
+                (goal.verdict and after[0] == before[0]) or after[1] in (before[1], None)
+            ):
+                assert time.monotonic() < deadline, (
+                    f"the widget did not update: {before[0]!r} -> {after[0]!r}"
+                )
                 time.sleep(0.25)
             if goal.flips:
                 assert after[0].startswith(goal.flips[1] + ":"), after[0]

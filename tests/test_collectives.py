@@ -15,14 +15,23 @@ pytestmark = pytest.mark.exercise
 def ring_vs_torch(shape, dtype):
     ring = exercise("collectives")
     g = torch.Generator().manual_seed(dist.get_rank())
-    x = (torch.randint(-100, 100, shape, generator=g) if not dtype.is_floating_point
-         else torch.randn(shape, generator=g)).to(dtype)
+    x = (
+        torch.randint(-100, 100, shape, generator=g)
+        if not dtype.is_floating_point
+        else torch.randn(shape, generator=g)
+    ).to(dtype)
     ours, theirs = x.clone(), x.clone()
     with CommLedger() as ledger:
         out = ring.ring_all_reduce(ours)
     dist.all_reduce(theirs)
-    return {"same_object": out is ours, "ours": ours, "theirs": theirs, "sent": ledger.sent_bytes(),
-            "sends": ledger.calls("isend"), "k": x.numel() * x.element_size()}
+    return {
+        "same_object": out is ours,
+        "ours": ours,
+        "theirs": theirs,
+        "sent": ledger.sent_bytes(),
+        "sends": ledger.calls("isend"),
+        "k": x.numel() * x.element_size(),
+    }
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4])
@@ -33,7 +42,9 @@ def test_integer_all_reduce_is_exact(nproc):
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("shape", [(1000,), (7, 13), (3,)])  # 3 elements on 4 ranks: one empty chunk
+@pytest.mark.parametrize(
+    "shape", [(1000,), (7, 13), (3,)]
+)  # 3 elements on 4 ranks: one empty chunk
 def test_float_all_reduce_matches_within_rounding(nproc, shape):
     for r in launch(ring_vs_torch, nproc, shape, torch.float32):
         torch.testing.assert_close(r["ours"], r["theirs"], rtol=1e-6, atol=1e-6)
@@ -49,7 +60,9 @@ def test_bytes_sent_per_rank_equal_the_ring_formula(nproc):
 
 def non_contiguous_case():
     ring = exercise("collectives")
-    x = torch.arange(24.0).view(4, 6).t() * (dist.get_rank() + 1)  # a transposed, non-contiguous view
+    x = torch.arange(24.0).view(4, 6).t() * (
+        dist.get_rank() + 1
+    )  # a transposed, non-contiguous view
     expected = x.clone()
     dist.all_reduce(expected)
     ring.ring_all_reduce(x)

@@ -30,8 +30,10 @@ def test_output_and_gradients_equal_full_attention(checked):
     assert len(rows) == 4
     for row in rows:
         for name, diff in row["max_rel_diff"].items():
-            assert diff <= TOL, (f"cp={cp} causal={row['causal']} {row['layout']}: {name} differs from full "
-                                 f"attention by {diff:.2e} (relative) > {TOL:g}")
+            assert diff <= TOL, (
+                f"cp={cp} causal={row['causal']} {row['layout']}: {name} differs from full "
+                f"attention by {diff:.2e} (relative) > {TOL:g}"
+            )
 
 
 @pytest.mark.exercise
@@ -47,12 +49,16 @@ def test_kv_bytes_sent_equal_the_ring_formula(checked):
 def test_measured_work_per_rank_is_the_steppers_and_zigzag_balances_it(checked):
     cp, rows = checked
     for row in rows:
-        # Forward: matmul FLOPs really spent, in units of one chunk block; backward: block kernel calls.
+        # Forward: matmul FLOPs really spent, in units of one chunk block; backward: block kernel
+        # calls.
         assert row["blocks_measured_forward"] == row["blocks_theory"], row
         assert row["blocks_measured_backward"] == row["blocks_theory"], row
     by_case = {(r["causal"], r["zigzag"]): r["blocks_measured_forward"] for r in rows}
     assert len(set(by_case[True, True])) == 1, f"zig-zag work is unequal: {by_case[True, True]}"
-    assert by_case[True, False] == sorted(by_case[True, False]) and len(set(by_case[True, False])) == cp
+    assert (
+        by_case[True, False] == sorted(by_case[True, False])
+        and len(set(by_case[True, False])) == cp
+    )
     assert sum(by_case[True, True]) == sum(by_case[True, False]) == cp * (2 * cp + 1)
 
 
@@ -79,8 +85,9 @@ def test_zigzag_split_and_unsplit(exercise):
     assert cpm.split_sequence(x, cp=2, rank=1, zigzag=False).tolist() == [[4, 5, 6, 7]]
     for cp in (1, 2, 3, 4):
         for zigzag in (True, False):
-            assert [cpm.chunk_ids(r, cp, zigzag) for r in range(cp)] == [cpt.chunk_ids(r, cp, zigzag)
-                                                                         for r in range(cp)]
+            assert [cpm.chunk_ids(r, cp, zigzag) for r in range(cp)] == [
+                cpt.chunk_ids(r, cp, zigzag) for r in range(cp)
+            ]
             y = torch.randn(2, 24, 3)
             parts = [cpm.split_sequence(y, cp=cp, rank=r, zigzag=zigzag) for r in range(cp)]
             assert torch.equal(cpm.unsplit_sequence(parts, zigzag=zigzag), y)
@@ -91,15 +98,23 @@ def test_zigzag_split_and_unsplit(exercise):
 def test_merge_rule_equals_attention_over_all_keys(exercise):
     cpm = exercise("context_parallel")
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, 6, 8, generator=g) * 30, torch.randn(2, 2, 10, 8, generator=g), \
-        torch.randn(2, 2, 10, 8, generator=g)  # large logits: a naive exp(lse) would overflow
+    q, k, v = (
+        torch.randn(2, 4, 6, 8, generator=g) * 30,
+        torch.randn(2, 2, 10, 8, generator=g),
+        torch.randn(2, 2, 10, 8, generator=g),
+    )  # large logits: a naive exp(lse) would overflow
     whole = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    parts = [cpm.attention_block(q, k[:, :, s], v[:, :, s], causal=False, scale=8 ** -0.5)
-             for s in (slice(0, 3), slice(3, 7), slice(7, 10))]
+    parts = [
+        cpm.attention_block(q, k[:, :, s], v[:, :, s], causal=False, scale=8**-0.5)
+        for s in (slice(0, 3), slice(3, 7), slice(7, 10))
+    ]
     (o1, l1), (o2, l2), (o3, l3) = parts
     out, lse = cpm.merge_partials(*cpm.merge_partials(o1, l1, o2, l2), o3, l3)
     assert max_rel_diff(out, whole) <= TOL
-    assert max_rel_diff(lse, (q @ k.repeat_interleave(2, 1).transpose(-2, -1) * 8 ** -0.5).logsumexp(-1)) <= TOL
+    assert (
+        max_rel_diff(lse, (q @ k.repeat_interleave(2, 1).transpose(-2, -1) * 8**-0.5).logsumexp(-1))
+        <= TOL
+    )
     swapped, _ = cpm.merge_partials(*cpm.merge_partials(o3, l3, o1, l1), o2, l2)
     assert max_rel_diff(swapped, whole) <= TOL  # the order of the blocks does not matter
     assert torch.isfinite(out).all()
@@ -124,7 +139,9 @@ def test_ring_on_a_sub_group_uses_global_ranks_for_its_peers(exercise):
     ref = lab.reference_attention(shape, causal=True)
     for members in ([0, 2], [1, 3]):
         for name in ("out", "dq", "dk", "dv"):
-            got = exercise("context_parallel").unsplit_sequence([per_rank[r][name] for r in members], dim=2)
+            got = exercise("context_parallel").unsplit_sequence(
+                [per_rank[r][name] for r in members], dim=2
+            )
             assert max_rel_diff(got, ref[name]) <= TOL, f"group {members}: {name}"
 
 
@@ -137,14 +154,19 @@ def event_worker(shape):
         def wrapper(*args, **kwargs):
             events.append(name)
             return fn(*args, **kwargs)
+
         return wrapper
 
     me, cp = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, dim=2) for t in lab.make_qkv(shape))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    with mock.patch.object(dist, "batch_isend_irecv", recording("post", dist.batch_isend_irecv)), \
-            mock.patch.object(cpm, "attention_block", recording("block", cpm.attention_block)), \
-            mock.patch.object(cpm, "attention_block_backward", recording("block", cpm.attention_block_backward)):
+    with (
+        mock.patch.object(dist, "batch_isend_irecv", recording("post", dist.batch_isend_irecv)),
+        mock.patch.object(cpm, "attention_block", recording("block", cpm.attention_block)),
+        mock.patch.object(
+            cpm, "attention_block_backward", recording("block", cpm.attention_block_backward)
+        ),
+    ):
         out = cpm.ring_attention(q, k, v, dist.group.WORLD, causal=False)
         forward = list(events)
         events.clear()
@@ -154,7 +176,9 @@ def event_worker(shape):
 
 def _posted_before_each_step(events, cp):
     """True when each of the first cp-1 runs of block computations directly follows a post."""
-    starts = [i for i, e in enumerate(events) if e == "block" and (i == 0 or events[i - 1] != "block")]
+    starts = [
+        i for i, e in enumerate(events) if e == "block" and (i == 0 or events[i - 1] != "block")
+    ]
     return len(starts) == cp and all(i > 0 and events[i - 1] == "post" for i in starts[:-1])
 
 
@@ -193,6 +217,22 @@ def test_activation_memory_per_rank_falls_as_one_over_cp():
 
 @pytest.mark.exercise
 def test_cli_summary_without_a_causal_mask():
-    summary = run_json("-m", "labs.run", "cp", "--nproc", "2", "--no-causal", "--no-zigzag", "--seq", "16", "--json")
-    assert summary["lab"] == "cp" and summary["nproc"] == 2 and not summary["causal"] and not summary["zigzag"]
+    summary = run_json(
+        "-m",
+        "labs.run",
+        "cp",
+        "--nproc",
+        "2",
+        "--no-causal",
+        "--no-zigzag",
+        "--seq",
+        "16",
+        "--json",
+    )
+    assert (
+        summary["lab"] == "cp"
+        and summary["nproc"] == 2
+        and not summary["causal"]
+        and not summary["zigzag"]
+    )
     assert summary["attention_matches_reference"] and "skipped" in summary["training"]

@@ -1,5 +1,5 @@
-"""Exercise 02: naive, overlapped and bucketed DDP equal single-process training, send 2(N-1)/N G bytes
-per rank per step in the predicted number of calls, and match torch's DDP.
+"""Exercise 02: naive, overlapped and bucketed DDP equal single-process training, send 2(N-1)/N G
+bytes per rank per step in the predicted number of calls, and match torch's DDP.
 
 Parameters after 5 AdamW steps are compared in fp32 on 2 ranks and in float64 on 4: in fp32
 on 4 ranks they differ by ~6e-5 for *any* DDP, torch's included (see labs.experiments.ddp.run),
@@ -21,8 +21,15 @@ from labs.models.toy import build_awkward
 from labs.run import main as cli
 from labs.runtime import exercise
 from labs.theory.comm import all_reduce_bytes
-from labs.theory.overlap import MiB, VARIANTS, all_reduce_calls, bucket_layout
-from labs.train import TOLERANCES, TrainConfig, assert_close_tensors, compare_losses, data_for, train_reference
+from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
+from labs.train import (
+    TOLERANCES,
+    TrainConfig,
+    assert_close_tensors,
+    compare_losses,
+    data_for,
+    train_reference,
+)
 
 TOL = TOLERANCES[torch.float32]
 
@@ -34,7 +41,9 @@ def trained(nproc: int, **job_options):
     per_rank = launch(lab.worker, nproc, job, False, timeout=180)
     model = lab.build(job)
     ref = train_reference(job.model_cfg, job.train, dp=nproc, model=model, return_grads=True)
-    trainable = [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+    trainable = [
+        p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad
+    ]
     used = [g.numel() * g.element_size() for g in ref.grads.values()]
     return job, per_rank, ref, trainable, used
 
@@ -46,12 +55,15 @@ def check_against_reference(nproc, variant, *, params=True, **job_options):
     diff = compare_losses(losses, ref.losses)
     assert diff["max_rel_loss_diff"] <= TOL, f"{variant}: losses {losses} vs reference {ref.losses}"
     for rank, r in enumerate(runs):
-        assert sorted(r["first_grads"]) == sorted(ref.grads), f"rank {rank}: gradients present differ"
+        assert sorted(r["first_grads"]) == sorted(ref.grads), (
+            f"rank {rank}: gradients present differ"
+        )
         assert_close_tensors(r["first_grads"], ref.grads, what="gradient", step=1, rank=rank)
         if params:
             assert_close_tensors(r["params"], ref.params, step=job.train.steps, rank=rank)
-        assert all(torch.equal(r["params"][n], runs[0]["params"][n]) for n in ref.params), \
+        assert all(torch.equal(r["params"][n], runs[0]["params"][n]) for n in ref.params), (
             f"rank {rank} holds other parameters than rank 0: the ranks diverged"
+        )
     return runs
 
 
@@ -74,11 +86,17 @@ def test_parameters_after_5_adamw_steps_match_in_float64_on_4_ranks(variant):
 def test_bytes_and_calls_per_step_equal_the_theory(variant, nproc):
     job, per_rank, ref, trainable, used = trained(nproc)
     expected_calls = all_reduce_calls(variant, used, job.bucket_mb * MiB)
-    assert variant != "bucketed" or 1 < expected_calls < len(used), "the course model should need several buckets"
+    assert variant != "bucketed" or 1 < expected_calls < len(used), (
+        "the course model should need several buckets"
+    )
     for rank, r in enumerate(per_rank):
         r = r["variants"][variant]
-        assert r["broadcasts"] == r["wrap_calls"] == len(ref.params), f"rank {rank}: one broadcast per tensor at wrap"
-        for step, (calls, sent, other) in enumerate(zip(r["calls"], r["sent"], r["other_calls"]), start=1):
+        assert r["broadcasts"] == r["wrap_calls"] == len(ref.params), (
+            f"rank {rank}: one broadcast per tensor at wrap"
+        )
+        for step, (calls, sent, other) in enumerate(
+            zip(r["calls"], r["sent"], r["other_calls"]), start=1
+        ):
             where = f"{variant}, rank {rank}, step {step}"
             assert calls == expected_calls, f"{where}: {calls} all-reduces, theory {expected_calls}"
             assert sent == pytest.approx(all_reduce_bytes(sum(used), nproc), rel=1e-12), where
@@ -86,7 +104,8 @@ def test_bytes_and_calls_per_step_equal_the_theory(variant, nproc):
 
 
 # The awkward model: tied embedding/head, a frozen layer, an unused parameter. Tensors in backward
-# order: 96, 3552, 148, 3552, 24576 bytes, then the unused one's 112. Capacities giving 1 bucket (the
+# order: 96, 3552, 148, 3552, 24576 bytes, then the unused one's 112. Capacities giving 1 bucket
+# (the
 # unused tensor shares it: flushed at the end), 2 (the unused one alone), 3, and one per tensor.
 BUCKETS = {1: 1.0, 2: 20000 / MiB, 3: 3700 / MiB, 6: 1 / MiB}
 
@@ -104,11 +123,19 @@ def test_awkward_model_bucket_boundaries_unused_frozen_and_tied(nproc, n_buckets
             where = f"{variant}, rank {rank}"
             assert r["no_grad"] == ["frozen.bias", "frozen.weight", "unused"], where
             for name in ("frozen.weight", "frozen.bias", "unused"):
-                assert torch.equal(r["params"][name], initial[name].detach()), f"{where}: {name} changed"
-            # the tied weight is one tensor: reduced once (5 gradients, not 6); buckets also send the unused slot
+                assert torch.equal(r["params"][name], initial[name].detach()), (
+                    f"{where}: {name} changed"
+                )
+            # the tied weight is one tensor: reduced once (5 gradients, not 6); buckets also send
+            # the unused slot
             expected = {"bucketed": (n_buckets, sum(trainable))}.get(variant, (5, sum(used)))
-            assert all(c == expected[0] for c in r["calls"]), f"{where}: calls {r['calls']} != {expected[0]}"
-            assert all(s == pytest.approx(all_reduce_bytes(expected[1], nproc), rel=1e-12) for s in r["sent"]), where
+            assert all(c == expected[0] for c in r["calls"]), (
+                f"{where}: calls {r['calls']} != {expected[0]}"
+            )
+            assert all(
+                s == pytest.approx(all_reduce_bytes(expected[1], nproc), rel=1e-12)
+                for s in r["sent"]
+            ), where
 
 
 def bucket_names(model_name, caps):
@@ -116,14 +143,22 @@ def bucket_names(model_name, caps):
     for cap in caps:
         model = lab.build(lab.Job(variants=("bucketed",), model=model_name))
         names = {p: n for n, p in model.named_parameters()}
-        out.append([[names[p] for p in bucket] for bucket in lab.wrap("bucketed", model, bucket_mb=cap).bucket_params])
+        out.append(
+            [
+                [names[p] for p in bucket]
+                for bucket in lab.wrap("bucketed", model, bucket_mb=cap).bucket_params
+            ]
+        )
     return out
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("model_name, caps", [("awkward", list(BUCKETS.values())), ("course", [0.02, 0.1, 0.3, 25])])
+@pytest.mark.parametrize(
+    "model_name, caps", [("awkward", list(BUCKETS.values())), ("course", [0.02, 0.1, 0.3, 25])]
+)
 def test_buckets_follow_the_backward_order(model_name, caps):
-    """Bucket contents, by name, are the theory's layout over the trainable parameters in reverse order."""
+    """Bucket contents, by name, are the theory's layout over the trainable parameters in reverse
+    order."""
     model = lab.build(lab.Job(variants=(), model=model_name))
     order = [n for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
     sizes = lab.backward_order_bytes(model)
@@ -134,12 +169,17 @@ def test_buckets_follow_the_backward_order(model_name, caps):
 
 @pytest.mark.exercise
 @pytest.mark.parametrize("nproc, grad_accum, dtype", [(2, 4, "float32"), (4, 2, "float64")])
-def test_gradient_accumulation_equals_the_global_batch_and_communicates_once(nproc, grad_accum, dtype):
-    """Micro-batches of 1 sequence: fp32 checks losses and step-1 gradients; float64 the parameters too
-    (in fp32 AdamW amplifies the last-bit differences of 1-sequence micro-batches past 1e-5, as above)."""
+def test_gradient_accumulation_equals_the_global_batch_and_communicates_once(
+    nproc, grad_accum, dtype
+):
+    """Micro-batches of 1 sequence: fp32 checks losses and step-1 gradients; float64 the parameters
+    too (in fp32 AdamW amplifies the last-bit differences of 1-sequence micro-batches past 1e-5, as
+    above)."""
     _, per_rank, _, _, used = trained(nproc, grad_accum=grad_accum, dtype=dtype)
     for variant in VARIANTS:
-        check_against_reference(nproc, variant, params=dtype == "float64", grad_accum=grad_accum, dtype=dtype)
+        check_against_reference(
+            nproc, variant, params=dtype == "float64", grad_accum=grad_accum, dtype=dtype
+        )
         expected = all_reduce_calls(variant, used, lab.DEFAULT_BUCKET_MB * MiB)
         for rank, r in enumerate(per_rank):  # the no_sync micro-steps must not communicate
             assert r["variants"][variant]["calls"] == [expected] * 5, f"{variant}, rank {rank}"
@@ -150,13 +190,18 @@ def no_sync_is_local(variant):
     model = lab.build(lab.Job(variants=(variant,)))
     wrapped = lab.wrap(variant, model)
     x, y = data_for(TrainConfig(steps=1), dist.get_world_size())[0]
-    x, y = x.chunk(dist.get_world_size())[dist.get_rank()], y.chunk(dist.get_world_size())[dist.get_rank()]
+    x, y = (
+        x.chunk(dist.get_world_size())[dist.get_rank()],
+        y.chunk(dist.get_world_size())[dist.get_rank()],
+    )
     with CommLedger() as ledger, wrapped.no_sync():
         wrapped(x, y)[1].backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters()}
     differs_across_ranks = [torch.empty(0)] * dist.get_world_size()
     dist.all_gather_object(differs_across_ranks, local["lm_head.weight"])
-    return ledger.calls(), all(not torch.equal(differs_across_ranks[0], g) for g in differs_across_ranks[1:])
+    return ledger.calls(), all(
+        not torch.equal(differs_across_ranks[0], g) for g in differs_across_ranks[1:]
+    )
 
 
 @pytest.mark.exercise
@@ -168,7 +213,9 @@ def test_no_sync_backward_stays_local(variant):
 
 def wrap_models_from_different_seeds():
     out = []
-    for variant in VARIANTS:  # every rank starts from its own weights; wrapping must impose rank 0's
+    for (
+        variant
+    ) in VARIANTS:  # every rank starts from its own weights; wrapping must impose rank 0's
         model = lab.build(lab.Job(variants=(variant,), train=TrainConfig(seed=dist.get_rank())))
         lab.wrap(variant, model)
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -181,7 +228,9 @@ def test_wrapping_broadcasts_rank_0s_weights():
     for rank, results in enumerate(launch(wrap_models_from_different_seeds, 3)):
         for variant, params in zip(VARIANTS, results):
             for name, p in rank0.items():
-                assert torch.equal(params[name], p.detach()), f"{variant}, rank {rank}: {name} is not rank 0's"
+                assert torch.equal(params[name], p.detach()), (
+                    f"{variant}, rank {rank}: {name} is not rank 0's"
+                )
 
 
 def data_of_this_rank(cfg, grad_accum):
@@ -195,18 +244,25 @@ def test_rank_data_is_disjoint_and_forms_the_global_batch(nproc, grad_accum):
     per_rank = launch(data_of_this_rank, nproc, cfg, grad_accum)
     for step, (x, y) in enumerate(data_for(cfg, nproc)):
         micro = [mb for rank in per_rank for mb in rank[step]]
-        assert all(mx.shape == (8 // (nproc * grad_accum), cfg.seq_len) for mx, _ in micro), f"step {step}"
-        assert torch.equal(torch.cat([mx for mx, _ in micro]), x) and torch.equal(torch.cat([my for _, my in micro]), y)
+        assert all(mx.shape == (8 // (nproc * grad_accum), cfg.seq_len) for mx, _ in micro), (
+            f"step {step}"
+        )
+        assert torch.equal(torch.cat([mx for mx, _ in micro]), x) and torch.equal(
+            torch.cat([my for _, my in micro]), y
+        )
         rows = [tuple(row.tolist()) for mx, _ in micro for row in mx]
         assert len(set(rows)) == len(rows), f"step {step}: ranks share samples"
 
 
 def train_on_subgroups():
     """Ranks {0,1} and {2,3} are two data-parallel groups. Every rank builds its model from its own
-    seed; wrapping must give each group its first rank's weights (seed 0 for ranks 0-1, 1 for 2-3)."""
+    seed; wrapping must give each group its first rank's weights (seed 0 for ranks 0-1, 1 for
+    2-3)."""
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    job = lab.Job(variants=("bucketed",), train=TrainConfig(seed=rank // 2 if rank % 2 == 0 else 10 + rank))
+    job = lab.Job(
+        variants=("bucketed",), train=TrainConfig(seed=rank // 2 if rank % 2 == 0 else 10 + rank)
+    )
     return lab.train_variant("bucketed", job, group=groups[rank // 2])
 
 
@@ -216,7 +272,9 @@ def test_groups_are_passed_explicitly():
     for g in (0, 1):
         ref = train_reference(lab.Job(variants=()).model_cfg, TrainConfig(seed=g), dp=2)
         pair = zip(per_rank[2 * g]["losses"], per_rank[2 * g + 1]["losses"])
-        assert compare_losses([(a + b) / 2 for a, b in pair], ref.losses)["max_rel_loss_diff"] <= TOL, f"group {g}"
+        assert (
+            compare_losses([(a + b) / 2 for a, b in pair], ref.losses)["max_rel_loss_diff"] <= TOL
+        ), f"group {g}"
         for rank in (2 * g, 2 * g + 1):
             assert_close_tensors(per_rank[rank]["params"], ref.params, step=5, rank=rank)
             assert per_rank[rank]["broadcasts"] == len(ref.params)
@@ -242,26 +300,46 @@ def test_measured_timeline_shows_when_all_reduces_run(variant):
 
 @pytest.mark.exercise
 def test_cli_vs_torch_ddp(capsys):
-    """``python -m labs.run ddp --vs-torch --json`` (its main(), in this process: no second torch import)."""
-    assert cli(["ddp", "--nproc", "2", "--steps", "4", "--variant", "bucketed", "--vs-torch", "--json"]) == 0
+    """``python -m labs.run ddp --vs-torch --json`` (its main(), in this process: no second torch
+    import)."""
+    assert (
+        cli(
+            ["ddp", "--nproc", "2", "--steps", "4", "--variant", "bucketed", "--vs-torch", "--json"]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["lab"] == "ddp" and summary["nproc"] == 2 and summary["backend"] == "gloo"
-    assert summary["matches_reference"] and summary["params_match_reference"] and summary["bytes_match_theory"]
-    assert summary["step_time_s"] > 0 and summary["torch_step_time_s"] > 0 and summary["torch_cpu_s_per_step"] > 0
-    assert summary["ours_over_torch"] == pytest.approx(summary["step_time_s"] / summary["torch_step_time_s"])
+    assert (
+        summary["matches_reference"]
+        and summary["params_match_reference"]
+        and summary["bytes_match_theory"]
+    )
+    assert (
+        summary["step_time_s"] > 0
+        and summary["torch_step_time_s"] > 0
+        and summary["torch_cpu_s_per_step"] > 0
+    )
+    assert summary["ours_over_torch"] == pytest.approx(
+        summary["step_time_s"] / summary["torch_step_time_s"]
+    )
     # torch's DDP trained the same model on the same data: it lands on the same numbers
     assert summary["torch_max_rel_loss_diff"] <= TOL and summary["torch_max_param_rel_diff"] <= TOL
 
 
 # --- harness: no learner code --------------------------------------------------------------
 
-@pytest.mark.parametrize("options, message", [
-    (dict(variant="ring"), "variant='ring' is not one of"),
-    (dict(bucket_mb=0), "bucket_mb must be > 0"),
-    (dict(grad_accum=3), "batch_size=8 is not divisible by nproc\\*grad_accum=12"),
-    (dict(model="gpt"), "model='gpt' is not one of"),
-    (dict(dtype="bf16"), "dtype='bf16' is not one of"),
-])
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(variant="ring"), "variant='ring' is not one of"),
+        (dict(bucket_mb=0), "bucket_mb must be > 0"),
+        (dict(grad_accum=3), "batch_size=8 is not divisible by nproc\\*grad_accum=12"),
+        (dict(model="gpt"), "model='gpt' is not one of"),
+        (dict(dtype="bf16"), "dtype='bf16' is not one of"),
+    ],
+)
 def test_bad_options_are_value_errors(options, message):
     with pytest.raises(ValueError, match=message):
         lab.run(**{"nproc": 4, **options})
@@ -285,13 +363,24 @@ def test_forgetting_set_epoch_repeats_the_order():
 def test_overlap_drawing_headless():
     from labs.theory.overlap import simulate_ddp
     from labs.widgets.ddp import draw_overlap
-    measured = {"variant": "bucketed", "nproc": 2, "per_rank": [{"exposed_s": 0.001, "backward_s": 0.01,
-                                                                 "all_reduces": 2}] * 2,
-                "spans": [{"rank": r, "lane": lane, "kind": kind, "start": a, "end": b, "bucket": k}
-                          for r in (0, 1) for lane, kind, a, b, k in [
-                              ("compute", "forward", 0.0, 0.004, None), ("compute", "backward", 0.004, 0.008, 0),
-                              ("compute", "backward", 0.008, 0.014, 1), ("comm", "all_reduce", 0.008, 0.012, 0),
-                              ("comm", "all_reduce", 0.011, 0.015, 1), ("compute", "wait", 0.014, 0.015, None)]]}
+
+    measured = {
+        "variant": "bucketed",
+        "nproc": 2,
+        "per_rank": [{"exposed_s": 0.001, "backward_s": 0.01, "all_reduces": 2}] * 2,
+        "spans": [
+            {"rank": r, "lane": lane, "kind": kind, "start": a, "end": b, "bucket": k}
+            for r in (0, 1)
+            for lane, kind, a, b, k in [
+                ("compute", "forward", 0.0, 0.004, None),
+                ("compute", "backward", 0.004, 0.008, 0),
+                ("compute", "backward", 0.008, 0.014, 1),
+                ("comm", "all_reduce", 0.008, 0.012, 0),
+                ("comm", "all_reduce", 0.011, 0.015, 1),
+                ("compute", "wait", 0.014, 0.015, None),
+            ]
+        ],
+    }
     fig = draw_overlap(simulate_ddp(variant="naive"), measured)
     top, bottom = fig.axes
     assert "exposed" in top.get_title() and "measured" in bottom.get_title()

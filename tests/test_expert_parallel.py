@@ -1,6 +1,7 @@
-"""Exercise 07: the MoE layer equals transformers' Mixtral block; expert parallelism (EP = 2, 4; EP × DP)
-equals the single-process layer and model in outputs, drops, router and expert gradients and losses; the
-ledger's all-to-all bytes equal the routing's rows × H × 4; bad settings are clear errors."""
+"""Exercise 07: the MoE layer equals transformers' Mixtral block; expert parallelism (EP = 2, 4; EP
+× DP) equals the single-process layer and model in outputs, drops, router and expert gradients and
+losses; the ledger's all-to-all bytes equal the routing's rows × H × 4; bad settings are clear
+errors."""
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from labs.theory.moe import MoESpec, moe_param_counts
 from labs.train import TOLERANCES
 from tests.helpers import run_cli, run_json
 
-TOL = TOLERANCES[torch.float32]   # 1e-5 relative: fp32 sums split across ranks add in another order
+TOL = TOLERANCES[torch.float32]  # 1e-5 relative: fp32 sums split across ranks add in another order
 exercise_test = pytest.mark.exercise
 
 
@@ -27,9 +28,9 @@ def _layer(moe, seed=0, **kw):
 @exercise_test
 @pytest.mark.parametrize("n_experts", [4, 8])
 def test_moe_layer_equals_transformers_mixtral_block(n_experts):
-    """Top-2, renormalised weights, no capacity: our layer is Mixtral's sparse MoE block, our load-balancing
-    loss times k is transformers' ``load_balancing_loss_func`` (it counts k pairs per token), and the
-    z-loss is its formula in float64."""
+    """Top-2, renormalised weights, no capacity: our layer is Mixtral's sparse MoE block, our
+    load-balancing loss times k is transformers' ``load_balancing_loss_func`` (it counts k pairs per
+    token), and the z-loss is its formula in float64."""
     r = experiment.mixtral_check(n_experts=n_experts)
     assert r["max_output_rel_diff"] <= TOL, r["max_output_rel_diff"]
     assert r["aux_loss_times_k"] == pytest.approx(r["hf_aux_loss"], rel=1e-6)
@@ -45,12 +46,16 @@ def test_capacity_priority_drops_and_residual_pass_through():
     keep = xp.capacity_keep(chosen, 3, 2)
     assert keep.tolist() == [[True, True], [True, True], [False, False], [True, False]]
     # Two groups of two tokens, capacity 1 each: the groups decide independently.
-    assert xp.capacity_keep(chosen, 3, 1, groups=2).tolist() == [[True, True], [False, True],
-                                                                   [True, False], [True, False]]
+    assert xp.capacity_keep(chosen, 3, 1, groups=2).tolist() == [
+        [True, True],
+        [False, True],
+        [True, False],
+        [True, False],
+    ]
     assert xp.capacity_keep(chosen, 3, None).all()
     order, counts = xp.sort_by_expert(chosen, keep, 3)
     assert counts.tolist() == [2, 2, 1] and order.tolist() == [0, 2, 1, 6, 3]
-    layer = _layer(MoEConfig(n_experts=4, top_k=1, capacity_factor=0.25))   # capacity 1 of 16 tokens
+    layer = _layer(MoEConfig(n_experts=4, top_k=1, capacity_factor=0.25))  # capacity 1 of 16 tokens
     y = layer(torch.randn(1, 16, experiment.LAYER_CFG.n_embd))
     dropped = ~layer.routing["keep"][:, 0]
     assert dropped.sum() >= 12 and (y[0][dropped] == 0).all() and (y[0][~dropped] != 0).any()
@@ -58,24 +63,37 @@ def test_capacity_priority_drops_and_residual_pass_through():
 
 @exercise_test
 def test_switch_top1_router_learns_from_the_loss_alone():
-    """k = 1 uses the raw probability as the weight, so the router gets a gradient without any aux loss."""
+    """k = 1 uses the raw probability as the weight, so the router gets a gradient without any aux
+    loss."""
     layer = _layer(MoEConfig(n_experts=4, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0))
     layer(torch.randn(2, 8, experiment.LAYER_CFG.n_embd)).pow(2).sum().backward()
     assert layer.router.weight.grad.abs().max() > 0
 
 
 @exercise_test
-@pytest.mark.parametrize("ep, nproc, top_k, capacity_factor", [
-    (2, 2, 2, None), (2, 2, 1, 0.5), (2, 2, 2, 1.0), (4, 4, 2, None), (4, 4, 1, 1.0), (4, 4, 2, 0.75),
-    (2, 4, 2, 0.75),   # EP × DP: two EP groups of two ranks
-])
+@pytest.mark.parametrize(
+    "ep, nproc, top_k, capacity_factor",
+    [
+        (2, 2, 2, None),
+        (2, 2, 1, 0.5),
+        (2, 2, 2, 1.0),
+        (4, 4, 2, None),
+        (4, 4, 1, 1.0),
+        (4, 4, 2, 0.75),
+        (2, 4, 2, 0.75),  # EP × DP: two EP groups of two ranks
+    ],
+)
 def test_expert_parallel_layer_equals_single_process(ep, nproc, top_k, capacity_factor):
     r = experiment.layer_check(ep=ep, nproc=nproc, top_k=top_k, capacity_factor=capacity_factor)
     assert r["max_output_rel_diff"] <= TOL, r["max_output_rel_diff"]
     assert r["max_input_grad_rel_diff"] <= TOL, r["max_input_grad_rel_diff"]
-    assert r["max_grad_rel_diff"] <= TOL and r["router_grad_rel_diff"] <= TOL, r["max_grad_rel_diff"]
+    assert r["max_grad_rel_diff"] <= TOL and r["router_grad_rel_diff"] <= TOL, r[
+        "max_grad_rel_diff"
+    ]
     assert r["aux_loss"] == pytest.approx(r["reference_aux_loss"], rel=TOL)
-    assert r["same_drops"], "the EP layer dropped other (token, choice) pairs than the single-process layer"
+    assert r["same_drops"], (
+        "the EP layer dropped other (token, choice) pairs than the single-process layer"
+    )
     if capacity_factor is not None:
         assert r["dropped_pairs"] > 0, "this setting is meant to drop pairs"
     assert r["experts_per_rank"][1] == [str(e) for e in range(8 // ep, 2 * 8 // ep)]
@@ -83,19 +101,33 @@ def test_expert_parallel_layer_equals_single_process(ep, nproc, top_k, capacity_
 
 
 @exercise_test
-@pytest.mark.parametrize("nproc, ep, top_k, capacity_factor", [(2, 2, 2, 1.0), (4, 4, 1, None), (4, 2, 2, 0.75)])
+@pytest.mark.parametrize(
+    "nproc, ep, top_k, capacity_factor", [(2, 2, 2, 1.0), (4, 4, 1, None), (4, 2, 2, 0.75)]
+)
 def test_moe_model_trains_like_the_reference(nproc, ep, top_k, capacity_factor):
     s = experiment.run(nproc=nproc, ep=ep, steps=5, top_k=top_k, capacity_factor=capacity_factor)
     assert s["matches_reference"], (s["losses"], s["reference_losses"])
     assert s["grads_match_reference"], s["max_grad_rel_diff"]
     assert s["bytes_match_theory"]
-    assert s["comm_bytes_per_rank"] == s["theory_comm_bytes_per_rank"] and min(s["comm_bytes_per_rank"]) > 0
-    assert all(b == pytest.approx(s["theory_grad_sync_bytes"], rel=1e-9) for b in s["grad_sync_bytes_per_rank"])
+    assert (
+        s["comm_bytes_per_rank"] == s["theory_comm_bytes_per_rank"]
+        and min(s["comm_bytes_per_rank"]) > 0
+    )
+    assert all(
+        b == pytest.approx(s["theory_grad_sync_bytes"], rel=1e-9)
+        for b in s["grad_sync_bytes_per_rank"]
+    )
     assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * nproc
-    assert s["params_per_rank"] == s["theory_params_per_rank"] and s["measured_params_total"] == s["params_total"]
+    assert (
+        s["params_per_rank"] == s["theory_params_per_rank"]
+        and s["measured_params_total"] == s["params_total"]
+    )
     if capacity_factor is not None:
-        assert any(sum(c) < sum(k) for r_c, r_k in zip(s["kept_per_expert"], s["chosen_per_expert"])
-                   for c, k in zip(r_c, r_k)), "expected some drops"
+        assert any(
+            sum(c) < sum(k)
+            for r_c, r_k in zip(s["kept_per_expert"], s["chosen_per_expert"])
+            for c, k in zip(r_c, r_k)
+        ), "expected some drops"
 
 
 @exercise_test
@@ -104,20 +136,33 @@ def test_active_parameters_are_those_one_token_touches():
     gradient are its attention, norms, router and k experts: the theory's active count per layer.
     (A one-token sequence attends only to itself, so the softmax is 1 and q_proj, k_proj get no
     gradient although the token uses them: they are counted in by name.)"""
-    cfg, moe = ModelConfig(n_layer=2), MoEConfig(n_experts=8, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
+    cfg, moe = (
+        ModelConfig(n_layer=2),
+        MoEConfig(n_experts=8, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0),
+    )
     model = build_moe_model(cfg, moe, seed=1)
     model(torch.tensor([[65]]), torch.tensor([[66]]))[1].backward()
-    per_layer = moe_param_counts(MoESpec(experiment.model_spec(cfg, moe).dense, 8, 2))["per_layer_active"]
+    per_layer = moe_param_counts(MoESpec(experiment.model_spec(cfg, moe).dense, 8, 2))[
+        "per_layer_active"
+    ]
     for block in model.layers:
-        touched = sum(p.numel() for n, p in block.named_parameters()
-                      if n in ("attn.q_proj.weight", "attn.k_proj.weight") or p.grad.abs().max() > 0)
-        experts = {n.split(".")[2] for n, p in block.named_parameters()
-                   if n.startswith("mlp.experts.") and p.grad.abs().max() > 0}
+        touched = sum(
+            p.numel()
+            for n, p in block.named_parameters()
+            if n in ("attn.q_proj.weight", "attn.k_proj.weight") or p.grad.abs().max() > 0
+        )
+        experts = {
+            n.split(".")[2]
+            for n, p in block.named_parameters()
+            if n.startswith("mlp.experts.") and p.grad.abs().max() > 0
+        }
         assert touched == per_layer and len(experts) == 2
 
 
 def _build_ep_layer(n_experts):
-    exercise("expert_parallel").ExpertParallelMoE(experiment.LAYER_CFG, MoEConfig(n_experts=n_experts))
+    exercise("expert_parallel").ExpertParallelMoE(
+        experiment.LAYER_CFG, MoEConfig(n_experts=n_experts)
+    )
 
 
 def test_bad_settings_are_clear_errors():
@@ -126,12 +171,14 @@ def test_bad_settings_are_clear_errors():
     for cf in (0, -1.0):
         with pytest.raises(ValueError, match="capacity_factor must be > 0"):
             MoEConfig(capacity_factor=cf)
-    with pytest.raises(ValueError, match=r"n_experts=6 is not divisible by ep=4; use ep in \{1,2,3,6\}"):
-        experiment.run(nproc=4, ep=4, experts=6)         # before any rank starts
+    with pytest.raises(
+        ValueError, match=r"n_experts=6 is not divisible by ep=4; use ep in \{1,2,3,6\}"
+    ):
+        experiment.run(nproc=4, ep=4, experts=6)  # before any rank starts
     with pytest.raises(ValueError, match="ep=3 must divide"):
         experiment.layer_check(ep=3, nproc=4)
     with pytest.raises(RankError, match="n_experts=6 is not divisible by ep=4") as info:
-        launch(_build_ep_layer, 4, 6)                     # inside a rank, before any collective
+        launch(_build_ep_layer, 4, 6)  # inside a rank, before any collective
     assert info.value.exc_type == "ValueError"
 
 

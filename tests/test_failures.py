@@ -45,6 +45,9 @@ def test_diagnose_reports_the_error_and_no_leftovers():
 
 def test_straggler_shows_on_the_timeline():
     result = failures.straggler_timeline(nproc=3, steps=3, work=160, slowdown=4.0)
-    compute = {r: sum(e.duration for e in result["events"] if e.rank == r and e.name == "compute") for r in range(3)}
+    compute = {
+        r: sum(e.duration for e in result["events"] if e.rank == r and e.name == "compute")
+        for r in range(3)
+    }
     assert compute[1] > 1.5 * max(compute[0], compute[2]), compute
     assert all(p["compute"] > 0 and p["communication"] > 0 for p in result["profile_s"])

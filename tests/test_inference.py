@@ -1,6 +1,7 @@
-"""Exercise 09: greedy generation with a KV cache gives exactly the tokens of generation without one (each prompt
-alone, recomputed every step) and of transformers' generate, on one rank, tensor-parallel and placed; cache bytes,
-weights and collectives per token equal labs.theory.inference."""
+"""Exercise 09: greedy generation with a KV cache gives exactly the tokens of generation without one
+(each prompt alone, recomputed every step) and of transformers' generate, on one rank,
+tensor-parallel and placed; cache bytes, weights and collectives per token equal
+labs.theory.inference."""
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ NEW = 12
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread in this process, as each rank has: on a busy 2-core machine a second one costs 10x."""
+    """One intra-op thread in this process, as each rank has: on a busy 2-core machine a second one
+    costs 10x."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -38,7 +40,8 @@ def reference(model):
     return infer.no_cache_tokens(model, PROMPTS, NEW)
 
 
-# --- harness and plumbing (given code: not exercises) -----------------------------------------------------------
+# --- harness and plumbing (given code: not exercises)
+# -----------------------------------------------------------
 def test_prompts_have_different_lengths_and_are_reproducible():
     assert [len(p) for p in PROMPTS] == [6, 11, 16, 10]
     assert infer.make_prompts(4) == PROMPTS and infer.make_prompts(4, seed=1) != PROMPTS
@@ -51,28 +54,40 @@ def test_left_padding_positions_and_mask():
     assert valid.tolist() == [[True] * 5, [False, False, True, True, True]]
     mask = inference.attention_mask(valid, 0, 3)[:, 0]  # [B, t, S]
     assert mask[0].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    assert mask[1].tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # pads read pads; the real token reads itself
-    assert inference.attention_mask(valid, 3, 1)[1, 0].tolist() == [[0, 0, 1, 1]]  # decode: never a pad
-    cos, _ = inference.rope_for(valid, 2, 2, CFG, torch.float32)  # slots 2, 3: positions 2, 3 and 0, 1
+    assert mask[1].tolist() == [
+        [1, 0, 0],
+        [1, 1, 0],
+        [0, 0, 1],
+    ]  # pads read pads; the real token reads itself
+    assert inference.attention_mask(valid, 3, 1)[1, 0].tolist() == [
+        [0, 0, 1, 1]
+    ]  # decode: never a pad
+    cos, _ = inference.rope_for(
+        valid, 2, 2, CFG, torch.float32
+    )  # slots 2, 3: positions 2, 3 and 0, 1
     expected, _ = rotary_cos_sin(torch.tensor([2, 3, 0, 1]), CFG.head_dim, CFG.rope_theta)
     assert torch.equal(cos[:, 0].reshape(4, -1), expected)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(mode="pipeline"), "mode='pipeline' is not one of"),
-    (dict(model="gpt2"), "model='gpt2' is not one of"),
-    (dict(nproc=3, mode="tp"), "n_heads=8 is not divisible by tp=3"),
-    (dict(nproc=5, mode="placement"), "pp=5 stages but the model has 4 layers"),
-    (dict(new_tokens=1), "new_tokens=1"),
-    (dict(new_tokens=60), "use new_tokens <= 48"),
-    (dict(prompts=0), "prompts must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(mode="pipeline"), "mode='pipeline' is not one of"),
+        (dict(model="gpt2"), "model='gpt2' is not one of"),
+        (dict(nproc=3, mode="tp"), "n_heads=8 is not divisible by tp=3"),
+        (dict(nproc=5, mode="placement"), "pp=5 stages but the model has 4 layers"),
+        (dict(new_tokens=1), "new_tokens=1"),
+        (dict(new_tokens=60), "use new_tokens <= 48"),
+        (dict(prompts=0), "prompts must be an integer >= 1"),
+    ],
+)
 def test_bad_options_are_value_errors_before_any_rank_starts(options, message):
     with pytest.raises(ValueError, match=message):
         infer.run(**{"nproc": 2, **options})
 
 
-# --- the exercises ------------------------------------------------------------------------------------------
+# --- the exercises
+# ------------------------------------------------------------------------------------------
 @pytest.mark.exercise
 def test_cache_write_is_in_place_and_returns_views():
     cache = exercise("inference").KVCache(n_layer=2, batch=2, max_len=8, n_kv_head=2, head_dim=4)
@@ -94,10 +109,24 @@ def test_cached_attention_equals_the_models_attention(model):
     valid = torch.ones(2, 6, dtype=torch.bool)
     with torch.no_grad():
         expected = attn(x, *rotary_cos_sin(torch.arange(6), CFG.head_dim, CFG.rope_theta))
-        prompt = inference.cached_attention(attn, x[:, :5], *inference.rope_for(valid, 0, 5, CFG, torch.float32),
-                                            cache=cache, layer=0, start=0, mask=inference.attention_mask(valid, 0, 5))
-        step = inference.cached_attention(attn, x[:, 5:], *inference.rope_for(valid, 5, 1, CFG, torch.float32),
-                                          cache=cache, layer=0, start=5, mask=inference.attention_mask(valid, 5, 1))
+        prompt = inference.cached_attention(
+            attn,
+            x[:, :5],
+            *inference.rope_for(valid, 0, 5, CFG, torch.float32),
+            cache=cache,
+            layer=0,
+            start=0,
+            mask=inference.attention_mask(valid, 0, 5),
+        )
+        step = inference.cached_attention(
+            attn,
+            x[:, 5:],
+            *inference.rope_for(valid, 5, 1, CFG, torch.float32),
+            cache=cache,
+            layer=0,
+            start=5,
+            mask=inference.attention_mask(valid, 5, 1),
+        )
     torch.testing.assert_close(torch.cat([prompt, step], 1), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -106,16 +135,21 @@ def test_generate_equals_recompute_without_cache_each_prompt_alone(model, refere
     inference = exercise("inference")
     out = inference.generate(model, PROMPTS, new_tokens=NEW)
     assert torch.equal(out.tokens, reference), (out.tokens, reference)
-    alone = inference.generate(model, PROMPTS[2:3], new_tokens=NEW)  # the longest: no padding at all
+    alone = inference.generate(
+        model, PROMPTS[2:3], new_tokens=NEW
+    )  # the longest: no padding at all
     assert torch.equal(alone.tokens[0], reference[2])
     spec = infer.course_spec(CFG)
-    assert out.cache.nbytes == theory.kv_cache_bytes_per_rank(spec, batch=4, seq=16 + NEW, dtype_bytes=4)
+    assert out.cache.nbytes == theory.kv_cache_bytes_per_rank(
+        spec, batch=4, seq=16 + NEW, dtype_bytes=4
+    )
 
 
 @pytest.mark.exercise
 def test_generate_equals_transformers_generate(model):
     from labs.models.hf import to_hf_llama
     from labs.models.hf_convert import course_model_from
+
     hf = to_hf_llama(model)
     for prompts in (PROMPTS, [p[:6] for p in PROMPTS]):  # left-padded, then equal lengths
         ours = exercise("inference").generate(course_model_from(hf), prompts, new_tokens=NEW).tokens
@@ -123,11 +157,12 @@ def test_generate_equals_transformers_generate(model):
 
 
 def greedy_case(vocab: int) -> dict:
-    """Logits [3, V] split over the ranks: a tie across two ranks, a maximum on the last rank, all equal."""
+    """Logits [3, V] split over the ranks: a tie across two ranks, a maximum on the last rank, all
+    equal."""
     full = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
-    full[0, [10, vocab - 1]] = 9.0   # tie between rank 0 and the last rank: the lower id wins
+    full[0, [10, vocab - 1]] = 9.0  # tie between rank 0 and the last rank: the lower id wins
     full[1, vocab - 3] = 9.0
-    full[2] = 1.0                    # all equal: id 0
+    full[2] = 1.0  # all equal: id 0
     n, r = dist.get_world_size(), dist.get_rank()
     mine = full.chunk(n, dim=-1)[r]
     with CommLedger() as ledger:
@@ -157,10 +192,13 @@ def test_both_modes_on_two_ranks_match_and_equal_the_theory():
     assert s["tokens_match"] and s["single_tokens_match"]
     for mode in ("tp", "placement"):
         _check_mode(s[mode], 2)
-    # TP: each rank caches half the kv heads of every layer; placement: every kv head of half the layers
+    # TP: each rank caches half the kv heads of every layer; placement: every kv head of half the
+    # layers
     assert s["tp"]["kv_cache_bytes_per_rank"] == [s["single_kv_cache_bytes"] // 2] * 2
     assert s["tp"]["comm_decode"][0]["all_reduce"]["calls"] == 2 * CFG.n_layer + 1
-    assert s["placement"]["comm_decode"][0]["send"]["payload_bytes"] == 4 * CFG.n_embd * 4  # [B, 1, H] fp32
+    assert (
+        s["placement"]["comm_decode"][0]["send"]["payload_bytes"] == 4 * CFG.n_embd * 4
+    )  # [B, 1, H] fp32
     rows = [r.replace(",", "").split() for r in infer.comm_report(s).splitlines()[1:]]
     assert rows and all(r[4:7] == r[7:10] for r in rows)  # measured calls, payload, sent = theory's
 
@@ -177,14 +215,34 @@ def test_four_way_tp_and_uneven_placement(nproc, mode):
 @pytest.mark.exercise
 def test_transformers_llama_in_both_modes_matches_its_own_generate():
     s = infer.run(nproc=2, mode="both", steps=1, new_tokens=NEW, model="hf-llama")
-    assert s["reference"] == "transformers generate" and s["tokens_match"] and s["single_tokens_match"]
+    assert (
+        s["reference"] == "transformers generate" and s["tokens_match"] and s["single_tokens_match"]
+    )
     for mode in ("tp", "placement"):
         _check_mode(s[mode], 2)
 
 
 @pytest.mark.exercise
 def test_command_line_reports_tokens_match_latency_and_throughput():
-    s = run_json("-m", "labs.run", "infer", "--mode", "placement", "--nproc", "2", "--steps", "1",
-                 "--new-tokens", "4", "--prompts", "2", "--json")
+    s = run_json(
+        "-m",
+        "labs.run",
+        "infer",
+        "--mode",
+        "placement",
+        "--nproc",
+        "2",
+        "--steps",
+        "1",
+        "--new-tokens",
+        "4",
+        "--prompts",
+        "2",
+        "--json",
+    )
     assert s["tokens_match"] and s["lab"] == "infer" and s["mode"] == "placement"
-    assert s["latency_per_token_s"] > 0 and s["tokens_per_s"] > 0 and s["theory_kv_cache_bytes_per_rank"]
+    assert (
+        s["latency_per_token_s"] > 0
+        and s["tokens_per_s"] > 0
+        and s["theory_kv_cache_bytes_per_rank"]
+    )

@@ -19,8 +19,13 @@ from tests.helpers import ROOT, alive
 def rank_and_sum(offset):
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item() + offset,
-            "threads": torch.get_num_threads(), "backend": dist.get_backend()}
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "sum": t.item() + offset,
+        "threads": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+    }
 
 
 def raise_on_rank_2():
@@ -71,6 +76,7 @@ def test_results_come_back_in_rank_order():
 def test_single_rank_and_notebook_style_function():
     def local_function(x):  # defined inside a function, like a notebook cell: works under fork
         return x * (dist.get_rank() + 1)
+
     assert launch(local_function, 1, 21) == [21]
 
 
@@ -129,6 +135,7 @@ def test_grandchildren_are_killed_too(tmp_path):
 def test_keyboard_interrupt_leaves_nothing_behind_and_next_launch_works():
     def interrupt(*_):
         raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 1.0)
     try:
@@ -142,29 +149,38 @@ def test_keyboard_interrupt_leaves_nothing_behind_and_next_launch_works():
 
 
 def test_two_launches_at_once_do_not_collide():
-    code = ("from tests.test_launcher import rank_and_sum; from labs import launch; "
-            "print(sum(r['sum'] for r in launch(rank_and_sum, 2, 0)))")
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    code = (
+        "from tests.test_launcher import rank_and_sum; from labs import launch; "
+        "print(sum(r['sum'] for r in launch(rank_and_sum, 2, 0)))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs == ["2.0", "2.0"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(fn=rank_and_sum, nprocs=0), "nprocs must be an integer >= 1"),
-    (dict(fn=rank_and_sum, nprocs=2.5), "nprocs must be an integer >= 1"),
-    (dict(fn="not a function", nprocs=2), "fn must be callable"),
-    (dict(fn=rank_and_sum, nprocs=2, backend="mpi"), "backend='mpi' is not one of"),
-    (dict(fn=rank_and_sum, nprocs=2, timeout=0), "timeout must be a positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fn=rank_and_sum, nprocs=0), "nprocs must be an integer >= 1"),
+        (dict(fn=rank_and_sum, nprocs=2.5), "nprocs must be an integer >= 1"),
+        (dict(fn="not a function", nprocs=2), "fn must be callable"),
+        (dict(fn=rank_and_sum, nprocs=2, backend="mpi"), "backend='mpi' is not one of"),
+        (dict(fn=rank_and_sum, nprocs=2, timeout=0), "timeout must be a positive"),
+    ],
+)
 def test_bad_arguments_raise_value_error(kwargs, message):
     fn, nprocs = kwargs.pop("fn"), kwargs.pop("nprocs")
     with pytest.raises(ValueError, match=message):
         launch(fn, nprocs, **kwargs)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without enough GPUs")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the error on a machine without enough GPUs"
+)
 def test_nccl_without_gpus_is_a_clear_error():
     with pytest.raises(ValueError, match="needs one GPU per rank"):
         choose_backend(2, "nccl")
@@ -173,12 +189,14 @@ def test_nccl_without_gpus_is_a_clear_error():
 def test_spawn_refuses_functions_it_cannot_import():
     def local():
         return 1
+
     with pytest.raises(ValueError, match="Move it into a .py module"):
         launch(local, 2, start_method="spawn")
 
 
 @pytest.mark.slow
 def test_spawn_path_runs_an_importable_function():
-    """The fallback for macOS, Windows and CUDA-initialised parents: slower (each rank imports torch)."""
+    """The fallback for macOS, Windows and CUDA-initialised parents: slower (each rank imports
+    torch)."""
     results = launch(rank_and_sum, 2, 0.0, start_method="spawn", timeout=180)
     assert [r["sum"] for r in results] == [1.0, 1.0]

@@ -6,10 +6,17 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from labs import launch
-from labs.measure import CommLedger, SavedActivations, Timeline, idle_fraction, plot_gantt, state_bytes
+from labs.measure import (
+    CommLedger,
+    SavedActivations,
+    Timeline,
+    idle_fraction,
+    plot_gantt,
+    state_bytes,
+)
 from labs.measure.timeline import Event
 from labs.models import ModelConfig, build_model
-from labs.train import make_optimizer, TrainConfig
+from labs.train import TrainConfig, make_optimizer
 
 
 def issue_collectives():
@@ -24,18 +31,30 @@ def issue_collectives():
         splits = [r + 1 for r in range(n)]  # uneven: rank r sends r'+1 rows to rank r'
         out = torch.empty(n * (rank + 1), 4)
         dist.all_to_all_single(out, torch.ones(sum(splits), 4), [rank + 1] * n, splits)
-        ops = [dist.P2POp(dist.isend, x, (rank + 1) % n), dist.P2POp(dist.irecv, torch.empty(1024), (rank - 1) % n)]
+        ops = [
+            dist.P2POp(dist.isend, x, (rank + 1) % n),
+            dist.P2POp(dist.irecv, torch.empty(1024), (rank - 1) % n),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
     counts = {str(k).split(".")[-1]: v for k, v in debug.get_comm_counts().items()}
-    return ledger.summary(), ledger.calls(phase="one"), counts, ledger.sent_bytes("all_to_all_single")
+    return (
+        ledger.summary(),
+        ledger.calls(phase="one"),
+        counts,
+        ledger.sent_bytes("all_to_all_single"),
+    )
 
 
 def test_ledger_records_kinds_and_ring_bytes():
     n = 4
     summary, in_phase, debug_counts, a2a_sent = launch(issue_collectives, n)[1]
     k = 4096
-    assert summary["all_reduce"] == {"calls": 1, "payload_bytes": k, "sent_bytes": 2 * (n - 1) / n * k}
+    assert summary["all_reduce"] == {
+        "calls": 1,
+        "payload_bytes": k,
+        "sent_bytes": 2 * (n - 1) / n * k,
+    }
     assert summary["all_gather_single"]["sent_bytes"] == (n - 1) / n * k * n
     assert summary["reduce_scatter_single"]["sent_bytes"] == (n - 1) / n * k
     assert summary["isend"]["sent_bytes"] == k and summary["irecv"]["sent_bytes"] == 0
@@ -43,10 +62,16 @@ def test_ledger_records_kinds_and_ring_bytes():
     # rank 1 sends 1, 2, 3, 4 rows (of 16 bytes) to ranks 0..3 and keeps its own 2
     assert a2a_sent == (1 + 3 + 4) * 16
     # torch's own counter (c10d op names) agrees on every collective it sees
-    torch_names = {"all_reduce": "allreduce_", "all_gather_single": "_allgather_base_",
-                   "reduce_scatter_single": "_reduce_scatter_base_", "broadcast": "broadcast_",
-                   "all_to_all_single": "alltoall_base_"}
-    assert {op: summary[op]["calls"] for op in torch_names} == {op: debug_counts[c] for op, c in torch_names.items()}
+    torch_names = {
+        "all_reduce": "allreduce_",
+        "all_gather_single": "_allgather_base_",
+        "reduce_scatter_single": "_reduce_scatter_base_",
+        "broadcast": "broadcast_",
+        "all_to_all_single": "alltoall_base_",
+    }
+    assert {op: summary[op]["calls"] for op in torch_names} == {
+        op: debug_counts[c] for op, c in torch_names.items()
+    }
 
 
 def test_ledger_restores_torch_distributed():
@@ -76,7 +101,12 @@ def test_saved_activations_excludes_parameters():
 
 
 def test_timeline_and_idle_fraction():
-    events = [Event(0, "F", 0.0, 1.0), Event(0, "B", 1.0, 3.0), Event(1, "F", 1.0, 2.0), Event(1, "B", 2.0, 4.0)]
+    events = [
+        Event(0, "F", 0.0, 1.0),
+        Event(0, "B", 1.0, 3.0),
+        Event(1, "F", 1.0, 2.0),
+        Event(1, "B", 2.0, 4.0),
+    ]
     assert idle_fraction(events) == pytest.approx(1 - 6 / 8)
     ax = plot_gantt(events)
     assert len(ax.patches) == 4

@@ -34,11 +34,19 @@ def test_saved_activations_equal_the_formula_region_by_region(shape, precision, 
     x, y = (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g) for _ in range(2))
     loss, total, regions = saved_activations(model, x, y, recompute=recompute)
     loss.backward()  # the recomputation works, too
-    parts = stage_activation_bytes(course_spec(cfg), seq=seq, mbs=batch, dtype_bytes=dtype.itemsize,
-                                   layers=cfg.n_layer, recompute=recompute)
+    parts = stage_activation_bytes(
+        course_spec(cfg),
+        seq=seq,
+        mbs=batch,
+        dtype_bytes=dtype.itemsize,
+        layers=cfg.n_layer,
+        recompute=recompute,
+    )
     assert regions["embedding"] == parts["embedding"]
     assert regions[f"layer{cfg.n_layer - 1}"] == parts["per_layer"]
-    assert sum(regions[f"layer{i}"] for i in range(cfg.n_layer)) == parts["layers"] + parts["rotary"]
+    assert (
+        sum(regions[f"layer{i}"] for i in range(cfg.n_layer)) == parts["layers"] + parts["rotary"]
+    )
     assert regions["final_norm"] == parts["final_norm"]
     assert regions["loss"] == parts["loss"]
     assert total == parts["total"]
@@ -46,21 +54,41 @@ def test_saved_activations_equal_the_formula_region_by_region(shape, precision, 
 
 def test_lab_on_one_rank_matches_theory_and_reference_exactly():
     s = run(nproc=1, steps=2)
-    assert s["all_match_theory"], [(r["precision"], r["recompute"], r["measured"], r["predicted"]) for r in s["rows"]]
+    assert s["all_match_theory"], [
+        (r["precision"], r["recompute"], r["measured"], r["predicted"]) for r in s["rows"]
+    ]
     assert len(s["rows"]) == 6 and s["all_match_reference"]
     assert s["max_abs_loss_diff"] == 0.0  # fp32, one rank: the reference's arithmetic, bit for bit
     assert not s["recompute_changes_loss"]
-    fp32 = {r["recompute"]: r["measured"]["activation_bytes"] for r in s["rows"] if r["precision"] == "fp32"}
-    predicted = {r["recompute"]: r["predicted"]["activation_bytes"] for r in s["rows"] if r["precision"] == "fp32"}
-    assert fp32["none"] - fp32["full"] == predicted["none"] - predicted["full"] > 0  # what recomputation buys
+    fp32 = {
+        r["recompute"]: r["measured"]["activation_bytes"]
+        for r in s["rows"]
+        if r["precision"] == "fp32"
+    }
+    predicted = {
+        r["recompute"]: r["predicted"]["activation_bytes"]
+        for r in s["rows"]
+        if r["precision"] == "fp32"
+    }
+    assert (
+        fp32["none"] - fp32["full"] == predicted["none"] - predicted["full"] > 0
+    )  # what recomputation buys
     bf16 = next(r for r in s["rows"] if r["precision"] == "bf16-mixed" and r["recompute"] == "none")
     n = sum(p.numel() for p in build_model(ModelConfig()).parameters())
-    assert bf16["measured"]["param_bytes"] == 2 * n and bf16["measured"]["optimizer_bytes"] == 12 * n
+    assert (
+        bf16["measured"]["param_bytes"] == 2 * n and bf16["measured"]["optimizer_bytes"] == 12 * n
+    )
     assert bf16["playbook_activation_bytes"] != bf16["measured"]["activation_bytes"]
 
 
 def test_two_data_parallel_ranks_and_fp32_gradient_accumulation():
-    s = run(nproc=2, steps=2, precisions=("bf16-mixed",), recomputes=("none", "full"), fp32_grad_accum=True)
+    s = run(
+        nproc=2,
+        steps=2,
+        precisions=("bf16-mixed",),
+        recomputes=("none", "full"),
+        fp32_grad_accum=True,
+    )
     assert s["all_match_theory"] and s["all_match_reference"] and s["bytes_match_theory"]
     n = sum(p.numel() for p in build_model(ModelConfig()).parameters())
     assert s["rows"][0]["measured"]["grad_bytes"] == (2 + 4) * n
@@ -68,10 +96,25 @@ def test_two_data_parallel_ranks_and_fp32_gradient_accumulation():
 
 
 def test_cli_summary_and_bad_arguments():
-    summary = run_json("-m", "labs.run", "memory", "--nproc", "2", "--steps", "2", "--json", "--impl", "solutions",
-                       "--precisions", "fp32", timeout=240)
+    summary = run_json(
+        "-m",
+        "labs.run",
+        "memory",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--json",
+        "--impl",
+        "solutions",
+        "--precisions",
+        "fp32",
+        timeout=240,
+    )
     assert set(SUMMARY_KEYS) <= set(summary)
-    assert summary["lab"] == "memory" and summary["all_match_theory"] and summary["matches_reference"]
+    assert (
+        summary["lab"] == "memory" and summary["all_match_theory"] and summary["matches_reference"]
+    )
     assert [r["recompute"] for r in summary["rows"]] == ["none", "selective", "full"]
     proc = run_cli("-m", "labs.run", "memory", "--nproc", "1", "--steps", "1", timeout=240)
     assert proc.returncode == 2 and "steps must be >= 2" in proc.stderr, proc.stderr

@@ -52,7 +52,10 @@ def test_corpus_and_tokenizer():
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ranks_see_disjoint_data_and_the_global_batch_is_the_same_for_any_world_size(world):
-    per_rank = [rank_batches(steps=3, batch_size=8 // world, seq_len=16, rank=r, world_size=world) for r in range(world)]
+    per_rank = [
+        rank_batches(steps=3, batch_size=8 // world, seq_len=16, rank=r, world_size=world)
+        for r in range(world)
+    ]
     for step in range(3):
         rows = [tuple(row.tolist()) for r in range(world) for row in per_rank[r][step][0]]
         assert len(set(rows)) == len(rows), "two ranks got the same sample"
@@ -65,7 +68,7 @@ def test_ranks_see_disjoint_data_and_the_global_batch_is_the_same_for_any_world_
 def test_epochs_reshuffle_with_set_epoch():
     windows = len(TokenWindows(512))
     batches = rank_batches(steps=2 * (windows // 4), batch_size=4, seq_len=512)
-    first, second = batches[: windows // 4], batches[windows // 4:]
+    first, second = batches[: windows // 4], batches[windows // 4 :]
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(first, second))
 
 
@@ -81,5 +84,7 @@ def test_reference_trainer_learns_and_is_deterministic():
 
 def test_assert_close_tensors_names_what_differs():
     ref = {"w": torch.ones(3)}
-    with pytest.raises(AssertionError, match=r"parameter w at step 2 on rank 1: max relative difference 1\.000e-03"):
+    with pytest.raises(
+        AssertionError, match=r"parameter w at step 2 on rank 1: max relative difference 1\.000e-03"
+    ):
         assert_close_tensors({"w": torch.tensor([1.0, 1.0, 1.001])}, ref, step=2, rank=1)

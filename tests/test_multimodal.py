@@ -1,5 +1,6 @@
-"""Exercise 11: the vision-language model trained pipeline-, data- and tensor-parallel equals the single-process
-run on 2 and 4 ranks, sends and holds what the theory says; plus the model and the data set (not exercise)."""
+"""Exercise 11: the vision-language model trained pipeline-, data- and tensor-parallel equals the
+single-process run on 2 and 4 ranks, sends and holds what the theory says; plus the model and the
+data set (not exercise)."""
 
 import functools
 
@@ -10,8 +11,15 @@ from labs.data import shapes
 from labs.experiments import multimodal as experiment
 from labs.experiments import multimodal_timeline
 from labs.experiments.common import SUMMARY_KEYS
-from labs.models.vision import (MultimodalConfig, build_multimodal, data_for, describe, fuse, to_hf_siglip,
-                                train_reference)
+from labs.models.vision import (
+    MultimodalConfig,
+    build_multimodal,
+    data_for,
+    describe,
+    fuse,
+    to_hf_siglip,
+    train_reference,
+)
 from labs.train import TOLERANCES, TrainConfig
 from tests.helpers import run_json
 
@@ -31,14 +39,20 @@ def assert_matches(s: dict) -> None:
     else:
         assert s["max_rel_grad_diff"] <= TOL, (s["worst_grad"], s["max_rel_grad_diff"])
     assert s["matches_reference"]
-    assert s["comm_bytes_per_rank"] == (s["theory_comm_bytes_per_rank"] if isinstance(
-        s["theory_comm_bytes_per_rank"], list) else [s["theory_comm_bytes_per_rank"]] * s["nproc"])
+    assert s["comm_bytes_per_rank"] == (
+        s["theory_comm_bytes_per_rank"]
+        if isinstance(s["theory_comm_bytes_per_rank"], list)
+        else [s["theory_comm_bytes_per_rank"]] * s["nproc"]
+    )
     assert s["state_matches_theory"], (s["state_bytes_per_rank"], s["theory_state_bytes_per_rank"])
 
 
-# --- the exercise, three ways ------------------------------------------------------------------------------
+# --- the exercise, three ways
+# ------------------------------------------------------------------------------
 @pytest.mark.exercise
-@pytest.mark.parametrize("nproc, split", [(2, (0, 4)), (2, (3, 1)), (4, (0, 2, 1, 1)), (4, (1, 1, 1, 1))])
+@pytest.mark.parametrize(
+    "nproc, split", [(2, (0, 4)), (2, (3, 1)), (4, (0, 2, 1, 1)), (4, (1, 1, 1, 1))]
+)
 def test_pipeline_with_the_encoder_as_stage_0(nproc, split):
     s = summary("pp", nproc, split=split)
     assert_matches(s)
@@ -62,13 +76,16 @@ def test_tensor_parallel_decoder_replicated_encoder(nproc):
     assert_matches(s)
     assert s["comm_matches_theory"], (s["comm"], s["theory_comm"])
     assert s["encoder_replicas_identical"] and s["losses_equal_on_every_rank"]
-    # the replicated encoder sends nothing: every collective is the decoder's (all-reduces, notebook 04's)
+    # the replicated encoder sends nothing: every collective is the decoder's (all-reduces, notebook
+    # 04's)
     assert set(s["comm"]["forward"]) == set(s["comm"]["backward"]) == {"all_reduce"}
 
 
 @pytest.mark.exercise
 def test_imbalance_measurement_reports_every_stage():
-    r = multimodal_timeline.imbalance(splits=[(0, 4), (2, 2)], nproc=2, steps=3, batch_size=8, size="tiny")
+    r = multimodal_timeline.imbalance(
+        splits=[(0, 4), (2, 2)], nproc=2, steps=3, batch_size=8, size="tiny"
+    )
     assert [row["split"] for row in r["rows"]] == [(0, 4), (2, 2)]
     for row in r["rows"]:
         assert row["matches_reference"], row["losses"]
@@ -81,34 +98,44 @@ def test_imbalance_measurement_reports_every_stage():
 
 @pytest.mark.exercise
 def test_command_line_summary():
-    s = run_json("-m", "labs.run", "multimodal", "--mode", "pp", "--nproc", "2", "--steps", "2", "--json")
+    s = run_json(
+        "-m", "labs.run", "multimodal", "--mode", "pp", "--nproc", "2", "--steps", "2", "--json"
+    )
     assert set(SUMMARY_KEYS) <= set(s)
     assert s["lab"] == "multimodal" and s["mode"] == "pp" and s["matches_reference"]
 
 
-# --- bad input, before any process starts ------------------------------------------------------------------
-@pytest.mark.parametrize("kw, message", [
-    (dict(mode="cp"), "mode='cp' is not one of"),
-    (dict(mode="pp", nproc=2, split=(1, 2)), r"split=\(1, 2\) must give 2 stages"),
-    (dict(mode="pp", nproc=4, split=(0, 4)), "must give 4 stages"),
-    (dict(mode="pp", nproc=1), "needs nproc >= 2"),
-    (dict(mode="pp", nproc=2, microbatches=3), "not divisible by microbatches=3"),
-    (dict(mode="dp", nproc=3), "batch_size=8 is not divisible by the data-parallel degree 3"),
-    (dict(mode="dp", nproc=2, zero=4), "zero=4 is not one of"),
-    (dict(mode="tp", nproc=3), "divisible"),
-    (dict(mode="pp", size="huge"), "size='huge' is not one of"),
-])
+# --- bad input, before any process starts
+# ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(mode="cp"), "mode='cp' is not one of"),
+        (dict(mode="pp", nproc=2, split=(1, 2)), r"split=\(1, 2\) must give 2 stages"),
+        (dict(mode="pp", nproc=4, split=(0, 4)), "must give 4 stages"),
+        (dict(mode="pp", nproc=1), "needs nproc >= 2"),
+        (dict(mode="pp", nproc=2, microbatches=3), "not divisible by microbatches=3"),
+        (dict(mode="dp", nproc=3), "batch_size=8 is not divisible by the data-parallel degree 3"),
+        (dict(mode="dp", nproc=2, zero=4), "zero=4 is not one of"),
+        (dict(mode="tp", nproc=3), "divisible"),
+        (dict(mode="pp", size="huge"), "size='huge' is not one of"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(kw, message):
     with pytest.raises(ValueError, match=message):
         experiment.run(**{"nproc": 2, **kw})
 
 
-# --- the model and the data (harness, not the exercise) ----------------------------------------------------
+# --- the model and the data (harness, not the exercise)
+# ----------------------------------------------------
 def test_encoder_is_siglip_bit_for_bit():
     model = build_multimodal(MultimodalConfig())
     images = data_for(model.cfg, TrainConfig(steps=1, batch_size=4))[0][0]
     with torch.no_grad():
-        ours, theirs = model.encoder(images), to_hf_siglip(model.encoder)(pixel_values=images).last_hidden_state
+        ours, theirs = (
+            model.encoder(images),
+            to_hf_siglip(model.encoder)(pixel_values=images).last_hidden_state,
+        )
     assert torch.equal(ours, theirs)
 
 
@@ -119,9 +146,10 @@ def test_prefix_takes_the_placeholders_place():
     prefix = model.projector(model.encoder(images))
     h = fuse(model.decoder, prefix, tokens)
     assert h.shape == (2, cfg.seq_len, cfg.decoder.n_embd)
-    assert torch.equal(h[:, :cfg.n_prefix], prefix)
-    assert torch.equal(h[:, cfg.n_prefix:], model.decoder.tok_emb(tokens[:, cfg.n_prefix:]))
-    # only caption positions have targets: C of them per sample, the last image position predicts the first byte
+    assert torch.equal(h[:, : cfg.n_prefix], prefix)
+    assert torch.equal(h[:, cfg.n_prefix :], model.decoder.tok_emb(tokens[:, cfg.n_prefix :]))
+    # only caption positions have targets: C of them per sample, the last image position predicts
+    # the first byte
     assert ((targets != shapes.IGNORE).sum(1) == cfg.caption_len).all()
     assert torch.equal(targets[:, cfg.n_prefix - 1], tokens[:, cfg.n_prefix])
 
@@ -129,13 +157,18 @@ def test_prefix_takes_the_placeholders_place():
 def test_data_is_seeded_and_split_like_the_text_labs():
     a = shapes.global_batches(steps=2, batch_size=3, n_prefix=16, world_size=2, seed=5)
     b = shapes.global_batches(steps=2, batch_size=3, n_prefix=16, world_size=2, seed=5)
-    ranks = [shapes.rank_batches(steps=2, batch_size=3, n_prefix=16, rank=r, world_size=2, seed=5) for r in (0, 1)]
+    ranks = [
+        shapes.rank_batches(steps=2, batch_size=3, n_prefix=16, rank=r, world_size=2, seed=5)
+        for r in (0, 1)
+    ]
     for step in range(2):
         for i in range(3):
             assert torch.equal(a[step][i], b[step][i])
             assert torch.equal(a[step][i], torch.cat([ranks[0][step][i], ranks[1][step][i]]))
-    assert not torch.equal(a[0][0], shapes.global_batches(steps=1, batch_size=3, n_prefix=16, world_size=2,
-                                                          seed=6)[0][0])
+    assert not torch.equal(
+        a[0][0],
+        shapes.global_batches(steps=1, batch_size=3, n_prefix=16, world_size=2, seed=6)[0][0],
+    )
 
 
 def test_captions_name_what_the_image_shows():
@@ -144,7 +177,10 @@ def test_captions_name_what_the_image_shows():
         image, caption = ds[i]
         d = ds.describe(i)
         text = shapes.ByteTokenizer().decode(caption)
-        assert text == shapes.caption(d["size"], d["colour"], d["shape"]) and len(caption) == shapes.CAPTION_LEN
+        assert (
+            text == shapes.caption(d["size"], d["colour"], d["shape"])
+            and len(caption) == shapes.CAPTION_LEN
+        )
         centre = image[:, d["cy"], d["cx"]]  # every shape covers its centre pixel
         assert torch.allclose(centre, torch.tensor(shapes.COLOURS[d["colour"]]))
     with pytest.raises(ValueError, match="shape='star' is not one of"):

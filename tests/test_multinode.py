@@ -10,7 +10,18 @@ import pytest
 
 from tests.helpers import ROOT, TORCHRUN, json_lines, run_json
 
-LAB = ["-m", "labs.run", "collectives", "--json", "--impl", "solutions", "--numel", "4096", "--steps", "2"]
+LAB = [
+    "-m",
+    "labs.run",
+    "collectives",
+    "--json",
+    "--impl",
+    "solutions",
+    "--numel",
+    "4096",
+    "--steps",
+    "2",
+]
 
 
 def _free_port() -> int:
@@ -22,11 +33,32 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_nodes_of_two_equal_four_local_ranks():
     endpoint = f"127.0.0.1:{_free_port()}"
-    nodes = [subprocess.Popen(
-        [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank), "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", endpoint, "--rdzv-id", "labs-test", *LAB],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                TORCHRUN,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "labs-test",
+                *LAB,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         outputs = [node.communicate(timeout=300) for node in nodes]
     finally:
@@ -39,6 +71,11 @@ def test_two_nodes_of_two_equal_four_local_ranks():
     multi = summaries[0]
     local = run_json(*LAB, "--nproc", "4")
     assert multi["nproc"] == local["nproc"] == 4
-    for key in ("comm_bytes_per_rank", "theory_comm_bytes_per_rank", "exact_int", "bytes_match_theory",
-                "sends_per_rank"):
+    for key in (
+        "comm_bytes_per_rank",
+        "theory_comm_bytes_per_rank",
+        "exact_int",
+        "bytes_match_theory",
+        "sends_per_rank",
+    ):
         assert multi[key] == local[key], key

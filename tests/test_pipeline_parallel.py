@@ -25,31 +25,55 @@ def reference(batch_size: int):
 def sweep(schedule, microbatch_counts, virtual, plan, batch_size):
     """On each rank: two training steps of ``schedule`` for every M, with the lab's worker."""
     cfg = TrainConfig(steps=2, batch_size=batch_size)
-    return [lab.pipeline_worker(schedule, MODEL, cfg, m, virtual, plan, op_time=0.0) for m in microbatch_counts]
+    return [
+        lab.pipeline_worker(schedule, MODEL, cfg, m, virtual, plan, op_time=0.0)
+        for m in microbatch_counts
+    ]
 
 
 def check_sweep(schedule, nproc, microbatch_counts, virtual=1, batch_size=16):
     plan = lab.make_plan(schedule, MODEL, nproc, virtual)
     ref = reference(batch_size)  # first: it imports what AdamW needs once, before the ranks fork
-    per_rank = launch(sweep, nproc, schedule, microbatch_counts, virtual, plan, batch_size, timeout=240)
+    per_rank = launch(
+        sweep, nproc, schedule, microbatch_counts, virtual, plan, batch_size, timeout=240
+    )
     for i, m in enumerate(microbatch_counts):
         ranks = [r[i] for r in per_rank]
         where = f"{schedule} P={nproc} V={virtual} M={m}"
         losses = ranks[-1]["losses"]
         for step, (loss, expected) in enumerate(zip(losses, ref.losses)):
-            assert abs(loss - expected) <= TOLERANCES[torch.float32] * abs(expected), f"{where} step {step}: loss"
+            assert abs(loss - expected) <= TOLERANCES[torch.float32] * abs(expected), (
+                f"{where} step {step}: loss"
+            )
         for rank, r in enumerate(ranks):
-            assert_close_tensors(r["grads"], {n: ref.grads[n] for n in r["grads"]}, what=f"{where} gradient",
-                                 step=1, rank=rank)
+            assert_close_tensors(
+                r["grads"],
+                {n: ref.grads[n] for n in r["grads"]},
+                what=f"{where} gradient",
+                step=1,
+                rank=rank,
+            )
         names = [n for r in ranks for n in r["grads"]]
-        assert sorted(names) == sorted(ref.grads), f"{where}: the stages must hold every parameter exactly once"
+        assert sorted(names) == sorted(ref.grads), (
+            f"{where}: the stages must hold every parameter exactly once"
+        )
         order = th.schedule_ops(schedule, nproc, m, virtual)
         for rank, r in enumerate(ranks):  # the sequence of operations, whatever their timing
-            assert [tuple(o) for o in r["order"]] == order[rank], f"{where} rank {rank}: order of F/B"
-            assert r["held"] == th.in_flight_microbatches(schedule, nproc, m, rank, virtual), \
+            assert [tuple(o) for o in r["order"]] == order[rank], (
+                f"{where} rank {rank}: order of F/B"
+            )
+            assert r["held"] == th.in_flight_microbatches(schedule, nproc, m, rank, virtual), (
                 f"{where} rank {rank}: micro-batches held"
-            assert r["sent_bytes"] == th.p2p_bytes_per_rank(schedule, nproc, rank, batch=batch_size, seq_len=32,
-                                                            hidden=MODEL.n_embd, virtual=virtual)
+            )
+            assert r["sent_bytes"] == th.p2p_bytes_per_rank(
+                schedule,
+                nproc,
+                rank,
+                batch=batch_size,
+                seq_len=32,
+                hidden=MODEL.n_embd,
+                virtual=virtual,
+            )
 
 
 @pytest.mark.exercise
@@ -76,15 +100,20 @@ def two_pipelines_on_sub_groups():
     """4 ranks as two pipelines of 2 stages on the sub-groups {0, 2} and {1, 3} (as the mesh lab's
     pp groups are): peers come from the group, not from the global rank."""
     import torch.distributed as dist
+
     from labs.runtime.impl import exercise
+
     pp = exercise("pipeline_parallel")
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipe = pp.pipe_group(groups[dist.get_rank() % 2])
     stage = pp.build_stage(build_model(MODEL), plan=(4, 4), stage=pipe.rank)
     x, y = data_for(TrainConfig(steps=1, batch_size=16))[0]
     loss = pp.train_step_1f1b(stage, lab.split_microbatches(x, y, 4), pipe=pipe)
-    return {"peers": (pipe.prev, pipe.next), "loss": loss,
-            "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+    return {
+        "peers": (pipe.prev, pipe.next),
+        "loss": loss,
+        "grads": {n: p.grad.clone() for n, p in stage.named_parameters()},
+    }
 
 
 @pytest.mark.exercise
@@ -93,14 +122,18 @@ def test_pipeline_on_a_sub_group():
     results = launch(two_pipelines_on_sub_groups, 4, timeout=120)
     assert [r["peers"] for r in results] == [(2, 2), (3, 3), (0, 0), (1, 1)]
     for rank, r in enumerate(results):
-        assert_close_tensors(r["grads"], {n: ref.grads[n] for n in r["grads"]}, what="gradient", step=1, rank=rank)
+        assert_close_tensors(
+            r["grads"], {n: ref.grads[n] for n in r["grads"]}, what="gradient", step=1, rank=rank
+        )
     assert results[2]["loss"] == pytest.approx(ref.losses[0], rel=1e-5) == results[3]["loss"]
 
 
 @pytest.mark.exercise
 def test_naive_placement_matches_the_full_model():
     s = lab.run(nproc=4, steps=2, schedule="naive", op_time=0.01)
-    assert s["max_logits_rel_diff"] == 0.0 and s["matches_reference"]  # the same arithmetic, cut in four
+    assert (
+        s["max_logits_rel_diff"] == 0.0 and s["matches_reference"]
+    )  # the same arithmetic, cut in four
     assert s["comm_matches_theory"] and s["order_matches_schedule"]
     assert s["theory_bubble_fraction"] == 0.75
     assert s["bubble_fraction"] > 0.6  # one stage computes at a time
@@ -112,14 +145,29 @@ def test_measured_bubble_follows_the_formula():
     (operations padded to 40 ms) is no better than the formula and within 0.25 of it; the schedule
     run on paper with the run's own mean delay per operation lands within 0.1 of it; and more
     micro-batches shrink the measured bubble as they shrink the formula's. (Interleaving's gain is
-    not asserted: its twice as many operations and messages pay delays a busy laptop makes large.)"""
+    not asserted: its twice as many operations and messages pay delays a busy laptop makes
+    large.)"""
     few = lab.run(nproc=4, steps=1, schedule="1f1b", microbatches=4, op_time=0.04)
     many = lab.run(nproc=4, steps=1, schedule="1f1b", microbatches=16, op_time=0.04)
-    inter = lab.run(nproc=4, steps=1, schedule="interleaved", microbatches=4, virtual=2, op_time=0.04)
+    inter = lab.run(
+        nproc=4, steps=1, schedule="interleaved", microbatches=4, virtual=2, op_time=0.04
+    )
     for s in (few, many, inter):
-        where = (s["schedule"], s["microbatches"], s["bubble_fraction"], s["theory_bubble_fraction"])
-        assert s["theory_bubble_fraction"] - 0.03 <= s["bubble_fraction"] <= s["theory_bubble_fraction"] + 0.25, where
-        assert abs(s["bubble_fraction"] - s["delay_bubble_fraction"]) <= 0.1, (where, s["delay_bubble_fraction"])
+        where = (
+            s["schedule"],
+            s["microbatches"],
+            s["bubble_fraction"],
+            s["theory_bubble_fraction"],
+        )
+        assert (
+            s["theory_bubble_fraction"] - 0.03
+            <= s["bubble_fraction"]
+            <= s["theory_bubble_fraction"] + 0.25
+        ), where
+        assert abs(s["bubble_fraction"] - s["delay_bubble_fraction"]) <= 0.1, (
+            where,
+            s["delay_bubble_fraction"],
+        )
         assert s["order_matches_schedule"]
     assert few["bubble_fraction"] > many["bubble_fraction"] + 0.1
 
@@ -127,8 +175,22 @@ def test_measured_bubble_follows_the_formula():
 @pytest.mark.exercise
 def test_cli_side_by_side_with_torch():
     from tests.helpers import run_json
-    s = run_json("-m", "labs.run", "pp", "--schedule", "1f1b", "--nproc", "4", "--microbatches", "8", "--steps", "3",
-                 "--vs-torch", "--json")
+
+    s = run_json(
+        "-m",
+        "labs.run",
+        "pp",
+        "--schedule",
+        "1f1b",
+        "--nproc",
+        "4",
+        "--microbatches",
+        "8",
+        "--steps",
+        "3",
+        "--vs-torch",
+        "--json",
+    )
     assert s["matches_reference"] and s["grads_match_reference"] and s["comm_matches_theory"]
     assert s["torch_max_abs_loss_diff"] <= 1e-5 * s["reference_loss"]
     assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
@@ -139,22 +201,41 @@ def test_cli_side_by_side_with_torch():
 @pytest.mark.exercise
 def test_torch_pipelining_gpipe_and_interleaved_give_the_same_losses():
     for schedule, virtual in (("gpipe", 1), ("interleaved", 2)):
-        s = lab.run(nproc=2, steps=2, schedule=schedule, microbatches=4, virtual=virtual, vs_torch=True, op_time=0.0)
+        s = lab.run(
+            nproc=2,
+            steps=2,
+            schedule=schedule,
+            microbatches=4,
+            virtual=virtual,
+            vs_torch=True,
+            op_time=0.0,
+        )
         assert s["matches_reference"], schedule
-        assert max(abs(a - b) for a, b in zip(s["torch_losses"], s["losses"])) <= 1e-5 * s["loss"], schedule
+        assert (
+            max(abs(a - b) for a, b in zip(s["torch_losses"], s["losses"])) <= 1e-5 * s["loss"]
+        ), schedule
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(nproc=4, layers=2), "pp=4 x virtual_stages=1 = 4 stages but only n_layer=2"),
-    (dict(nproc=2, schedule="interleaved", virtual=2, layers=3), "only n_layer=3"),
-    (dict(nproc=4, schedule="interleaved", microbatches=6, batch_size=12), "microbatches divisible by stages"),
-    (dict(nproc=2, schedule="1f1b", virtual=2), "virtual=2 only applies to schedule='interleaved'"),
-    (dict(nproc=2, microbatches=3), "batch_size=16 is not divisible by microbatches=3"),
-    (dict(nproc=2, schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
-    (dict(nproc=2, schedule="naive", microbatches=4), "use microbatches=1"),
-    (dict(nproc=2, plan=(3, 3)), r"plan=\(3, 3\) must give 2 stages"),
-    (dict(nproc=2, op_time=-1.0), "op_time=-1.0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(nproc=4, layers=2), "pp=4 x virtual_stages=1 = 4 stages but only n_layer=2"),
+        (dict(nproc=2, schedule="interleaved", virtual=2, layers=3), "only n_layer=3"),
+        (
+            dict(nproc=4, schedule="interleaved", microbatches=6, batch_size=12),
+            "microbatches divisible by stages",
+        ),
+        (
+            dict(nproc=2, schedule="1f1b", virtual=2),
+            "virtual=2 only applies to schedule='interleaved'",
+        ),
+        (dict(nproc=2, microbatches=3), "batch_size=16 is not divisible by microbatches=3"),
+        (dict(nproc=2, schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
+        (dict(nproc=2, schedule="naive", microbatches=4), "use microbatches=1"),
+        (dict(nproc=2, plan=(3, 3)), r"plan=\(3, 3\) must give 2 stages"),
+        (dict(nproc=2, op_time=-1.0), "op_time=-1.0"),
+    ],
+)
 def test_bad_options_fail_before_any_rank_starts(options, message):
     with pytest.raises(ValueError, match=message):
         lab.run(**options)

@@ -1,5 +1,6 @@
-"""`python -m labs.release`: the student release holds the stubs, cleared notebooks and the public tests,
-defaults to the learner's code, and its tests fail on the stubs and pass once the exercises are written."""
+"""`python -m labs.release`: the student release holds the stubs, cleared notebooks and the public
+tests, defaults to the learner's code, and its tests fail on the stubs and pass once the exercises
+are written."""
 
 from __future__ import annotations
 
@@ -32,13 +33,21 @@ def test_release_follows_every_rule(released):
 
 def test_no_solutions_hidden_tests_or_instructor_tools(released):
     out, manifest = released
-    for path in ("solutions", "hidden_tests", ".ci", "labs/grading", *release.INSTRUCTOR_TOOLS,
-                 *release.INSTRUCTOR_TESTS):
+    for path in (
+        "solutions",
+        "hidden_tests",
+        ".ci",
+        "labs/grading",
+        *release.INSTRUCTOR_TOOLS,
+        *release.INSTRUCTOR_TESTS,
+    ):
         assert not (out / path).exists(), path
     assert not list(out.rglob("__pycache__")) and not (out / ".venv").exists()
     assert manifest["public_tests"] and "tests/test_collectives.py" in manifest["public_tests"]
-    assert json.loads((out / ".release.json").read_text())["exercises"]["collectives"] == \
-        "00_setup_and_collectives.ipynb"
+    assert (
+        json.loads((out / ".release.json").read_text())["exercises"]["collectives"]
+        == "00_setup_and_collectives.ipynb"
+    )
 
 
 def test_exercise_modules_are_the_generated_stubs(released):
@@ -56,9 +65,13 @@ def test_notebooks_have_no_outputs_and_no_widget_state(released):
         nb = nbformat.read(out / rel, as_version=4)
         assert "widgets" not in nb.metadata
         source = nbformat.read(ROOT / rel, as_version=4)
-        assert [c.source for c in nb.cells] == [c.source for c in source.cells], f"{rel}: cells changed"
+        assert [c.source for c in nb.cells] == [c.source for c in source.cells], (
+            f"{rel}: cells changed"
+        )
         for cell in nb.cells:
-            assert cell.cell_type != "code" or (cell.outputs == [] and cell.execution_count is None), rel
+            assert cell.cell_type != "code" or (
+                cell.outputs == [] and cell.execution_count is None
+            ), rel
 
 
 def test_the_switch_defaults_to_the_learners_code(released):
@@ -81,7 +94,9 @@ def test_cli_writes_a_folder_and_an_archive_and_refuses_a_full_folder(tmp_path):
     assert (tmp_path / "course" / "labs" / "collectives.py").exists()
     with zipfile.ZipFile(tmp_path / "course.zip") as archive:
         names = archive.namelist()
-    assert "course/labs/collectives.py" in names and not any(n.startswith("course/solutions/") for n in names)
+    assert "course/labs/collectives.py" in names and not any(
+        n.startswith("course/solutions/") for n in names
+    )
     again = run_cli("-m", "labs.release", str(tmp_path / "course"), timeout=300)
     assert again.returncode == 2 and "is not empty" in again.stderr
     inside = run_cli("-m", "labs.release", str(ROOT.parent), timeout=300)
@@ -89,23 +104,44 @@ def test_cli_writes_a_folder_and_an_archive_and_refuses_a_full_folder(tmp_path):
 
 
 def _pytest_in(folder, *args, timeout=1800):
-    """pytest inside the released folder as a student runs it: its conftest and pyproject, LABS_IMPL unset."""
+    """pytest inside the released folder as a student runs it: its conftest and pyproject, LABS_IMPL
+    unset."""
     report = folder / "junit.xml"
     env = {k: v for k, v in os.environ.items() if k != "LABS_IMPL" and not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = str(folder)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
-                           f"--rootdir={folder}", "-c", str(folder / "pyproject.toml"), *args], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={report}",
+            f"--rootdir={folder}",
+            "-c",
+            str(folder / "pyproject.toml"),
+            *args,
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, (junit_outcomes(report) if report.exists() else {})
 
 
 @pytest.mark.slow
 def test_public_tests_fail_on_the_stubs(released, tmp_path):
-    """With LABS_IMPL left to the release's default, a lab's public tests run the released stubs and fail.
-    (One lab shows the default; tests/test_stubs.py proves every exercise test fails on every stub.)"""
+    """With LABS_IMPL left to the release's default, a lab's public tests run the released stubs and
+    fail. (One lab shows the default; tests/test_stubs.py proves every exercise test fails on every
+    stub.)"""
     out = tmp_path / "course"
     shutil.copytree(released[0], out)
-    proc, outcomes = _pytest_in(out, "-m", "exercise", "--timeout", "120", "tests/test_collectives.py")
+    proc, outcomes = _pytest_in(
+        out, "-m", "exercise", "--timeout", "120", "tests/test_collectives.py"
+    )
     assert outcomes, proc.stdout[-3000:] + proc.stderr[-3000:]
     passed = [name for name, outcome in outcomes.items() if outcome in ("passed", "skipped")]
     assert not passed, f"these public tests pass or skip on the stubs: {passed}"
@@ -113,8 +149,9 @@ def test_public_tests_fail_on_the_stubs(released, tmp_path):
 
 @pytest.mark.slow
 def test_public_tests_pass_once_the_exercises_are_written(released, tmp_path):
-    """The solutions copied into labs/ (what a student who finished hands in): the released runtime tests
-    and the collectives lab's tests pass; every public test file still collects without solutions/."""
+    """The solutions copied into labs/ (what a student who finished hands in): the released runtime
+    tests and the collectives lab's tests pass; every public test file still collects without
+    solutions/."""
     out = tmp_path / "course"
     shutil.copytree(released[0], out)
     for path in (ROOT / "solutions").glob("*.py"):
@@ -122,8 +159,11 @@ def test_public_tests_pass_once_the_exercises_are_written(released, tmp_path):
             shutil.copy(path, out / "labs" / path.name)
     collected, outcomes = _pytest_in(out, "--collect-only", "tests")
     assert collected.returncode == 0, collected.stdout[-3000:]
-    runtime = [t for t in released[1]["public_tests"]
-               if release.lab_of_test_file(out / t, release.exercise_names()) in (None, "collectives")]
+    runtime = [
+        t
+        for t in released[1]["public_tests"]
+        if release.lab_of_test_file(out / t, release.exercise_names()) in (None, "collectives")
+    ]
     proc, outcomes = _pytest_in(out, "-m", "not slow", "--timeout", "300", *runtime)
     failed = [name for name, outcome in outcomes.items() if outcome in ("failure", "error")]
     assert outcomes and not failed, f"{failed}\n{proc.stdout[-3000:]}"

@@ -1,5 +1,6 @@
-"""Exercise 04: tensor and sequence parallelism equal the single-process model, move exactly the theory's
-collectives and bytes, hold the theory's bytes, and agree with torch's DTensor tensor parallelism."""
+"""Exercise 04: tensor and sequence parallelism equal the single-process model, move exactly the
+theory's collectives and bytes, hold the theory's bytes, and agree with torch's DTensor tensor
+parallelism."""
 
 import functools
 
@@ -17,7 +18,9 @@ from labs.theory import tensor_parallel as theory
 from labs.train import TOLERANCES
 from tests.helpers import run_json
 
-TOL = TOLERANCES[torch.float32]  # 1e-5: fp32, a sum over ranks adds in another order than one process
+TOL = TOLERANCES[
+    torch.float32
+]  # 1e-5: fp32, a sum over ranks adds in another order than one process
 CASES = [(tp, sp, model) for model in experiment.MODELS for tp in (2, 4) for sp in (False, True)]
 
 
@@ -35,7 +38,9 @@ def case_id(case):
 @pytest.mark.exercise
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_conjugate_operators_forward_and_backward(nproc):
-    for name, diff in check_operators(nproc=nproc).items():  # float64: only rounding of the sums remains
+    for name, diff in check_operators(
+        nproc=nproc
+    ).items():  # float64: only rounding of the sums remains
         assert diff["forward"] < 1e-12 and diff["backward"] < 1e-12, (name, diff)
 
 
@@ -71,13 +76,20 @@ def test_training_matches_the_reference_losses(case):
 def test_collectives_and_bytes_per_rank_match_the_theory(case):
     tp, sp, _ = case
     s = summary(*case)
-    assert s["comm_matches_theory"], (s["comm"], s["theory_comm"])  # every rank: calls, payload, bytes sent
+    assert s["comm_matches_theory"], (
+        s["comm"],
+        s["theory_comm"],
+    )  # every rank: calls, payload, bytes sent
     assert s["comm_bytes_per_rank"] == [s["theory_comm_bytes_per_rank"]] * tp
     assert s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * tp
-    assert s["param_bytes_per_rank"][0] == experiment.memory_vs_calculator(s)["params"]["calculator"]  # notebook 01
+    assert (
+        s["param_bytes_per_rank"][0] == experiment.memory_vs_calculator(s)["params"]["calculator"]
+    )  # notebook 01
     assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * tp
     assert s["saved_activation_bytes"] == [s["theory_saved_activation_bytes"]] * tp
-    rows = [r.replace(",", "").split() for r in experiment.comm_table(s).splitlines()[1:]]  # notebook 04's table
+    rows = [
+        r.replace(",", "").split() for r in experiment.comm_table(s).splitlines()[1:]
+    ]  # notebook 04's table
     assert len(rows) == sum(len(ops) for ops in s["comm"].values())  # one row per phase and op
     assert all(r[2:5] == r[5:8] for r in rows)  # measured calls, payload, sent = theory's
 
@@ -86,7 +98,9 @@ def test_collectives_and_bytes_per_rank_match_the_theory(case):
 def test_tied_embeddings_share_one_vocab_shard():
     s = experiment.run(nproc=2, steps=2, sp=True, model_cfg=ModelConfig(tie_embeddings=True))
     assert s["matches_reference"] and s["max_rel_grad_diff"] <= TOL and s["comm_matches_theory"]
-    assert s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * 2  # the head adds no second shard
+    assert (
+        s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * 2
+    )  # the head adds no second shard
 
 
 @pytest.mark.exercise
@@ -95,19 +109,33 @@ def test_sequence_parallelism_saves_activation_memory(tp):
     without, with_sp = summary(tp, False, "course"), summary(tp, True, "course")
     saved = with_sp["saved_activation_bytes"][0]
     assert saved < without["saved_activation_bytes"][0]
-    # what SP saves is exactly the norm region (residual inputs, 1/rms, normalised x) cut from T to T/tp tokens
-    norm_terms = [k for k in theory.saved_activation_bytes(theory.COURSE_MODEL, tp=tp)["per_block"] if "norm" in k]
-    parts = {sp_: theory.saved_activation_bytes(theory.COURSE_MODEL, tp=tp, sp=sp_, batch=8, seq=32) for sp_ in (0, 1)}
-    region = sum(parts[0]["per_block"][k] for k in norm_terms) * 2 + sum(v for k, v in parts[0]["outside"].items()
-                                                                          if k.startswith("final norm"))
+    # what SP saves is exactly the norm region (residual inputs, 1/rms, normalised x) cut from T to
+    # T/tp tokens
+    norm_terms = [
+        k
+        for k in theory.saved_activation_bytes(theory.COURSE_MODEL, tp=tp)["per_block"]
+        if "norm" in k
+    ]
+    parts = {
+        sp_: theory.saved_activation_bytes(theory.COURSE_MODEL, tp=tp, sp=sp_, batch=8, seq=32)
+        for sp_ in (0, 1)
+    }
+    region = sum(parts[0]["per_block"][k] for k in norm_terms) * 2 + sum(
+        v for k, v in parts[0]["outside"].items() if k.startswith("final norm")
+    )
     assert without["saved_activation_bytes"][0] - saved == region * (1 - 1 / tp)
-    # The memory calculator (notebook 01) models Megatron's SP, which also keeps the column-parallel inputs (2 per
-    # block and the head's) sequence-sharded and gathers them again in backward: its saving is larger by exactly those.
-    calculator = {sp_: experiment.memory_vs_calculator(s)["saved activations"]["calculator"]
-                  for sp_, s in ((False, without), (True, with_sp))}
+    # The memory calculator (notebook 01) models Megatron's SP, which also keeps the column-parallel
+    # inputs (2 per
+    # block and the head's) sequence-sharded and gathers them again in backward: its saving is
+    # larger by exactly those.
+    calculator = {
+        sp_: experiment.memory_vs_calculator(s)["saved activations"]["calculator"]
+        for sp_, s in ((False, without), (True, with_sp))
+    }
     gathered_inputs = (2 * theory.COURSE_MODEL.n_layers + 1) * 8 * 32 * 64 * 4
-    assert (calculator[False] - calculator[True]) - (without["saved_activation_bytes"][0] - saved) == \
-        gathered_inputs * (1 - 1 / tp)
+    assert (calculator[False] - calculator[True]) - (
+        without["saved_activation_bytes"][0] - saved
+    ) == gathered_inputs * (1 - 1 / tp)
 
 
 def block_collectives(sp: bool) -> dict:
@@ -123,8 +151,12 @@ def block_collectives(sp: bool) -> dict:
             y = block(x, cos, sin)
         with ledger.phase("backward"):
             y.sum().backward()
-    return experiment.measured_comm([(c.op.replace("_single", ""), c.phase, c.payload_bytes, c.sent_bytes)
-                                     for c in ledger.records])
+    return experiment.measured_comm(
+        [
+            (c.op.replace("_single", ""), c.phase, c.payload_bytes, c.sent_bytes)
+            for c in ledger.records
+        ]
+    )
 
 
 @pytest.mark.exercise
@@ -132,17 +164,32 @@ def block_collectives(sp: bool) -> dict:
 def test_one_block_sends_what_the_formulas_say(tp, sp):
     k = 8 * 32 * 64 * 4  # B·T·H fp32
     for measured in launch(block_collectives, tp, sp):
-        assert measured == theory.comm_summary(theory.COURSE_MODEL, tp=tp, sp=sp, batch=8, seq=32)["block"]
+        assert (
+            measured
+            == theory.comm_summary(theory.COURSE_MODEL, tp=tp, sp=sp, batch=8, seq=32)["block"]
+        )
         if not sp:  # Megatron: 2 all-reduces of K per block forward, 2 backward
-            assert measured == {p: {"all_reduce": {"calls": 2, "payload_bytes": 2 * k,
-                                                   "sent_bytes": 2 * 2 * (tp - 1) / tp * k}}
-                                for p in ("forward", "backward")}
+            assert measured == {
+                p: {
+                    "all_reduce": {
+                        "calls": 2,
+                        "payload_bytes": 2 * k,
+                        "sent_bytes": 2 * 2 * (tp - 1) / tp * k,
+                    }
+                }
+                for p in ("forward", "backward")
+            }
         else:  # 2 all-gathers + 2 reduce-scatters each way: the same bytes as the 2 all-reduces
             for phase in ("forward", "backward"):
                 ag, rs = measured[phase]["all_gather"], measured[phase]["reduce_scatter"]
-                assert ag["calls"] == rs["calls"] == 2 and ag["payload_bytes"] == rs["payload_bytes"] == 2 * k
+                assert (
+                    ag["calls"] == rs["calls"] == 2
+                    and ag["payload_bytes"] == rs["payload_bytes"] == 2 * k
+                )
                 assert ag["sent_bytes"] + rs["sent_bytes"] == 2 * 2 * (tp - 1) / tp * k
-            assert measured["backward"]["all_reduce"]["payload_bytes"] == 2 * 64 * 4  # the two norm weights
+            assert (
+                measured["backward"]["all_reduce"]["payload_bytes"] == 2 * 64 * 4
+            )  # the two norm weights
 
 
 def saved_shapes(sp: bool) -> dict:
@@ -170,11 +217,14 @@ def test_vocab_parallel_loss_never_materialises_the_full_logits(sp):
         assert r["logits"] == (B, T, V // tp)
         assert r["saved"], "nothing was saved for backward"
         biggest = max(torch.Size(s).numel() for s in r["saved"])
-        assert biggest <= B * T * V // tp, f"a tensor of {biggest} elements (the full logits are {B * T * V}) was saved"
+        assert biggest <= B * T * V // tp, (
+            f"a tensor of {biggest} elements (the full logits are {B * T * V}) was saved"
+        )
 
 
 def apply_under_ledger(config: dict) -> tuple[str, int]:
-    """apply_tensor_parallel on a model the degree may not divide: the error, and the collectives issued."""
+    """apply_tensor_parallel on a model the degree may not divide: the error, and the collectives
+    issued."""
     with CommLedger() as ledger:
         try:
             exercise("tensor_parallel").apply_tensor_parallel(build_model(ModelConfig(**config), 0))
@@ -183,14 +233,18 @@ def apply_under_ledger(config: dict) -> tuple[str, int]:
     return "no error", ledger.calls()
 
 
-@pytest.mark.parametrize("tp, config, message", [
-    (3, {}, "n_head=8 is not divisible by tp=3; use tp in {1,2,4,8}"),
-    (4, {"n_kv_head": 2}, "n_kv_head=2 is not divisible by tp=4"),
-    (4, {"vocab_size": 250}, "vocab_size=250 is not divisible by tp=4"),
-    (4, {"ffn_hidden": 130}, "ffn_hidden=130 is not divisible by tp=4"),
-])
+@pytest.mark.parametrize(
+    "tp, config, message",
+    [
+        (3, {}, "n_head=8 is not divisible by tp=3; use tp in {1,2,4,8}"),
+        (4, {"n_kv_head": 2}, "n_kv_head=2 is not divisible by tp=4"),
+        (4, {"vocab_size": 250}, "vocab_size=250 is not divisible by tp=4"),
+        (4, {"ffn_hidden": 130}, "ffn_hidden=130 is not divisible by tp=4"),
+    ],
+)
 def test_a_degree_that_does_not_divide_is_a_clear_error_before_any_collective(tp, config, message):
-    # validation is plumbing (it runs before the exercise code), so this holds for the stubs too: not an exercise test
+    # validation is plumbing (it runs before the exercise code), so this holds for the stubs too:
+    # not an exercise test
     for error, calls in launch(apply_under_ledger, tp, config):
         assert message in error and calls == 0, (error, calls)
 
@@ -214,16 +268,22 @@ def test_same_outputs_as_torch_dtensor_tensor_parallelism():
 
 @pytest.mark.exercise
 def test_cli_reports_both_step_times():
-    s = run_json("-m", "labs.run", "tp", "--nproc", "4", "--steps", "3", "--vs-torch", "--json", timeout=600)
-    assert s["lab"] == "tp" and s["nproc"] == 4 and s["matches_reference"] and s["comm_matches_theory"]
+    s = run_json(
+        "-m", "labs.run", "tp", "--nproc", "4", "--steps", "3", "--vs-torch", "--json", timeout=600
+    )
+    assert (
+        s["lab"] == "tp" and s["nproc"] == 4 and s["matches_reference"] and s["comm_matches_theory"]
+    )
     assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
     assert s["torch_max_rel_logit_diff_vs_ours"] <= TOL
 
 
 def test_transformers_llama_converts_to_the_course_model_or_says_why_not():
     from transformers import LlamaConfig
+
     from labs.models.hf import build_hf_llama, llama_config
     from labs.models.hf_convert import course_config_from_hf, course_model_from
+
     cfg = ModelConfig(tie_embeddings=True, rope_theta=500000.0)
     hf = build_hf_llama(cfg, seed=3)
     course = course_model_from(hf)
@@ -231,6 +291,8 @@ def test_transformers_llama_converts_to_the_course_model_or_says_why_not():
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(course(idx), hf(input_ids=idx).logits)  # the same model, bit for bit
     with pytest.raises(ValueError, match=r"\['attention_bias', 'head_dim'\]"):
-        course_config_from_hf(LlamaConfig(**{**llama_config(cfg).to_dict(), "attention_bias": True, "head_dim": 16}))
+        course_config_from_hf(
+            LlamaConfig(**{**llama_config(cfg).to_dict(), "attention_bias": True, "head_dim": 16})
+        )
     with pytest.raises(ValueError, match="course Transformer or a transformers LlamaForCausalLM"):
         course_model_from(torch.nn.Linear(2, 2))

@@ -12,7 +12,9 @@ from tests.helpers import assert_torch_free, run_cli
 def test_ring_formulas():
     assert comm.all_reduce_bytes(1000, 4) == 1500
     assert comm.reduce_scatter_bytes(1000, 4) == comm.all_gather_bytes(1000, 4) == 750
-    assert comm.all_reduce_bytes(1000, 4) == comm.reduce_scatter_bytes(1000, 4) + comm.all_gather_bytes(1000, 4)
+    assert comm.all_reduce_bytes(1000, 4) == comm.reduce_scatter_bytes(
+        1000, 4
+    ) + comm.all_gather_bytes(1000, 4)
     assert comm.all_reduce_bytes(1000, 1) == 0
     assert comm.ring_steps("all_reduce", 8) == 14
 
@@ -47,13 +49,28 @@ def test_simulate_rejects_bad_input():
 
 
 def test_comm_cli():
-    proc = run_cli("-m", "labs.theory", "comm", "--op", "all_reduce", "--bytes", "1000", "--ranks", "4", "--json")
+    proc = run_cli(
+        "-m",
+        "labs.theory",
+        "comm",
+        "--op",
+        "all_reduce",
+        "--bytes",
+        "1000",
+        "--ranks",
+        "4",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["bytes_per_rank"] == 1500
-    bad = run_cli("-m", "labs.theory", "comm", "--op", "all_reduce", "--bytes", "1000", "--ranks", "0")
+    bad = run_cli(
+        "-m", "labs.theory", "comm", "--op", "all_reduce", "--bytes", "1000", "--ranks", "0"
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_theory_cli_does_not_import_torch():
-    assert_torch_free("import labs.theory.__main__ as m\n"
-                      "m.main(['comm', '--op', 'all_gather', '--bytes', '8', '--ranks', '2'])")
+    assert_torch_free(
+        "import labs.theory.__main__ as m\n"
+        "m.main(['comm', '--op', 'all_gather', '--bytes', '8', '--ranks', '2'])"
+    )

@@ -30,7 +30,9 @@ def test_the_ring_visits_every_block_once_and_each_rank_holds_a_different_kv(cp,
     pairs = [(a, b) for step in schedule for e in step for a, b, _ in e["blocks"]]
     assert sorted(pairs) == [(a, b) for a in range(2 * cp) for b in range(2 * cp)]
     for s, step in enumerate(schedule):
-        assert sorted(e["kv_from"] for e in step) == list(range(cp))  # a permutation: nothing held twice
+        assert sorted(e["kv_from"] for e in step) == list(
+            range(cp)
+        )  # a permutation: nothing held twice
         assert all(e["kv_from"] == (e["rank"] - s) % cp for e in step)
 
 
@@ -52,7 +54,9 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(cp):
 
 def test_without_a_mask_every_rank_computes_every_block():
     for zigzag in (True, False):
-        assert [w["computed"] for w in cpt.work_per_rank(4, causal=False, zigzag=zigzag)] == [16] * 4
+        assert [w["computed"] for w in cpt.work_per_rank(4, causal=False, zigzag=zigzag)] == [
+            16
+        ] * 4
 
 
 def test_work_accumulates_step_by_step():
@@ -66,7 +70,11 @@ def test_work_accumulates_step_by_step():
 def test_ring_bytes():
     kv = cpt.kv_bytes(batch=2, seq_len=48, n_kv_head=2, head_dim=8, itemsize=4)
     assert kv == 2 * 2 * 48 * 2 * 8 * 4
-    assert cpt.ring_bytes_per_rank(cp=4, kv=kv) == {"forward": 0.75 * kv, "backward": 1.5 * kv, "total": 2.25 * kv}
+    assert cpt.ring_bytes_per_rank(cp=4, kv=kv) == {
+        "forward": 0.75 * kv,
+        "backward": 1.5 * kv,
+        "total": 2.25 * kv,
+    }
     assert cpt.ring_bytes_per_rank(cp=1, kv=kv)["total"] == 0
 
 
@@ -74,7 +82,11 @@ def test_saved_bytes_fall_as_one_over_cp():
     kw = dict(batch=2, seq_len=48, n_head=4, n_kv_head=2, head_dim=8)
     full = cpt.attention_saved_bytes(**kw)
     assert full == 2 * 48 * 8 * (2 * 4 + 2 * 2) * 4 + 2 * 4 * 48 * 4
-    assert [cpt.attention_saved_bytes(cp=cp, **kw) for cp in (2, 4, 8)] == [full / 2, full / 4, full / 8]
+    assert [cpt.attention_saved_bytes(cp=cp, **kw) for cp in (2, 4, 8)] == [
+        full / 2,
+        full / 4,
+        full / 8,
+    ]
 
 
 def test_activation_formula_is_the_playbooks_at_cp1_and_divides_by_cp_with_flash():
@@ -83,26 +95,42 @@ def test_activation_formula_is_the_playbooks_at_cp1_and_divides_by_cp_with_flash
     assert naive == 32 * 4096 * 1 * 4096 * (34 + 5 * 32 * 4096 / 4096)
     assert cpt.activation_bytes(cp=8, **kw) == cpt.activation_bytes(**kw) / 8
     table = cpt.long_context_table(seq_lens=[4096, 131072], cps=(1, 8))
-    assert table[1]["cp=1"] == pytest.approx(32 * table[0]["cp=1"]) and table[1]["cp=8"] == table[1]["cp=1"] / 8
+    assert (
+        table[1]["cp=1"] == pytest.approx(32 * table[0]["cp=1"])
+        and table[1]["cp=8"] == table[1]["cp=1"] / 8
+    )
 
 
 def test_above_the_threshold_a_ring_step_computes_longer_than_it_sends():
     kw = dict(n_head=32, n_kv_head=8, head_dim=128, itemsize=2)
     flops, bw = 400e12, 50e9
     s = cpt.tokens_to_hide_comm(flops_per_s=flops, bytes_per_s=bw, **kw)
-    compute = cpt.block_flops(batch=1, n_head=32, chunk=s / 2, head_dim=128) * 2 / flops  # zig-zag: 2 full c x c
+    compute = (
+        cpt.block_flops(batch=1, n_head=32, chunk=s / 2, head_dim=128) * 2 / flops
+    )  # zig-zag: 2 full c x c
     transfer = cpt.kv_bytes(batch=1, seq_len=int(s), n_kv_head=8, head_dim=128, itemsize=2) / bw
     assert compute == pytest.approx(transfer)
-    assert cpt.block_flops(batch=1, n_head=2, chunk=4, head_dim=8, backward=True) == 2.5 * cpt.block_flops(
-        batch=1, n_head=2, chunk=4, head_dim=8) == 2.5 * 2 * 2 * 1 * 2 * 4 * 4 * 8
-    assert cpt.tokens_to_hide_comm(flops_per_s=flops, bytes_per_s=bw, causal=False, **kw) == pytest.approx(s / 2)
+    assert (
+        cpt.block_flops(batch=1, n_head=2, chunk=4, head_dim=8, backward=True)
+        == 2.5 * cpt.block_flops(batch=1, n_head=2, chunk=4, head_dim=8)
+        == 2.5 * 2 * 2 * 1 * 2 * 4 * 4 * 8
+    )
+    assert cpt.tokens_to_hide_comm(
+        flops_per_s=flops, bytes_per_s=bw, causal=False, **kw
+    ) == pytest.approx(s / 2)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: cpt.check_cp(4, seq_len=36), r"seq_len=36 is not divisible by 2\*cp=8; use 2\*cp in \{1,2,3,4,6,9"),
-    (lambda: cpt.check_cp(0), "cp must be an integer >= 1"),
-    (lambda: cpt.chunk_ids(4, 4), "rank=4 is outside 0..3"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: cpt.check_cp(4, seq_len=36),
+            r"seq_len=36 is not divisible by 2\*cp=8; use 2\*cp in \{1,2,3,4,6,9",
+        ),
+        (lambda: cpt.check_cp(0), "cp must be an integer >= 1"),
+        (lambda: cpt.chunk_ids(4, 4), "rank=4 is outside 0..3"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -115,18 +143,24 @@ def test_cli_result():
 
 
 def test_theory_and_stepper_never_import_torch():
-    assert_torch_free("import labs.theory.context_parallel, labs.widgets.context_parallel as w\nw.draw_ring_step(3, 1)")
+    assert_torch_free(
+        "import labs.theory.context_parallel, labs.widgets.context_parallel as w\nw.draw_ring_step(3, 1)"
+    )
 
 
 def test_stepper_draws_each_step_and_reports_the_same_work():
     import matplotlib.pyplot as plt
+
     from labs.widgets.context_parallel import draw_ring_step, ring_stepper, step_rows
+
     for step in range(4):
         fig, rows = draw_ring_step(4, step, causal=True, zigzag=True)
         plt.close(fig)
         assert [r["kv_from"] for r in rows] == [(r - step) % 4 for r in range(4)]
         assert all(r["computed"] + r["masked"] == 4 for r in rows)
-    per_rank = [sum(step_rows(4, s, zigzag=False)[r]["computed"] for s in range(4)) for r in range(4)]
+    per_rank = [
+        sum(step_rows(4, s, zigzag=False)[r]["computed"] for s in range(4)) for r in range(4)
+    ]
     assert per_rank == [w["computed"] for w in cpt.work_per_rank(4, zigzag=False)]
     with pytest.raises(ValueError, match="step=4 is outside 0..3"):
         step_rows(4, 4)

@@ -1,6 +1,7 @@
-"""labs.theory.inference: KV-cache bytes (against published Llama figures and against transformers' own cache),
-weights per rank (against the built model), messages per token, the latency model, the cache capacity, the CLI
-front end and the widget's pure functions. Measured TP / placement figures are in tests/test_inference.py."""
+"""labs.theory.inference: KV-cache bytes (against published Llama figures and against transformers'
+own cache), weights per rank (against the built model), messages per token, the latency model, the
+cache capacity, the CLI front end and the widget's pure functions. Measured TP / placement figures
+are in tests/test_inference.py."""
 
 import argparse
 
@@ -13,7 +14,9 @@ from labs.theory.memory import GIB, ModelSpec
 from labs.theory.presets import GPUS, PRESETS
 from tests.helpers import assert_torch_free
 
-TINY4 = ModelSpec(vocab_size=256, hidden=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128)  # infer.CONFIG
+TINY4 = ModelSpec(
+    vocab_size=256, hidden=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128
+)  # infer.CONFIG
 
 
 def test_kv_cache_per_position_for_llama3():
@@ -25,26 +28,42 @@ def test_kv_cache_per_position_for_llama3():
     assert inf.kv_heads_per_rank(PRESETS["llama3-405b"], tp=16) == 1
     assert inf.kv_cache_bytes_per_token(PRESETS["llama3-405b"], tp=16) == 2 * 126 * 128 * 2
     # placement: the stage's layers (first stages take the remainder), every head
-    per_stage = [inf.kv_cache_bytes_per_token(TINY4, pp=3, stage=s, dtype_bytes=4) for s in range(3)]
+    per_stage = [
+        inf.kv_cache_bytes_per_token(TINY4, pp=3, stage=s, dtype_bytes=4) for s in range(3)
+    ]
     assert per_stage == [2 * 2 * 4 * 8 * 4, 2 * 1 * 4 * 8 * 4, 2 * 1 * 4 * 8 * 4]
-    assert inf.kv_cache_bytes_per_rank(TINY4, batch=3, seq=10, tp=2, dtype_bytes=4) == 2 * 4 * 3 * 10 * 2 * 8 * 4
+    assert (
+        inf.kv_cache_bytes_per_rank(TINY4, batch=3, seq=10, tp=2, dtype_bytes=4)
+        == 2 * 4 * 3 * 10 * 2 * 8 * 4
+    )
 
 
 def test_kv_cache_equals_transformers_own_cache():
     from labs.models.hf import to_hf_llama
     from labs.models.transformer import ModelConfig, build_model
+
     hf = to_hf_llama(build_model(ModelConfig(n_layer=4), seed=0))
     idx = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(0))
-    out = hf.generate(input_ids=idx, attention_mask=torch.ones_like(idx), max_new_tokens=5, eos_token_id=[],
-                      do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    out = hf.generate(
+        input_ids=idx,
+        attention_mask=torch.ones_like(idx),
+        max_new_tokens=5,
+        eos_token_id=[],
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
     cache = getattr(out, "cache", None) or out.past_key_values
-    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    held = sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+    )
     # transformers caches every position but the last generated token's: 7 + 5 - 1
     assert held == inf.kv_cache_bytes_per_rank(TINY4, batch=3, seq=7 + 5 - 1, dtype_bytes=4)
 
 
 def test_weights_per_rank_add_up_to_the_built_model():
     from labs.models.transformer import ModelConfig, build_model, count_params
+
     model = build_model(ModelConfig(n_layer=4))
     total = count_params(model) * 4
     assert inf.weight_bytes_per_rank(TINY4, mode="tp", degree=1, dtype_bytes=4) == [total]
@@ -52,7 +71,8 @@ def test_weights_per_rank_add_up_to_the_built_model():
     assert sum(stages) == total
     layer = sum(p.numel() for p in model.layers[0].parameters()) * 4
     assert stages[1] == layer and stages[0] == 2 * layer + model.tok_emb.weight.numel() * 4
-    # TP: matrices split, norms replicated: N ranks hold more than the model by (N-1) copies of the norms
+    # TP: matrices split, norms replicated: N ranks hold more than the model by (N-1) copies of the
+    # norms
     tp = inf.weight_bytes_per_rank(TINY4, mode="tp", degree=4, dtype_bytes=4)
     norms = (2 * 4 + 1) * 64 * 4
     assert 4 * tp[0] == total + 3 * norms
@@ -72,16 +92,31 @@ def test_collectives_and_messages_per_forward():
     assert inf.forward_comm(TINY4, mode="tp", degree=1, batch=B) == [{}]
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: inf.check(TINY4, mode="ring", degree=2), "mode='ring' is not one of"),
-    (lambda: inf.check(TINY4, mode="tp", degree=3), "n_heads=8 is not divisible by tp=3"),
-    (lambda: inf.check(PRESETS["llama3-70b"], mode="tp", degree=12), "n_heads=64 is not divisible by tp=12"),
-    (lambda: inf.check(TINY4, mode="placement", degree=5), "pp=5 stages but the model has 4 layers"),
-    (lambda: inf.kv_cache_bytes_per_token(TINY4, pp=2, stage=2), "stage=2 is outside 0..1"),
-    (lambda: inf.decode_time(TINY4, mode="tp", degree=2, batch=1, context=8, gpu="TPU"), "gpu='TPU' is not one of"),
-    (lambda: inf.cache_capacity(TINY4, utilization=1.5), "utilization must be in"),
-    (lambda: inf.kv_cache_bytes_per_rank(TINY4, batch=0, seq=4), "batch must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: inf.check(TINY4, mode="ring", degree=2), "mode='ring' is not one of"),
+        (lambda: inf.check(TINY4, mode="tp", degree=3), "n_heads=8 is not divisible by tp=3"),
+        (
+            lambda: inf.check(PRESETS["llama3-70b"], mode="tp", degree=12),
+            "n_heads=64 is not divisible by tp=12",
+        ),
+        (
+            lambda: inf.check(TINY4, mode="placement", degree=5),
+            "pp=5 stages but the model has 4 layers",
+        ),
+        (lambda: inf.kv_cache_bytes_per_token(TINY4, pp=2, stage=2), "stage=2 is outside 0..1"),
+        (
+            lambda: inf.decode_time(TINY4, mode="tp", degree=2, batch=1, context=8, gpu="TPU"),
+            "gpu='TPU' is not one of",
+        ),
+        (lambda: inf.cache_capacity(TINY4, utilization=1.5), "utilization must be in"),
+        (
+            lambda: inf.kv_cache_bytes_per_rank(TINY4, batch=0, seq=4),
+            "batch must be an integer >= 1",
+        ),
+    ],
+)
 def test_bad_input_names_the_parameter(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -89,13 +124,19 @@ def test_bad_input_names_the_parameter(call, message):
 
 def test_latency_model_adds_placement_stages_and_overlaps_tp_ranks():
     assert inf.per_token_latency(compute_s=[1.0, 2.0], mode="tp", messages=3, message_s=0.5) == 3.5
-    assert inf.per_token_latency(compute_s=[1.0, 2.0], mode="placement", messages=2, message_s=0.5) == 4.0
+    assert (
+        inf.per_token_latency(compute_s=[1.0, 2.0], mode="placement", messages=2, message_s=0.5)
+        == 4.0
+    )
 
 
 def test_decode_on_gpus_tp_cuts_latency_placement_only_adds_room():
     spec = PRESETS["llama3-70b"]
     tp = [inf.decode_time(spec, mode="tp", degree=n, batch=8, context=4096) for n in (1, 2, 4, 8)]
-    pl = [inf.decode_time(spec, mode="placement", degree=n, batch=8, context=4096) for n in (1, 2, 4, 8)]
+    pl = [
+        inf.decode_time(spec, mode="placement", degree=n, batch=8, context=4096)
+        for n in (1, 2, 4, 8)
+    ]
     assert all(a["latency_s"] > b["latency_s"] for a, b in zip(tp, tp[1:]))
     assert all(a["latency_s"] <= b["latency_s"] for a, b in zip(pl, pl[1:]))  # the hops only add
     assert all(p["pipelined_tokens_per_s"] >= p["tokens_per_s"] for p in pl)
@@ -111,7 +152,9 @@ def test_cache_capacity_by_hand():
     expected = int((0.9 * GPUS["H100 80GB"][0] * GIB - weights) // (128 * 1024))
     assert inf.cache_capacity(spec)["tokens"] == expected
     assert inf.cache_capacity(PRESETS["llama3-70b"])["tokens"] == 0  # the weights alone do not fit
-    assert inf.cache_capacity(spec, tp=2)["tokens"] > 2 * expected  # half the weights and half the cache per rank
+    assert (
+        inf.cache_capacity(spec, tp=2)["tokens"] > 2 * expected
+    )  # half the weights and half the cache per rank
 
 
 def test_cli_and_readable_result():
@@ -127,24 +170,50 @@ def test_cli_and_readable_result():
 
 
 def test_theory_and_widget_never_import_torch():
-    assert_torch_free("import labs.theory.inference as t, labs.widgets.inference as w\n"
-                      "from labs.theory.presets import PRESETS\n"
-                      "w.plot_decode_theory(PRESETS['llama3-8b'], batch=4, context=2048)")
+    assert_torch_free(
+        "import labs.theory.inference as t, labs.widgets.inference as w\n"
+        "from labs.theory.presets import PRESETS\n"
+        "w.plot_decode_theory(PRESETS['llama3-8b'], batch=4, context=2048)"
+    )
 
 
 def test_widget_rows_and_explorer():
     import matplotlib.pyplot as plt
+
     from labs.widgets import inference as w
+
     rows = w.theory_rows(TINY4, batch=2, context=64, degrees=(1, 2, 4, 8))
-    assert {(r["mode"], r["degree"]) for r in rows} == {("tp", 1), ("tp", 2), ("tp", 4), ("tp", 8),
-                                                       ("placement", 1), ("placement", 2), ("placement", 4)}
-    mode = {"latency_per_token_s": 0.002, "p90_latency_per_token_s": 0.003, "model_latency_per_token_s": 0.0025,
-            "tokens_per_s": 900.0}
-    run = {"mode": "both", "nproc": 2, "single_latency_per_token_s": 0.001, "single_tokens_per_s": 1000.0,
-           "tp": mode, "placement": dict(mode, latency_per_token_s=0.004)}
+    assert {(r["mode"], r["degree"]) for r in rows} == {
+        ("tp", 1),
+        ("tp", 2),
+        ("tp", 4),
+        ("tp", 8),
+        ("placement", 1),
+        ("placement", 2),
+        ("placement", 4),
+    }
+    mode = {
+        "latency_per_token_s": 0.002,
+        "p90_latency_per_token_s": 0.003,
+        "model_latency_per_token_s": 0.0025,
+        "tokens_per_s": 900.0,
+    }
+    run = {
+        "mode": "both",
+        "nproc": 2,
+        "single_latency_per_token_s": 0.001,
+        "single_tokens_per_s": 1000.0,
+        "tp": mode,
+        "placement": dict(mode, latency_per_token_s=0.004),
+    }
     measured = w.measured_rows([run, dict(run, nproc=4)])
-    assert [(r["mode"], r["nproc"]) for r in measured] == [("single", 1), ("tp", 2), ("placement", 2), ("tp", 4),
-                                                           ("placement", 4)]
+    assert [(r["mode"], r["nproc"]) for r in measured] == [
+        ("single", 1),
+        ("tp", 2),
+        ("placement", 2),
+        ("tp", 4),
+        ("placement", 4),
+    ]
     assert "placement" in w.measured_table([run]) and "4.00" in w.measured_table([run])
     plt.close(w.plot_measured([run]))
     ui = w.latency_explorer(preset="llama3-8b")

@@ -1,4 +1,5 @@
-"""The memory calculator (labs.theory.memory and friends), checked against real models and real tensors.
+"""The memory calculator (labs.theory.memory and friends), checked against real models and real
+tensors.
 
 Presets against ``transformers`` models on the meta device; TP/PP parameter splits against the
 shapes of real parameters cut the Megatron way; optimizer state against torch's optimizers;
@@ -14,15 +15,37 @@ import math
 import pytest
 import torch
 
-from labs.models.hf import llama_config, meta_model
-from labs.models.transformer import ModelConfig, build_model, count_params
 from labs.measure import state_bytes as measured_state
 from labs.measure.memory import optimizer_bytes, tensor_bytes
-from labs.theory.activations import layer_terms, playbook_layer_bytes, stage_activation_bytes, terms_bytes
+from labs.models.hf import llama_config, meta_model
+from labs.models.transformer import ModelConfig, build_model, count_params
+from labs.theory.activations import (
+    layer_terms,
+    playbook_layer_bytes,
+    stage_activation_bytes,
+    terms_bytes,
+)
 from labs.theory.flops import flops_per_token, matmul_params, training_flops
-from labs.theory.memory import (GIB, fits, layers_on_stage, memory_per_rank, param_count,
-                                param_counts, param_counts_per_rank, stage_params, state_bytes)
-from labs.theory.memory_report import compare, evaluate, format_rows, format_terms, model_spec, spec_dims, sweep
+from labs.theory.memory import (
+    GIB,
+    fits,
+    layers_on_stage,
+    memory_per_rank,
+    param_count,
+    param_counts,
+    param_counts_per_rank,
+    stage_params,
+    state_bytes,
+)
+from labs.theory.memory_report import (
+    compare,
+    evaluate,
+    format_rows,
+    format_terms,
+    model_spec,
+    spec_dims,
+    sweep,
+)
 from labs.theory.pipeline import in_flight_microbatches
 from labs.theory.presets import GPUS, PRESETS
 from tests.helpers import assert_torch_free, find_widget, run_cli
@@ -32,21 +55,47 @@ TINY = PRESETS["tiny"]
 
 # ---------------------------------------------------------------- parameter counts
 
+
 def llama3(**dims):
     from transformers import LlamaConfig
+
     return LlamaConfig(vocab_size=128256, rope_theta=500000.0, **dims)
 
 
 HF_CONFIGS = {  # the published dimensions, written out independently of the presets
-    "llama3-8b": lambda: llama3(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=8),
-    "llama3-70b": lambda: llama3(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                 num_attention_heads=64, num_key_value_heads=8),
-    "llama3-405b": lambda: llama3(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                                  num_attention_heads=128, num_key_value_heads=8),
-    "llama3.2-1b": lambda: llama3(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "gpt2-small": lambda: __import__("transformers").GPT2Config(),  # 12 layers, 768 wide, 50257 tokens, tied
+    "llama3-8b": lambda: llama3(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "llama3-70b": lambda: llama3(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+    "llama3-405b": lambda: llama3(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+    ),
+    "llama3.2-1b": lambda: llama3(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "gpt2-small": lambda: __import__(
+        "transformers"
+    ).GPT2Config(),  # 12 layers, 768 wide, 50257 tokens, tied
     "tiny": lambda: llama_config(ModelConfig()),
 }
 
@@ -64,9 +113,18 @@ def test_tiny_preset_is_the_course_model():
 
 
 def megatron_shard_numel(name: str, shape, tp: int) -> int:
-    """Rank 0's share of one real parameter, cut as Megatron cuts it (ceil rows for the vocabulary)."""
-    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")  # output dim split
-    row = ("o_proj", "down_proj", "attn.c_proj.weight", "mlp.c_proj.weight")         # input dim split
+    """Rank 0's share of one real parameter, cut as Megatron cuts it (ceil rows for the
+    vocabulary)."""
+    column = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "c_attn",
+        "c_fc",
+    )  # output dim split
+    row = ("o_proj", "down_proj", "attn.c_proj.weight", "mlp.c_proj.weight")  # input dim split
     numel = math.prod(shape)
     if any(k in name for k in ("tok_emb", "lm_head", "wte")):
         return numel // shape[0] * math.ceil(shape[0] / tp)
@@ -80,13 +138,17 @@ def megatron_shard_numel(name: str, shape, tp: int) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_params_match_megatron_split_of_real_models(tp):
-    course = build_model(ModelConfig(vocab_size=250))  # 250 rows: the vocab split is uneven for tp=4
+    course = build_model(
+        ModelConfig(vocab_size=250)
+    )  # 250 rows: the vocab split is uneven for tp=4
     spec = dataclasses.replace(TINY, vocab_size=250)
     assert param_counts_per_rank(spec, tp=tp)["total"] == sum(
-        megatron_shard_numel(n, p.shape, tp) for n, p in course.named_parameters())
+        megatron_shard_numel(n, p.shape, tp) for n, p in course.named_parameters()
+    )
     gpt2 = meta_model(HF_CONFIGS["gpt2-small"]())
     assert param_counts_per_rank(PRESETS["gpt2-small"], tp=tp)["total"] == sum(
-        megatron_shard_numel(n, p.shape, tp) for n, p in gpt2.named_parameters())
+        megatron_shard_numel(n, p.shape, tp) for n, p in gpt2.named_parameters()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -102,11 +164,19 @@ def test_pipeline_stages_hold_every_layer_once(pp):
     model = build_model(ModelConfig(n_layer=7))
     assert sum(layers_on_stage(7, pp, s) for s in range(pp)) == 7
     start = 0
-    for s in range(pp):  # stage s: its blocks, plus the embedding (first) or final norm and head (last)
-        layers = model.layers[start:start + layers_on_stage(7, pp, s)]
+    for s in range(
+        pp
+    ):  # stage s: its blocks, plus the embedding (first) or final norm and head (last)
+        layers = model.layers[start : start + layers_on_stage(7, pp, s)]
         start += len(layers)
-        modules = [*layers] + ([model.tok_emb] if s == 0 else []) + ([model.norm, model.lm_head] if s == pp - 1 else [])
-        assert stage_params(spec, pp=pp, stage=s) == sum(p.numel() for m in modules for p in m.parameters())
+        modules = (
+            [*layers]
+            + ([model.tok_emb] if s == 0 else [])
+            + ([model.norm, model.lm_head] if s == pp - 1 else [])
+        )
+        assert stage_params(spec, pp=pp, stage=s) == sum(
+            p.numel() for m in modules for p in m.parameters()
+        )
     tied = dataclasses.replace(TINY, tied_embeddings=True)
     extra = TINY.vocab_size * TINY.hidden if pp > 1 else 0  # the last stage's copy of a tied head
     assert sum(stage_params(tied, pp=pp, stage=s) for s in range(pp)) == param_count(tied) + extra
@@ -114,12 +184,16 @@ def test_pipeline_stages_hold_every_layer_once(pp):
 
 # ---------------------------------------------------------------- training state
 
-@pytest.mark.parametrize("optimizer, make", [
-    ("adamw", lambda p: torch.optim.AdamW(p, foreach=False)),
-    ("adam", lambda p: torch.optim.Adam(p, foreach=False)),
-    ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False)),
-    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, foreach=False)),
-])
+
+@pytest.mark.parametrize(
+    "optimizer, make",
+    [
+        ("adamw", lambda p: torch.optim.AdamW(p, foreach=False)),
+        ("adam", lambda p: torch.optim.Adam(p, foreach=False)),
+        ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False)),
+        ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, foreach=False)),
+    ],
+)
 def test_fp32_state_equals_torch_optimizer_state(optimizer, make):
     model = build_model(ModelConfig())
     opt = make(model.parameters())
@@ -128,38 +202,56 @@ def test_fp32_state_equals_torch_optimizer_state(optimizer, make):
     opt.step()
     got = measured_state(model, opt)
     want = state_bytes(count_params(model), precision="fp32", optimizer=optimizer)
-    assert (got["params"], got["grads"], got["optimizer"]) == (want["param_bytes"], want["grad_bytes"],
-                                                               want["optimizer_bytes"])
+    assert (got["params"], got["grads"], got["optimizer"]) == (
+        want["param_bytes"],
+        want["grad_bytes"],
+        want["optimizer_bytes"],
+    )
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_exact_shards_equal_a_padded_flat_buffer_split(zero):
-    """A ZeRO rank's tensors built the flat-buffer way (pad to a multiple of N, take 1/N) and measured."""
+    """A ZeRO rank's tensors built the flat-buffer way (pad to a multiple of N, take 1/N) and
+    measured."""
     n_params, dp = count_params(build_model(ModelConfig())), 3
     flat = torch.zeros(math.ceil(n_params / dp) * dp)  # the padded flat buffer every rank cuts
     shard, full = flat.chunk(dp)[dp - 1].clone(), torch.zeros(n_params)
     params, grads = (shard if zero == 3 else full).clone(), (shard if zero >= 2 else full).clone()
-    stepped = (shard if zero >= 1 else full).clone().requires_grad_()  # what this rank's optimizer updates
+    stepped = (
+        (shard if zero >= 1 else full).clone().requires_grad_()
+    )  # what this rank's optimizer updates
     stepped.grad = torch.zeros_like(stepped)
     opt = torch.optim.AdamW([stepped], foreach=False)
     opt.step()
     want = state_bytes(n_params, precision="fp32", zero=zero, dp=dp, exact_shards=True)
     assert (tensor_bytes(params), tensor_bytes(grads), optimizer_bytes(opt)) == (
-        want["param_bytes"], want["grad_bytes"], want["optimizer_bytes"])
+        want["param_bytes"],
+        want["grad_bytes"],
+        want["optimizer_bytes"],
+    )
 
 
 def test_zero_stages_follow_the_playbook_and_use_the_stage_params():
     spec, psi = PRESETS["llama3-8b"], param_count(PRESETS["llama3-8b"])
     rows = [memory_per_rank(spec, seq=4096, mbs=1, zero=z, dp=8) for z in range(4)]
     k, n = 12, 8  # bf16-mixed: 2 + 2 + 12 bytes per parameter
-    assert [r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows] == pytest.approx(
-        [(2 + 2 + k) * psi, (2 + 2) * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (2 + 2 + k) * psi / n])
+    assert [
+        r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows
+    ] == pytest.approx(
+        [
+            (2 + 2 + k) * psi,
+            (2 + 2) * psi + k * psi / n,
+            2 * psi + (2 + k) * psi / n,
+            (2 + 2 + k) * psi / n,
+        ]
+    )
     assert len({r["activation_bytes"] for r in rows}) == 1  # ZeRO does not touch activations
     r = memory_per_rank(spec, seq=4096, mbs=1, tp=4, pp=2, zero=1, dp=2, fp32_grad_accum=True)
     assert r["grad_bytes"] == (2 + 4) * stage_params(spec, tp=4, pp=2, stage=r["stage"])
 
 
 # ---------------------------------------------------------------- activations under parallelism
+
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("sp", [False, True])
@@ -168,10 +260,16 @@ def test_gpt_path_is_the_playbooks_formula_with_the_attention_term_split(tp, sp)
         return
     spec, seq, mbs = PRESETS["gpt2-small"], 2048, 2
     ours = terms_bytes(layer_terms(spec, seq=seq, dtype_bytes=2), seq=seq, mbs=mbs, tp=tp, sp=sp)
-    assert ours == pytest.approx(playbook_layer_bytes(seq=seq, mbs=mbs, hidden=768, heads=12, tp=tp, sp=sp))
+    assert ours == pytest.approx(
+        playbook_layer_bytes(seq=seq, mbs=mbs, hidden=768, heads=12, tp=tp, sp=sp)
+    )
     full = terms_bytes(layer_terms(spec, seq=seq, dtype_bytes=2), seq=seq, mbs=mbs)
-    assert ours == pytest.approx(full / tp if sp else full - (1 - 1 / tp) * (24 * 768 + 5 * 12 * seq) * seq * mbs)
-    selective = terms_bytes(layer_terms(spec, seq=seq, dtype_bytes=2, recompute="selective"), seq=seq, mbs=mbs)
+    assert ours == pytest.approx(
+        full / tp if sp else full - (1 - 1 / tp) * (24 * 768 + 5 * 12 * seq) * seq * mbs
+    )
+    selective = terms_bytes(
+        layer_terms(spec, seq=seq, dtype_bytes=2, recompute="selective"), seq=seq, mbs=mbs
+    )
     assert selective == 34 * seq * mbs * 768  # Korthikanti's selective recomputation drops 5as/h
 
 
@@ -180,37 +278,63 @@ def test_llama_activations_split_as_documented(recompute):
     spec, seq, mbs = PRESETS["llama3-8b"], 4096, 2
     terms = layer_terms(spec, seq=seq, dtype_bytes=2, recompute=recompute)
     one = terms_bytes(terms, seq=seq, mbs=mbs)
-    by_split = {s: sum(t.bytes for t in terms if t.split == s) * seq * mbs for s in ("tp", "sp", "rep")}
+    by_split = {
+        s: sum(t.bytes for t in terms if t.split == s) * seq * mbs for s in ("tp", "sp", "rep")
+    }
     assert one == sum(by_split.values())
     for tp in (2, 8):
-        assert terms_bytes(terms, seq=seq, mbs=mbs, tp=tp) == by_split["tp"] / tp + by_split["sp"] + by_split["rep"]
+        assert (
+            terms_bytes(terms, seq=seq, mbs=mbs, tp=tp)
+            == by_split["tp"] / tp + by_split["sp"] + by_split["rep"]
+        )
         assert terms_bytes(terms, seq=seq, mbs=mbs, tp=tp, sp=True) == (
-            (by_split["tp"] + by_split["sp"]) / tp + by_split["rep"])
+            (by_split["tp"] + by_split["sp"]) / tp + by_split["rep"]
+        )
     assert terms_bytes(terms, seq=seq, mbs=mbs, cp=4) == one / 4
     if recompute == "none":  # with SP every tensor of a layer is split: the norm region too
-        assert by_split["rep"] == 0 and terms_bytes(terms, seq=seq, mbs=mbs, tp=8, sp=True) == one / 8
+        assert (
+            by_split["rep"] == 0 and terms_bytes(terms, seq=seq, mbs=mbs, tp=8, sp=True) == one / 8
+        )
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "tiny"])
 def test_recomputation_orders_memory(name):
-    mem = {r: memory_per_rank(PRESETS[name], seq=1024, mbs=1, recompute=r)["activation_bytes"]
-           for r in ("none", "selective", "full")}
+    mem = {
+        r: memory_per_rank(PRESETS[name], seq=1024, mbs=1, recompute=r)["activation_bytes"]
+        for r in ("none", "selective", "full")
+    }
     assert mem["full"] < mem["selective"] < mem["none"]
 
 
 @pytest.mark.parametrize("schedule, m", [("afab", 8), ("1f1b", 8), ("1f1b", 2), ("gpipe", 3)])
 def test_pipeline_stages_hold_their_in_flight_microbatches(schedule, m):
     spec, pp = PRESETS["llama3-8b"], 4
-    r = memory_per_rank(spec, seq=2048, mbs=1, pp=pp, microbatches=m, schedule=schedule, recompute="full")
+    r = memory_per_rank(
+        spec, seq=2048, mbs=1, pp=pp, microbatches=m, schedule=schedule, recompute="full"
+    )
     per_stage = []
     for s in range(pp):
-        per_mb = stage_activation_bytes(spec, seq=2048, mbs=1, dtype_bytes=2, layers=8, first=s == 0,
-                                        last=s == pp - 1, recompute="full")
+        per_mb = stage_activation_bytes(
+            spec,
+            seq=2048,
+            mbs=1,
+            dtype_bytes=2,
+            layers=8,
+            first=s == 0,
+            last=s == pp - 1,
+            recompute="full",
+        )
         state = state_bytes(stage_params(spec, pp=pp, stage=s), precision="bf16-mixed")
-        per_stage.append(state["total_bytes"] + in_flight_microbatches(schedule, pp, m, s) * per_mb["total"])
+        per_stage.append(
+            state["total_bytes"] + in_flight_microbatches(schedule, pp, m, s) * per_mb["total"]
+        )
     assert r["stage_total_bytes"] == pytest.approx(per_stage)
-    assert r["total_bytes"] == max(per_stage) and r["in_flight"] == in_flight_microbatches(schedule, pp, m, r["stage"])
-    first = stage_activation_bytes(spec, seq=2048, mbs=1, dtype_bytes=2, layers=8, first=True, last=False)
+    assert r["total_bytes"] == max(per_stage) and r["in_flight"] == in_flight_microbatches(
+        schedule, pp, m, r["stage"]
+    )
+    first = stage_activation_bytes(
+        spec, seq=2048, mbs=1, dtype_bytes=2, layers=8, first=True, last=False
+    )
     assert first["loss"] == first["final_norm"] == 0 and first["embedding"] > 0
 
 
@@ -221,46 +345,62 @@ def test_context_parallel_splits_activations_not_state():
     parts1, parts4 = one["activations_per_microbatch"], four["activations_per_microbatch"]
     for part in ("layers", "embedding", "rotary", "final_norm"):
         assert parts4[part] == parts1[part] / 4
-    assert parts4["loss"] == pytest.approx((parts1["loss"] - 4) / 4 + 4)  # the loss weight is one scalar
+    assert parts4["loss"] == pytest.approx(
+        (parts1["loss"] - 4) / 4 + 4
+    )  # the loss weight is one scalar
 
 
 # ---------------------------------------------------------------- FLOPs
 
-@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(n_kv_head=8, tie_embeddings=True, n_layer=3)])
+
+@pytest.mark.parametrize(
+    "cfg", [ModelConfig(), ModelConfig(n_kv_head=8, tie_embeddings=True, n_layer=3)]
+)
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_training_flops_equal_flop_counter(cfg, recompute):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
+
     from labs.experiments.memory import course_spec, forward_loss
+
     model, B, T = build_model(cfg), 2, 48
     x = torch.randint(0, cfg.vocab_size, (B, T))
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # math SDPA: real matmuls
+    with (
+        sdpa_kernel(SDPBackend.MATH),
+        FlopCounterMode(display=False) as counter,
+    ):  # math SDPA: real matmuls
         forward_loss(model, x, x, recompute=recompute).backward()
     spec = course_spec(cfg)
-    assert counter.get_total_flops() == training_flops(spec, seq=T, tokens=B * T, recompute=recompute)
+    assert counter.get_total_flops() == training_flops(
+        spec, seq=T, tokens=B * T, recompute=recompute
+    )
     assert matmul_params(spec) < param_count(spec)
     assert flops_per_token(spec, seq=T, exact=False) > flops_per_token(spec, seq=T)
 
 
 # ---------------------------------------------------------------- validation and the CLI
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tp=3), "n_head=8 is not divisible by tp=3"),
-    (dict(tp=8), "n_kv_head=4 is not divisible by tp=8"),
-    (dict(pp=3), "only n_layer=2 layers"),
-    (dict(zero=1), "dp=1"),
-    (dict(seq=-4), "seq must be an integer >= 1"),
-    (dict(mbs=0), "mbs must be an integer >= 1"),
-    (dict(sp=True), "tp=1"),
-    (dict(cp=3), "seq=32 is not divisible by cp=3"),
-    (dict(tp=2, sp=True, seq=34, cp=2), "cp*tp=4"),
-    (dict(recompute="some"), "recompute="),
-    (dict(precision="fp16"), "precision="),
-    (dict(optimizer="lion"), "optimizer="),
-    (dict(schedule="zb"), "schedule="),
-    (dict(pp=2, microbatches=0), "microbatches must be"),
-    (dict(precision="fp32", fp32_grad_accum=True), "fp32_grad_accum"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp=3), "n_head=8 is not divisible by tp=3"),
+        (dict(tp=8), "n_kv_head=4 is not divisible by tp=8"),
+        (dict(pp=3), "only n_layer=2 layers"),
+        (dict(zero=1), "dp=1"),
+        (dict(seq=-4), "seq must be an integer >= 1"),
+        (dict(mbs=0), "mbs must be an integer >= 1"),
+        (dict(sp=True), "tp=1"),
+        (dict(cp=3), "seq=32 is not divisible by cp=3"),
+        (dict(tp=2, sp=True, seq=34, cp=2), "cp*tp=4"),
+        (dict(recompute="some"), "recompute="),
+        (dict(precision="fp16"), "precision="),
+        (dict(optimizer="lion"), "optimizer="),
+        (dict(schedule="zb"), "schedule="),
+        (dict(pp=2, microbatches=0), "microbatches must be"),
+        (dict(precision="fp32", fp32_grad_accum=True), "fp32_grad_accum"),
+    ],
+)
 def test_invalid_layouts_raise_naming_the_parameter(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
         memory_per_rank(TINY, **{"seq": 32, "mbs": 2, **kwargs})
@@ -271,32 +411,84 @@ def memory_cli(*args):
 
 
 def test_cli_json_has_the_per_rank_figures():
-    proc = memory_cli("--preset", "llama3-8b", "--seq", "4096", "--mbs", "1", "--precision", "bf16-mixed", "--zero",
-                      "3", "--dp", "8", "--gpu-mem", "80", "--json")
+    proc = memory_cli(
+        "--preset",
+        "llama3-8b",
+        "--seq",
+        "4096",
+        "--mbs",
+        "1",
+        "--precision",
+        "bf16-mixed",
+        "--zero",
+        "3",
+        "--dp",
+        "8",
+        "--gpu-mem",
+        "80",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     expected = memory_per_rank(PRESETS["llama3-8b"], seq=4096, mbs=1, zero=3, dp=8)
-    for key in ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"):
+    for key in (
+        "params",
+        "param_bytes",
+        "grad_bytes",
+        "optimizer_bytes",
+        "activation_bytes",
+        "total_bytes",
+    ):
         assert out[key] == expected[key]
     assert out["fits"] is True and out["verdict"].startswith("fits")
-    free = memory_cli("--layers", "2", "--hidden", "64", "--heads", "8", "--kv-heads", "4", "--ffn", "128", "--vocab",
-                      "256", "--seq", "32", "--mbs", "8", "--precision", "fp32", "--json")
-    assert json.loads(free.stdout)["params"] == param_count(TINY) and "fits" not in json.loads(free.stdout)
-    table = memory_cli("--preset", "llama3-70b", "--tp", "8", "--sp", "--pp", "2", "--gpu-mem", "24")
-    assert table.returncode == 0 and "does not fit" in table.stdout and "optimizer state" in table.stdout
+    free = memory_cli(
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "4",
+        "--ffn",
+        "128",
+        "--vocab",
+        "256",
+        "--seq",
+        "32",
+        "--mbs",
+        "8",
+        "--precision",
+        "fp32",
+        "--json",
+    )
+    assert json.loads(free.stdout)["params"] == param_count(TINY) and "fits" not in json.loads(
+        free.stdout
+    )
+    table = memory_cli(
+        "--preset", "llama3-70b", "--tp", "8", "--sp", "--pp", "2", "--gpu-mem", "24"
+    )
+    assert (
+        table.returncode == 0
+        and "does not fit" in table.stdout
+        and "optimizer state" in table.stdout
+    )
 
 
-@pytest.mark.parametrize("args, name", [
-    (["--preset", "llama3-8b", "--tp", "3"], "tp=3"),
-    (["--preset", "llama3-8b", "--tp", "16"], "n_kv_head=8"),
-    (["--preset", "tiny", "--pp", "4"], "n_layer=2"),
-    (["--preset", "tiny", "--zero", "3"], "dp=1"),
-    (["--preset", "tiny", "--seq", "-5"], "seq"),
-    (["--layers", "2", "--hidden", "-64", "--heads", "8", "--vocab", "256"], "hidden"),
-    (["--preset", "llama4"], "preset='llama4'"),
-    (["--hidden", "64"], "--layers"),
-    (["--preset", "tiny", "--gpu-mem", "0"], "gpu_mem"),
-])
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        (["--preset", "llama3-8b", "--tp", "3"], "tp=3"),
+        (["--preset", "llama3-8b", "--tp", "16"], "n_kv_head=8"),
+        (["--preset", "tiny", "--pp", "4"], "n_layer=2"),
+        (["--preset", "tiny", "--zero", "3"], "dp=1"),
+        (["--preset", "tiny", "--seq", "-5"], "seq"),
+        (["--layers", "2", "--hidden", "-64", "--heads", "8", "--vocab", "256"], "hidden"),
+        (["--preset", "llama4"], "preset='llama4'"),
+        (["--hidden", "64"], "--layers"),
+        (["--preset", "tiny", "--gpu-mem", "0"], "gpu_mem"),
+    ],
+)
 def test_cli_rejects_bad_input_in_one_line(args, name):
     proc = memory_cli(*args)
     assert proc.returncode == 2
@@ -305,29 +497,58 @@ def test_cli_rejects_bad_input_in_one_line(args, name):
 
 
 def test_calculator_modules_do_not_import_torch():
-    assert_torch_free("import labs.theory.__main__ as m\n"
-                      "m.main(['memory', '--preset', 'llama3-70b', '--tp', '8', '--json'])\n"
-                      "import labs.theory.presets, labs.theory.flops, labs.theory.memory_report", timeout=60)
+    assert_torch_free(
+        "import labs.theory.__main__ as m\n"
+        "m.main(['memory', '--preset', 'llama3-70b', '--tp', '8', '--json'])\n"
+        "import labs.theory.presets, labs.theory.flops, labs.theory.memory_report",
+        timeout=60,
+    )
 
 
 # ---------------------------------------------------------------- the widget's logic, headless
 
+
 def test_evaluate_gives_the_verdict_or_the_error():
-    ok = evaluate(preset="llama3-8b", gpu_mem_gib=GPUS["H100 80GB"][0], seq=4096, mbs=1, zero=3, dp=8)
+    ok = evaluate(
+        preset="llama3-8b", gpu_mem_gib=GPUS["H100 80GB"][0], seq=4096, mbs=1, zero=3, dp=8
+    )
     assert ok["verdict"].startswith("fits") and ok["result"]["total_bytes"] < 80 * GIB
-    big = evaluate(preset="llama3-70b", gpu_mem_gib=GPUS["H100 80GB"][0], seq=4096, mbs=1, zero=3, dp=8)
-    assert big["verdict"].startswith("does not fit") and not fits(big["result"]["total_bytes"], 79.6)
+    big = evaluate(
+        preset="llama3-70b", gpu_mem_gib=GPUS["H100 80GB"][0], seq=4096, mbs=1, zero=3, dp=8
+    )
+    assert big["verdict"].startswith("does not fit") and not fits(
+        big["result"]["total_bytes"], 79.6
+    )
     bad = evaluate(preset="llama3-8b", gpu_mem_gib=80, seq=4096, mbs=1, tp=5)
     assert bad["result"] is None and "tp=5" in bad["verdict"]
-    custom = evaluate(preset=None, dims=spec_dims(PRESETS["llama3-70b"]), gpu_mem_gib=80, seq=4096, mbs=1, zero=3, dp=8)
+    custom = evaluate(
+        preset=None,
+        dims=spec_dims(PRESETS["llama3-70b"]),
+        gpu_mem_gib=80,
+        seq=4096,
+        mbs=1,
+        zero=3,
+        dp=8,
+    )
     assert custom["result"] == big["result"]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_spec_dims_round_trip(name):
     def shape(spec):  # None for kv-heads or F means "the default", which spec_dims writes out
-        return (spec.arch, spec.vocab_size, spec.hidden, spec.n_layers, spec.n_heads, spec.kv_heads, spec.ffn,
-                spec.hd, spec.tied_embeddings, spec.max_positions)
+        return (
+            spec.arch,
+            spec.vocab_size,
+            spec.hidden,
+            spec.n_layers,
+            spec.n_heads,
+            spec.kv_heads,
+            spec.ffn,
+            spec.hd,
+            spec.tied_embeddings,
+            spec.max_positions,
+        )
+
     assert shape(model_spec(None, **spec_dims(PRESETS[name]))[1]) == shape(PRESETS[name])
 
 
@@ -339,14 +560,22 @@ def test_sweeps_and_tables():
     assert "error" in rows[1] and rows[2]["param_bytes"] < rows[0]["param_bytes"]
     with pytest.raises(ValueError, match="param='heads'"):
         sweep(TINY, "heads", [1])
-    table = format_rows(compare(PRESETS["llama3-70b"], {"ZeRO-3": dict(zero=3, dp=8), "bad": dict(tp=3)},
-                                seq=4096, mbs=1), 79.6)
+    table = format_rows(
+        compare(
+            PRESETS["llama3-70b"],
+            {"ZeRO-3": dict(zero=3, dp=8), "bad": dict(tp=3)},
+            seq=4096,
+            mbs=1,
+        ),
+        79.6,
+    )
     assert "does not fit" in table and "invalid: n_head=64" in table
     assert "playbook" in format_terms(TINY, seq=32)
 
 
 def test_drawings_and_the_widget_headless():
     from labs.widgets.memory import draw_breakdown, draw_sweep, memory_calculator
+
     result = memory_per_rank(PRESETS["llama3-8b"], seq=4096, mbs=1, zero=3, dp=8)
     fig = draw_breakdown(result, 79.6)
     assert len(fig.axes[0].patches) == 4 and fig.axes[0].lines[0].get_ydata()[0] == 79.6

@@ -1,7 +1,8 @@
-"""Encoder theory (labs.theory.multimodal) against the real model: parameters, saved activations and FLOPs
-measured on labs.models.vision; the heterogeneous 1F1B simulation against labs.theory.pipeline's; the split
-search against brute force; the calculator and planner with an encoder against theirs without it.
-Theory and harness only (no exercise code): not marked exercise."""
+"""Encoder theory (labs.theory.multimodal) against the real model: parameters, saved activations and
+FLOPs measured on labs.models.vision; the heterogeneous 1F1B simulation against
+labs.theory.pipeline's; the split search against brute force; the calculator and planner with an
+encoder against theirs without it. Theory and harness only (no exercise code): not marked
+exercise."""
 
 import argparse
 import itertools
@@ -11,27 +12,31 @@ import pytest
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from labs.data.shapes import global_batches
 from labs.experiments.multimodal import SIZES, specs
 from labs.measure import SavedActivations
 from labs.models.transformer import ModelConfig, count_params
 from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal, fuse, run_blocks
-from labs.data.shapes import global_batches
 from labs.theory import multimodal as theory
-from labs.theory import multimodal_plan
-from labs.theory import pipeline
+from labs.theory import multimodal_plan, pipeline
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.memory import memory_per_rank, param_counts_per_rank, state_bytes
 from labs.theory.presets import preset
 from tests.helpers import assert_torch_free
 
-OTHER = MultimodalConfig(vision=VisionConfig(image_size=16, patch_size=2, n_layer=3, n_embd=48, n_head=3,
-                                             mlp_hidden=80, channels=3),
-                         decoder=ModelConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=96, seq_len=96))
+OTHER = MultimodalConfig(
+    vision=VisionConfig(
+        image_size=16, patch_size=2, n_layer=3, n_embd=48, n_head=3, mlp_hidden=80, channels=3
+    ),
+    decoder=ModelConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=96, seq_len=96),
+)
 CONFIGS = {"tiny": SIZES["tiny"], "other": OTHER}
 
 
 def batch(cfg, mbs):
-    return global_batches(steps=1, batch_size=mbs, n_prefix=cfg.n_prefix, image_size=cfg.vision.image_size)[0]
+    return global_batches(
+        steps=1, batch_size=mbs, n_prefix=cfg.n_prefix, image_size=cfg.vision.image_size
+    )[0]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -56,7 +61,9 @@ def test_encoder_activations_equal_saved_tensors(name, mbs):
     expected = theory.encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden)
     assert encoder_part.bytes == expected["total"]
     # the whole model: encoder + the course decoder's exact formula at T = P + C
-    decoder = stage_activation_bytes(spec, seq=cfg.seq_len, mbs=mbs, dtype_bytes=4, layers=spec.n_layers)
+    decoder = stage_activation_bytes(
+        spec, seq=cfg.seq_len, mbs=mbs, dtype_bytes=4, layers=spec.n_layers
+    )
     assert whole.bytes == expected["total"] + decoder["total"]
 
 
@@ -65,7 +72,9 @@ def test_encoder_flops_equal_the_flop_counter(name):
     cfg = CONFIGS[name]
     model, (spec, enc) = build_multimodal(cfg), specs(cfg)
     images = batch(cfg, 2)[0]
-    with sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are counted (the CPU flash kernel's are not)
+    with sdpa_kernel(
+        SDPBackend.MATH
+    ):  # the math kernel's matmuls are counted (the CPU flash kernel's are not)
         with FlopCounterMode(display=False) as forward:
             out = model.projector(model.encoder(images))
         with FlopCounterMode(display=False) as backward:
@@ -82,16 +91,18 @@ def test_stage_costs_equal_the_stage(split):
     mbs, (images, tokens, _) = 2, batch(cfg, 2)
     costs = theory.stage_costs(spec, enc, split=split, text_tokens=cfg.caption_len, mbs=mbs)
     assert sum(c["params"] for c in costs) == count_params(model)
+
     def stage0():  # stage 0 as the lab builds it: encoder, projector, fusion, its decoder layers
         h = fuse(model.decoder, model.projector(model.encoder(images)), tokens)
-        return run_blocks(model.decoder.layers[:split[0]], h, cfg.decoder)
+        return run_blocks(model.decoder.layers[: split[0]], h, cfg.decoder)
 
     with SavedActivations(exclude=model) as saved:  # the default (flash) kernel, as in training
         stage0()
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
         stage0()
-    assert costs[0]["params"] == count_params(model.encoder) + count_params(model.projector) + \
-        model.decoder.tok_emb.weight.numel() + split[0] * count_params(model.decoder.layers[0])
+    assert costs[0]["params"] == count_params(model.encoder) + count_params(
+        model.projector
+    ) + model.decoder.tok_emb.weight.numel() + split[0] * count_params(model.decoder.layers[0])
     assert flops.get_total_flops() == costs[0]["forward_flops"]
     assert saved.bytes == costs[0]["activation_bytes"]
 
@@ -112,7 +123,8 @@ def test_the_slowest_stage_sets_the_pace():
     M = 8
     slow = theory.simulate_stages([1.0, 3.0], [2.0, 6.0], M)
     assert slow["busy"] == [M * 3.0, M * 9.0]
-    # the slow stage computes back to back once the first micro-batch reaches it: start at t_f0, then M·(f1 + b1),
+    # the slow stage computes back to back once the first micro-batch reaches it: start at t_f0,
+    # then M·(f1 + b1),
     # then stage 0's last backward
     assert slow["makespan"] == pytest.approx(1.0 + M * 9.0 + 2.0)
     assert slow["bubble_fraction"] > pipeline.bubble_fraction("1f1b", 2, M)
@@ -124,7 +136,10 @@ def brute_force(spec, enc, stages, **kw):
     n, best = spec.n_layers, None
     for cut in itertools.combinations_with_replacement(range(n + 1), stages - 1):
         split = tuple(b - a for a, b in zip((0,) + cut, cut + (n,)))
-        worst = max(c["forward_flops"] + c["backward_flops"] for c in theory.stage_costs(spec, enc, split=split, **kw))
+        worst = max(
+            c["forward_flops"] + c["backward_flops"]
+            for c in theory.stage_costs(spec, enc, split=split, **kw)
+        )
         best = min(best or (worst, split), (worst, split), key=lambda x: x[0])
     return best
 
@@ -133,11 +148,20 @@ def brute_force(spec, enc, stages, **kw):
 @pytest.mark.parametrize("enc_layers", [1, 6, 24])
 def test_balanced_split_minimises_the_slowest_stage(stages, enc_layers):
     spec, enc = specs(SIZES["tiny"])
-    enc = theory.EncoderSpec(tokens=enc.tokens, hidden=enc.hidden, n_layers=enc_layers, n_heads=enc.n_heads,
-                             ffn_hidden=enc.ffn_hidden, patch_dim=enc.patch_dim)
+    enc = theory.EncoderSpec(
+        tokens=enc.tokens,
+        hidden=enc.hidden,
+        n_layers=enc_layers,
+        n_heads=enc.n_heads,
+        ffn_hidden=enc.ffn_hidden,
+        patch_dim=enc.patch_dim,
+    )
     kw = dict(text_tokens=24, mbs=2)
     split = theory.balanced_split(spec, enc, stages=stages, **kw)
-    worst = max(c["forward_flops"] + c["backward_flops"] for c in theory.stage_costs(spec, enc, split=split, **kw))
+    worst = max(
+        c["forward_flops"] + c["backward_flops"]
+        for c in theory.stage_costs(spec, enc, split=split, **kw)
+    )
     assert worst == brute_force(spec, enc, stages, **kw)[0]
     if enc_layers == 24:  # a heavy encoder keeps stage 0 to itself
         assert split[0] == 0
@@ -147,33 +171,56 @@ def test_rebalancing_the_course_pipeline():
     spec, enc = specs(SIZES["tiny"])
     kw = dict(text_tokens=24, mbs=2, microbatches=4)
     alone = theory.pipeline_balance(spec, enc, split=(0, 4), **kw)
-    fixed = theory.pipeline_balance(spec, enc, split=theory.balanced_split(spec, enc, stages=2, text_tokens=24, mbs=2),
-                                    **kw)
+    fixed = theory.pipeline_balance(
+        spec, enc, split=theory.balanced_split(spec, enc, stages=2, text_tokens=24, mbs=2), **kw
+    )
     assert alone["imbalance"] > 1.5 and fixed["imbalance"] < alone["imbalance"]
-    assert fixed["step_time"] < alone["step_time"] and fixed["bubble_fraction"] < alone["bubble_fraction"]
-    assert fixed["bubble_fraction"] >= fixed["balanced_bubble_fraction"] - 1e-12  # equal stages are the floor
+    assert (
+        fixed["step_time"] < alone["step_time"]
+        and fixed["bubble_fraction"] < alone["bubble_fraction"]
+    )
+    assert (
+        fixed["bubble_fraction"] >= fixed["balanced_bubble_fraction"] - 1e-12
+    )  # equal stages are the floor
     assert alone["step_time"] >= alone["ideal_step_time"]
 
 
-@pytest.mark.parametrize("pp, zero, dp, tp", [(1, 0, 1, 1), (2, 1, 2, 1), (4, 3, 4, 2), (4, 0, 1, 4)])
+@pytest.mark.parametrize(
+    "pp, zero, dp, tp", [(1, 0, 1, 1), (2, 1, 2, 1), (4, 3, 4, 2), (4, 0, 1, 4)]
+)
 def test_memory_with_encoder_adds_to_the_calculator(pp, zero, dp, tp):
     spec, enc = preset("llama3-8b"), theory.ENCODERS["siglip-so400m"]
     kw = dict(mbs=1, zero=zero, dp=dp, tp=tp, pp=pp, microbatches=8)
     mem = theory.memory_per_rank_with_encoder(spec, enc, text_tokens=1000, **kw)
     calc = memory_per_rank(spec, seq=enc.tokens + 1000, **kw)
-    assert [s["decoder_bytes"] for s in mem["stages"]] == calc["stage_total_bytes"] == mem["decoder_only_bytes"]
-    assert all(s["encoder_bytes"] == 0 for s in mem["stages"][1:]) and mem["stages"][0]["encoder_bytes"] > 0
-    acts = theory.encoder_activation_bytes(enc, mbs=1, text_hidden=spec.hidden, dtype_bytes=2)["total"]  # bf16
+    assert (
+        [s["decoder_bytes"] for s in mem["stages"]]
+        == calc["stage_total_bytes"]
+        == mem["decoder_only_bytes"]
+    )
+    assert (
+        all(s["encoder_bytes"] == 0 for s in mem["stages"][1:])
+        and mem["stages"][0]["encoder_bytes"] > 0
+    )
+    acts = theory.encoder_activation_bytes(enc, mbs=1, text_hidden=spec.hidden, dtype_bytes=2)[
+        "total"
+    ]  # bf16
     params = theory.encoder_param_counts(enc, text_hidden=spec.hidden)["total"]
-    state = state_bytes(params, precision="bf16-mixed", zero=zero, dp=dp)["total_bytes"]  # linear in Ψ
-    assert mem["stages"][0]["encoder_bytes"] == pytest.approx(state + mem["stages"][0]["in_flight"] * acts)
+    state = state_bytes(params, precision="bf16-mixed", zero=zero, dp=dp)[
+        "total_bytes"
+    ]  # linear in Ψ
+    assert mem["stages"][0]["encoder_bytes"] == pytest.approx(
+        state + mem["stages"][0]["in_flight"] * acts
+    )
     assert mem["total_bytes"] == max(mem["stage_total_bytes"])
 
 
 def test_memory_with_encoder_rejects_bad_input():
     spec, enc = preset("llama3-8b"), theory.EncoderSpec()
     with pytest.raises(ValueError, match="split=.* pp=2"):
-        theory.memory_per_rank_with_encoder(spec, enc, text_tokens=10, mbs=1, pp=2, split=(1, 2, 29))
+        theory.memory_per_rank_with_encoder(
+            spec, enc, text_tokens=10, mbs=1, pp=2, split=(1, 2, 29)
+        )
     with pytest.raises(ValueError, match="tp"):
         theory.memory_per_rank_with_encoder(spec, enc, text_tokens=10, mbs=1, tp=3)
     with pytest.raises(ValueError, match="encoder hidden=10 is not divisible by n_heads=4"):
@@ -186,31 +233,69 @@ def test_memory_with_encoder_rejects_bad_input():
 
 def test_planner_with_an_encoder():
     spec, enc = preset("llama3-8b"), theory.ENCODERS["siglip-so400m"]
-    r = multimodal_plan.plan_with_encoder(spec, enc, text_tokens=1024, gpus=16, gpus_per_node=8, gpu_mem_gib=80,
-                                 layout=dict(dp=4, tp=1, pp=4, cp=1, zero=1), global_batch=1024)
+    r = multimodal_plan.plan_with_encoder(
+        spec,
+        enc,
+        text_tokens=1024,
+        gpus=16,
+        gpus_per_node=8,
+        gpu_mem_gib=80,
+        layout=dict(dp=4, tp=1, pp=4, cp=1, zero=1),
+        global_batch=1024,
+    )
     assert r["seq"] == 729 + 1024 and r["split"] == (8, 8, 8, 8)
     assert r["memory"]["total_bytes"] > r["decoder"]["memory_bytes"]  # stage 0 carries the encoder
     assert r["stage_time_s"][0] > r["decoder_only_stage_time_s"][0]
     assert r["stage_time_s"][1:] == r["decoder_only_stage_time_s"][1:]
     assert r["rebalanced_step_time_s"] < r["step_time_s"] and r["rebalanced_bubble"] < r["bubble"]
     assert max(r["rebalanced_stage_time_s"]) < max(r["stage_time_s"])
-    chosen = multimodal_plan.plan_with_encoder(spec, enc, text_tokens=1024, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
-    assert chosen["layout"]["dp"] * chosen["layout"]["tp"] * chosen["layout"]["pp"] * chosen["layout"]["cp"] == 64
-    flat = multimodal_plan.plan_with_encoder(spec, enc, text_tokens=1024, gpus=16, gpus_per_node=8, gpu_mem_gib=80,
-                                    layout=dict(dp=16, tp=1, pp=1, cp=1, zero=3), global_batch=1024)
+    chosen = multimodal_plan.plan_with_encoder(
+        spec, enc, text_tokens=1024, gpus=64, gpus_per_node=8, gpu_mem_gib=80
+    )
+    assert (
+        chosen["layout"]["dp"]
+        * chosen["layout"]["tp"]
+        * chosen["layout"]["pp"]
+        * chosen["layout"]["cp"]
+        == 64
+    )
+    flat = multimodal_plan.plan_with_encoder(
+        spec,
+        enc,
+        text_tokens=1024,
+        gpus=16,
+        gpus_per_node=8,
+        gpu_mem_gib=80,
+        layout=dict(dp=16, tp=1, pp=1, cp=1, zero=3),
+        global_batch=1024,
+    )
     assert flat["split"] is None and flat["step_time_s"] > flat["decoder"]["step_time_s"] > 0
 
 
 def test_cli_and_no_torch():
     parser = argparse.ArgumentParser()
     multimodal_plan.add_arguments(parser)
-    r = multimodal_plan.cli(parser.parse_args(["--text-tokens", "1024", "--gpus", "16", "--layout", "4,1,4,1,1",
-                                      "--global-batch", "1024"]))
+    r = multimodal_plan.cli(
+        parser.parse_args(
+            [
+                "--text-tokens",
+                "1024",
+                "--gpus",
+                "16",
+                "--layout",
+                "4,1,4,1,1",
+                "--global-batch",
+                "1024",
+            ]
+        )
+    )
     text = multimodal_plan.format_result(r)
     assert json.loads(json.dumps(r))["layout"]["pp"] == 4  # the --json output
     assert "rebalanced" in text and "split (8, 8, 8, 8)" in text and len(r["memory_gib"]) == 4
     with pytest.raises(ValueError, match="layout='4,1' must be five integers"):
-        multimodal_plan.cli(parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"]))
+        multimodal_plan.cli(
+            parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"])
+        )
     assert_torch_free("import labs.theory.multimodal")
 
 
@@ -225,14 +310,20 @@ def test_tp_collectives_count_caption_tokens_for_the_embedding_and_loss():
 
 def test_rebalancing_from_measured_times():
     from labs.experiments.multimodal_timeline import measured_split
+
     cfg = SIZES["timing"]
     spec, _ = specs(cfg)
     f = theory.decoder_flops(spec, seq=cfg.seq_len, mbs=1)
-    layer = 1.0  # a fake measurement: every layer 1 s, the head (~0.16 s) in its FLOP ratio to a layer
+    layer = (
+        1.0  # a fake measurement: every layer 1 s, the head (~0.16 s) in its FLOP ratio to a layer
+    )
     row = {"split": (0, 4), "stage_time": [4.5, 4 * layer + layer * f["head"] / f["per_layer"]]}
-    assert measured_split(row, cfg) == (0, 4)            # the encoder (4.5 s) outweighs the other stage already
+    assert measured_split(row, cfg) == (
+        0,
+        4,
+    )  # the encoder (4.5 s) outweighs the other stage already
     row["stage_time"][0] = 3.0
-    assert measured_split(row, cfg) == (1, 3)            # 4 vs 3.16 beats 3 vs 4.16
+    assert measured_split(row, cfg) == (1, 3)  # 4 vs 3.16 beats 3 vs 4.16
     row["stage_time"][0] = 0.5
     assert measured_split(row, cfg) == (2, 2)
     assert measured_split(row, cfg, stages=3) == (1, 2, 1)

@@ -9,8 +9,17 @@ import pytest
 from labs.theory import pipeline as th
 from tests.helpers import run_cli, run_json
 
-CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16, 32)] + \
-        [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3, 4) for m in (p, 2 * p, 4 * p, 8 * p)]
+CASES = [
+    (s, p, m, 1)
+    for s in ("gpipe", "1f1b")
+    for p in (1, 2, 3, 4, 8)
+    for m in (1, 2, 3, 4, 5, 8, 16, 32)
+] + [
+    ("interleaved", p, m, v)
+    for p in (1, 2, 4)
+    for v in (1, 2, 3, 4)
+    for m in (p, 2 * p, 4 * p, 8 * p)
+]
 
 
 @pytest.mark.parametrize("t_b", [0.5, 2.0, 3.0])
@@ -18,11 +27,14 @@ def test_bubble_formula_equals_the_schedule_run_on_paper(t_b):
     """(P-1)/(V·M+P-1) is what each schedule's own order of operations gives, for any t_b/t_f."""
     for schedule, p, m, v in CASES:
         sim = th.simulate(schedule, p, m, v, t_f=1.0, t_b=t_b)
-        assert sim["bubble_fraction"] == pytest.approx(th.bubble_fraction(schedule, p, m, v), abs=1e-12), \
-            (schedule, p, m, v)
+        assert sim["bubble_fraction"] == pytest.approx(
+            th.bubble_fraction(schedule, p, m, v), abs=1e-12
+        ), (schedule, p, m, v)
         assert sim["makespan"] == pytest.approx(th.step_time(schedule, p, m, 1.0, t_b, v))
         ideal = m * (1.0 + t_b)
-        assert sim["makespan"] / ideal - 1 == pytest.approx(th.bubble_over_ideal(schedule, p, m, v), abs=1e-12)
+        assert sim["makespan"] / ideal - 1 == pytest.approx(
+            th.bubble_over_ideal(schedule, p, m, v), abs=1e-12
+        )
 
 
 def test_known_values():
@@ -44,17 +56,19 @@ def test_every_operation_once_in_a_valid_order():
             assert forwards == {(mb, c) for mb in range(m) for c in range(v)}
             for i, (name, mb, c) in enumerate(ops):
                 if name == "B":
-                    assert ("F", mb, c) in ops[:i], f"{schedule}: backward of {mb}.{c} before its forward"
+                    assert ("F", mb, c) in ops[:i], (
+                        f"{schedule}: backward of {mb}.{c} before its forward"
+                    )
 
 
 def test_1f1b_phases():
     ops = th.schedule_ops("1f1b", 4, 8)
     for s in range(4):
         warmup = 4 - s - 1
-        assert [n for n, *_ in ops[s][:warmup + 1]] == ["F"] * (warmup + 1)
-        steady = [n for n, *_ in ops[s][warmup:warmup + 2 * (8 - warmup)]]
+        assert [n for n, *_ in ops[s][: warmup + 1]] == ["F"] * (warmup + 1)
+        steady = [n for n, *_ in ops[s][warmup : warmup + 2 * (8 - warmup)]]
         assert steady == ["F", "B"] * (8 - warmup)
-        assert [n for n, *_ in ops[s][len(ops[s]) - warmup:]] == ["B"] * warmup  # cool-down
+        assert [n for n, *_ in ops[s][len(ops[s]) - warmup :]] == ["B"] * warmup  # cool-down
     assert th.schedule_ops("gpipe", 2, 2)[0] == [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]
 
 
@@ -62,23 +76,41 @@ def test_activations_held_formula_equals_the_schedule():
     for schedule, p, m, v in CASES:
         sim = th.simulate(schedule, p, m, v)
         for s in range(p):
-            assert sim["in_flight"][s] == th.in_flight_microbatches(schedule, p, m, s, v), (schedule, p, m, v, s)
+            assert sim["in_flight"][s] == th.in_flight_microbatches(schedule, p, m, s, v), (
+                schedule,
+                p,
+                m,
+                v,
+                s,
+            )
     assert [th.in_flight_microbatches("gpipe", 4, 8, s) for s in range(4)] == [8] * 4
     assert [th.in_flight_microbatches("1f1b", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
     assert th.in_flight_microbatches("1f1b", 4, 2, 0) == 2  # M < P: never more than M
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: th.bubble_fraction("zb", 4, 8), "schedule='zb' is not one of"),
-    (lambda: th.bubble_fraction("1f1b", 0, 8), "stages must be an integer >= 1"),
-    (lambda: th.bubble_fraction("1f1b", 4, 8, 2), "virtual=2 only applies to schedule='interleaved'"),
-    (lambda: th.bubble_fraction("interleaved", 4, 6, 2), "microbatches divisible by stages: microbatches=6"),
-    (lambda: th.bubble_fraction("naive", 4, 8), "microbatches=8, use microbatches=1"),
-    (lambda: th.in_flight_microbatches("1f1b", 4, 8, stage=4), "stage=4 is outside 0..3"),
-    (lambda: th.simulate("1f1b", 4, 8, t_f=0), "t_f must be > 0"),
-    (lambda: th.balanced_plan([1] * 4, 5), "stages=5 but the model has only 4 layers"),
-    (lambda: th.fill_plan([10] * 4, 2, capacity=15), "capacity=15 is too small .* use capacity >= 20"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: th.bubble_fraction("zb", 4, 8), "schedule='zb' is not one of"),
+        (lambda: th.bubble_fraction("1f1b", 0, 8), "stages must be an integer >= 1"),
+        (
+            lambda: th.bubble_fraction("1f1b", 4, 8, 2),
+            "virtual=2 only applies to schedule='interleaved'",
+        ),
+        (
+            lambda: th.bubble_fraction("interleaved", 4, 6, 2),
+            "microbatches divisible by stages: microbatches=6",
+        ),
+        (lambda: th.bubble_fraction("naive", 4, 8), "microbatches=8, use microbatches=1"),
+        (lambda: th.in_flight_microbatches("1f1b", 4, 8, stage=4), "stage=4 is outside 0..3"),
+        (lambda: th.simulate("1f1b", 4, 8, t_f=0), "t_f must be > 0"),
+        (lambda: th.balanced_plan([1] * 4, 5), "stages=5 but the model has only 4 layers"),
+        (
+            lambda: th.fill_plan([10] * 4, 2, capacity=15),
+            "capacity=15 is too small .* use capacity >= 20",
+        ),
+    ],
+)
 def test_bad_input_names_the_parameter(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -89,9 +121,11 @@ def test_balanced_plan_minimises_the_largest_stage():
     for stages in range(1, 6):
         plan = th.balanced_plan(costs, stages, first_extra=3, last_extra=4)
         assert sum(plan) == len(costs) and min(plan) >= 1
-        best = min(max(th.plan_costs(costs, split, 3, 4))
-                   for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
-                   for split in [tuple(b - a for a, b in zip((0,) + cuts, cuts + (len(costs),)))])
+        best = min(
+            max(th.plan_costs(costs, split, 3, 4))
+            for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
+            for split in [tuple(b - a for a, b in zip((0,) + cuts, cuts + (len(costs),)))]
+        )
         assert max(th.plan_costs(costs, plan, 3, 4)) == best
     assert th.balanced_plan([10] * 8, 4, first_extra=4, last_extra=4) == (2, 2, 2, 2)
 
@@ -107,10 +141,18 @@ def test_fill_plan_fills_device_after_device():
 def test_p2p_bytes():
     kw = dict(batch=16, seq_len=32, hidden=64)
     per_boundary = 16 * 32 * 64 * 4
-    assert [th.p2p_bytes_per_rank("1f1b", 4, r, **kw) for r in range(4)] == \
-        [per_boundary, 2 * per_boundary, 2 * per_boundary, per_boundary]
-    assert [th.p2p_bytes_per_rank("naive", 4, r, **kw) for r in range(4)] == [per_boundary] * 3 + [0]
-    assert [th.p2p_bytes_per_rank("interleaved", 2, r, virtual=2, **kw) for r in range(2)] == [3 * per_boundary] * 2
+    assert [th.p2p_bytes_per_rank("1f1b", 4, r, **kw) for r in range(4)] == [
+        per_boundary,
+        2 * per_boundary,
+        2 * per_boundary,
+        per_boundary,
+    ]
+    assert [th.p2p_bytes_per_rank("naive", 4, r, **kw) for r in range(4)] == [per_boundary] * 3 + [
+        0
+    ]
+    assert [th.p2p_bytes_per_rank("interleaved", 2, r, virtual=2, **kw) for r in range(2)] == [
+        3 * per_boundary
+    ] * 2
 
 
 def test_fit_recovers_a_charts_times_and_delay():
@@ -120,57 +162,120 @@ def test_fit_recovers_a_charts_times_and_delay():
         assert (fit["t_forward"], fit["t_backward"]) == (pytest.approx(1.5), pytest.approx(2.5))
         assert fit["t_delay"] == pytest.approx(0.2)
         assert fit["bubble_fraction"] == pytest.approx(sim["bubble_fraction"])
-        assert sim["bubble_fraction"] > th.bubble_fraction(schedule, p, m, v)  # delays only add idle time
+        assert sim["bubble_fraction"] > th.bubble_fraction(
+            schedule, p, m, v
+        )  # delays only add idle time
 
 
 def test_idle_share_equals_the_timelines_idle_fraction():
     from labs.measure import Event, idle_fraction
+
     events = th.simulate("interleaved", 4, 8, 2, t_delay=0.1)["events"]
     assert th.idle_share(events) == pytest.approx(
-        idle_fraction([Event(e["rank"], e["name"], e["start"], e["end"]) for e in events]))
+        idle_fraction([Event(e["rank"], e["name"], e["start"], e["end"]) for e in events])
+    )
 
 
 def test_bubble_cli():
-    r = run_json("-m", "labs.theory", "bubble", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--json")
-    assert r["bubble_fraction"] == pytest.approx(3 / 11) and r["simulated_bubble_fraction"] == pytest.approx(3 / 11)
+    r = run_json(
+        "-m",
+        "labs.theory",
+        "bubble",
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--json",
+    )
+    assert r["bubble_fraction"] == pytest.approx(3 / 11) and r[
+        "simulated_bubble_fraction"
+    ] == pytest.approx(3 / 11)
     assert r["in_flight_microbatches"] == [4, 3, 2, 1] and r["rule_microbatches"] == 16
-    r = run_json("-m", "labs.theory", "bubble", "--schedule", "interleaved", "--stages", "4", "--microbatches", "8",
-                 "--virtual", "2", "--json")
+    r = run_json(
+        "-m",
+        "labs.theory",
+        "bubble",
+        "--schedule",
+        "interleaved",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--virtual",
+        "2",
+        "--json",
+    )
     assert r["bubble_fraction"] == pytest.approx(3 / 19)
-    text = run_cli("-m", "labs.theory", "bubble", "--schedule", "gpipe", "--stages", "2", "--microbatches", "3").stdout
+    text = run_cli(
+        "-m", "labs.theory", "bubble", "--schedule", "gpipe", "--stages", "2", "--microbatches", "3"
+    ).stdout
     assert "bubble fraction     0.2500" in text
-    bad = run_cli("-m", "labs.theory", "bubble", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6",
-                  "--virtual", "2")
-    assert bad.returncode == 2 and "microbatches divisible by stages" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_cli(
+        "-m",
+        "labs.theory",
+        "bubble",
+        "--schedule",
+        "interleaved",
+        "--stages",
+        "4",
+        "--microbatches",
+        "6",
+        "--virtual",
+        "2",
+    )
+    assert (
+        bad.returncode == 2
+        and "microbatches divisible by stages" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
 
 
 def test_bubble_calculator_draws_the_theory():
     from labs.widgets.pipeline import draw_schedule
+
     fig, r = draw_schedule("1f1b", 4, 8)
     assert r == th.figures("1f1b", 4, 8)
     gantt = fig.axes[0]
-    assert len([b for b in gantt.patches if b.get_hatch() == "//"]) == 4 * 8  # one hatched bar per backward
+    assert (
+        len([b for b in gantt.patches if b.get_hatch() == "//"]) == 4 * 8
+    )  # one hatched bar per backward
     with pytest.raises(ValueError, match="virtual=2 only applies"):
         draw_schedule("1f1b", 4, 8, virtual=2)
     # a measured run drawn below: here a chart made on paper stands in for it
     sim = th.simulate("gpipe", 2, 4, t_delay=0.1)
-    summary = {"schedule": "gpipe", "nproc": 2, "microbatches": 4, "virtual": 1, "backend": "gloo", "op_time_s": 0.02,
-               "timeline": sim["events"], "bubble_fraction": sim["bubble_fraction"], "measured_t_forward_s": 1.0,
-               "measured_delay_s": 0.1, "delay_bubble_fraction": sim["bubble_fraction"],
-               "microbatches_held": [4, 4]}
+    summary = {
+        "schedule": "gpipe",
+        "nproc": 2,
+        "microbatches": 4,
+        "virtual": 1,
+        "backend": "gloo",
+        "op_time_s": 0.02,
+        "timeline": sim["events"],
+        "bubble_fraction": sim["bubble_fraction"],
+        "measured_t_forward_s": 1.0,
+        "measured_delay_s": 0.1,
+        "delay_bubble_fraction": sim["bubble_fraction"],
+        "microbatches_held": [4, 4],
+    }
     fig, _ = draw_schedule("gpipe", 2, 4, measured=summary)
     assert len(fig.axes) == 4 and "measured on 2 ranks" in fig.axes[2].get_title(loc="left")
 
 
 def test_bubble_calculator_widget_reports_invalid_settings(capsys):
     from labs.widgets.pipeline import bubble_calculator
+
     box = bubble_calculator("1f1b", stages=4, microbatches=8)
-    (schedule, stages, microbatches, virtual), (_, _, overlay), _ = (box.children[0].children,
-                                                                      box.children[1].children, box.children[2])
+    schedule, _, microbatches, virtual = box.children[0].children
+    overlay = box.children[1].children[2]
     assert virtual.disabled and not overlay.value
     schedule.value = "interleaved"
     microbatches.value = 6
-    assert "invalid: interleaved 1F1B needs microbatches divisible by stages" in capsys.readouterr().out
+    assert (
+        "invalid: interleaved 1F1B needs microbatches divisible by stages"
+        in capsys.readouterr().out
+    )
     microbatches.value = 8
     assert not virtual.disabled and "bubble fraction" in capsys.readouterr().out
 
@@ -179,10 +284,15 @@ def test_pp_vs_tp_bytes():
     r = th.pp_vs_tp(layers=80, hidden=8192, seq_len=4096, batch=8, degree=8, bandwidth=50e9)
     activation = 8 * 4096 * 8192 * 2
     # PP: what a middle stage sends, the same count the lab's ledger checks
-    assert r["pp_bytes_per_rank"] == 2 * activation == th.p2p_bytes_per_rank(
-        "1f1b", 4, 1, batch=8, seq_len=4096, hidden=8192, itemsize=2)
+    assert (
+        r["pp_bytes_per_rank"]
+        == 2 * activation
+        == th.p2p_bytes_per_rank("1f1b", 4, 1, batch=8, seq_len=4096, hidden=8192, itemsize=2)
+    )
     # TP: 4 ring all-reduces of [B, T, H] per layer (2 forward, 2 backward), 2(N-1)/N each
     assert r["tp_bytes_per_rank"] == 80 * 4 * 2 * 7 / 8 * activation
-    assert r["tp_over_pp"] == pytest.approx(280) and r["tp_seconds"] == pytest.approx(r["tp_bytes_per_rank"] / 50e9)
+    assert r["tp_over_pp"] == pytest.approx(280) and r["tp_seconds"] == pytest.approx(
+        r["tp_bytes_per_rank"] / 50e9
+    )
     with pytest.raises(ValueError, match="degree must be an integer >= 1"):
         th.pp_vs_tp(layers=80, hidden=8192, seq_len=4096, batch=8, degree=0)

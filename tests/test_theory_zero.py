@@ -14,9 +14,16 @@ AWKWARD = [8009]
 
 def test_course_units_are_the_built_models_units():
     from labs.experiments.zero import build, unit_numels
+
     assert unit_numels(build("course")) == COURSE
-    assert sum(COURSE) == param_counts(ModelSpec(vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4,
-                                                 ffn_hidden=128))["total"]
+    assert (
+        sum(COURSE)
+        == param_counts(
+            ModelSpec(
+                vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128
+            )
+        )["total"]
+    )
     assert unit_numels(build("awkward")) == AWKWARD
 
 
@@ -31,10 +38,16 @@ def test_flat_layout_pads_to_equal_shards(numel, dp):
 @pytest.mark.parametrize("stage", zero.STAGES)
 def test_held_bytes_is_the_calculator_when_n_divides_every_unit(stage, dp):
     held = zero.held_bytes(COURSE, stage=stage, dp=dp)
-    calc = state_bytes(sum(COURSE), precision="fp32", optimizer="adamw", zero=stage, dp=dp, exact_shards=True)
+    calc = state_bytes(
+        sum(COURSE), precision="fp32", optimizer="adamw", zero=stage, dp=dp, exact_shards=True
+    )
     assert held["padding"] == 0
     assert (held["params"], held["grads"], held["optimizer"], held["total"]) == (
-        calc["param_bytes"], calc["grad_bytes"], calc["optimizer_bytes"], calc["total_bytes"])
+        calc["param_bytes"],
+        calc["grad_bytes"],
+        calc["optimizer_bytes"],
+        calc["total_bytes"],
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -43,19 +56,25 @@ def test_held_bytes_with_padding_and_offload(stage):
     held = zero.held_bytes(AWKWARD, stage=stage, dp=dp, frozen_numel=600)
     calc = state_bytes(8009, zero=stage, dp=dp, exact_shards=True)
     assert held["optimizer"] == 8 * shard
-    assert held["padding"] == {1: 2, 2: 1, 3: 0}[stage] * 3 * 4  # full flat params (1-2) and grads (1)
+    assert (
+        held["padding"] == {1: 2, 2: 1, 3: 0}[stage] * 3 * 4
+    )  # full flat params (1-2) and grads (1)
     assert held["total"] == calc["total_bytes"] + held["padding"] + 600 * 4
     off = zero.held_bytes(AWKWARD, stage=stage, dp=dp, offload=True, frozen_numel=600)
     assert off["optimizer"] == 0 and off["host"] == 16 * shard
     assert off["total"] == held["total"] - held["optimizer"]
-    assert zero.held_bytes(AWKWARD, stage=stage, dp=dp, itemsize=8)["total"] == 2 * zero.held_bytes(
-        AWKWARD, stage=stage, dp=dp)["total"]
+    assert (
+        zero.held_bytes(AWKWARD, stage=stage, dp=dp, itemsize=8)["total"]
+        == 2 * zero.held_bytes(AWKWARD, stage=stage, dp=dp)["total"]
+    )
 
 
 def test_stage_zero_gradless_parameters_hold_no_gradient_or_state():
     base = zero.held_bytes(AWKWARD, stage=0, dp=2)
     less = zero.held_bytes(AWKWARD, stage=0, dp=2, gradless_numel=28)
-    assert base["grads"] - less["grads"] == 28 * 4 and base["optimizer"] - less["optimizer"] == 28 * 8
+    assert (
+        base["grads"] - less["grads"] == 28 * 4 and base["optimizer"] - less["optimizer"] == 28 * 8
+    )
 
 
 @pytest.mark.parametrize("dp", [2, 3, 4, 8])
@@ -69,16 +88,21 @@ def test_comm_bytes_are_two_psi_then_three_psi(dp):
     c3 = zero.comm_bytes(COURSE, stage=3, dp=dp)
     assert c3["all_gather"] == pytest.approx(2 * c3["reduce_scatter"])
     if padded == 4 * sum(COURSE):
-        assert [zero.comm_bytes(COURSE, stage=s, dp=dp)["psi_equivalent"] for s in zero.STAGES] == \
-            pytest.approx([2, 2, 2, 3])
+        assert [
+            zero.comm_bytes(COURSE, stage=s, dp=dp)["psi_equivalent"] for s in zero.STAGES
+        ] == pytest.approx([2, 2, 2, 3])
 
 
 def test_peak_param_bytes_formula():
     shards = sum(math.ceil(n / 4) for n in COURSE)
     full = [4 * math.ceil(n / 4) for n in COURSE]
     assert zero.peak_param_bytes(COURSE, dp=4, prefetch=False) == 4 * (shards + max(full))
-    assert zero.peak_param_bytes(COURSE, dp=4) == 4 * (shards + 2 * COURSE[1])  # block 0 + prefetched block 1
-    assert zero.peak_param_bytes(AWKWARD, dp=4) == 4 * (2003 + 4 * 2003)  # one unit: nothing to prefetch
+    assert zero.peak_param_bytes(COURSE, dp=4) == 4 * (
+        shards + 2 * COURSE[1]
+    )  # block 0 + prefetched block 1
+    assert zero.peak_param_bytes(AWKWARD, dp=4) == 4 * (
+        2003 + 4 * 2003
+    )  # one unit: nothing to prefetch
 
 
 @pytest.mark.parametrize("units", [COURSE, AWKWARD, [5, 7, 100, 3]])
@@ -92,7 +116,11 @@ def test_moments_agree_with_the_formulas(units, dp, stage, prefetch, offload):
     held = zero.held_bytes(units, stage=stage, dp=dp, offload=offload)
     end = frames[-1]["bytes"]
     assert (end["params"], end["grads"], end["optimizer"], end["host"]) == (
-        held["params"], held["grads"], held["optimizer"], held["host"])
+        held["params"],
+        held["grads"],
+        held["optimizer"],
+        held["host"],
+    )
     labels = [f["label"] for f in frames]
     assert labels[: len(units)] == [f"forward unit {k}" for k in range(len(units))]
     assert "optimizer step" in labels and (("all-gather" in labels) == (stage in (1, 2)))
@@ -110,25 +138,35 @@ def test_moments_agree_with_the_formulas(units, dp, stage, prefetch, offload):
 def test_stage_two_frees_each_units_gradient_during_backward():
     frames = zero.step_moments(2, COURSE, dp=4)
     peak_grads = max(f["bytes"]["grads"] for f in frames)
-    assert peak_grads == 4 * (sum(math.ceil(n / 4) for n in COURSE) + max(COURSE))  # shards + one full unit
+    assert peak_grads == 4 * (
+        sum(math.ceil(n / 4) for n in COURSE) + max(COURSE)
+    )  # shards + one full unit
 
 
 def test_memory_wall_table():
     rows = zero.stage_table(8_000_000_000, dp=8)
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
     assert rows[0]["total_bytes"] == 16 * 8e9 and rows[3]["total_bytes"] == 16 * 8e9 / 8
-    assert rows[0]["total_bytes"] > rows[1]["total_bytes"] > rows[2]["total_bytes"] > rows[3]["total_bytes"]
+    assert (
+        rows[0]["total_bytes"]
+        > rows[1]["total_bytes"]
+        > rows[2]["total_bytes"]
+        > rows[3]["total_bytes"]
+    )
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: zero.held_bytes(COURSE, stage=4, dp=2), "stage=4 is not one of"),
-    (lambda: zero.held_bytes(COURSE, stage=1, dp=1), "dp=1"),
-    (lambda: zero.held_bytes(COURSE, stage=1, dp=0), "dp must be an integer >= 1"),
-    (lambda: zero.held_bytes([], stage=1, dp=2), "unit_numels"),
-    (lambda: zero.held_bytes(COURSE, stage=0, dp=2, offload=True), "offload=True needs stage"),
-    (lambda: zero.step_moments(2, COURSE, dp=2, names=["a"]), "names has 1 entries"),
-    (lambda: zero.flat_layout(0, 2), "numel must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: zero.held_bytes(COURSE, stage=4, dp=2), "stage=4 is not one of"),
+        (lambda: zero.held_bytes(COURSE, stage=1, dp=1), "dp=1"),
+        (lambda: zero.held_bytes(COURSE, stage=1, dp=0), "dp must be an integer >= 1"),
+        (lambda: zero.held_bytes([], stage=1, dp=2), "unit_numels"),
+        (lambda: zero.held_bytes(COURSE, stage=0, dp=2, offload=True), "offload=True needs stage"),
+        (lambda: zero.step_moments(2, COURSE, dp=2, names=["a"]), "names has 1 entries"),
+        (lambda: zero.flat_layout(0, 2), "numel must be an integer >= 1"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -140,7 +178,9 @@ def test_theory_does_not_import_torch():
 
 def test_visualizer_draws_every_moment_headless():
     import matplotlib.pyplot as plt
+
     from labs.widgets.zero import draw_moment
+
     for stage in zero.STAGES:
         fig, frames = draw_moment(stage, 4, 0)
         plt.close(fig)
@@ -152,7 +192,9 @@ def test_visualizer_draws_every_moment_headless():
 
 def test_offload_tradeoff_and_stage_table_text():
     t = zero.offload_tradeoff(8_000_000_000, 8, link_gb_per_s=25.0)
-    assert t["freed_device_bytes"] == 12 * 1e9 and t["left_device_bytes"] == 4 * 1e9  # 12Ψ/N off, 2Ψ/N + 2Ψ/N left
+    assert (
+        t["freed_device_bytes"] == 12 * 1e9 and t["left_device_bytes"] == 4 * 1e9
+    )  # 12Ψ/N off, 2Ψ/N + 2Ψ/N left
     assert t["host_link_bytes"] == 4e9 and t["host_link_s"] == pytest.approx(0.16)
     text = zero.format_stage_table(8_000_000_000, dp=8, gpu_gib=80)
     assert [line.split()[-1] for line in text.splitlines()[2:]] == ["no", "yes", "yes", "yes"]

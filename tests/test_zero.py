@@ -12,25 +12,40 @@ of a few elements, for plain data parallelism and torch's FSDP2 alike (see ``run
 import pytest
 
 from labs.experiments.zero import run
+from labs.runtime.impl import exercise
 from labs.theory.memory import state_bytes
 from labs.theory.zero import comm_bytes
-from labs.runtime.impl import exercise
 from tests.helpers import run_cli, run_json
 
 
 def check(s, *, stage, nproc, calculator: bool):
     assert s["matches_reference"], (s["losses"], s["reference_losses"])
-    assert s["params_match_reference"], f"{s['worst_param']}: max relative difference {s['max_param_rel_diff']:.2e}"
+    assert s["params_match_reference"], (
+        f"{s['worst_param']}: max relative difference {s['max_param_rel_diff']:.2e}"
+    )
     assert s["memory_matches_theory"], (s["state_breakdown"], s["theory_breakdown"])
     assert s["bytes_match_theory"], (s["comm_bytes_per_rank"], s["theory_comm_bytes_per_rank"])
-    assert s["comm_by_op"].keys() == ({"reduce_scatter_single", "all_gather_single"} if stage else {"all_reduce"})
+    assert s["comm_by_op"].keys() == (
+        {"reduce_scatter_single", "all_gather_single"} if stage else {"all_reduce"}
+    )
     if calculator:  # no padding: the calculator's figure exactly, and 2Ψ / 3Ψ exactly
-        calc = state_bytes(s["n_params"], precision="fp32", optimizer="adamw", zero=stage, dp=nproc,
-                           exact_shards=True)["total_bytes"]
-        assert s["state_bytes_per_rank"] == [calc * (8 if s["dtype"] == "float64" else 4) // 4] * nproc
+        calc = state_bytes(
+            s["n_params"],
+            precision="fp32",
+            optimizer="adamw",
+            zero=stage,
+            dp=nproc,
+            exact_shards=True,
+        )["total_bytes"]
+        assert (
+            s["state_bytes_per_rank"] == [calc * (8 if s["dtype"] == "float64" else 4) // 4] * nproc
+        )
         assert s["psi_equivalent"] == pytest.approx(3 if stage == 3 else 2, rel=1e-12)
     if stage == 3:
-        assert s["peak_matches_theory"], (s["peak_param_bytes_per_rank"], s["theory_peak_param_bytes"])
+        assert s["peak_matches_theory"], (
+            s["peak_param_bytes_per_rank"],
+            s["theory_peak_param_bytes"],
+        )
         assert s["peak_param_bytes_backward"] == s["peak_param_bytes_per_rank"]
 
 
@@ -47,7 +62,8 @@ def test_course_model_matches_reference_and_theory(stage, nproc, dtype):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("nproc, dtype, offload", [(2, "float32", False), (4, "float64", True)])
 def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload):
-    """8,009 trainable elements (padded on 2 and 4 ranks), a tied weight, a frozen layer, an unused parameter."""
+    """8,009 trainable elements (padded on 2 and 4 ranks), a tied weight, a frozen layer, an unused
+    parameter."""
     s = run(nproc=nproc, stage=stage, dtype=dtype, offload=offload, model="awkward", steps=5)
     check(s, stage=stage, nproc=nproc, calculator=False)
     if offload:
@@ -58,7 +74,9 @@ def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload)
 @pytest.mark.exercise
 def test_zero3_without_prefetch_holds_one_unit_at_a_time():
     s = run(nproc=2, stage=3, prefetch=False, steps=5)
-    check(s, stage=3, nproc=2, calculator=True)  # peak = shards + the largest unit, nothing prefetched
+    check(
+        s, stage=3, nproc=2, calculator=True
+    )  # peak = shards + the largest unit, nothing prefetched
     assert s["theory_peak_param_bytes"] == 4 * (sum(s["unit_numels"]) // 2 + max(s["unit_numels"]))
 
 
@@ -80,13 +98,16 @@ def test_stage_zero_baseline_is_data_parallel():
     check(s, stage=0, nproc=2, calculator=True)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"stage": 4}, "stage=4 is not one of"),
-    ({"stage": 2, "nproc": 1}, "nproc=1"),
-    ({"stage": 0, "offload": True}, "offload=True needs stage"),
-    ({"model": "gpt"}, "model='gpt' is not one of"),
-    ({"dtype": "float16"}, "dtype='float16' is not one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stage": 4}, "stage=4 is not one of"),
+        ({"stage": 2, "nproc": 1}, "nproc=1"),
+        ({"stage": 0, "offload": True}, "offload=True needs stage"),
+        ({"model": "gpt"}, "model='gpt' is not one of"),
+        ({"dtype": "float16"}, "dtype='float16' is not one of"),
+    ],
+)
 def test_bad_arguments_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         run(**{"nproc": 2, **kwargs})

@@ -1,4 +1,5 @@
-"""ZeRO-3 checkpoints with torch.distributed.checkpoint: save on 4 ranks, load on 2, on 4 and in one process.
+"""ZeRO-3 checkpoints with torch.distributed.checkpoint: save on 4 ranks, load on 2, on 4 and in one
+process.
 
 Loading is exact on any rank count (the parameters come back bit for bit); training on
 from there reproduces the uninterrupted run bit for bit on the same 4 ranks, and within
@@ -41,10 +42,18 @@ def test_load_is_exact_on_any_rank_count(demo):
 def test_resuming_gives_the_uninterrupted_losses(demo):
     _, d = demo
     assert d["resumed_on_4"] == d["uninterrupted"], "same ranks, same arithmetic: bit for bit"
-    assert all(torch.equal(d["params_resumed_on_4"][n], p) for n, p in d["uninterrupted_params"].items())
+    assert all(
+        torch.equal(d["params_resumed_on_4"][n], p) for n, p in d["uninterrupted_params"].items()
+    )
     for tag in ("on_2", "single"):
-        assert d[f"resume_{tag}_max_rel_loss_diff"] <= TOL, (tag, d[f"resume_{tag}_max_rel_loss_diff"])
-        assert d[f"resume_{tag}_max_param_rel_diff"] <= TOL, (tag, d[f"resume_{tag}_max_param_rel_diff"])
+        assert d[f"resume_{tag}_max_rel_loss_diff"] <= TOL, (
+            tag,
+            d[f"resume_{tag}_max_rel_loss_diff"],
+        )
+        assert d[f"resume_{tag}_max_param_rel_diff"] <= TOL, (
+            tag,
+            d[f"resume_{tag}_max_param_rel_diff"],
+        )
     assert len(d["single_process"]) == len(d["uninterrupted"]) == 3
 
 
@@ -60,7 +69,9 @@ def test_corrupted_checkpoint_is_a_clear_error(demo, tmp_path, damage):
     folder, _ = demo
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
-    victim = sorted(broken.glob("*.distcp"))[0] if damage == "truncate_data" else broken / ".metadata"
+    victim = (
+        sorted(broken.glob("*.distcp"))[0] if damage == "truncate_data" else broken / ".metadata"
+    )
     victim.write_bytes(victim.read_bytes()[:40])
     with pytest.raises(ValueError, match=f"checkpoint at {broken} is corrupted or incomplete"):
         load_full(broken, build("course"), TrainConfig())

@@ -38,7 +38,8 @@ def load_corpus() -> torch.Tensor:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of the corpus: item i is (x, y), each ``[seq_len]``, y = x shifted by one."""
+    """Non-overlapping windows of the corpus: item i is (x, y), each ``[seq_len]``, y = x shifted by
+    one."""
 
     def __init__(self, seq_len: int, tokens: torch.Tensor | None = None):
         if seq_len < 1:
@@ -47,37 +48,64 @@ class TokenWindows(Dataset):
         self.seq_len = seq_len
         self.n = (len(self.tokens) - 1) // seq_len
         if self.n < 1:
-            raise ValueError(f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens)")
+            raise ValueError(
+                f"seq_len={seq_len} is longer than the corpus ({len(self.tokens)} tokens)"
+            )
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i):
-        chunk = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+        chunk = self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1]
         return chunk[:-1], chunk[1:]
 
 
-def make_loader(*, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                dataset: Dataset | None = None) -> tuple[DataLoader, DistributedSampler]:
+def make_loader(
+    *,
+    batch_size: int,
+    seq_len: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    dataset: Dataset | None = None,
+) -> tuple[DataLoader, DistributedSampler]:
     """A loader over this rank's share of the data. Call ``sampler.set_epoch(e)`` each epoch,
     or every epoch repeats the first one's order (the classic DistributedSampler pitfall)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     dataset = dataset or TokenWindows(seq_len)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True), sampler
 
 
-def rank_batches(*, steps: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, dataset: Dataset | None = None) -> list[tuple[torch.Tensor, ...]]:
+def rank_batches(
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    dataset: Dataset | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
     """The first ``steps`` batches this rank sees, ``[batch_size, seq_len]`` each, across epochs
     (``dataset``: another data set than the corpus's token windows; its samples' parts, batched)."""
-    loader, sampler = make_loader(batch_size=batch_size, seq_len=seq_len, rank=rank, world_size=world_size, seed=seed,
-                                  dataset=dataset)
+    loader, sampler = make_loader(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        dataset=dataset,
+    )
     if len(loader) == 0:
-        what = f"windows of {seq_len} do not fit the corpus" if dataset is None else \
-            f"exceeds the {len(dataset)} samples"
+        what = (
+            f"windows of {seq_len} do not fit the corpus"
+            if dataset is None
+            else f"exceeds the {len(dataset)} samples"
+        )
         raise ValueError(f"batch_size={batch_size} x world_size={world_size} {what}")
     out, epoch = [], 0
     while len(out) < steps:
@@ -90,11 +118,30 @@ def rank_batches(*, steps: int, batch_size: int, seq_len: int, rank: int = 0, wo
     return out
 
 
-def global_batches(*, steps: int, batch_size: int, seq_len: int, world_size: int = 1,
-                   seed: int = 0, dataset: Dataset | None = None) -> list[tuple[torch.Tensor, ...]]:
+def global_batches(
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    world_size: int = 1,
+    seed: int = 0,
+    dataset: Dataset | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
     """Each step's global batch: the ``world_size`` ranks' batches concatenated in rank order,
     ``[world_size * batch_size, seq_len]``. What a single process must train on to match."""
-    per_rank = [rank_batches(steps=steps, batch_size=batch_size, seq_len=seq_len, rank=r,
-                             world_size=world_size, seed=seed, dataset=dataset) for r in range(world_size)]
-    return [tuple(torch.cat(parts) for parts in zip(*(per_rank[r][s] for r in range(world_size))))
-            for s in range(steps)]
+    per_rank = [
+        rank_batches(
+            steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            rank=r,
+            world_size=world_size,
+            seed=seed,
+            dataset=dataset,
+        )
+        for r in range(world_size)
+    ]
+    return [
+        tuple(torch.cat(parts) for parts in zip(*(per_rank[r][s] for r in range(world_size))))
+        for s in range(steps)
+    ]

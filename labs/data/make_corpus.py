@@ -16,17 +16,74 @@ from pathlib import Path
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
-SUBJECTS = ["rank zero", "rank one", "rank two", "rank three", "every rank", "the last stage", "the first stage",
-            "the router", "the optimizer", "the scheduler", "each worker", "the parent process", "the pipeline",
-            "the expert", "the attention layer", "the embedding", "the head", "the launcher"]
-VERBS = ["sends", "receives", "reduces", "gathers", "scatters", "shards", "broadcasts", "averages", "frees",
-         "saves", "loads", "computes", "recomputes", "splits", "prefetches", "overlaps"]
-OBJECTS = ["the gradients", "a bucket of gradients", "its shard of the weights", "the activations",
-           "the key and value blocks", "the logits", "the optimizer state", "a micro-batch", "the tokens",
-           "the partial sums", "the loss", "the parameters", "the attention scores", "the hidden states"]
-PLACES = ["to the next rank", "from the previous rank", "across the node", "inside the node", "over the ring",
-          "before the backward pass", "after the forward pass", "during the warm-up", "in the steady state",
-          "at the end of the step", "while the next layer computes", "on every step"]
+SUBJECTS = [
+    "rank zero",
+    "rank one",
+    "rank two",
+    "rank three",
+    "every rank",
+    "the last stage",
+    "the first stage",
+    "the router",
+    "the optimizer",
+    "the scheduler",
+    "each worker",
+    "the parent process",
+    "the pipeline",
+    "the expert",
+    "the attention layer",
+    "the embedding",
+    "the head",
+    "the launcher",
+]
+VERBS = [
+    "sends",
+    "receives",
+    "reduces",
+    "gathers",
+    "scatters",
+    "shards",
+    "broadcasts",
+    "averages",
+    "frees",
+    "saves",
+    "loads",
+    "computes",
+    "recomputes",
+    "splits",
+    "prefetches",
+    "overlaps",
+]
+OBJECTS = [
+    "the gradients",
+    "a bucket of gradients",
+    "its shard of the weights",
+    "the activations",
+    "the key and value blocks",
+    "the logits",
+    "the optimizer state",
+    "a micro-batch",
+    "the tokens",
+    "the partial sums",
+    "the loss",
+    "the parameters",
+    "the attention scores",
+    "the hidden states",
+]
+PLACES = [
+    "to the next rank",
+    "from the previous rank",
+    "across the node",
+    "inside the node",
+    "over the ring",
+    "before the backward pass",
+    "after the forward pass",
+    "during the warm-up",
+    "in the steady state",
+    "at the end of the step",
+    "while the next layer computes",
+    "on every step",
+]
 FACTS = [
     "A ring all-reduce sends two times n minus one over n of the tensor from every rank.",
     "Data parallelism keeps a full copy of the model on every rank and averages the gradients.",
@@ -48,9 +105,13 @@ def sentence(rng: random.Random) -> str:
         return rng.choice(FACTS)
     if kind < 0.3:
         n = rng.choice(NUMBERS)
-        return (f"With {n} ranks, {rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} "
-                f"{rng.choice(PLACES)}.").capitalize()
-    clause = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(PLACES)}"
+        return (
+            f"With {n} ranks, {rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} "
+            f"{rng.choice(PLACES)}."
+        ).capitalize()
+    clause = (
+        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(PLACES)}"
+    )
     if rng.random() < 0.4:
         clause += f", and {rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}"
     return clause[0].upper() + clause[1:] + "."

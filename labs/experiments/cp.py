@@ -1,4 +1,5 @@
-"""Experiment 06: ring attention against full attention, and the context-parallel model against the reference.
+"""Experiment 06: ring attention against full attention, and the context-parallel model against the
+reference.
 
     check = attention_check(nproc=4)             # out, dq, dk, dv vs SDPA; bytes, FLOPs, memory vs theory
     summary = run(nproc=4)                       # python -m labs.run cp --nproc 4 --json
@@ -41,7 +42,14 @@ from labs.theory import context_parallel as theory
 from labs.theory import memory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_positive
-from labs.train import TOLERANCES, TrainConfig, data_for, make_optimizer, max_rel_diff, train_reference
+from labs.train import (
+    TOLERANCES,
+    TrainConfig,
+    data_for,
+    make_optimizer,
+    max_rel_diff,
+    train_reference,
+)
 
 CASES = tuple((causal, zigzag) for causal in (True, False) for zigzag in (True, False))
 
@@ -50,32 +58,45 @@ CASES = tuple((causal, zigzag) for causal in (True, False) for zigzag in (True, 
 class AttnShape:
     batch: int = 2
     n_head: int = 4
-    n_kv_head: int = 2        # grouped-query: 2 query heads share each kv head
-    seq_len: int = 48         # divisible by 2*cp for cp in 1, 2, 3, 4
+    n_kv_head: int = 2  # grouped-query: 2 query heads share each kv head
+    seq_len: int = 48  # divisible by 2*cp for cp in 1, 2, 3, 4
     head_dim: int = 8
     seed: int = 0
 
     def kv_bytes(self) -> int:
-        return theory.kv_bytes(batch=self.batch, seq_len=self.seq_len, n_kv_head=self.n_kv_head,
-                               head_dim=self.head_dim)
+        return theory.kv_bytes(
+            batch=self.batch, seq_len=self.seq_len, n_kv_head=self.n_kv_head, head_dim=self.head_dim
+        )
 
     def saved_bytes(self, cp: int) -> float:
-        return theory.attention_saved_bytes(batch=self.batch, seq_len=self.seq_len, n_head=self.n_head,
-                                            n_kv_head=self.n_kv_head, head_dim=self.head_dim, cp=cp)
+        return theory.attention_saved_bytes(
+            batch=self.batch,
+            seq_len=self.seq_len,
+            n_head=self.n_head,
+            n_kv_head=self.n_kv_head,
+            head_dim=self.head_dim,
+            cp=cp,
+        )
 
 
 def check_options(nproc: int, seq_len: int) -> None:
-    """Raise ValueError before launching anything when the sequence does not split over ``nproc`` ranks."""
+    """Raise ValueError before launching anything when the sequence does not split over ``nproc``
+    ranks."""
     check_positive(nproc=nproc, seq_len=seq_len)
     ParallelDims(cp=nproc).check_model(seq_len=seq_len, cp_chunks_per_rank=2)
 
 
 def make_qkv(shape: AttnShape):
-    """The global q [B, nh, T, hd], k, v [B, nkv, T, hd] and upstream gradient dout, from the seed."""
+    """The global q [B, nh, T, hd], k, v [B, nkv, T, hd] and upstream gradient dout, from the
+    seed."""
     g = torch.Generator().manual_seed(shape.seed)
     b, t, hd = shape.batch, shape.seq_len, shape.head_dim
-    return (torch.randn(b, shape.n_head, t, hd, generator=g), torch.randn(b, shape.n_kv_head, t, hd, generator=g),
-            torch.randn(b, shape.n_kv_head, t, hd, generator=g), torch.randn(b, shape.n_head, t, hd, generator=g))
+    return (
+        torch.randn(b, shape.n_head, t, hd, generator=g),
+        torch.randn(b, shape.n_kv_head, t, hd, generator=g),
+        torch.randn(b, shape.n_kv_head, t, hd, generator=g),
+        torch.randn(b, shape.n_head, t, hd, generator=g),
+    )
 
 
 def reference_attention(shape: AttnShape, causal: bool) -> dict:
@@ -125,51 +146,85 @@ def attention_worker(shape: AttnShape, cases) -> list[dict]:
     me, cp = dist.get_rank(), dist.get_world_size()
     results = []
     for causal, zigzag in cases:
-        q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=2) for t in make_qkv(shape))
+        q, k, v, dout = (
+            cpm.split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=2) for t in make_qkv(shape)
+        )
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         with CommLedger() as ledger:
             with ledger.phase("forward"), SavedActivations() as saved, MatmulFlops() as fwd:
                 out = cpm.ring_attention(q, k, v, group, causal=causal, zigzag=zigzag)
             with ledger.phase("backward"), _counting_blocks(cpm, "attention_block_backward") as bwd:
-                out.backward(dout)  # autograd runs backward without torch-function modes: count calls instead
-        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-                        "sent_forward": ledger.sent_bytes("isend", "forward"),
-                        "sent_backward": ledger.sent_bytes("isend", "backward"),
-                        "flops_forward": fwd.flops, "block_area_backward": bwd["area"],
-                        "saved_bytes": saved.bytes})
+                out.backward(
+                    dout
+                )  # autograd runs backward without torch-function modes: count calls instead
+        results.append(
+            {
+                "out": out.detach(),
+                "dq": q.grad,
+                "dk": k.grad,
+                "dv": v.grad,
+                "sent_forward": ledger.sent_bytes("isend", "forward"),
+                "sent_backward": ledger.sent_bytes("isend", "backward"),
+                "flops_forward": fwd.flops,
+                "block_area_backward": bwd["area"],
+                "saved_bytes": saved.bytes,
+            }
+        )
     return results
 
 
-def attention_check(*, nproc: int = 4, shape: AttnShape = AttnShape(), cases=CASES, backend: str = "auto",
-                    timeout: float = 120.0) -> list[dict]:
+def attention_check(
+    *,
+    nproc: int = 4,
+    shape: AttnShape = AttnShape(),
+    cases=CASES,
+    backend: str = "auto",
+    timeout: float = 120.0,
+) -> list[dict]:
     """Run ring attention on ``nproc`` ranks for each (causal, zigzag) case; one dict per case with
-    the max relative differences to full attention and, per rank, the measured and theory figures."""
+    the max relative differences to full attention and, per rank, the measured and theory
+    figures."""
     check_options(nproc, shape.seq_len)
     cpm = exercise("context_parallel")
     per_rank = launch(attention_worker, nproc, shape, list(cases), backend=backend, timeout=timeout)
     chunk = shape.seq_len // (2 * nproc)
-    block_flops = theory.block_flops(batch=shape.batch, n_head=shape.n_head, chunk=chunk, head_dim=shape.head_dim)
+    block_flops = theory.block_flops(
+        batch=shape.batch, n_head=shape.n_head, chunk=chunk, head_dim=shape.head_dim
+    )
     comm = theory.ring_bytes_per_rank(cp=nproc, kv=shape.kv_bytes())
     rows = []
     for i, (causal, zigzag) in enumerate(cases):
         ranks = [r[i] for r in per_rank]
         ref = reference_attention(shape, causal)
-        diffs = {name: max_rel_diff(cpm.unsplit_sequence([r[name] for r in ranks], zigzag=zigzag, dim=2), ref[name])
-                 for name in ("out", "dq", "dk", "dv")}
+        diffs = {
+            name: max_rel_diff(
+                cpm.unsplit_sequence([r[name] for r in ranks], zigzag=zigzag, dim=2), ref[name]
+            )
+            for name in ("out", "dq", "dk", "dv")
+        }
         work = theory.work_per_rank(nproc, causal=causal, zigzag=zigzag)
-        rows.append({
-            "cp": nproc, "causal": causal, "zigzag": zigzag, "layout": theory.LAYOUTS[zigzag],
-            "max_rel_diff": diffs, "matches_reference": max(diffs.values()) <= TOLERANCES[torch.float32],
-            "kv_bytes": shape.kv_bytes(),
-            "sent_forward": [r["sent_forward"] for r in ranks], "theory_sent_forward": comm["forward"],
-            "sent_backward": [r["sent_backward"] for r in ranks], "theory_sent_backward": comm["backward"],
-            "blocks_measured_forward": [r["flops_forward"] / block_flops for r in ranks],
-            "blocks_measured_backward": [r["block_area_backward"] / chunk ** 2 for r in ranks],
-            "blocks_theory": [w["computed"] for w in work], "blocks_masked_theory": [w["masked"] for w in work],
-            "imbalance": theory.imbalance(work),
-            "saved_bytes": [r["saved_bytes"] for r in ranks],
-            "theory_saved_bytes": shape.saved_bytes(nproc),
-        })
+        rows.append(
+            {
+                "cp": nproc,
+                "causal": causal,
+                "zigzag": zigzag,
+                "layout": theory.LAYOUTS[zigzag],
+                "max_rel_diff": diffs,
+                "matches_reference": max(diffs.values()) <= TOLERANCES[torch.float32],
+                "kv_bytes": shape.kv_bytes(),
+                "sent_forward": [r["sent_forward"] for r in ranks],
+                "theory_sent_forward": comm["forward"],
+                "sent_backward": [r["sent_backward"] for r in ranks],
+                "theory_sent_backward": comm["backward"],
+                "blocks_measured_forward": [r["flops_forward"] / block_flops for r in ranks],
+                "blocks_measured_backward": [r["block_area_backward"] / chunk**2 for r in ranks],
+                "blocks_theory": [w["computed"] for w in work],
+                "blocks_masked_theory": [w["masked"] for w in work],
+                "imbalance": theory.imbalance(work),
+                "saved_bytes": [r["saved_bytes"] for r in ranks],
+                "theory_saved_bytes": shape.saved_bytes(nproc),
+            }
+        )
     return rows
 
 
@@ -181,8 +236,12 @@ def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict
     ledger = CommLedger()
     for step, (x, y) in enumerate(data_for(cfg)):
         t0 = time.perf_counter()
-        idx, targets, positions = cpm.shard_inputs(x, y, group, zigzag=zigzag)  # [B, T/cp] x2, [T/cp]
-        share = targets.numel() / y.numel()  # this rank's share of the tokens: its weight in the global mean
+        idx, targets, positions = cpm.shard_inputs(
+            x, y, group, zigzag=zigzag
+        )  # [B, T/cp] x2, [T/cp]
+        share = (
+            targets.numel() / y.numel()
+        )  # this rank's share of the tokens: its weight in the global mean
         with ledger if step == 0 else nullcontext():
             with ledger.phase("forward"), SavedActivations(exclude=model) as saved:
                 _, loss = model(idx, targets, positions)  # mean over this rank's tokens
@@ -199,82 +258,151 @@ def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         global_loss = loss.detach() * share
-        dist.all_reduce(global_loss, group=group)  # sum of token-weighted means = mean over all tokens
+        dist.all_reduce(
+            global_loss, group=group
+        )  # sum of token-weighted means = mean over all tokens
         losses.append(global_loss.item())
         report_progress()
-    return {"losses": losses, "grads": grads, "step_times": times, "saved_bytes": first_saved,
-            "sent": {ph: ledger.sent_bytes(phase=ph) for ph in ("forward", "backward", "gradients")},
-            "state": state}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "step_times": times,
+        "saved_bytes": first_saved,
+        "sent": {ph: ledger.sent_bytes(phase=ph) for ph in ("forward", "backward", "gradients")},
+        "state": state,
+    }
 
 
-def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool = False, timeout: float = 120.0,
-        causal: bool = True, zigzag: bool = True, seq: int = 32) -> dict:
+def run(
+    *,
+    nproc: int = 4,
+    steps: int = 5,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 120.0,
+    causal: bool = True,
+    zigzag: bool = True,
+    seq: int = 32,
+) -> dict:
     """The lab summary: the attention check for (``causal``, ``zigzag``) and, for a causal mask,
     the context-parallel course model trained ``steps`` steps against the reference."""
     check_options(nproc, seq)
     check_positive(steps=steps)
     shape = AttnShape(seq_len=seq)
-    [check] = attention_check(nproc=nproc, shape=shape, cases=[(causal, zigzag)], backend=backend, timeout=timeout)
-    summary = new_summary("cp", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, causal=causal,
-                          zigzag=zigzag, seq=seq, attention=check,
-                          attention_matches_reference=check["matches_reference"])
+    [check] = attention_check(
+        nproc=nproc, shape=shape, cases=[(causal, zigzag)], backend=backend, timeout=timeout
+    )
+    summary = new_summary(
+        "cp",
+        nproc=nproc,
+        backend=choose_backend(nproc, backend),
+        steps=steps,
+        causal=causal,
+        zigzag=zigzag,
+        seq=seq,
+        attention=check,
+        attention_matches_reference=check["matches_reference"],
+    )
     if not causal:  # the course model is a causal language model: no reference to train against
-        summary["training"] = "skipped: the course model is causal; --no-causal checks attention only"
+        summary["training"] = (
+            "skipped: the course model is causal; --no-causal checks attention only"
+        )
         return summary
     model_cfg, cfg = ModelConfig(), TrainConfig(steps=steps, seq_len=seq)
-    per_rank = launch(train_worker, nproc, model_cfg, cfg, zigzag, backend=backend, timeout=timeout,
-                      progress=steps, desc="CP training")
+    per_rank = launch(
+        train_worker,
+        nproc,
+        model_cfg,
+        cfg,
+        zigzag,
+        backend=backend,
+        timeout=timeout,
+        progress=steps,
+        desc="CP training",
+    )
     ref = train_reference(model_cfg, cfg, return_grads=True)
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
-    grad_diff = max(max_rel_diff(r["grads"][name].double(), g.double())  # by name, every rank, after step 1
-                    for r in per_rank for name, g in ref.grads.items())
-    kv = theory.kv_bytes(batch=cfg.batch_size, seq_len=seq, n_kv_head=model_cfg.n_kv_head,
-                         head_dim=model_cfg.head_dim)
+    grad_diff = max(
+        max_rel_diff(r["grads"][name].double(), g.double())  # by name, every rank, after step 1
+        for r in per_rank
+        for name, g in ref.grads.items()
+    )
+    kv = theory.kv_bytes(
+        batch=cfg.batch_size,
+        seq_len=seq,
+        n_kv_head=model_cfg.n_kv_head,
+        head_dim=model_cfg.head_dim,
+    )
     ring = theory.ring_bytes_per_rank(cp=nproc, kv=kv)
     model = build_model(model_cfg)  # unsharded: its size here, torch's attention time below
     n_params = count_params(model)
     grads_theory = all_reduce_bytes(4 * n_params, nproc)
     summary.update(
-        max_rel_grad_diff=grad_diff, grads_match_reference=grad_diff <= TOLERANCES[torch.float32],
+        max_rel_grad_diff=grad_diff,
+        grads_match_reference=grad_diff <= TOLERANCES[torch.float32],
         comm_bytes_per_rank=[sum(r["sent"].values()) for r in per_rank],
         theory_comm_bytes_per_rank=model_cfg.n_layer * ring["total"] + grads_theory,
         comm_bytes_by_phase=per_rank[0]["sent"],
-        theory_comm_bytes_by_phase={"forward": model_cfg.n_layer * ring["forward"],
-                                    "backward": model_cfg.n_layer * ring["backward"], "gradients": grads_theory},
+        theory_comm_bytes_by_phase={
+            "forward": model_cfg.n_layer * ring["forward"],
+            "backward": model_cfg.n_layer * ring["backward"],
+            "gradients": grads_theory,
+        },
         state_bytes_per_rank=[r["state"] for r in per_rank],
-        theory_state_bytes_per_rank=memory.state_bytes(n_params)["total_bytes"],  # fp32 + AdamW: 16 bytes/param
+        theory_state_bytes_per_rank=memory.state_bytes(n_params)[
+            "total_bytes"
+        ],  # fp32 + AdamW: 16 bytes/param
         saved_activation_bytes_per_rank=[r["saved_bytes"] for r in per_rank],
-        theory_saved_activation_bytes=calculator_activation_bytes(model_cfg, seq=seq, batch=cfg.batch_size, cp=nproc),
+        theory_saved_activation_bytes=calculator_activation_bytes(
+            model_cfg, seq=seq, batch=cfg.batch_size, cp=nproc
+        ),
         step_time_s=max(statistics.median(r["step_times"]) for r in per_rank),
     )
     if vs_torch:  # torch's context_parallel has no CPU rule: time torch SDPA on one process instead
         x, y = data_for(cfg)[0]
-        with one_thread():  # as a rank computes; two spinning threads beside 4 ranks make it erratic
+        with (
+            one_thread()
+        ):  # as a rank computes; two spinning threads beside 4 ranks make it erratic
             summary["torch_step_time_s"] = median_time(lambda: model(x, y)[1].backward(), 3)
-    summary["bytes_match_theory"] = all(abs(b - summary["theory_comm_bytes_per_rank"]) < 1
-                                        for b in summary["comm_bytes_per_rank"])
+    summary["bytes_match_theory"] = all(
+        abs(b - summary["theory_comm_bytes_per_rank"]) < 1 for b in summary["comm_bytes_per_rank"]
+    )
     return summary
 
 
 def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int, cp: int) -> float:
     """Notebook 01's memory calculator's activations per rank for the course model in fp32
     (``labs.theory.memory.memory_per_rank``)."""
-    per_rank = memory.memory_per_rank(course_spec(model_cfg), seq=seq, mbs=batch, precision="fp32", cp=cp)
+    per_rank = memory.memory_per_rank(
+        course_spec(model_cfg), seq=seq, mbs=batch, precision="fp32", cp=cp
+    )
     return per_rank["activation_bytes"]
 
 
 def memory_worker(model_cfg: ModelConfig, shape: AttnShape, batch: int, seq: int) -> dict:
     cpm, group = exercise("context_parallel"), dist.group.WORLD
     model = cpm.apply_context_parallel(build_model(model_cfg), group)
-    x = torch.randint(0, model_cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        0, model_cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)
+    )
     idx, targets, positions = cpm.shard_inputs(x, x, group)
     with SavedActivations(exclude=model) as saved:
         model(idx, targets, positions)[1].backward()
-    return {"model": saved.bytes, "attention": attention_worker(shape, [(True, True)])[0]["saved_bytes"]}
+    return {
+        "model": saved.bytes,
+        "attention": attention_worker(shape, [(True, True)])[0]["saved_bytes"],
+    }
 
 
-def memory_scaling(*, cps=(1, 2, 4), batch: int = 2, seq: int = 48, model_cfg: ModelConfig = ModelConfig(),
-                   shape: AttnShape = AttnShape(), timeout: float = 120.0) -> list[dict]:
+def memory_scaling(
+    *,
+    cps=(1, 2, 4),
+    batch: int = 2,
+    seq: int = 48,
+    model_cfg: ModelConfig = ModelConfig(),
+    shape: AttnShape = AttnShape(),
+    timeout: float = 120.0,
+) -> list[dict]:
     """Bytes saved for backward per rank at each CP degree: one ring-attention call (measured and
     formula) and the whole CP course model (measured), with their ratio to CP = 1."""
     rows = []
@@ -282,10 +410,15 @@ def memory_scaling(*, cps=(1, 2, 4), batch: int = 2, seq: int = 48, model_cfg: M
         check_options(cp, seq)
         check_options(cp, shape.seq_len)
         per_rank = launch(memory_worker, cp, model_cfg, shape, batch, seq, timeout=timeout)
-        rows.append({"cp": cp, "attention_saved": max(r["attention"] for r in per_rank),
-                     "attention_theory": shape.saved_bytes(cp),
-                     "model_saved": max(r["model"] for r in per_rank),
-                     "calculator": calculator_activation_bytes(model_cfg, seq=seq, batch=batch, cp=cp)})
+        rows.append(
+            {
+                "cp": cp,
+                "attention_saved": max(r["attention"] for r in per_rank),
+                "attention_theory": shape.saved_bytes(cp),
+                "model_saved": max(r["model"] for r in per_rank),
+                "calculator": calculator_activation_bytes(model_cfg, seq=seq, batch=batch, cp=cp),
+            }
+        )
     for row in rows:  # 1/CP scaling: each fraction equals cps[0] / cp
         row["attention_fraction"] = row["attention_saved"] / rows[0]["attention_saved"]
         row["model_fraction"] = row["model_saved"] / rows[0]["model_saved"]
@@ -304,40 +437,73 @@ def merge_example() -> dict:
     b = cpm.attention_block(q, k[:, :, 2:], v[:, :, 2:], causal=False, scale=1.0)  # keys 2, 3
     out, lse = cpm.merge_partials(*a, *b)
     direct = torch.softmax(scores, 0) @ values
-    return {"lse_A": a[1].item(), "lse_B": b[1].item(), "out_A": a[0].flatten().tolist(),
-            "out_B": b[0].flatten().tolist(), "merged_lse": lse.item(), "logsumexp_all": scores.logsumexp(0).item(),
-            "merged_out": out.flatten().tolist(), "softmax_out": direct.tolist(),
-            "max_abs_diff": (out.flatten() - direct).abs().max().item()}
+    return {
+        "lse_A": a[1].item(),
+        "lse_B": b[1].item(),
+        "out_A": a[0].flatten().tolist(),
+        "out_B": b[0].flatten().tolist(),
+        "merged_lse": lse.item(),
+        "logsumexp_all": scores.logsumexp(0).item(),
+        "merged_out": out.flatten().tolist(),
+        "softmax_out": direct.tolist(),
+        "max_abs_diff": (out.flatten() - direct).abs().max().item(),
+    }
 
 
-def long_context_rows(*, seq_lens=(4096, 16384, 32768, 65536, 131072), cps=(1, 2, 4, 8, 16), flash: bool = True,
-                      **model) -> list[dict]:
-    """Activation GB per rank (Llama-3-8B-like, bf16, batch 1, no recomputation) by length and CP."""
+def long_context_rows(
+    *,
+    seq_lens=(4096, 16384, 32768, 65536, 131072),
+    cps=(1, 2, 4, 8, 16),
+    flash: bool = True,
+    **model,
+) -> list[dict]:
+    """Activation GB per rank (Llama-3-8B-like, bf16, batch 1, no recomputation) by length and
+    CP."""
     return theory.long_context_table(seq_lens=list(seq_lens), cps=cps, flash=flash, **model)
 
 
 def format_rows(rows: list[dict], digits: int = 3) -> str:
     """A plain aligned table of a list of dicts (floats to ``digits`` significant digits)."""
     keys = list(rows[0])
-    cells = [[f"{r[k]:.{digits}g}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    cells = [
+        [f"{r[k]:.{digits}g}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows
+    ]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     lines = ["  ".join(k.rjust(w) for k, w in zip(keys, widths))]
     return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells])
 
 
 def attention_rows(checks: list[dict]) -> list[dict]:
-    """One printable row per case of ``attention_check``: differences, bytes and work, measured vs theory."""
-    return [{"mask": "causal" if c["causal"] else "none", "layout": c["layout"],
-             "max rel diff": max(c["max_rel_diff"].values()),
-             "fwd bytes/rank": f"{c['sent_forward'][0]:.0f} (theory {c['theory_sent_forward']:.0f})",
-             "bwd bytes/rank": f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})",
-             "blocks/rank (FLOPs)": str([int(b) for b in c["blocks_measured_forward"]]),
-             "theory": str(c["blocks_theory"]), "max/mean": round(c["imbalance"], 3)} for c in checks]
+    """One printable row per case of ``attention_check``: differences, bytes and work, measured vs
+    theory."""
+    return [
+        {
+            "mask": "causal" if c["causal"] else "none",
+            "layout": c["layout"],
+            "max rel diff": max(c["max_rel_diff"].values()),
+            "fwd bytes/rank": f"{c['sent_forward'][0]:.0f} (theory {c['theory_sent_forward']:.0f})",
+            "bwd bytes/rank": f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})",
+            "blocks/rank (FLOPs)": str([int(b) for b in c["blocks_measured_forward"]]),
+            "theory": str(c["blocks_theory"]),
+            "max/mean": round(c["imbalance"], 3),
+        }
+        for c in checks
+    ]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
-                        help="causal mask (default) or none (attention check only)")
-    parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
-                        help="zig-zag load balancing (default) or contiguous chunks")
-    parser.add_argument("--seq", type=int, default=32, help="sequence length T (divisible by 2*nproc)")
+    parser.add_argument(
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="causal mask (default) or none (attention check only)",
+    )
+    parser.add_argument(
+        "--zigzag",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="zig-zag load balancing (default) or contiguous chunks",
+    )
+    parser.add_argument(
+        "--seq", type=int, default=32, help="sequence length T (divisible by 2*nproc)"
+    )

@@ -1,4 +1,5 @@
-"""Experiment 02: naive, overlapped and bucketed DDP against the reference, the ring formula and torch's DDP.
+"""Experiment 02: naive, overlapped and bucketed DDP against the reference, the ring formula and
+torch's DDP.
 
     summary = run(nproc=4, variant="all")     # python -m labs.run ddp --nproc 4 --variant all --json
     summary = run(nproc=4, vs_torch=True)     # + torch.nn.parallel.DistributedDataParallel side by side
@@ -39,24 +40,27 @@ from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import memory as memory_theory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
-from labs.theory.overlap import MiB, VARIANTS, all_reduce_calls
+from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls
 from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff, train_reference
 
 MODELS = ("course", "awkward")
 DTYPES = ("float32", "float64")
-DEFAULT_BUCKET_MB = 0.1  # the course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1)
+DEFAULT_BUCKET_MB = (
+    0.1  # the course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1)
+)
 
 
 @dataclass(frozen=True)
 class Job:
     """One data-parallel training run, the same on every rank."""
+
     variants: tuple[str, ...]
-    model: str = "course"             # "course" (labs.models) or "awkward" (tied, frozen, unused parameters)
+    model: str = "course"  # "course" (labs.models) or "awkward" (tied, frozen, unused parameters)
     model_cfg: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     bucket_mb: float = DEFAULT_BUCKET_MB
     grad_accum: int = 1
-    dtype: str = "float32"            # "float64": see run()'s docstring
+    dtype: str = "float32"  # "float64": see run()'s docstring
 
 
 class TorchDDP(DistributedDataParallel):
@@ -67,7 +71,11 @@ class TorchDDP(DistributedDataParallel):
 
 
 def build(job: Job) -> torch.nn.Module:
-    model = build_awkward(job.train.seed) if job.model == "awkward" else build_model(job.model_cfg, seed=job.train.seed)
+    model = (
+        build_awkward(job.train.seed)
+        if job.model == "awkward"
+        else build_model(job.model_cfg, seed=job.train.seed)
+    )
     return model.to(getattr(torch, job.dtype))
 
 
@@ -85,7 +93,9 @@ def wrap(variant: str, model: torch.nn.Module, *, bucket_mb: float = DEFAULT_BUC
 
 def backward_order_bytes(model: torch.nn.Module) -> list[int]:
     """Bytes of each trainable parameter, in reverse registration order (what buckets follow)."""
-    return [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+    return [
+        p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad
+    ]
 
 
 def train_variant(variant: str, job: Job, group=None) -> dict:
@@ -103,32 +113,49 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
                 t0 = time.perf_counter()
                 losses.append(ddp.train_step(wrapped, optimizer, micro_batches))
                 times.append(time.perf_counter() - t0)
-            if step == 0:  # the synchronised gradients of step 1 (train_step zeroes them at the start of a step)
-                first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            if (
+                step == 0
+                # the synchronised gradients of step 1 (train_step zeroes them at the start of a step)
+            ):
+                first_grads = {
+                    n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+                }
             report_progress()
     phases = [f"step {s}" for s in range(len(data))]
-    return {"losses": losses, "step_times": times, "first_grads": first_grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None),
-            "calls": [ledger.calls("all_reduce", ph) for ph in phases],
-            "sent": [ledger.sent_bytes("all_reduce", ph) for ph in phases],
-            "other_calls": [ledger.calls(None, ph) - ledger.calls("all_reduce", ph) for ph in phases],
-            "broadcasts": ledger.calls("broadcast", "wrap"), "wrap_calls": ledger.calls(None, "wrap"),
-            "bucket_bytes": sum(b.numel() * b.element_size() for b in getattr(wrapped, "buckets", [])),
-            "state": state_bytes(model, optimizer)}
+    return {
+        "losses": losses,
+        "step_times": times,
+        "first_grads": first_grads,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None),
+        "calls": [ledger.calls("all_reduce", ph) for ph in phases],
+        "sent": [ledger.sent_bytes("all_reduce", ph) for ph in phases],
+        "other_calls": [ledger.calls(None, ph) - ledger.calls("all_reduce", ph) for ph in phases],
+        "broadcasts": ledger.calls("broadcast", "wrap"),
+        "wrap_calls": ledger.calls(None, "wrap"),
+        "bucket_bytes": sum(b.numel() * b.element_size() for b in getattr(wrapped, "buckets", [])),
+        "state": state_bytes(model, optimizer),
+    }
 
 
 def time_vs_torch(variant: str, job: Job) -> dict:
     """Ours and torch's DDP on fresh copies of the model, same data, steps interleaved."""
     ddp = exercise("ddp")
-    models = {"ours": wrap(variant, build(job), bucket_mb=job.bucket_mb),
-              "torch": TorchDDP(build(job), bucket_cap_mb=job.bucket_mb)}
+    models = {
+        "ours": wrap(variant, build(job), bucket_mb=job.bucket_mb),
+        "torch": TorchDDP(build(job), bucket_cap_mb=job.bucket_mb),
+    }
     optimizers = {k: make_optimizer(m.parameters(), job.train) for k, m in models.items()}
     times, cpu, losses = ({"ours": [], "torch": []} for _ in range(3))
     for step, micro_batches in enumerate(ddp.rank_data(job.train, grad_accum=job.grad_accum)):
-        for name in (("ours", "torch") if step % 2 == 0 else ("torch", "ours")):  # alternate who goes first
+        for name in (
+            ("ours", "torch") if step % 2 == 0 else ("torch", "ours")
+        ):  # alternate who goes first
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()  # wall time; CPU time of this rank's threads
+            t0, c0 = (
+                time.perf_counter(),
+                time.process_time(),
+            )  # wall time; CPU time of this rank's threads
             losses[name].append(ddp.train_step(models[name], optimizers[name], micro_batches))
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
@@ -150,24 +177,49 @@ def _mean_losses(per_rank: list[list[float]]) -> list[float]:
 
 
 def _param_diff(per_rank_params: list[dict], reference: dict) -> float:
-    return max(max_rel_diff(p[name].double(), ref.double()) for p in per_rank_params for name, ref in reference.items())
+    return max(
+        max_rel_diff(p[name].double(), ref.double())
+        for p in per_rank_params
+        for name, ref in reference.items()
+    )
 
 
-def theory_for(variant: str, *, nproc: int, grad_bytes: list[int], trainable_bytes: list[int],
-               bucket_mb: float) -> dict:
+def theory_for(
+    variant: str, *, nproc: int, grad_bytes: list[int], trainable_bytes: list[int], bucket_mb: float
+) -> dict:
     """Calls and bytes per rank per step the theory predicts. ``grad_bytes``: the tensors that
     get a gradient; ``trainable_bytes``: every trainable tensor in backward order (a bucket
     reserves room, and sends bytes, for each of them, used or not)."""
     if variant == "bucketed":
-        return {"calls": all_reduce_calls(variant, trainable_bytes, bucket_mb * MiB),
-                "bytes": all_reduce_bytes(sum(trainable_bytes), nproc)}
-    return {"calls": all_reduce_calls(variant, grad_bytes), "bytes": all_reduce_bytes(sum(grad_bytes), nproc)}
+        return {
+            "calls": all_reduce_calls(variant, trainable_bytes, bucket_mb * MiB),
+            "bytes": all_reduce_bytes(sum(trainable_bytes), nproc),
+        }
+    return {
+        "calls": all_reduce_calls(variant, grad_bytes),
+        "bytes": all_reduce_bytes(sum(grad_bytes), nproc),
+    }
 
 
-def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool = False, timeout: float = 300.0,
-        variant: str = "bucketed", bucket_mb: float = DEFAULT_BUCKET_MB, grad_accum: int = 1, batch_size: int = 8,
-        model: str = "course", n_layer: int = 2, n_embd: int = 64, dtype: str = "float32", seed: int = 0) -> dict:
-    """Train with DDP on ``nproc`` ranks (``variant``: naive, overlapped, bucketed or all) and check it.
+def run(
+    *,
+    nproc: int = 4,
+    steps: int = 5,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 300.0,
+    variant: str = "bucketed",
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    grad_accum: int = 1,
+    batch_size: int = 8,
+    model: str = "course",
+    n_layer: int = 2,
+    n_embd: int = 64,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> dict:
+    """Train with DDP on ``nproc`` ranks (``variant``: naive, overlapped, bucketed or all) and check
+    it.
 
     ``matches_reference``: every variant's losses and step-1 gradients equal the reference's
     within 1e-5 relative. ``params_match_reference``: so do the parameters after the last
@@ -187,44 +239,101 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     check_positive(nproc=nproc, steps=steps, grad_accum=grad_accum, batch_size=batch_size)
     check_divides(batch_size, "batch_size", nproc * grad_accum, "nproc*grad_accum")
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, data_seed=seed)
-    job = Job(variants=VARIANTS if variant == "all" else (variant,), model=model, train=cfg, bucket_mb=bucket_mb,
-              model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd), grad_accum=grad_accum, dtype=dtype)
-    per_rank = launch(worker, nproc, job, vs_torch, backend=backend, timeout=timeout,
-                      progress=steps * (len(job.variants) + vs_torch), desc="DDP steps")
+    job = Job(
+        variants=VARIANTS if variant == "all" else (variant,),
+        model=model,
+        train=cfg,
+        bucket_mb=bucket_mb,
+        model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd),
+        grad_accum=grad_accum,
+        dtype=dtype,
+    )
+    per_rank = launch(
+        worker,
+        nproc,
+        job,
+        vs_torch,
+        backend=backend,
+        timeout=timeout,
+        progress=steps * (len(job.variants) + vs_torch),
+        desc="DDP steps",
+    )
     ref_model = build(job)
     ref = train_reference(job.model_cfg, cfg, dp=nproc, model=ref_model, return_grads=True)
-    summary = new_summary("ddp", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, variant=variant,
-                          model=model, dtype=dtype, bucket_mb=bucket_mb, grad_accum=grad_accum, batch_size=batch_size,
-                          n_params=sum(p.numel() for p in ref_model.parameters() if p.requires_grad), variants={})
+    summary = new_summary(
+        "ddp",
+        nproc=nproc,
+        backend=choose_backend(nproc, backend),
+        steps=steps,
+        variant=variant,
+        model=model,
+        dtype=dtype,
+        bucket_mb=bucket_mb,
+        grad_accum=grad_accum,
+        batch_size=batch_size,
+        n_params=sum(p.numel() for p in ref_model.parameters() if p.requires_grad),
+        variants={},
+    )
     trainable = backward_order_bytes(ref_model)
     grad_bytes = [g.numel() * g.element_size() for g in ref.grads.values()]
     for v in job.variants:
-        summary["variants"][v] = compare(v, [r["variants"][v] for r in per_rank], ref, nproc=nproc,
-                                         theory=theory_for(v, nproc=nproc, grad_bytes=grad_bytes,
-                                                           trainable_bytes=trainable, bucket_mb=bucket_mb))
+        summary["variants"][v] = compare(
+            v,
+            [r["variants"][v] for r in per_rank],
+            ref,
+            nproc=nproc,
+            theory=theory_for(
+                v,
+                nproc=nproc,
+                grad_bytes=grad_bytes,
+                trainable_bytes=trainable,
+                bucket_mb=bucket_mb,
+            ),
+        )
     rows = summary["variants"].values()
-    row, runs = summary["variants"][job.variants[-1]], [r["variants"][job.variants[-1]] for r in per_rank]
+    row, runs = (
+        summary["variants"][job.variants[-1]],
+        [r["variants"][job.variants[-1]] for r in per_rank],
+    )
     fill_losses(summary, row["losses"], ref.losses)
-    state_theory = memory_theory.state_bytes(summary["n_params"], precision="fp32", optimizer="adamw", dp=nproc)
+    state_theory = memory_theory.state_bytes(
+        summary["n_params"], precision="fp32", optimizer="adamw", dp=nproc
+    )
     summary.update(
         matches_reference=all(r["matches_reference"] and r["grads_match_reference"] for r in rows),
         params_match_reference=all(r["params_match_reference"] for r in rows),
         max_param_rel_diff=max(r["max_param_rel_diff"] for r in rows),
         bytes_match_theory=all(r["bytes_match_theory"] and r["calls_match_theory"] for r in rows),
-        comm_bytes_per_rank=[r["sent"][0] for r in runs], theory_comm_bytes_per_rank=row["theory_comm_bytes_per_rank"],
+        comm_bytes_per_rank=[r["sent"][0] for r in runs],
+        theory_comm_bytes_per_rank=row["theory_comm_bytes_per_rank"],
         state_bytes_per_rank=[r["state"]["total"] for r in runs],
-        theory_state_bytes_per_rank=state_theory["total_bytes"] * next(ref_model.parameters()).element_size() // 4,
-        step_time_s=row["step_time_s"])
+        theory_state_bytes_per_rank=state_theory["total_bytes"]
+        * next(ref_model.parameters()).element_size()
+        // 4,
+        step_time_s=row["step_time_s"],
+    )
     if vs_torch:
         timing = [r["vs_torch"] for r in per_rank]
         ours = max(median_step_time(t["times"]["ours"]) for t in timing)
         theirs = max(median_step_time(t["times"]["torch"]) for t in timing)
-        torch_losses = fill_losses({}, _mean_losses([t["torch_losses"] for t in timing]), ref.losses)
-        cpu = [statistics.mean(c for t in timing for c in t["cpu"][k][1:] or t["cpu"][k]) for k in ("ours", "torch")]
-        summary.update(step_time_s=ours, torch_step_time_s=theirs, ours_over_torch=ours / theirs,
-                       cpu_s_per_step=cpu[0], torch_cpu_s_per_step=cpu[1], cpu_ours_over_torch=cpu[0] / cpu[1],
-                       torch_losses=torch_losses["losses"], torch_max_rel_loss_diff=torch_losses["max_rel_loss_diff"],
-                       torch_max_param_rel_diff=_param_diff([t["torch_params"] for t in timing], ref.params))
+        torch_losses = fill_losses(
+            {}, _mean_losses([t["torch_losses"] for t in timing]), ref.losses
+        )
+        cpu = [
+            statistics.mean(c for t in timing for c in t["cpu"][k][1:] or t["cpu"][k])
+            for k in ("ours", "torch")
+        ]
+        summary.update(
+            step_time_s=ours,
+            torch_step_time_s=theirs,
+            ours_over_torch=ours / theirs,
+            cpu_s_per_step=cpu[0],
+            torch_cpu_s_per_step=cpu[1],
+            cpu_ours_over_torch=cpu[0] / cpu[1],
+            torch_losses=torch_losses["losses"],
+            torch_max_rel_loss_diff=torch_losses["max_rel_loss_diff"],
+            torch_max_param_rel_diff=_param_diff([t["torch_params"] for t in timing], ref.params),
+        )
     return summary
 
 
@@ -235,29 +344,50 @@ def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) ->
     param_diff = _param_diff([r["params"] for r in runs], ref.params)
     grad_diff = _param_diff([r["first_grads"] for r in runs], ref.grads)
     row.update(
-        max_grad_rel_diff=grad_diff, grads_match_reference=grad_diff <= tol and all(
-            set(r["first_grads"]) == set(ref.grads) for r in runs),
-        max_param_rel_diff=param_diff, params_match_reference=param_diff <= tol,
-        ranks_identical=all(torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params),
-        all_reduce_calls_per_step=runs[0]["calls"], theory_all_reduce_calls=theory["calls"],
-        comm_bytes_per_rank_per_step=[r["sent"] for r in runs], theory_comm_bytes_per_rank=theory["bytes"],
+        max_grad_rel_diff=grad_diff,
+        grads_match_reference=grad_diff <= tol
+        and all(set(r["first_grads"]) == set(ref.grads) for r in runs),
+        max_param_rel_diff=param_diff,
+        params_match_reference=param_diff <= tol,
+        ranks_identical=all(
+            torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params
+        ),
+        all_reduce_calls_per_step=runs[0]["calls"],
+        theory_all_reduce_calls=theory["calls"],
+        comm_bytes_per_rank_per_step=[r["sent"] for r in runs],
+        theory_comm_bytes_per_rank=theory["bytes"],
         calls_match_theory=all(c == theory["calls"] for r in runs for c in r["calls"]),
-        bytes_match_theory=all(abs(b - theory["bytes"]) <= 1e-9 * theory["bytes"] for r in runs for b in r["sent"]),
+        bytes_match_theory=all(
+            abs(b - theory["bytes"]) <= 1e-9 * theory["bytes"] for r in runs for b in r["sent"]
+        ),
         other_collectives_per_step=max(max(r["other_calls"]) for r in runs),
-        broadcast_calls=runs[0]["broadcasts"], bucket_buffer_bytes=runs[0]["bucket_bytes"],
-        step_time_s=max(median_step_time(r["step_times"]) for r in runs))
+        broadcast_calls=runs[0]["broadcasts"],
+        bucket_buffer_bytes=runs[0]["bucket_bytes"],
+        step_time_s=max(median_step_time(r["step_times"]) for r in runs),
+    )
     return row
 
 
 # --- DistributedSampler, and plots ----------------------------------------------------------
 
-def sampler_epochs(*, world_size: int = 2, epochs: int = 2, set_epoch: bool = True, seq_len: int = 32,
-                   seed: int = 0) -> list[list[list[int]]]:
+
+def sampler_epochs(
+    *,
+    world_size: int = 2,
+    epochs: int = 2,
+    set_epoch: bool = True,
+    seq_len: int = 32,
+    seed: int = 0,
+) -> list[list[list[int]]]:
     """The sample indices each rank's ``DistributedSampler`` yields, ``[epoch][rank] -> [indices]``,
     with or without ``sampler.set_epoch(epoch)`` at the start of each epoch."""
     dataset = TokenWindows(seq_len)
-    samplers = [torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=True,
-                                                    seed=seed, drop_last=True) for r in range(world_size)]
+    samplers = [
+        torch.utils.data.DistributedSampler(
+            dataset, num_replicas=world_size, rank=r, shuffle=True, seed=seed, drop_last=True
+        )
+        for r in range(world_size)
+    ]
     out = []
     for epoch in range(epochs):
         if set_epoch:
@@ -273,28 +403,41 @@ def _rows(summaries) -> dict:
 
 
 def report(*summaries) -> str:
-    """One line per variant: differences from the reference, calls and bytes against theory, step time."""
-    lines = [f"{'variant':<11}{'loss diff':>10}{'grad diff':>10}{'param diff':>11}{'calls':>7}{'theory':>7}"
-             f"{'kB/rank/step':>13}{'theory':>9}{'step ms':>9}"]
+    """One line per variant: differences from the reference, calls and bytes against theory, step
+    time."""
+    lines = [
+        f"{'variant':<11}{'loss diff':>10}{'grad diff':>10}{'param diff':>11}{'calls':>7}{'theory':>7}"
+        f"{'kB/rank/step':>13}{'theory':>9}{'step ms':>9}"
+    ]
     for name, r in _rows(summaries).items():
-        lines.append(f"{name:<11}{r['max_rel_loss_diff']:>10.1e}{r['max_grad_rel_diff']:>10.1e}"
-                     f"{r['max_param_rel_diff']:>11.1e}{r['all_reduce_calls_per_step'][0]:>7}"
-                     f"{r['theory_all_reduce_calls']:>7}{r['comm_bytes_per_rank_per_step'][0][0] / 1e3:>13.1f}"
-                     f"{r['theory_comm_bytes_per_rank'] / 1e3:>9.1f}{r['step_time_s'] * 1e3:>9.1f}")
+        lines.append(
+            f"{name:<11}{r['max_rel_loss_diff']:>10.1e}{r['max_grad_rel_diff']:>10.1e}"
+            f"{r['max_param_rel_diff']:>11.1e}{r['all_reduce_calls_per_step'][0]:>7}"
+            f"{r['theory_all_reduce_calls']:>7}{r['comm_bytes_per_rank_per_step'][0][0] / 1e3:>13.1f}"
+            f"{r['theory_comm_bytes_per_rank'] / 1e3:>9.1f}{r['step_time_s'] * 1e3:>9.1f}"
+        )
     return "\n".join(lines)
 
 
 def plot_losses(*summaries, ax=None):
     """Each variant's losses (mean over ranks) over the single-process reference's."""
     import matplotlib.pyplot as plt
+
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
     rows = _rows(summaries)
     reference = next(iter(rows.values()))["reference_losses"]
     steps = range(1, len(reference) + 1)
-    ax.plot(steps, reference, "-", color="0.6", lw=6, alpha=0.6, label="single process, whole batch")
+    ax.plot(
+        steps, reference, "-", color="0.6", lw=6, alpha=0.6, label="single process, whole batch"
+    )
     for (name, row), marker in zip(rows.items(), "os^"):
-        ax.plot(steps, row["losses"], marker + "--", label=f"{name} (max rel diff {row['max_rel_loss_diff']:.1e})")
+        ax.plot(
+            steps,
+            row["losses"],
+            marker + "--",
+            label=f"{name} (max rel diff {row['max_rel_loss_diff']:.1e})",
+        )
     ax.set_xticks(list(steps))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -306,17 +449,35 @@ def plot_losses(*summaries, ax=None):
 def plot_comm(*summaries, ax=None):
     """Bytes each rank all-reduced per step (every rank, every step) against 2(N-1)/N G."""
     import matplotlib.pyplot as plt
+
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
     rows = _rows(summaries)
-    for i, (name, row) in enumerate(rows.items()):
+    for i, row in enumerate(rows.values()):
         measured = [b for rank in row["comm_bytes_per_rank_per_step"] for b in rank]
-        ax.scatter([i + 0.15] * len(measured), [b / 1e3 for b in measured], color="C0", zorder=3,
-                   label="measured (ledger), every rank and step" if i == 0 else None)
-        ax.bar(i - 0.15, row["theory_comm_bytes_per_rank"] / 1e3, width=0.3, color="C1", alpha=0.7,
-               label="theory 2(N-1)/N G" if i == 0 else None)
-        ax.text(i, row["theory_comm_bytes_per_rank"] / 2e3, f"{row['all_reduce_calls_per_step'][0]} calls\n"
-                f"(theory {row['theory_all_reduce_calls']})", ha="center", fontsize=8)
+        ax.scatter(
+            [i + 0.15] * len(measured),
+            [b / 1e3 for b in measured],
+            color="C0",
+            zorder=3,
+            label="measured (ledger), every rank and step" if i == 0 else None,
+        )
+        ax.bar(
+            i - 0.15,
+            row["theory_comm_bytes_per_rank"] / 1e3,
+            width=0.3,
+            color="C1",
+            alpha=0.7,
+            label="theory 2(N-1)/N G" if i == 0 else None,
+        )
+        ax.text(
+            i,
+            row["theory_comm_bytes_per_rank"] / 2e3,
+            f"{row['all_reduce_calls_per_step'][0]} calls\n"
+            f"(theory {row['theory_all_reduce_calls']})",
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xticks(range(len(rows)), list(rows))
     ax.set_ylabel("kB sent per rank per step")
     ax.set_title(f"all-reduce traffic, N = {summaries[0]['nproc']}")
@@ -325,14 +486,28 @@ def plot_comm(*summaries, ax=None):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--variant", choices=(*VARIANTS, "all"), default="bucketed",
-                        help="which DDP to run; 'all' runs the three one after another")
-    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, help="bucket capacity in MiB")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per step)")
+    parser.add_argument(
+        "--variant",
+        choices=(*VARIANTS, "all"),
+        default="bucketed",
+        help="which DDP to run; 'all' runs the three one after another",
+    )
+    parser.add_argument(
+        "--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, help="bucket capacity in MiB"
+    )
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per optimizer step"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="global batch (sequences per step)"
+    )
     parser.add_argument("--model", choices=MODELS, default="course")
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="float64 shows the parameters match too (see run's docstring)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="float64 shows the parameters match too (see run's docstring)",
+    )
     parser.add_argument("--seed", type=int, default=0)

@@ -29,7 +29,7 @@ from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
-from labs.theory.overlap import MiB, VARIANTS, all_reduce_calls, bucket_layout
+from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import TrainConfig, make_optimizer
 
 
@@ -86,26 +86,73 @@ def overlap_spans(events: list[Event]) -> list[dict]:
     for rank in sorted({e.rank for e in events}):
         mine = [e for e in events if e.rank == rank]
         backward = next(e for e in mine if e.name == "backward")
-        reduces = sorted((e for e in mine if e.name == "all_reduce"), key=lambda e: e.meta["bucket"])
+        reduces = sorted(
+            (e for e in mine if e.name == "all_reduce"), key=lambda e: e.meta["bucket"]
+        )
         cut = backward.start
         for e in reduces:
             if backward.start <= e.start <= backward.end:
-                spans.append({"rank": rank, "lane": "compute", "kind": "backward", "start": cut, "end": e.start,
-                              "bucket": e.meta["bucket"]})
+                spans.append(
+                    {
+                        "rank": rank,
+                        "lane": "compute",
+                        "kind": "backward",
+                        "start": cut,
+                        "end": e.start,
+                        "bucket": e.meta["bucket"],
+                    }
+                )
                 cut = e.start
         if cut < backward.end:
-            spans.append({"rank": rank, "lane": "compute", "kind": "backward", "start": cut, "end": backward.end,
-                          "bucket": None})
-        spans += [{"rank": rank, "lane": "comm", "kind": "all_reduce", "start": e.start, "end": e.end,
-                   "bucket": e.meta["bucket"], "bytes": e.meta["bytes"]} for e in reduces]
-        spans += [{"rank": rank, "lane": "compute", "kind": e.name, "start": e.start, "end": e.end, "bucket": None}
-                  for e in mine if e.name in ("forward", "wait", "optimizer")]
+            spans.append(
+                {
+                    "rank": rank,
+                    "lane": "compute",
+                    "kind": "backward",
+                    "start": cut,
+                    "end": backward.end,
+                    "bucket": None,
+                }
+            )
+        spans += [
+            {
+                "rank": rank,
+                "lane": "comm",
+                "kind": "all_reduce",
+                "start": e.start,
+                "end": e.end,
+                "bucket": e.meta["bucket"],
+                "bytes": e.meta["bytes"],
+            }
+            for e in reduces
+        ]
+        spans += [
+            {
+                "rank": rank,
+                "lane": "compute",
+                "kind": e.name,
+                "start": e.start,
+                "end": e.end,
+                "bucket": None,
+            }
+            for e in mine
+            if e.name in ("forward", "wait", "optimizer")
+        ]
     return spans
 
 
-def measure_overlap(*, nproc: int = 2, steps: int = 3, variant: str = "bucketed", bucket_mb: float = DEFAULT_BUCKET_MB,
-                    n_layer: int = 2, n_embd: int = 64, batch_size: int = 8, backend: str = "auto",
-                    timeout: float = 120.0) -> dict:
+def measure_overlap(
+    *,
+    nproc: int = 2,
+    steps: int = 3,
+    variant: str = "bucketed",
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    batch_size: int = 8,
+    backend: str = "auto",
+    timeout: float = 120.0,
+) -> dict:
     """Trace the last of ``steps`` steps on every rank. Returns the spans; per rank the backward
     time, the wait for communication after it, the exposed communication and the all-reduces;
     and ``simulation``: ``labs.theory.overlap.simulate_ddp``'s inputs fitted to this run."""
@@ -113,29 +160,68 @@ def measure_overlap(*, nproc: int = 2, steps: int = 3, variant: str = "bucketed"
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     check_positive(nproc=nproc, steps=steps)
     check_divides(batch_size, "batch_size", nproc, "nproc")
-    job = Job(variants=(variant,), model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd), bucket_mb=bucket_mb,
-              train=TrainConfig(steps=steps, batch_size=batch_size))
-    events = [e for rank_events in launch(overlap_worker, nproc, variant, job, backend=backend, timeout=timeout,
-                                          progress=steps, desc="traced steps") for e in rank_events]
+    job = Job(
+        variants=(variant,),
+        model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd),
+        bucket_mb=bucket_mb,
+        train=TrainConfig(steps=steps, batch_size=batch_size),
+    )
+    events = [
+        e
+        for rank_events in launch(
+            overlap_worker,
+            nproc,
+            variant,
+            job,
+            backend=backend,
+            timeout=timeout,
+            progress=steps,
+            desc="traced steps",
+        )
+        for e in rank_events
+    ]
     per_rank = []
     for rank in range(nproc):
         span = {e.name: e for e in events if e.rank == rank and e.name != "all_reduce"}
         reduces = [e for e in events if e.rank == rank and e.name == "all_reduce"]
-        per_rank.append({"backward_s": span["backward"].duration, "wait_s": span["wait"].duration,
-                         "exposed_s": max(0.0, max(e.end for e in reduces) - span["backward"].end),
-                         "all_reduces": len(reduces), "comm_s": sum(e.duration for e in reduces),
-                         "sent_bytes": sum(all_reduce_bytes(e.meta["bytes"], nproc) for e in reduces)})
+        per_rank.append(
+            {
+                "backward_s": span["backward"].duration,
+                "wait_s": span["wait"].duration,
+                "exposed_s": max(0.0, max(e.end for e in reduces) - span["backward"].end),
+                "all_reduces": len(reduces),
+                "comm_s": sum(e.duration for e in reduces),
+                "sent_bytes": sum(all_reduce_bytes(e.meta["bytes"], nproc) for e in reduces),
+            }
+        )
     model = build(job)
     grads = backward_order_bytes(model)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tokens = batch_size // nproc * job.train.seq_len
     # The simulator's inputs fitted to this run: FLOP/s from backward's length (4 FLOPs per
     # parameter per token), bandwidth from the bytes sent over the time the all-reduces took.
-    simulation = dict(variant=variant, params_m=n_params / 1e6, layers=n_layer, bucket_mb=bucket_mb, ranks=nproc,
-                      bytes_per_grad=next(model.parameters()).element_size(), tokens_per_rank=tokens, latency_us=1.0,
-                      tflops=4 * n_params * tokens / statistics.mean(r["backward_s"] for r in per_rank) / 1e12,
-                      bandwidth_gbs=sum(r["sent_bytes"] for r in per_rank) / sum(r["comm_s"] for r in per_rank) / 1e9)
-    return {"variant": variant, "nproc": nproc, "bucket_mb": bucket_mb, "spans": overlap_spans(events),
-            "per_rank": per_rank, "n_params": n_params, "simulation": simulation,
-            "theory_calls": all_reduce_calls(variant, grads, bucket_mb * MiB),
-            "buckets": bucket_layout(grads, bucket_mb * MiB)}
+    simulation = dict(
+        variant=variant,
+        params_m=n_params / 1e6,
+        layers=n_layer,
+        bucket_mb=bucket_mb,
+        ranks=nproc,
+        bytes_per_grad=next(model.parameters()).element_size(),
+        tokens_per_rank=tokens,
+        latency_us=1.0,
+        tflops=4 * n_params * tokens / statistics.mean(r["backward_s"] for r in per_rank) / 1e12,
+        bandwidth_gbs=sum(r["sent_bytes"] for r in per_rank)
+        / sum(r["comm_s"] for r in per_rank)
+        / 1e9,
+    )
+    return {
+        "variant": variant,
+        "nproc": nproc,
+        "bucket_mb": bucket_mb,
+        "spans": overlap_spans(events),
+        "per_rank": per_rank,
+        "n_params": n_params,
+        "simulation": simulation,
+        "theory_calls": all_reduce_calls(variant, grads, bucket_mb * MiB),
+        "buckets": bucket_layout(grads, bucket_mb * MiB),
+    }

@@ -35,8 +35,8 @@ from labs.runtime.launcher import launch
 from labs.runtime.proc import child_pids
 from labs.theory.memory import state_bytes
 
-
 # --- the buggy rank functions ---------------------------------------------------
+
 
 def skipped_collective_rank(steps: int = 3):
     """Rank 1 forgets one all-reduce (say, behind an `if` on a rank-local condition)."""
@@ -74,7 +74,9 @@ def _address_space_bytes() -> int:
 def out_of_memory_rank(n_params: int, budget_bytes: int):
     """Cap this rank's memory at ``budget_bytes`` more than it uses now (a stand-in for a GPU's
     memory), then allocate fp32 parameters, gradients and Adam's two moments: 16 bytes each."""
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space_bytes() + budget_bytes, resource.RLIM_INFINITY))
+    resource.setrlimit(
+        resource.RLIMIT_AS, (_address_space_bytes() + budget_bytes, resource.RLIM_INFINITY)
+    )
     params, grads = torch.zeros(n_params), torch.zeros(n_params)
     moments = torch.zeros(2 * n_params)
     return params.numel() + grads.numel() + moments.numel()
@@ -96,15 +98,28 @@ def _occupied_port() -> tuple[socket.socket, int]:
 
 # --- running them -------------------------------------------------------------------
 
+
 def oom_prediction(n_params: int, budget_bytes: int) -> dict:
     """What the memory calculator says before anything runs: fp32 + AdamW state vs the budget."""
     need = state_bytes(n_params, precision="fp32", optimizer="adamw")["total_bytes"]
-    return {"n_params": n_params, "needed_bytes": need, "budget_bytes": budget_bytes, "fits": need <= budget_bytes}
+    return {
+        "n_params": n_params,
+        "needed_bytes": need,
+        "budget_bytes": budget_bytes,
+        "fits": need <= budget_bytes,
+    }
 
 
 OOM_PARAMS, OOM_BUDGET = 16 << 20, 128 << 20
-SCENARIOS = ("skipped_collective", "wrong_shape", "wrong_shape_detail", "port_in_use", "crashed_rank",
-             "out_of_memory", "straggler")
+SCENARIOS = (
+    "skipped_collective",
+    "wrong_shape",
+    "wrong_shape_detail",
+    "port_in_use",
+    "crashed_rank",
+    "out_of_memory",
+    "straggler",
+)
 
 
 def reproduce(name: str, timeout: float = 5.0):
@@ -114,7 +129,9 @@ def reproduce(name: str, timeout: float = 5.0):
     if name == "wrong_shape":
         return launch(wrong_shape_rank, 2, timeout=timeout)
     if name == "wrong_shape_detail":
-        return launch(wrong_shape_rank, 2, timeout=timeout, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+        return launch(
+            wrong_shape_rank, 2, timeout=timeout, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+        )
     if name == "port_in_use":
         holder, port = _occupied_port()
         try:
@@ -144,9 +161,22 @@ def diagnose(name: str, timeout: float = 5.0) -> dict:
         error, text = type(e).__name__, str(e)
     seconds = time.perf_counter() - t0
     first = text.splitlines()[0]
-    detail = next((line.strip() for line in text.splitlines() if "what():" in line or "Detected mismatch" in line), "")
-    return {"scenario": name, "error": error, "message": first[:160], "detail": detail[:160],
-            "seconds": round(seconds, 2), "processes_left": len(child_pids() - before)}
+    detail = next(
+        (
+            line.strip()
+            for line in text.splitlines()
+            if "what():" in line or "Detected mismatch" in line
+        ),
+        "",
+    )
+    return {
+        "scenario": name,
+        "error": error,
+        "message": first[:160],
+        "detail": detail[:160],
+        "seconds": round(seconds, 2),
+        "processes_left": len(child_pids() - before),
+    }
 
 
 def diagnose_all(timeout: float = 5.0) -> list[dict]:
@@ -157,12 +187,15 @@ def diagnosis_table(rows: list[dict]) -> str:
     """The diagnoses as an aligned text table: scenario, error, seconds, processes left, message."""
     lines = [f"{'scenario':<20} {'error':<14} {'seconds':>7} {'left':>4}  message"]
     for r in rows:
-        lines.append(f"{r['scenario']:<20} {str(r['error']):<14} {r['seconds']:>7.2f} {r['processes_left']:>4}  "
-                     f"{r['message'][:90]}")
+        lines.append(
+            f"{r['scenario']:<20} {str(r['error']):<14} {r['seconds']:>7.2f} {r['processes_left']:>4}  "
+            f"{r['message'][:90]}"
+        )
     return "\n".join(lines)
 
 
 # --- slow synchronisation, seen on a timeline and in a profile --------------------------
+
 
 def unbalanced_step_rank(steps: int, work: int, slow_rank: int, slowdown: float):
     """Each step: a matmul workload (``slowdown`` times bigger on ``slow_rank``), then an
@@ -170,6 +203,7 @@ def unbalanced_step_rank(steps: int, work: int, slow_rank: int, slowdown: float)
     from torch.profiler import ProfilerActivity, profile
 
     from labs.measure.timeline import Timeline
+
     rank = dist.get_rank()
     a = torch.randn(work, work)
     grad = torch.randn(1 << 16)
@@ -193,24 +227,46 @@ def unbalanced_step_rank(steps: int, work: int, slow_rank: int, slowdown: float)
     return {"events": timeline.events, "profile_s": totals}
 
 
-def straggler_timeline(nproc: int = 3, steps: int = 4, work: int = 320, slow_rank: int = 1,
-                       slowdown: float = 4.0, timeout: float = 60.0) -> dict:
+def straggler_timeline(
+    nproc: int = 3,
+    steps: int = 4,
+    work: int = 320,
+    slow_rank: int = 1,
+    slowdown: float = 4.0,
+    timeout: float = 60.0,
+) -> dict:
     """Run the unbalanced steps; returns every rank's spans and the profiler's split of time."""
-    per_rank = launch(unbalanced_step_rank, nproc, steps, work, slow_rank, slowdown, timeout=timeout)
+    per_rank = launch(
+        unbalanced_step_rank, nproc, steps, work, slow_rank, slowdown, timeout=timeout
+    )
     events = [e for r in per_rank for e in r["events"]]
-    waits = {r: sum(e.duration for e in events if e.rank == r and e.name == "all_reduce") for r in range(nproc)}
-    return {"events": events, "wait_s": waits, "profile_s": [r["profile_s"] for r in per_rank],
-            "slow_rank": slow_rank}
+    waits = {
+        r: sum(e.duration for e in events if e.rank == r and e.name == "all_reduce")
+        for r in range(nproc)
+    }
+    return {
+        "events": events,
+        "wait_s": waits,
+        "profile_s": [r["profile_s"] for r in per_rank],
+        "slow_rank": slow_rank,
+    }
 
 
 def plot_straggler(result: dict):
-    """Gantt chart of compute vs all-reduce per rank, and the profiler's compute/communication split."""
+    """Gantt chart of compute vs all-reduce per rank, and the profiler's compute/communication
+    split."""
     import matplotlib.pyplot as plt
 
     from labs.measure.timeline import plot_gantt
+
     fig, (gantt, bars) = plt.subplots(1, 2, figsize=(12, 3), gridspec_kw={"width_ratios": [3, 1]})
-    plot_gantt(result["events"], ax=gantt, color_by=None, labels=False,
-               title=f"rank {result['slow_rank']} is slow: the others wait inside all_reduce")
+    plot_gantt(
+        result["events"],
+        ax=gantt,
+        color_by=None,
+        labels=False,
+        title=f"rank {result['slow_rank']} is slow: the others wait inside all_reduce",
+    )
     ranks = range(len(result["profile_s"]))
     compute = [p["compute"] for p in result["profile_s"]]
     comm = [p["communication"] for p in result["profile_s"]]

@@ -1,25 +1,29 @@
-"""Experiment 09: greedy generation with a KV cache on N ranks, tensor-parallel or with the layers placed rank
-after rank, for the course model or a ``transformers`` Llama.
+"""Experiment 09: greedy generation with a KV cache on N ranks, tensor-parallel or with the layers
+placed rank after rank, for the course model or a ``transformers`` Llama.
 
     summary = run(nproc=2, mode="tp")                       # notebook 09
     python -m labs.run infer --mode tp --nproc 4 --json
     python -m labs.run infer --mode placement --nproc 4 --model hf-llama --json
     python -m labs.run infer --mode both --nproc 2 --prompts 8 --new-tokens 24
 
-Each rank builds the model from the seed (a ``LlamaForCausalLM`` is read into the course layout, as the TP lab
-does) and generates for the same left-padded prompts: TP cuts it with ``apply_tensor_parallel`` (notebook 04),
-placement keeps the layers ``layers_on_stage`` gives its stage (``build_stage``, notebook 05). One generation
-runs under the communication ledger (warm-up), then ``steps`` timed ones. Checked three ways:
+Each rank builds the model from the seed (a ``LlamaForCausalLM`` is read into the course layout, as
+the TP lab does) and generates for the same left-padded prompts: TP cuts it with
+``apply_tensor_parallel`` (notebook 04), placement keeps the layers ``layers_on_stage`` gives its
+stage (``build_stage``, notebook 05). One generation runs under the communication ledger (warm-up),
+then ``steps`` timed ones. Checked three ways:
 
-* reference: the tokens of every rank holding them equal, exactly, the single-process greedy tokens *without* a
-  cache: the course model recomputes the whole sequence every step, each prompt alone and unpadded; a
-  ``transformers`` Llama is checked against its own ``generate(do_sample=False)`` on the padded batch;
-* theory (``labs.theory.inference``): every rank's KV-cache bytes and weight bytes, and the collectives (or
-  messages) of the prefill and of each decode step, op by op, with their payload and bytes sent;
-* timing: the same generation on one rank (``single_*``), per-token latency (median time between two tokens),
-  its 90th percentile, time to first token, tokens/s (B·new_tokens / time of a whole generation), and the
-  latency model of ``per_token_latency`` fed with the measured single-rank latency and message time;
-  ``vs_torch``: ``transformers``' ``generate`` on the same weights in one process.
+* reference: the tokens of every rank holding them equal, exactly, the single-process greedy tokens
+  *without* a cache: the course model recomputes the whole sequence every step, each prompt alone
+  and unpadded; a ``transformers`` Llama is checked against its own ``generate(do_sample=False)`` on
+  the padded batch;
+* theory (``labs.theory.inference``): every rank's KV-cache bytes and weight bytes, and the
+  collectives (or messages) of the prefill and of each decode step, op by op, with their payload and
+  bytes sent;
+* timing: the same generation on one rank (``single_*``), per-token latency (median time between two
+  tokens), its 90th percentile, time to first token, tokens/s (B·new_tokens / time of a whole
+  generation), and the latency model of ``per_token_latency`` fed with the measured single-rank
+  latency and message time; ``vs_torch``: ``transformers``' ``generate`` on the same weights in one
+  process.
 """
 
 from __future__ import annotations
@@ -46,57 +50,81 @@ from labs.theory.dims import ParallelDims, check_positive
 from labs.theory.memory import layers_on_stage
 
 MODES, MODELS = theory.MODES, tp_lab.MODELS
-CONFIG = ModelConfig(n_layer=4)  # 4 layers: one per stage on 4 ranks; 4 kv heads: one per TP rank on 4
+CONFIG = ModelConfig(
+    n_layer=4
+)  # 4 layers: one per stage on 4 ranks; 4 kv heads: one per TP rank on 4
 MAX_PROMPT = 16  # longest prompt make_prompts cuts
-LEDGER_OPS = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "isend": "send", "irecv": "recv"}
+LEDGER_OPS = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "isend": "send",
+    "irecv": "recv",
+}
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """``n`` byte-token prompts cut from the course corpus, 6 to MAX_PROMPT tokens long (different lengths)."""
+    """``n`` byte-token prompts cut from the course corpus, 6 to MAX_PROMPT tokens long (different
+    lengths)."""
     check_positive(prompts=n)
     corpus = load_corpus()
-    starts = [((i * (len(corpus) - MAX_PROMPT)) // n + 97 * seed) % (len(corpus) - MAX_PROMPT) for i in range(n)]
-    return [corpus[s: s + 6 + (5 * i + seed) % (MAX_PROMPT - 5)].tolist() for i, s in enumerate(starts)]
+    starts = [
+        ((i * (len(corpus) - MAX_PROMPT)) // n + 97 * seed) % (len(corpus) - MAX_PROMPT)
+        for i in range(n)
+    ]
+    return [
+        corpus[s : s + 6 + (5 * i + seed) % (MAX_PROMPT - 5)].tolist() for i, s in enumerate(starts)
+    ]
 
 
 def full_model(cfg: ModelConfig, model: str, seed: int) -> torch.nn.Module:
-    """The unsharded model in eval mode: the course ``Transformer`` or a ``LlamaForCausalLM`` with its weights."""
+    """The unsharded model in eval mode: the course ``Transformer`` or a ``LlamaForCausalLM`` with
+    its weights."""
     return tp_lab.full_model(cfg, model, seed).eval()
 
 
 def stage_plan(n_layers: int, stages: int) -> tuple[int, ...]:
-    """Layers per stage, as the theory counts them (the first ``n_layers % stages`` stages take one more)."""
+    """Layers per stage, as the theory counts them (the first ``n_layers % stages`` stages take one
+    more)."""
     return tuple(layers_on_stage(n_layers, stages, s) for s in range(stages))
 
 
-# --- references, in the parent ------------------------------------------------------------------------------
+# --- references, in the parent
+# ------------------------------------------------------------------------------
 @torch.no_grad()
 def no_cache_tokens(model: torch.nn.Module, prompts, new_tokens: int) -> torch.Tensor:
-    """Greedy tokens [B, new_tokens] the plain way: each prompt alone, the whole sequence recomputed every step."""
+    """Greedy tokens [B, new_tokens] the plain way: each prompt alone, the whole sequence recomputed
+    every step."""
     out = []
     for prompt in prompts:
         idx = torch.tensor([prompt])  # [1, T]
         for _ in range(new_tokens):
             idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)  # [1, T+1]
-        out.append(idx[0, len(prompt):])
+        out.append(idx[0, len(prompt) :])
     return torch.stack(out)
 
 
 @torch.no_grad()
 def hf_generate_tokens(hf, prompts, new_tokens: int) -> torch.Tensor:
-    """``transformers``' greedy ``generate`` on the left-padded batch with its attention mask. No token ends a
-    sequence: bytes have no end-of-sequence token (``LlamaConfig``'s default ``eos_token_id=2`` is byte 0x02, and
-    ``min_new_tokens`` would instead forbid that byte)."""
+    """``transformers``' greedy ``generate`` on the left-padded batch with its attention mask. No
+    token ends a sequence: bytes have no end-of-sequence token (``LlamaConfig``'s default
+    ``eos_token_id=2`` is byte 0x02, and ``min_new_tokens`` would instead forbid that byte)."""
     idx, valid = exercise("inference").left_pad(prompts, new_tokens=new_tokens)
-    out = hf.generate(input_ids=idx, attention_mask=valid[:, : idx.shape[1]].long(), max_new_tokens=new_tokens,
-                      do_sample=False, pad_token_id=0, eos_token_id=[])
-    return out[:, idx.shape[1]:]
+    out = hf.generate(
+        input_ids=idx,
+        attention_mask=valid[:, : idx.shape[1]].long(),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=[],
+    )
+    return out[:, idx.shape[1] :]
 
 
-# --- the worker ---------------------------------------------------------------------------------------------
+# --- the worker
+# ---------------------------------------------------------------------------------------------
 def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
-    """Median time of one message of ``numel`` floats: an all-reduce (TP), or a hop of a pass around the ring of
-    ranks (placement: the ring's time / N)."""
+    """Median time of one message of ``numel`` floats: an all-reduce (TP), or a hop of a pass around
+    the ring of ranks (placement: the ring's time / N)."""
     x, n, rank = torch.zeros(numel, device=rank_device()), dist.get_world_size(), dist.get_rank()
 
     def message():
@@ -108,6 +136,7 @@ def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
             dist.send(x, (rank + 1) % n)
             if rank == 0:
                 dist.recv(x, n - 1)
+
     return median_time(message, repeats, warmup=0, device=x.device) / (1 if mode == "tp" else n)
 
 
@@ -122,22 +151,32 @@ def _timed(generate) -> dict:
     synchronize()
     t0 = time.perf_counter()
     generate(on_token=tick)
-    return {"ttft": stamps[0] - t0, "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "total": stamps[-1] - t0}
+    return {
+        "ttft": stamps[0] - t0,
+        "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+        "total": stamps[-1] - t0,
+    }
 
 
 def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden: int) -> dict:
-    """One rank: build its part (``mode``: "tp", "placement" or "single"), generate once under the ledger, then
-    ``steps`` timed generations."""
+    """One rank: build its part (``mode``: "tp", "placement" or "single"), generate once under the
+    ledger, then ``steps`` timed generations."""
     inference, device = exercise("inference"), rank_device()
     rank, n = dist.get_rank(), dist.get_world_size()
     model = model.to(device)
     if mode == "tp":
-        part = exercise("tensor_parallel").apply_tensor_parallel(model)  # a course model or a transformers Llama
-        generate = partial(inference.generate, part, prompts, new_tokens=new_tokens, group=dist.group.WORLD)
+        part = exercise("tensor_parallel").apply_tensor_parallel(
+            model
+        )  # a course model or a transformers Llama
+        generate = partial(
+            inference.generate, part, prompts, new_tokens=new_tokens, group=dist.group.WORLD
+        )
     elif mode == "placement":
         pp, full = exercise("pipeline_parallel"), course_model_from(model)
         part = pp.build_stage(full, plan=stage_plan(full.cfg.n_layer, n), stage=rank)
-        generate = partial(inference.generate_placed, part, prompts, new_tokens=new_tokens, pipe=pp.pipe_group())
+        generate = partial(
+            inference.generate_placed, part, prompts, new_tokens=new_tokens, pipe=pp.pipe_group()
+        )
     else:
         part = course_model_from(model)
         generate = partial(inference.generate, part, prompts, new_tokens=new_tokens)
@@ -145,16 +184,23 @@ def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden:
     with CommLedger() as ledger:
         result = generate(on_token=lambda i: marks.append(len(ledger.records)))
     records = [(LEDGER_OPS.get(r.op, r.op), r.payload_bytes, r.sent_bytes) for r in ledger.records]
-    forwards = [records[a:b] for a, b in zip(marks, marks[1:])]  # the prefill, then each decode step
+    forwards = [
+        records[a:b] for a, b in zip(marks, marks[1:])
+    ]  # the prefill, then each decode step
     timings = []
     for _ in range(steps):
         timings.append(_timed(generate))
         report_progress()
     tokens = result.tokens.cpu() if result.tokens is not None else None
-    return {"tokens": tokens, "kv_cache_bytes": result.cache.nbytes,
-            "weight_bytes": param_bytes(part.parameters()),
-            "prefill": forwards[0], "decode": forwards[1:], "timings": timings,
-            "message_s": _message_seconds(mode, len(prompts) * hidden)}
+    return {
+        "tokens": tokens,
+        "kv_cache_bytes": result.cache.nbytes,
+        "weight_bytes": param_bytes(part.parameters()),
+        "prefill": forwards[0],
+        "decode": forwards[1:],
+        "timings": timings,
+        "message_s": _message_seconds(mode, len(prompts) * hidden),
+    }
 
 
 def comm_table(records: list[tuple], forwards: int = 1) -> dict:
@@ -171,60 +217,107 @@ def comm_table(records: list[tuple], forwards: int = 1) -> dict:
 def _close(measured: dict, expected: dict) -> bool:
     """Same ops, calls and bytes (the ring formulas' fractions aside, exactly)."""
     return set(measured) == set(expected) and all(
-        abs(measured[op][k] - expected[op][k]) <= 1e-9 * max(1.0, expected[op][k]) for op in expected for k in expected[op])
+        abs(measured[op][k] - expected[op][k]) <= 1e-9 * max(1.0, expected[op][k])
+        for op in expected
+        for k in expected[op]
+    )
 
 
-# --- summaries ---------------------------------------------------------------------------------------------
+# --- summaries
+# ---------------------------------------------------------------------------------------------
 def timing_summary(per_rank: list[dict], batch: int, new_tokens: int) -> dict:
     """Rank 0's clock (it waits for every rank each token): medians over the timed generations."""
     t = per_rank[0]["timings"]
     gaps = sorted(g for run_ in t for g in run_["gaps"])
     total = statistics.median(r["total"] for r in t)
-    return {"latency_per_token_s": statistics.median(gaps), "p90_latency_per_token_s": gaps[int(0.9 * (len(gaps) - 1))],
-            "ttft_s": statistics.median(r["ttft"] for r in t), "step_time_s": total,
-            "tokens_per_s": batch * new_tokens / total}
+    return {
+        "latency_per_token_s": statistics.median(gaps),
+        "p90_latency_per_token_s": gaps[int(0.9 * (len(gaps) - 1))],
+        "ttft_s": statistics.median(r["ttft"] for r in t),
+        "step_time_s": total,
+        "tokens_per_s": batch * new_tokens / total,
+    }
 
 
-def mode_summary(per_rank: list[dict], *, mode: str, nproc: int, spec, reference: torch.Tensor, prompts,
-                 new_tokens: int, single: dict | None = None) -> dict:
+def mode_summary(
+    per_rank: list[dict],
+    *,
+    mode: str,
+    nproc: int,
+    spec,
+    reference: torch.Tensor,
+    prompts,
+    new_tokens: int,
+    single: dict | None = None,
+) -> dict:
     """The checks of one mode's run, beside the theory and the single-rank baseline."""
     batch, t0 = len(prompts), max(len(p) for p in prompts)
     holders = [r["tokens"] for r in per_rank if r["tokens"] is not None]
-    s = {"mode": mode, "tokens_match": bool(holders) and all(torch.equal(t, reference) for t in holders),
-         "tokens": holders[0].tolist() if holders else None, "ranks_with_tokens": len(holders)}
+    s = {
+        "mode": mode,
+        "tokens_match": bool(holders) and all(torch.equal(t, reference) for t in holders),
+        "tokens": holders[0].tolist() if holders else None,
+        "ranks_with_tokens": len(holders),
+    }
     stages, tp = (nproc, 1) if mode == "placement" else (1, nproc)
     kv = dict(batch=batch, seq=t0 + new_tokens, tp=tp, pp=stages, dtype_bytes=4)
     s["kv_cache_bytes_per_rank"] = [r["kv_cache_bytes"] for r in per_rank]
-    s["theory_kv_cache_bytes_per_rank"] = [theory.kv_cache_bytes_per_rank(spec, stage=r if stages > 1 else 0, **kv)
-                                           for r in range(nproc)]
+    s["theory_kv_cache_bytes_per_rank"] = [
+        theory.kv_cache_bytes_per_rank(spec, stage=r if stages > 1 else 0, **kv)
+        for r in range(nproc)
+    ]
     s["weight_bytes_per_rank"] = [r["weight_bytes"] for r in per_rank]
-    s["theory_weight_bytes_per_rank"] = theory.weight_bytes_per_rank(spec, mode=mode, degree=nproc, dtype_bytes=4)
-    s["state_bytes_per_rank"] = [w + c for w, c in zip(s["weight_bytes_per_rank"], s["kv_cache_bytes_per_rank"])]
-    s["theory_state_bytes_per_rank"] = [w + c for w, c in zip(s["theory_weight_bytes_per_rank"],
-                                                              s["theory_kv_cache_bytes_per_rank"])]
+    s["theory_weight_bytes_per_rank"] = theory.weight_bytes_per_rank(
+        spec, mode=mode, degree=nproc, dtype_bytes=4
+    )
+    s["state_bytes_per_rank"] = [
+        w + c for w, c in zip(s["weight_bytes_per_rank"], s["kv_cache_bytes_per_rank"])
+    ]
+    s["theory_state_bytes_per_rank"] = [
+        w + c
+        for w, c in zip(s["theory_weight_bytes_per_rank"], s["theory_kv_cache_bytes_per_rank"])
+    ]
     comm = dict(mode=mode, degree=nproc, batch=batch, dtype_bytes=4)
     s["comm_prefill"] = [comm_table(r["prefill"]) for r in per_rank]
     s["theory_comm_prefill"] = theory.forward_comm(spec, tokens=t0, **comm)
-    s["comm_decode"] = [comm_table([op for step in r["decode"] for op in step], new_tokens - 1)  # per decode step
-                        for r in per_rank]
+    s["comm_decode"] = [
+        comm_table([op for step in r["decode"] for op in step], new_tokens - 1)  # per decode step
+        for r in per_rank
+    ]
     s["theory_comm_decode"] = theory.forward_comm(spec, tokens=1, **comm)
     s["comm_matches_theory"] = (  # the prefill, and every decode step on its own, on every rank
         all(_close(m, e) for m, e in zip(s["comm_prefill"], s["theory_comm_prefill"]))
-        and all(_close(comm_table(step), e) for r, e in zip(per_rank, s["theory_comm_decode"]) for step in r["decode"]))
-    s["comm_bytes_per_rank"] = [sum(op["sent_bytes"] for op in c.values()) for c in s["comm_decode"]]
-    s["theory_comm_bytes_per_rank"] = [sum(op["sent_bytes"] for op in c.values()) for c in s["theory_comm_decode"]]
+        and all(
+            _close(comm_table(step), e)
+            for r, e in zip(per_rank, s["theory_comm_decode"])
+            for step in r["decode"]
+        )
+    )
+    s["comm_bytes_per_rank"] = [
+        sum(op["sent_bytes"] for op in c.values()) for c in s["comm_decode"]
+    ]
+    s["theory_comm_bytes_per_rank"] = [
+        sum(op["sent_bytes"] for op in c.values()) for c in s["theory_comm_decode"]
+    ]
     s["messages_per_token"] = theory.messages_per_forward(spec, mode=mode, degree=nproc)
     s.update(timing_summary(per_rank, batch, new_tokens))
     s["message_s"] = statistics.median(r["message_s"] for r in per_rank)
-    if single is not None:  # the latency model: the single rank's compute split N ways, plus the messages
+    if (
+        single is not None
+    ):  # the latency model: the single rank's compute split N ways, plus the messages
         s["model_latency_per_token_s"] = theory.per_token_latency(
-            compute_s=[single["latency_per_token_s"] / nproc] * nproc, mode=mode,
-            messages=s["messages_per_token"], message_s=s["message_s"])
+            compute_s=[single["latency_per_token_s"] / nproc] * nproc,
+            mode=mode,
+            messages=s["messages_per_token"],
+            message_s=s["message_s"],
+        )
         s["speedup_vs_single"] = single["latency_per_token_s"] / s["latency_per_token_s"]
     return s
 
 
-def check_args(cfg: ModelConfig, *, nproc: int, mode: str, model: str, prompts: int, new_tokens: int) -> None:
+def check_args(
+    cfg: ModelConfig, *, nproc: int, mode: str, model: str, prompts: int, new_tokens: int
+) -> None:
     """Every ValueError ``run`` can raise, before any process starts."""
     if mode not in MODES + ("both",):
         raise ValueError(f"mode={mode!r} is not one of {MODES + ('both',)}")
@@ -232,51 +325,109 @@ def check_args(cfg: ModelConfig, *, nproc: int, mode: str, model: str, prompts: 
         raise ValueError(f"model={model!r} is not one of {MODELS}")
     check_positive(nproc=nproc, prompts=prompts, new_tokens=new_tokens)
     if new_tokens < 2:
-        raise ValueError(f"new_tokens={new_tokens}: use new_tokens >= 2 (the first token is the prefill's; "
-                         "the lab times the decode steps after it)")
-    for m in (MODES if mode == "both" else (mode,)):
+        raise ValueError(
+            f"new_tokens={new_tokens}: use new_tokens >= 2 (the first token is the prefill's; "
+            "the lab times the decode steps after it)"
+        )
+    for m in MODES if mode == "both" else (mode,):
         theory.check(course_spec(cfg), mode=m, degree=nproc)
         if m == "tp":
-            ParallelDims(tp=nproc).check_model(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
-                                               ffn_hidden=cfg.ffn_hidden, vocab_size=cfg.vocab_size)
+            ParallelDims(tp=nproc).check_model(
+                n_head=cfg.n_head,
+                n_kv_head=cfg.n_kv_head,
+                n_embd=cfg.n_embd,
+                ffn_hidden=cfg.ffn_hidden,
+                vocab_size=cfg.vocab_size,
+            )
     if MAX_PROMPT + new_tokens > cfg.seq_len:
-        raise ValueError(f"new_tokens={new_tokens}: prompts of up to {MAX_PROMPT} tokens plus new_tokens must fit "
-                         f"the model's seq_len={cfg.seq_len}; use new_tokens <= {cfg.seq_len - MAX_PROMPT}")
+        raise ValueError(
+            f"new_tokens={new_tokens}: prompts of up to {MAX_PROMPT} tokens plus new_tokens must fit "
+            f"the model's seq_len={cfg.seq_len}; use new_tokens <= {cfg.seq_len - MAX_PROMPT}"
+        )
 
 
-def run(*, nproc: int = 2, steps: int = 3, backend: str = "auto", vs_torch: bool = False, timeout: float = 300.0,
-        mode: str = "tp", prompts: int = 4, new_tokens: int = 16, model: str = "course", seed: int = 0,
-        model_cfg: ModelConfig | None = None) -> dict:
-    """Generate ``new_tokens`` greedy tokens for ``prompts`` prompts on ``nproc`` ranks (``mode``: "tp",
-    "placement" or "both") and on one, and check them; returns the lab summary (with "both", the per-mode
-    figures are dicts keyed by mode and ``tp`` / ``placement`` hold each mode's summary)."""
+def run(
+    *,
+    nproc: int = 2,
+    steps: int = 3,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 300.0,
+    mode: str = "tp",
+    prompts: int = 4,
+    new_tokens: int = 16,
+    model: str = "course",
+    seed: int = 0,
+    model_cfg: ModelConfig | None = None,
+) -> dict:
+    """Generate ``new_tokens`` greedy tokens for ``prompts`` prompts on ``nproc`` ranks (``mode``:
+    "tp", "placement" or "both") and on one, and check them; returns the lab summary (with "both",
+    the per-mode figures are dicts keyed by mode and ``tp`` / ``placement`` hold each mode's
+    summary)."""
     cfg = model_cfg or CONFIG
     check_args(cfg, nproc=nproc, mode=mode, model=model, prompts=prompts, new_tokens=new_tokens)
     batch = make_prompts(prompts, seed)
     full = full_model(cfg, model, seed)
     with one_thread():
         if model == "course":
-            reference, reference_name = no_cache_tokens(full, batch, new_tokens), "no cache, each prompt alone"
+            reference, reference_name = (
+                no_cache_tokens(full, batch, new_tokens),
+                "no cache, each prompt alone",
+            )
         else:
-            reference, reference_name = hf_generate_tokens(full, batch, new_tokens), "transformers generate"
+            reference, reference_name = (
+                hf_generate_tokens(full, batch, new_tokens),
+                "transformers generate",
+            )
     job = partial(launch, infer_worker, backend=backend, timeout=timeout, progress=steps)
-    single = mode_summary(job(1, full, batch, new_tokens, "single", steps, cfg.n_embd, desc="1 rank"), mode="tp", nproc=1,
-                          spec=course_spec(cfg), reference=reference, prompts=batch, new_tokens=new_tokens)
-    s = new_summary("infer", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, mode=mode,
-                    model=model, prompts=prompts, new_tokens=new_tokens, reference=reference_name,
-                    prompt_lengths=[len(p) for p in batch], single_tokens_match=single["tokens_match"],
-                    single_latency_per_token_s=single["latency_per_token_s"],
-                    single_tokens_per_s=single["tokens_per_s"], single_kv_cache_bytes=single["kv_cache_bytes_per_rank"][0])
+    single = mode_summary(
+        job(1, full, batch, new_tokens, "single", steps, cfg.n_embd, desc="1 rank"),
+        mode="tp",
+        nproc=1,
+        spec=course_spec(cfg),
+        reference=reference,
+        prompts=batch,
+        new_tokens=new_tokens,
+    )
+    s = new_summary(
+        "infer",
+        nproc=nproc,
+        backend=choose_backend(nproc, backend),
+        steps=steps,
+        mode=mode,
+        model=model,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        reference=reference_name,
+        prompt_lengths=[len(p) for p in batch],
+        single_tokens_match=single["tokens_match"],
+        single_latency_per_token_s=single["latency_per_token_s"],
+        single_tokens_per_s=single["tokens_per_s"],
+        single_kv_cache_bytes=single["kv_cache_bytes_per_rank"][0],
+    )
     per_mode = {}
-    for m in (MODES if mode == "both" else (mode,)):
-        per_rank = job(nproc, full, batch, new_tokens, m, steps, cfg.n_embd, desc=f"{m} on {nproc} ranks")
-        per_mode[m] = mode_summary(per_rank, mode=m, nproc=nproc, spec=course_spec(cfg), reference=reference,
-                                   prompts=batch, new_tokens=new_tokens, single=single)
+    for m in MODES if mode == "both" else (mode,):
+        per_rank = job(
+            nproc, full, batch, new_tokens, m, steps, cfg.n_embd, desc=f"{m} on {nproc} ranks"
+        )
+        per_mode[m] = mode_summary(
+            per_rank,
+            mode=m,
+            nproc=nproc,
+            spec=course_spec(cfg),
+            reference=reference,
+            prompts=batch,
+            new_tokens=new_tokens,
+            single=single,
+        )
     if vs_torch:
         from labs.models.hf import to_hf_llama
+
         hf = full if model == "hf-llama" else to_hf_llama(full)
         with one_thread():
-            s["torch_step_time_s"] = median_time(lambda: hf_generate_tokens(hf, batch, new_tokens), steps)
+            s["torch_step_time_s"] = median_time(
+                lambda: hf_generate_tokens(hf, batch, new_tokens), steps
+            )
         s["torch_tokens_per_s"] = prompts * new_tokens / s["torch_step_time_s"]
     if mode != "both":
         s.update(per_mode[mode])
@@ -284,65 +435,111 @@ def run(*, nproc: int = 2, steps: int = 3, backend: str = "auto", vs_torch: bool
         return s
     s.update(per_mode)
     s["tokens_match"] = all(v["tokens_match"] for v in per_mode.values())
-    for key in ("latency_per_token_s", "tokens_per_s", "kv_cache_bytes_per_rank", "theory_kv_cache_bytes_per_rank",
-                "comm_bytes_per_rank", "theory_comm_bytes_per_rank", "state_bytes_per_rank",
-                "theory_state_bytes_per_rank", "step_time_s", "comm_matches_theory"):
+    for key in (
+        "latency_per_token_s",
+        "tokens_per_s",
+        "kv_cache_bytes_per_rank",
+        "theory_kv_cache_bytes_per_rank",
+        "comm_bytes_per_rank",
+        "theory_comm_bytes_per_rank",
+        "state_bytes_per_rank",
+        "theory_state_bytes_per_rank",
+        "step_time_s",
+        "comm_matches_theory",
+    ):
         s[key] = {m: v[key] for m, v in per_mode.items()}
     return s
 
 
-# --- notebook 09's views ------------------------------------------------------------------------------------
+# --- notebook 09's views
+# ------------------------------------------------------------------------------------
 def single_process_check(*, prompts: int = 4, new_tokens: int = 16, seed: int = 0) -> dict:
-    """One process, the course model: the cached batched generation against recomputing without a cache (each
-    prompt alone), against the same generation of each prompt alone, and against ``transformers``' ``generate``
-    on the same weights; the cache's bytes against the theory."""
+    """One process, the course model: the cached batched generation against recomputing without a
+    cache (each prompt alone), against the same generation of each prompt alone, and against
+    ``transformers``' ``generate`` on the same weights; the cache's bytes against the theory."""
     from labs.models.hf import to_hf_llama
-    inference, model, batch = exercise("inference"), full_model(CONFIG, "course", seed), make_prompts(prompts, seed)
+
+    inference, model, batch = (
+        exercise("inference"),
+        full_model(CONFIG, "course", seed),
+        make_prompts(prompts, seed),
+    )
     with one_thread():
         ours = inference.generate(model, batch, new_tokens=new_tokens)
-        alone = torch.cat([inference.generate(model, [p], new_tokens=new_tokens).tokens for p in batch])
-        no_cache, hf = no_cache_tokens(model, batch, new_tokens), hf_generate_tokens(to_hf_llama(model), batch, new_tokens)
+        alone = torch.cat(
+            [inference.generate(model, [p], new_tokens=new_tokens).tokens for p in batch]
+        )
+        no_cache, hf = (
+            no_cache_tokens(model, batch, new_tokens),
+            hf_generate_tokens(to_hf_llama(model), batch, new_tokens),
+        )
     seq = max(len(p) for p in batch) + new_tokens
-    return {"prompts": [bytes(p).decode(errors="replace") for p in batch], "tokens": ours.tokens.tolist(),
-            "equals_no_cache": torch.equal(ours.tokens, no_cache), "equals_each_prompt_alone": torch.equal(ours.tokens, alone),
-            "equals_transformers_generate": torch.equal(ours.tokens, hf), "kv_cache_bytes": ours.cache.nbytes,
-            "theory_kv_cache_bytes": theory.kv_cache_bytes_per_rank(course_spec(CONFIG), batch=prompts, seq=seq,
-                                                                   dtype_bytes=4)}
+    return {
+        "prompts": [bytes(p).decode(errors="replace") for p in batch],
+        "tokens": ours.tokens.tolist(),
+        "equals_no_cache": torch.equal(ours.tokens, no_cache),
+        "equals_each_prompt_alone": torch.equal(ours.tokens, alone),
+        "equals_transformers_generate": torch.equal(ours.tokens, hf),
+        "kv_cache_bytes": ours.cache.nbytes,
+        "theory_kv_cache_bytes": theory.kv_cache_bytes_per_rank(
+            course_spec(CONFIG), batch=prompts, seq=seq, dtype_bytes=4
+        ),
+    }
 
 
 def _modes(summary: dict) -> dict:
-    return {m: summary[m] for m in MODES if m in summary} if summary["mode"] == "both" else {summary["mode"]: summary}
+    return (
+        {m: summary[m] for m in MODES if m in summary}
+        if summary["mode"] == "both"
+        else {summary["mode"]: summary}
+    )
 
 
 def comm_report(summary: dict) -> str:
-    """Each rank's messages in the prefill and per decode step, measured by the ledger beside the theory."""
+    """Each rank's messages in the prefill and per decode step, measured by the ledger beside the
+    theory."""
     lines = [f"{'mode':<10}{'rank':>5} {'phase':<8}{'op':<11}{COMM_HEADER}"]
     for mode, s in _modes(summary).items():
         for rank in range(summary["nproc"]):
             for phase in ("prefill", "decode"):
                 got, want = s[f"comm_{phase}"][rank], s[f"theory_comm_{phase}"][rank]
                 for op in sorted(set(got) | set(want)):
-                    lines.append(f"{mode:<10}{rank:>5} {phase:<8}{op:<11}" + comm_row(got.get(op, {}), want.get(op, {})))
+                    lines.append(
+                        f"{mode:<10}{rank:>5} {phase:<8}{op:<11}"
+                        + comm_row(got.get(op, {}), want.get(op, {}))
+                    )
     return "\n".join(lines)
 
 
 def memory_report(runs: list[dict]) -> str:
     """KV-cache and weight bytes per rank of each run and mode, measured beside the theory."""
-    lines = [f"{'mode':<10}{'ranks':>6}  {'KV cache bytes per rank (theory)':<44}{'weight bytes per rank (theory)'}"]
+    lines = [
+        f"{'mode':<10}{'ranks':>6}  {'KV cache bytes per rank (theory)':<44}{'weight bytes per rank (theory)'}"
+    ]
     for summary in runs:
         for mode, s in _modes(summary).items():
             kv = ", ".join(f"{m}" for m in s["kv_cache_bytes_per_rank"])
             same = s["kv_cache_bytes_per_rank"] == s["theory_kv_cache_bytes_per_rank"]
             w_same = s["weight_bytes_per_rank"] == s["theory_weight_bytes_per_rank"]
-            lines.append(f"{mode:<10}{summary['nproc']:>6}  {kv + (' (=)' if same else ' (differs)'):<44}"
-                         f"{', '.join(map(str, s['weight_bytes_per_rank']))}{' (=)' if w_same else ' (differs)'}")
+            lines.append(
+                f"{mode:<10}{summary['nproc']:>6}  {kv + (' (=)' if same else ' (differs)'):<44}"
+                f"{', '.join(map(str, s['weight_bytes_per_rank']))}{' (=)' if w_same else ' (differs)'}"
+            )
     return "\n".join(lines)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--mode", choices=MODES + ("both",), default="tp",
-                        help="tp: heads and cache split over ranks; placement: layers placed rank after rank")
-    parser.add_argument("--prompts", type=int, default=4, help="B: prompts generated together (6-16 tokens each)")
+    parser.add_argument(
+        "--mode",
+        choices=MODES + ("both",),
+        default="tp",
+        help="tp: heads and cache split over ranks; placement: layers placed rank after rank",
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=4, help="B: prompts generated together (6-16 tokens each)"
+    )
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")
-    parser.add_argument("--model", choices=MODELS, default="course", help="the course model or a transformers Llama")
+    parser.add_argument(
+        "--model", choices=MODELS, default="course", help="the course model or a transformers Llama"
+    )
     parser.add_argument("--seed", type=int, default=0)

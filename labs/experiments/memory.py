@@ -19,9 +19,9 @@ backward; the optimizer owns fp32 master weights, steps on them with the bf16 gr
 to fp32, and the bf16 copy is refreshed from them. With ``fp32_grad_accum`` each master weight
 keeps a persistent fp32 gradient buffer the bf16 gradients are added into (Megatron's main_grad).
 
-Checks: bytes equal the calculator's exactly on CPU (tolerance 0: the formula lists every saved tensor,
-so any other tolerance would hide a missed one; a 4-byte scalar is visible); fp32 losses equal
-the single-process reference (bit for bit on one rank), bf16 ones within its tolerance;
+Checks: bytes equal the calculator's exactly on CPU (tolerance 0: the formula lists every saved
+tensor, so any other tolerance would hide a missed one; a 4-byte scalar is visible); fp32 losses
+equal the single-process reference (bit for bit on one rank), bf16 ones within its tolerance;
 recomputation changes no loss (bit for bit); the gradient all-reduce sends 2(N-1)/N x grad bytes.
 """
 
@@ -36,7 +36,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from labs.data import rank_batches
 from labs.experiments.common import course_spec, fill_losses, new_summary
@@ -55,14 +59,24 @@ PRECISIONS = ("fp32", "bf16-mixed")
 DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16}
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 BYTE_KEYS = (*STATE_KEYS, "activation_bytes")
-# Relative tolerance on activation bytes. CPU: none, the formula lists every tensor saved (tests check
+# Relative tolerance on activation bytes. CPU: none, the formula lists every tensor saved (tests
+# check
 # it to the byte on several shapes). CUDA: kernels save a little more (flash attention's RNG state)
 # and were not measured here, so allow 5%.
 ACTIVATION_TOLERANCE = {"cpu": 0.0, "cuda": 0.05}
-# Ops whose outputs selective recomputation keeps: matmuls and the attention kernels (CPU, then CUDA).
-KEEP_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
-    "mm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name))
+# Ops whose outputs selective recomputation keeps: matmuls and the attention kernels (CPU, then
+# CUDA).
+KEEP_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
 
 
 class SaveMatmuls:
@@ -95,17 +109,28 @@ def run_block(block, x, cos, sin, recompute: str, policy: SaveMatmuls | None = N
         return block(x, cos, sin)
     if recompute == "full":  # keep only the block's input; rerun the block in backward
         return checkpoint(block, x, cos, sin, use_reentrant=False)
-    return checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=(policy or SaveMatmuls()).contexts)
+    return checkpoint(
+        block, x, cos, sin, use_reentrant=False, context_fn=(policy or SaveMatmuls()).contexts
+    )
 
 
-def forward_loss(model, idx, targets, *, recompute: str = "none", meter: SavedActivations | None = None,
-                 policy: SaveMatmuls | None = None):
+def forward_loss(
+    model,
+    idx,
+    targets,
+    *,
+    recompute: str = "none",
+    meter: SavedActivations | None = None,
+    policy: SaveMatmuls | None = None,
+):
     """The course model's forward and loss (``Transformer.forward``, block by block) with
     recomputation and measurement regions. The rotary tables are cast to the model's dtype,
     as ``transformers``' Llama does, so a bf16 copy of the model runs end to end."""
     cfg, dtype = model.cfg, model.tok_emb.weight.dtype
     region = meter.region if meter is not None else (lambda name: contextlib.nullcontext())
-    cos, sin = rotary_cos_sin(torch.arange(idx.shape[1], device=idx.device), cfg.head_dim, cfg.rope_theta)
+    cos, sin = rotary_cos_sin(
+        torch.arange(idx.shape[1], device=idx.device), cfg.head_dim, cfg.rope_theta
+    )
     cos, sin = cos.to(dtype), sin.to(dtype)  # [T, hd]
     with region("embedding"):
         x = model.tok_emb(idx)  # [B, T, H]
@@ -130,8 +155,13 @@ def saved_activations(model, idx, targets, *, recompute: str = "none") -> tuple:
     return loss, meter.bytes + (policy.bytes if policy else 0), dict(regions)
 
 
-def measure_rank(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str, recompute: str,
-                 fp32_grad_accum: bool = False) -> dict:
+def measure_rank(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    precision: str,
+    recompute: str,
+    fp32_grad_accum: bool = False,
+) -> dict:
     """Train on this rank's share of the data; count bytes at the last step."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     model = build_model(model_cfg, seed=train_cfg.seed, device=device)
@@ -143,8 +173,14 @@ def measure_rank(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str,
                 p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(master or model.parameters(), train_cfg)
     losses, times, out = [], [], {}
-    batches = rank_batches(steps=train_cfg.steps, batch_size=train_cfg.per_rank_batch(world), seq_len=train_cfg.seq_len,
-                           rank=rank, world_size=world, seed=train_cfg.data_seed)  # this rank's share
+    batches = rank_batches(
+        steps=train_cfg.steps,
+        batch_size=train_cfg.per_rank_batch(world),
+        seq_len=train_cfg.seq_len,
+        rank=rank,
+        world_size=world,
+        seed=train_cfg.data_seed,
+    )  # this rank's share
     for step, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
         last = step == train_cfg.steps - 1
@@ -162,10 +198,14 @@ def measure_rank(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str,
         if last:  # the peak: gradients and (from earlier steps) optimizer state all exist
             extra_opt = param_bytes(master) if master is not None else 0
             extra_grad = grad_bytes(master) if master is not None else 0
-            out = {"param_bytes": param_bytes(model.parameters()), "grad_bytes": grad_bytes(model.parameters()) + extra_grad,
-                   "optimizer_bytes": optimizer_bytes(optimizer) + extra_opt,
-                   "activation_bytes": act_bytes, "regions": regions,
-                   "comm_bytes": ledger.sent_bytes()}
+            out = {
+                "param_bytes": param_bytes(model.parameters()),
+                "grad_bytes": grad_bytes(model.parameters()) + extra_grad,
+                "optimizer_bytes": optimizer_bytes(optimizer) + extra_opt,
+                "activation_bytes": act_bytes,
+                "regions": regions,
+                "comm_bytes": ledger.sent_bytes(),
+            }
         if master is not None:
             for p32, p in zip(master, model.parameters()):
                 if not fp32_grad_accum:
@@ -186,41 +226,87 @@ def measure_rank(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str,
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         report_progress()
-    return {**out, "losses": losses, "step_time_s": sorted(times)[len(times) // 2], "device": device.type}
+    return {
+        **out,
+        "losses": losses,
+        "step_time_s": sorted(times)[len(times) // 2],
+        "device": device.type,
+    }
 
 
 def memory_worker(model_cfg, train_cfg, configs, fp32_grad_accum) -> list[dict]:
     return [measure_rank(model_cfg, train_cfg, p, r, fp32_grad_accum) for p, r in configs]
 
 
-def predict(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str, recompute: str, dp: int,
-            fp32_grad_accum: bool = False) -> dict:
+def predict(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    precision: str,
+    recompute: str,
+    dp: int,
+    fp32_grad_accum: bool = False,
+) -> dict:
     """The calculator's figures for one rank of this experiment."""
-    return memory_per_rank(course_spec(model_cfg), seq=train_cfg.seq_len, mbs=train_cfg.per_rank_batch(dp),
-                           precision=precision, optimizer="adamw", dp=dp, recompute=recompute,
-                           fp32_grad_accum=fp32_grad_accum)
+    return memory_per_rank(
+        course_spec(model_cfg),
+        seq=train_cfg.seq_len,
+        mbs=train_cfg.per_rank_batch(dp),
+        precision=precision,
+        optimizer="adamw",
+        dp=dp,
+        recompute=recompute,
+        fp32_grad_accum=fp32_grad_accum,
+    )
 
 
-def run(*, nproc: int = 1, steps: int = 3, backend: str = "auto", vs_torch: bool = False, timeout: float = 120.0,
-        precisions: tuple = PRECISIONS, recomputes: tuple = RECOMPUTE, fp32_grad_accum: bool = False,
-        seq_len: int = 32, batch_size: int = 8, model_cfg: ModelConfig | None = None) -> dict:
+def run(
+    *,
+    nproc: int = 1,
+    steps: int = 3,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 120.0,
+    precisions: tuple = PRECISIONS,
+    recomputes: tuple = RECOMPUTE,
+    fp32_grad_accum: bool = False,
+    seq_len: int = 32,
+    batch_size: int = 8,
+    model_cfg: ModelConfig | None = None,
+) -> dict:
     """Measure every (precision, recompute) configuration on ``nproc`` data-parallel ranks and
     compare with the calculator. ``vs_torch`` has no counterpart here (PyTorch has no memory
     calculator) and is accepted for the common CLI. Returns the lab summary with ``rows``."""
     if steps < 2:
-        raise ValueError(f"steps must be >= 2 (optimizer state exists only after the first step), got {steps}")
-    for name, values, valid in (("precisions", precisions, PRECISIONS), ("recomputes", recomputes, RECOMPUTE)):
+        raise ValueError(
+            f"steps must be >= 2 (optimizer state exists only after the first step), got {steps}"
+        )
+    for name, values, valid in (
+        ("precisions", precisions, PRECISIONS),
+        ("recomputes", recomputes, RECOMPUTE),
+    ):
         bad = [v for v in values if v not in valid]
         if bad or not values:
             raise ValueError(f"{name}={tuple(values)!r}: choose one or more of {valid}")
     if fp32_grad_accum and "fp32" in precisions:
-        raise ValueError("fp32_grad_accum applies to bf16-mixed only; use precisions=('bf16-mixed',)")
+        raise ValueError(
+            "fp32_grad_accum applies to bf16-mixed only; use precisions=('bf16-mixed',)"
+        )
     model_cfg = model_cfg or ModelConfig()
     train_cfg = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len)
     train_cfg.per_rank_batch(nproc)  # raises if the batch does not split over the ranks
     configs = [(p, r) for p in precisions for r in recomputes]
-    per_rank = launch(memory_worker, nproc, model_cfg, train_cfg, configs, fp32_grad_accum, backend=backend,
-                      timeout=timeout, progress=steps * len(configs), desc="steps")
+    per_rank = launch(
+        memory_worker,
+        nproc,
+        model_cfg,
+        train_cfg,
+        configs,
+        fp32_grad_accum,
+        backend=backend,
+        timeout=timeout,
+        progress=steps * len(configs),
+        desc="steps",
+    )
     reference = train_reference(model_cfg, train_cfg, dp=nproc).losses
     spec, b = course_spec(model_cfg), train_cfg.per_rank_batch(nproc)
     act_tol = ACTIVATION_TOLERANCE[per_rank[0][0]["device"]]
@@ -229,41 +315,76 @@ def run(*, nproc: int = 1, steps: int = 3, backend: str = "auto", vs_torch: bool
         measured = [r[i] for r in per_rank]
         theory = predict(model_cfg, train_cfg, precision, recompute, nproc, fp32_grad_accum)
         e = 4 if precision == "fp32" else 2
-        row = {"precision": precision, "recompute": recompute,
-               "measured": {k: measured[0][k] for k in BYTE_KEYS}, "predicted": {k: theory[k] for k in BYTE_KEYS},
-               "same_on_every_rank": all({k: m[k] for k in BYTE_KEYS} == {k: measured[0][k] for k in BYTE_KEYS}
-                                         for m in measured),
-               "regions": measured[0]["regions"], "parts": theory["activations_per_microbatch"],
-               "playbook_activation_bytes": spec.n_layers * e / 2 * playbook_layer_bytes(
-                   seq=train_cfg.seq_len, mbs=b, hidden=spec.hidden, heads=spec.n_heads)
-               if recompute == "none" else None,
-               "losses": measured[0]["losses"], "step_time_s": max(m["step_time_s"] for m in measured),
-               "comm_bytes_per_rank": [m["comm_bytes"] for m in measured],
-               # the all-reduce carries the model's own gradients (bf16 ones in bf16-mixed)
-               "theory_comm_bytes_per_rank": all_reduce_bytes(theory["params"] * e, nproc)}
-        row["activation_rel_diff"] = abs(row["measured"]["activation_bytes"] / row["predicted"]["activation_bytes"] - 1)
-        row["matches_theory"] = (row["same_on_every_rank"] and row["activation_rel_diff"] <= act_tol
-                                 and all(row["measured"][k] == row["predicted"][k] for k in STATE_KEYS))
+        row = {
+            "precision": precision,
+            "recompute": recompute,
+            "measured": {k: measured[0][k] for k in BYTE_KEYS},
+            "predicted": {k: theory[k] for k in BYTE_KEYS},
+            "same_on_every_rank": all(
+                {k: m[k] for k in BYTE_KEYS} == {k: measured[0][k] for k in BYTE_KEYS}
+                for m in measured
+            ),
+            "regions": measured[0]["regions"],
+            "parts": theory["activations_per_microbatch"],
+            "playbook_activation_bytes": spec.n_layers
+            * e
+            / 2
+            * playbook_layer_bytes(
+                seq=train_cfg.seq_len, mbs=b, hidden=spec.hidden, heads=spec.n_heads
+            )
+            if recompute == "none"
+            else None,
+            "losses": measured[0]["losses"],
+            "step_time_s": max(m["step_time_s"] for m in measured),
+            "comm_bytes_per_rank": [m["comm_bytes"] for m in measured],
+            # the all-reduce carries the model's own gradients (bf16 ones in bf16-mixed)
+            "theory_comm_bytes_per_rank": all_reduce_bytes(theory["params"] * e, nproc),
+        }
+        row["activation_rel_diff"] = abs(
+            row["measured"]["activation_bytes"] / row["predicted"]["activation_bytes"] - 1
+        )
+        row["matches_theory"] = (
+            row["same_on_every_rank"]
+            and row["activation_rel_diff"] <= act_tol
+            and all(row["measured"][k] == row["predicted"][k] for k in STATE_KEYS)
+        )
         tol = TOLERANCES[DTYPES[precision]]
         row["max_rel_loss_diff"] = compare_losses(row["losses"], reference)["max_rel_loss_diff"]
         row["matches_reference"] = row["max_rel_loss_diff"] <= tol
         rows.append(row)
     first = rows[0]
-    summary = new_summary("memory", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, rows=rows,
-                          seq_len=seq_len, batch_size=batch_size, fp32_grad_accum=fp32_grad_accum,
-                          model=dataclasses.asdict(model_cfg), activation_tolerance=act_tol)
+    summary = new_summary(
+        "memory",
+        nproc=nproc,
+        backend=choose_backend(nproc, backend),
+        steps=steps,
+        rows=rows,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        fp32_grad_accum=fp32_grad_accum,
+        model=dataclasses.asdict(model_cfg),
+        activation_tolerance=act_tol,
+    )
     fill_losses(summary, first["losses"], reference, dtype=DTYPES[first["precision"]])
     summary.update(
         state_bytes_per_rank=[sum(r[0][k] for k in STATE_KEYS) for r in per_rank],
         theory_state_bytes_per_rank=sum(first["predicted"][k] for k in STATE_KEYS),
-        comm_bytes_per_rank=first["comm_bytes_per_rank"], theory_comm_bytes_per_rank=first["theory_comm_bytes_per_rank"],
-        step_time_s=first["step_time_s"], torch_step_time_s=None,
+        comm_bytes_per_rank=first["comm_bytes_per_rank"],
+        theory_comm_bytes_per_rank=first["theory_comm_bytes_per_rank"],
+        step_time_s=first["step_time_s"],
+        torch_step_time_s=None,
         all_match_theory=all(r["matches_theory"] for r in rows),
         all_match_reference=all(r["matches_reference"] for r in rows),
-        recompute_changes_loss=any(r["losses"] != next(q for q in rows if q["precision"] == r["precision"])["losses"]
-                                   for r in rows),
-        bytes_match_theory=all(abs(c - r["theory_comm_bytes_per_rank"]) <= 8 * len(r["comm_bytes_per_rank"])
-                               for r in rows for c in r["comm_bytes_per_rank"]))
+        recompute_changes_loss=any(
+            r["losses"] != next(q for q in rows if q["precision"] == r["precision"])["losses"]
+            for r in rows
+        ),
+        bytes_match_theory=all(
+            abs(c - r["theory_comm_bytes_per_rank"]) <= 8 * len(r["comm_bytes_per_rank"])
+            for r in rows
+            for c in r["comm_bytes_per_rank"]
+        ),
+    )
     return summary
 
 
@@ -282,11 +403,19 @@ def comparison_rows(summary: dict) -> list[dict]:
 
 def format_comparison(summary: dict) -> str:
     """The measured-vs-predicted table (bytes per rank) notebook 01 prints."""
-    head = f"{'precision':<11}{'recompute':<10}" + "".join(f"{k.split('_')[0]:>24}" for k in BYTE_KEYS) + "  match"
+    head = (
+        f"{'precision':<11}{'recompute':<10}"
+        + "".join(f"{k.split('_')[0]:>24}" for k in BYTE_KEYS)
+        + "  match"
+    )
     lines = [head, f"{'':<21}" + f"{'measured / predicted':>24}" * len(BYTE_KEYS)]
     for r in summary["rows"]:
-        cells = "".join(f"{r['measured'][k]:>12,.0f} /{r['predicted'][k]:>10,.0f}" for k in BYTE_KEYS)
-        lines.append(f"{r['precision']:<11}{r['recompute']:<10}{cells}  {'yes' if r['matches_theory'] else 'NO'}")
+        cells = "".join(
+            f"{r['measured'][k]:>12,.0f} /{r['predicted'][k]:>10,.0f}" for k in BYTE_KEYS
+        )
+        lines.append(
+            f"{r['precision']:<11}{r['recompute']:<10}{cells}  {'yes' if r['matches_theory'] else 'NO'}"
+        )
     return "\n".join(lines)
 
 
@@ -295,21 +424,29 @@ def format_regions(summary: dict, precision: str = "bf16-mixed") -> str:
     34·s·b·h + 5·a·s²·b per layer beside the measured layers."""
     rows = [r for r in summary["rows"] if r["precision"] == precision]
     n_layers = sum(k.startswith("layer") for k in rows[0]["regions"])
-    lines = [f"{precision}: bytes autograd saved, measured (formula)",
-             f"{'region':<12}" + "".join(f"{r['recompute']:>24}" for r in rows)]
+    lines = [
+        f"{precision}: bytes autograd saved, measured (formula)",
+        f"{'region':<12}" + "".join(f"{r['recompute']:>24}" for r in rows),
+    ]
     for region in ["embedding", *(f"layer{i}" for i in range(n_layers)), "final_norm", "loss"]:
         cells = []
         for r in rows:
             p = r["parts"]
-            want = {"embedding": p["embedding"], "final_norm": p["final_norm"], "loss": p["loss"],
-                    "layer0": p["per_layer"] + p["rotary"]}.get(region, p["per_layer"])
+            want = {
+                "embedding": p["embedding"],
+                "final_norm": p["final_norm"],
+                "loss": p["loss"],
+                "layer0": p["per_layer"] + p["rotary"],
+            }.get(region, p["per_layer"])
             cells.append(f"{r['regions'].get(region, 0):>12,} ({want:>9,.0f})")
         lines.append(f"{region:<12}" + "".join(cells))
     none = next(r for r in rows if r["recompute"] == "none")
     if none["playbook_activation_bytes"] is not None:
         layers = sum(v for k, v in none["regions"].items() if k.startswith("layer"))
-        lines.append(f"layers measured {layers:,} B; playbook 34sbh + 5as²b: {none['playbook_activation_bytes']:,.0f} B "
-                     f"({none['playbook_activation_bytes'] / layers - 1:+.0%})")
+        lines.append(
+            f"layers measured {layers:,} B; playbook 34sbh + 5as²b: {none['playbook_activation_bytes']:,.0f} B "
+            f"({none['playbook_activation_bytes'] / layers - 1:+.0%})"
+        )
     return "\n".join(lines)
 
 
@@ -317,29 +454,57 @@ def format_recompute(summary: dict) -> str:
     """What recomputation buys (activation bytes saved vs none, measured and predicted) and what it
     costs (extra FLOPs per step, ``labs.theory.flops``; the FLOP counter test checks them)."""
     spec, seq = course_spec(ModelConfig(**summary["model"])), summary["seq_len"]
-    lines = [f"{'precision':<11}{'recompute':<10}{'activations':>12}{'saved: measured':>17}{'predicted':>11}"
-             f"{'extra FLOPs':>13}"]
+    lines = [
+        f"{'precision':<11}{'recompute':<10}{'activations':>12}{'saved: measured':>17}{'predicted':>11}"
+        f"{'extra FLOPs':>13}"
+    ]
     for r in summary["rows"]:
-        none = next(q for q in summary["rows"] if q["precision"] == r["precision"] and q["recompute"] == "none")
-        saved = [none[k]["activation_bytes"] - r[k]["activation_bytes"] for k in ("measured", "predicted")]
-        extra = flops_per_token(spec, seq=seq, recompute=r["recompute"]) / flops_per_token(spec, seq=seq) - 1
-        lines.append(f"{r['precision']:<11}{r['recompute']:<10}{r['measured']['activation_bytes']:>12,}"
-                     f"{saved[0]:>17,}{saved[1]:>11,.0f}{extra:>13.0%}")
+        none = next(
+            q
+            for q in summary["rows"]
+            if q["precision"] == r["precision"] and q["recompute"] == "none"
+        )
+        saved = [
+            none[k]["activation_bytes"] - r[k]["activation_bytes"]
+            for k in ("measured", "predicted")
+        ]
+        extra = (
+            flops_per_token(spec, seq=seq, recompute=r["recompute"])
+            / flops_per_token(spec, seq=seq)
+            - 1
+        )
+        lines.append(
+            f"{r['precision']:<11}{r['recompute']:<10}{r['measured']['activation_bytes']:>12,}"
+            f"{saved[0]:>17,}{saved[1]:>11,.0f}{extra:>13.0%}"
+        )
     return "\n".join(lines)
 
 
 def plot_comparison(summary: dict, ax=None):
     """Grouped bars: measured activation bytes per configuration, predicted marked on top."""
     import matplotlib.pyplot as plt
+
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.2))
     rows = summary["rows"]
     labels = [f"{r['precision']}\n{r['recompute']}" for r in rows]
     x = range(len(rows))
-    ax.bar(x, [r["measured"]["activation_bytes"] / 1024 for r in rows], color="tab:red", alpha=0.7,
-           label="measured (saved-tensor hooks)")
-    ax.scatter(x, [r["predicted"]["activation_bytes"] / 1024 for r in rows], marker="_", s=900, color="black",
-               zorder=3, label="calculator")
+    ax.bar(
+        x,
+        [r["measured"]["activation_bytes"] / 1024 for r in rows],
+        color="tab:red",
+        alpha=0.7,
+        label="measured (saved-tensor hooks)",
+    )
+    ax.scatter(
+        x,
+        [r["predicted"]["activation_bytes"] / 1024 for r in rows],
+        marker="_",
+        s=900,
+        color="black",
+        zorder=3,
+        label="calculator",
+    )
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("activations (KiB per rank)")
     ax.legend(fontsize=8)
@@ -348,8 +513,18 @@ def plot_comparison(summary: dict, ax=None):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), help="fp32 and/or bf16-mixed")
-    parser.add_argument("--recomputes", nargs="+", default=list(RECOMPUTE), help="none, selective and/or full")
-    parser.add_argument("--fp32-grad-accum", action="store_true", help="bf16-mixed: persistent fp32 gradient buffers")
+    parser.add_argument(
+        "--precisions", nargs="+", default=list(PRECISIONS), help="fp32 and/or bf16-mixed"
+    )
+    parser.add_argument(
+        "--recomputes", nargs="+", default=list(RECOMPUTE), help="none, selective and/or full"
+    )
+    parser.add_argument(
+        "--fp32-grad-accum",
+        action="store_true",
+        help="bf16-mixed: persistent fp32 gradient buffers",
+    )
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per step, all ranks)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="global batch (sequences per step, all ranks)"
+    )

@@ -1,21 +1,23 @@
-"""Experiment 08: the 4D mesh and the composed training step, checked against the single-process reference.
+"""Experiment 08: the 4D mesh and the composed training step, checked against the single-process
+reference.
 
     summary = run(nproc=8, dp=2, tp=2, pp=2)     # python -m labs.run mesh --nproc 8 --dp 2 --tp 2 --pp 2 --json
     summary = run(nproc=8, dp=2, tp=2, cp=2, zero=3)
     groups_table(dp=2, tp=2, pp=2)                # which ranks share which group, without processes
 
 Checks, on ``nproc`` ranks (a tiny course model, a few steps, fp32 on gloo):
-* groups: the lab's ``dist.new_group`` groups equal torch's ``init_device_mesh("cpu", (dp, pp, cp, tp))``
-  groups (and its flattened ("dp", "cp") group), on every rank;
+* groups: the lab's ``dist.new_group`` groups equal torch's ``init_device_mesh("cpu", (dp, pp, cp,
+  tp))`` groups (and its flattened ("dp", "cp") group), on every rank;
 * losses: every step's global loss (mean over the last stage's dp·cp ranks) within 1e-5 relative of
   ``labs.train.train_reference`` on the same seed and global batches;
 * gradients after step 1: what ZeRO averaged over dp·cp, reassembled from the TP shards and the PP
   stages, equals the reference's gradient by name (AdamW divides each gradient by its own size, so a
   gradient off by a constant factor would leave the losses unchanged: only this check sees it);
 * bytes: each rank's ledger, split by the group each collective ran on, equals each lab's theory:
-  tp ``labs.theory.tensor_parallel.collectives``, cp ``labs.theory.context_parallel.ring_bytes_per_rank``,
-  pp one activation [B/dp/M, T, H] per micro-batch per direction a stage feeds, dp_cp
-  ``labs.theory.zero.comm_bytes``; state bytes held equal ``labs.theory.zero.held_bytes``.
+  tp ``labs.theory.tensor_parallel.collectives``, cp
+  ``labs.theory.context_parallel.ring_bytes_per_rank``, pp one activation [B/dp/M, T, H] per
+  micro-batch per direction a stage feeds, dp_cp ``labs.theory.zero.comm_bytes``; state bytes held
+  equal ``labs.theory.zero.held_bytes``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ AXIS_NAMES = ("tp", "cp", "pp", "dp_cp")
 
 
 def model_config(layers: int = 2) -> ModelConfig:
-    """The composed lab's model: 8 query / 4 key-value heads of 4 dims (TP up to 4), F = 64, V = 256."""
+    """The composed lab's model: 8 query / 4 key-value heads of 4 dims (TP up to 4), F = 64, V =
+    256."""
     return ModelConfig(n_layer=layers, n_embd=32, n_head=8, n_kv_head=4, ffn_hidden=64, seq_len=32)
 
 
@@ -58,7 +61,8 @@ def groups_table(**degrees) -> dict[str, list[list[int]]]:
 
 
 def sent_by_axis(ledger: CommLedger, mesh) -> dict[str, float]:
-    """Bytes this rank sent on each mesh axis (tp, cp, pp, dp_cp), from the group of each collective."""
+    """Bytes this rank sent on each mesh axis (tp, cp, pp, dp_cp), from the group of each
+    collective."""
     named = [(g, name) for name, g in mesh.groups.items() if g is not None and name != "dp"]
     out = dict.fromkeys(AXIS_NAMES, 0.0)
     for group, sent in ledger.sent_bytes_by_group():
@@ -68,28 +72,43 @@ def sent_by_axis(ledger: CommLedger, mesh) -> dict[str, float]:
 
 
 class GradProbe:
-    """Stands in for the composed optimizer: after its first ``step`` keeps the gradient it averaged,
-    this rank's shard of every unit (ZeRO) or every ``.grad`` (plain AdamW); ``gathered`` rebuilds
-    whole (TP-local) gradients by name from the shards with an all-gather over dp_cp (harness traffic,
-    run after the ledger closes). ``held``: the training state's bytes at the last step's peak, with
-    the gradients complete, just before the optimizer runs."""
+    """Stands in for the composed optimizer: after its first ``step`` keeps the gradient it
+    averaged, this rank's shard of every unit (ZeRO) or every ``.grad`` (plain AdamW); ``gathered``
+    rebuilds whole (TP-local) gradients by name from the shards with an all-gather over dp_cp
+    (harness traffic, run after the ledger closes). ``held``: the training state's bytes at the last
+    step's peak, with the gradients complete, just before the optimizer runs."""
 
     def __init__(self, inner, module):
-        self.inner, self.module, self.shards, self.grads, self.held = inner, module, None, None, None
+        self.inner, self.module, self.shards, self.grads, self.held = (
+            inner,
+            module,
+            None,
+            None,
+            None,
+        )
 
     def step(self):
         units = getattr(self.inner, "units", None)
         if units is not None:
             from labs.experiments.zero import held_bytes
+
             self.held = held_bytes(self.module, self.inner)["total"]
         else:
             self.held = state_bytes(self.module, self.inner)["total"]
         if units is None and self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in self.module.named_parameters() if p.grad is not None}
+            self.grads = {
+                n: p.grad.detach().clone()
+                for n, p in self.module.named_parameters()
+                if p.grad is not None
+            }
         self.inner.step()
         if units is not None and self.shards is None:
-            self.shards = [(u.full_grad[u.lo: u.hi] if u.full_grad is not None else u.shard_grad).detach().clone()
-                           for u in units]
+            self.shards = [
+                (u.full_grad[u.lo : u.hi] if u.full_grad is not None else u.shard_grad)
+                .detach()
+                .clone()
+                for u in units
+            ]
 
     def zero_grad(self):
         self.inner.zero_grad()
@@ -106,16 +125,22 @@ class GradProbe:
 
 
 def torch_mesh_ranks(dims: ParallelDims) -> dict[str, list[int]]:
-    """This rank's groups in torch's own ``init_device_mesh`` with the same (dp, pp, cp, tp) order."""
+    """This rank's groups in torch's own ``init_device_mesh`` with the same (dp, pp, cp, tp)
+    order."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(rank_device().type, tuple(dims.degrees[a] for a in AXES), mesh_dim_names=AXES)
+
+    mesh = init_device_mesh(
+        rank_device().type, tuple(dims.degrees[a] for a in AXES), mesh_dim_names=AXES
+    )
     out = {a: dist.get_process_group_ranks(mesh.get_group(a)) for a in AXES if dims.degrees[a] > 1}
     if dims.dp * dims.cp > 1:
         out["dp_cp"] = dist.get_process_group_ranks(mesh["dp", "cp"]._flatten("dp_cp").get_group())
     return out
 
 
-def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, microbatches: int | None) -> dict:
+def worker(
+    degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, microbatches: int | None
+) -> dict:
     lab = exercise("mesh")
     dims = lab.check_mesh(world_size=dist.get_world_size(), **degrees)
     mesh = lab.build_mesh(dims)
@@ -124,7 +149,9 @@ def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, m
     inner = c.optimizer
     c.optimizer = probe = GradProbe(inner, c.module)
     ledger, losses, times = CommLedger(), [], []
-    saved = SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()  # 1F1B: no single peak
+    saved = (
+        SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()
+    )  # 1F1B: no single peak
     for step, (x, y) in enumerate(data_for(cfg, dims.dp)):
         t0 = time.perf_counter()
         with ledger if step == 0 else nullcontext(), saved if step == 0 else nullcontext():
@@ -139,49 +166,89 @@ def worker(degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, m
         numels = [sum(p.numel() for p in c.module.parameters())]
         theory_held = 16 * numels[0]  # fp32 parameters and gradients, AdamW's two moments
     grads = probe.gathered(mesh.groups["dp_cp"])  # collective over dp_cp: every rank takes part
-    keep = mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0  # the others hold the same averaged gradient
-    return {"rank": mesh.rank, "coords": mesh.coords, "ranks": mesh.ranks, "torch_ranks": torch_ranks,
-            "losses": losses, "grads": grads if keep else None, "sent_by_axis": sent_by_axis(ledger, mesh), "unit_numels": numels,
-            "layers": [int(k) for k in getattr(c.module, "layers", {}).keys()] if dims.pp > 1 else None,
-            "microbatches": c.microbatches, "held": probe.held, "theory_held": theory_held,
-            "activation_bytes": getattr(saved, "bytes", None),
-            "step_time_s": median_step_time(times)}
+    keep = (
+        mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0
+    )  # the others hold the same averaged gradient
+    return {
+        "rank": mesh.rank,
+        "coords": mesh.coords,
+        "ranks": mesh.ranks,
+        "torch_ranks": torch_ranks,
+        "losses": losses,
+        "grads": grads if keep else None,
+        "sent_by_axis": sent_by_axis(ledger, mesh),
+        "unit_numels": numels,
+        "layers": [int(k) for k in getattr(c.module, "layers", {}).keys()] if dims.pp > 1 else None,
+        "microbatches": c.microbatches,
+        "held": probe.held,
+        "theory_held": theory_held,
+        "activation_bytes": getattr(saved, "bytes", None),
+        "step_time_s": median_step_time(times),
+    }
 
 
-def theory_bytes(r: dict, dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainConfig, zero: int) -> dict:
+def theory_bytes(
+    r: dict, dims: ParallelDims, model_cfg: ModelConfig, cfg: TrainConfig, zero: int
+) -> dict:
     """Bytes rank ``r`` should send per step along each axis, from each lab's own theory."""
     spec = course_spec(model_cfg)
     b, T, m = cfg.batch_size // dims.dp, cfg.seq_len, r["microbatches"]
     out = dict.fromkeys(AXIS_NAMES, 0.0)
     p = r["coords"]["pp"]
     first, last = p == 0, p == dims.pp - 1
-    if dims.tp > 1 and dims.pp == 1:  # every collective of the tensor-parallel model, SP, T/cp tokens
-        out["tp"] = sum(x["sent_bytes"] for x in tp_theory.collectives(spec, tp=dims.tp, sp=True, batch=b,
-                                                                        seq=T // dims.cp))
-    elif dims.tp > 1:  # a stage's share, no SP; the head gathers whole logits instead of the vocab-parallel loss
+    if (
+        dims.tp > 1 and dims.pp == 1
+    ):  # every collective of the tensor-parallel model, SP, T/cp tokens
+        out["tp"] = sum(
+            x["sent_bytes"]
+            for x in tp_theory.collectives(spec, tp=dims.tp, sp=True, batch=b, seq=T // dims.cp)
+        )
+    elif (
+        dims.tp > 1
+    ):  # a stage's share, no SP; the head gathers whole logits instead of the vocab-parallel loss
         calls = tp_theory.collectives(spec, tp=dims.tp, sp=False, batch=b // m, seq=T)
-        mine = [x for x in calls if any(x["where"].startswith(f"layers.{i}.") for i in r["layers"])
-                or (first and x["where"] == "tok_emb") or (last and x["where"] == "lm_head input")]
+        mine = [
+            x
+            for x in calls
+            if any(x["where"].startswith(f"layers.{i}.") for i in r["layers"])
+            or (first and x["where"] == "tok_emb")
+            or (last and x["where"] == "lm_head input")
+        ]
         gather = all_gather_bytes(b // m * T * model_cfg.vocab_size * 4, dims.tp) if last else 0.0
         out["tp"] = m * (sum(x["sent_bytes"] for x in mine) + gather)
     if dims.cp > 1:
-        kv = cp_theory.kv_bytes(batch=b, seq_len=T, n_kv_head=model_cfg.n_kv_head // dims.tp,
-                                head_dim=model_cfg.head_dim)
+        kv = cp_theory.kv_bytes(
+            batch=b,
+            seq_len=T,
+            n_kv_head=model_cfg.n_kv_head // dims.tp,
+            head_dim=model_cfg.head_dim,
+        )
         out["cp"] = model_cfg.n_layer * cp_theory.ring_bytes_per_rank(cp=dims.cp, kv=kv)["total"]
     if dims.pp > 1:  # activations on, gradients back: [B/dp, T, H] per direction a stage feeds
-        out["pp"] = p2p_bytes_per_rank("1f1b", dims.pp, p, batch=b, seq_len=T, hidden=model_cfg.n_embd)
+        out["pp"] = p2p_bytes_per_rank(
+            "1f1b", dims.pp, p, batch=b, seq_len=T, hidden=model_cfg.n_embd
+        )
     if dims.dp * dims.cp > 1:
-        out["dp_cp"] = zero_theory.comm_bytes(r["unit_numels"], stage=zero, dp=dims.dp * dims.cp)["total"]
+        out["dp_cp"] = zero_theory.comm_bytes(r["unit_numels"], stage=zero, dp=dims.dp * dims.cp)[
+            "total"
+        ]
     return out
 
 
 def assemble_grads(per_rank: list[dict], reference: dict) -> dict[str, torch.Tensor]:
     """Whole gradients by name from the ranks with dp = cp = 0: TP shards joined along the dimension
-    where their shape differs from the reference's, in tp order; replicated ones taken from tp = 0."""
+    where their shape differs from the reference's, in tp order; replicated ones taken from tp =
+    0."""
     out = {}
     for name, ref in reference.items():
-        shards = sorted(((r["coords"]["tp"], r["grads"][name]) for r in per_rank
-                         if r["grads"] is not None and name in r["grads"]), key=lambda t: t[0])
+        shards = sorted(
+            (
+                (r["coords"]["tp"], r["grads"][name])
+                for r in per_rank
+                if r["grads"] is not None and name in r["grads"]
+            ),
+            key=lambda t: t[0],
+        )
         if not shards:
             continue
         local = shards[0][1]
@@ -199,123 +266,232 @@ def warm_imports() -> None:
         importlib.import_module(module)
 
 
-def run(*, nproc: int = 8, steps: int = 3, backend: str = "auto", vs_torch: bool = False, timeout: float = 300.0,
-        dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 1, microbatches: int | None = None,
-        layers: int = 2, gpus_per_node: int | None = None) -> dict:
-    """Train the composed model ``steps`` steps on a dp x tp x pp x cp mesh of ``nproc`` ranks and check
-    it (see the module docstring). ``gpus_per_node`` checks that TP groups can be placed inside nodes.
-    ``vs_torch`` is accepted for the common interface: torch's ``init_device_mesh`` is always compared."""
+def run(
+    *,
+    nproc: int = 8,
+    steps: int = 3,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 300.0,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    zero: int = 1,
+    microbatches: int | None = None,
+    layers: int = 2,
+    gpus_per_node: int | None = None,
+) -> dict:
+    """Train the composed model ``steps`` steps on a dp x tp x pp x cp mesh of ``nproc`` ranks and
+    check it (see the module docstring). ``gpus_per_node`` checks that TP groups can be placed
+    inside nodes. ``vs_torch`` is accepted for the common interface: torch's ``init_device_mesh`` is
+    always compared."""
     check_positive(steps=steps, layers=layers)
     lab = exercise("mesh")
     dims = lab.check_mesh(world_size=nproc, gpus_per_node=gpus_per_node, dp=dp, tp=tp, pp=pp, cp=cp)
     model_cfg, cfg = model_config(layers), TrainConfig(steps=steps, batch_size=8, seq_len=32)
-    lab.check_composition(lab.Mesh(dims, 0), model_cfg, cfg, zero=zero,
-                          microbatches=microbatches or (2 * pp if pp > 1 else 1))
+    lab.check_composition(
+        lab.Mesh(dims, 0),
+        model_cfg,
+        cfg,
+        zero=zero,
+        microbatches=microbatches or (2 * pp if pp > 1 else 1),
+    )
     warm_imports()
-    per_rank = launch(worker, nproc, dims.degrees, model_cfg, cfg, zero, microbatches, backend=backend,
-                      timeout=timeout, progress=steps, desc=f"mesh dp{dp} tp{tp} pp{pp} cp{cp}")
+    per_rank = launch(
+        worker,
+        nproc,
+        dims.degrees,
+        model_cfg,
+        cfg,
+        zero,
+        microbatches,
+        backend=backend,
+        timeout=timeout,
+        progress=steps,
+        desc=f"mesh dp{dp} tp{tp} pp{pp} cp{cp}",
+    )
     ref = train_reference(model_cfg, cfg, dp=dp, return_grads=True)
-    s = new_summary("mesh", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, degrees=dims.degrees,
-                    zero=zero, microbatches=per_rank[0]["microbatches"], layers=layers)
+    s = new_summary(
+        "mesh",
+        nproc=nproc,
+        backend=choose_backend(nproc, backend),
+        steps=steps,
+        degrees=dims.degrees,
+        zero=zero,
+        microbatches=per_rank[0]["microbatches"],
+        layers=layers,
+    )
     last = [r for r in per_rank if r["coords"]["pp"] == pp - 1 and r["coords"]["tp"] == 0]
-    fill_losses(s, [statistics.fmean(r["losses"][i] for r in last) for i in range(steps)], ref.losses)
+    fill_losses(
+        s, [statistics.fmean(r["losses"][i] for r in last) for i in range(steps)], ref.losses
+    )
     grads = assemble_grads(per_rank, ref.grads)
     diffs = {n: max_rel_diff(g.double(), ref.grads[n].double()) for n, g in grads.items()}
     worst = max(diffs, key=diffs.get)
     theory = [theory_bytes(r, dims, model_cfg, cfg, zero) for r in per_rank]
     s.update(
-        groups=groups_table(**dims.degrees), rank_coords=[r["coords"] for r in per_rank],
-        groups_match_torch=all({k: r["ranks"][k] for k in r["torch_ranks"]} == r["torch_ranks"] for r in per_rank),
-        grads_compared=len(grads), grads_match_reference=len(grads) == len(ref.grads) and diffs[worst] <= TOLERANCES[
-            torch.float32], max_rel_grad_diff=diffs[worst], worst_grad=worst,
-        comm_bytes_by_axis=[r["sent_by_axis"] for r in per_rank], theory_comm_bytes_by_axis=theory,
+        groups=groups_table(**dims.degrees),
+        rank_coords=[r["coords"] for r in per_rank],
+        groups_match_torch=all(
+            {k: r["ranks"][k] for k in r["torch_ranks"]} == r["torch_ranks"] for r in per_rank
+        ),
+        grads_compared=len(grads),
+        grads_match_reference=len(grads) == len(ref.grads)
+        and diffs[worst] <= TOLERANCES[torch.float32],
+        max_rel_grad_diff=diffs[worst],
+        worst_grad=worst,
+        comm_bytes_by_axis=[r["sent_by_axis"] for r in per_rank],
+        theory_comm_bytes_by_axis=theory,
         comm_bytes_per_rank=[sum(r["sent_by_axis"].values()) for r in per_rank],
         theory_comm_bytes_per_rank=[sum(t.values()) for t in theory],
-        state_bytes_per_rank=[r["held"] for r in per_rank], theory_state_bytes_per_rank=[r["theory_held"]
-                                                                                         for r in per_rank],
+        state_bytes_per_rank=[r["held"] for r in per_rank],
+        theory_state_bytes_per_rank=[r["theory_held"] for r in per_rank],
         activation_bytes_per_rank=[r["activation_bytes"] for r in per_rank],
-        step_time_s=max(r["step_time_s"] for r in per_rank))
+        step_time_s=max(r["step_time_s"] for r in per_rank),
+    )
     measured = s["comm_bytes_by_axis"]
-    s["bytes_match_theory"] = (all(abs(m.get(a, 0.0) - t[a]) < 1 for m, t in zip(measured, theory) for a in AXIS_NAMES)
-                               and all(m.get("world", 0.0) == 0 for m in measured))
+    s["bytes_match_theory"] = all(
+        abs(m.get(a, 0.0) - t[a]) < 1 for m, t in zip(measured, theory) for a in AXIS_NAMES
+    ) and all(m.get("world", 0.0) == 0 for m in measured)
     s["state_matches_theory"] = s["state_bytes_per_rank"] == s["theory_state_bytes_per_rank"]
     return s
 
 
 def add_arguments(parser) -> None:
     for axis in ("dp", "tp", "pp", "cp"):
-        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} degree (the product is --nproc)")
-    parser.add_argument("--zero", type=int, default=1, choices=(1, 2, 3), help="ZeRO stage over dp x cp (1 with PP)")
-    parser.add_argument("--microbatches", type=int, default=None, help="PP micro-batches per step (default 2*pp)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (pp must not exceed it)")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="refuse a TP group wider than a node")
+        parser.add_argument(
+            f"--{axis}", type=int, default=1, help=f"{axis} degree (the product is --nproc)"
+        )
+    parser.add_argument(
+        "--zero", type=int, default=1, choices=(1, 2, 3), help="ZeRO stage over dp x cp (1 with PP)"
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=None, help="PP micro-batches per step (default 2*pp)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=2, help="transformer blocks (pp must not exceed it)"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="refuse a TP group wider than a node"
+    )
 
 
-# The rule of thumb, one row per parallelism: what it splits, what that saves, what it costs, when to use it.
+# The rule of thumb, one row per parallelism: what it splits, what that saves, what it costs, when
+# to use it.
 RULES = {
-    "dp": ("the batch; ZeRO-3/FSDP also shards params, grads, optimizer", "state / N (ZeRO-3); activations / N",
-           "3·Ψ per step (ZeRO-3), 2·Ψ (DDP, ZeRO-1/2): overlaps backward", "always first: any model that fits"),
-    "tp": ("each layer's weights and (with SP) activations", "weights and activations / N",
-           "4 collectives of B·T·H per layer per micro-batch: needs NVLink", "a layer too big for a GPU; in a node"),
-    "pp": ("the layers", "weights / N (activations: 1F1B holds N micro-batches)",
-           "one B·T·H activation per micro-batch per boundary; idle bubble",
-           "a model too big for a node; across nodes"),
-    "cp": ("the sequence", "activations / N", "K/V around a ring per layer: overlaps attention",
-           "long sequences (32K and up)"),
+    "dp": (
+        "the batch; ZeRO-3/FSDP also shards params, grads, optimizer",
+        "state / N (ZeRO-3); activations / N",
+        "3·Ψ per step (ZeRO-3), 2·Ψ (DDP, ZeRO-1/2): overlaps backward",
+        "always first: any model that fits",
+    ),
+    "tp": (
+        "each layer's weights and (with SP) activations",
+        "weights and activations / N",
+        "4 collectives of B·T·H per layer per micro-batch: needs NVLink",
+        "a layer too big for a GPU; in a node",
+    ),
+    "pp": (
+        "the layers",
+        "weights / N (activations: 1F1B holds N micro-batches)",
+        "one B·T·H activation per micro-batch per boundary; idle bubble",
+        "a model too big for a node; across nodes",
+    ),
+    "cp": (
+        "the sequence",
+        "activations / N",
+        "K/V around a ring per layer: overlaps attention",
+        "long sequences (32K and up)",
+    ),
 }
 
 
 def compare_axes(*, steps: int = 2, timeout: float = 120.0) -> list[dict]:
-    """Each parallelism alone at degree 2 (DP with ZeRO-3), and one rank for reference, on the composed
-    lab's model: per rank the training state at its peak, the activations one step saves (not with
-    PP: 1F1B holds a varying number of micro-batches), bytes sent per step by axis, step time, and
-    whether it matched the reference."""
+    """Each parallelism alone at degree 2 (DP with ZeRO-3), and one rank for reference, on the
+    composed lab's model: per rank the training state at its peak, the activations one step saves
+    (not with PP: 1F1B holds a varying number of micro-batches), bytes sent per step by axis, step
+    time, and whether it matched the reference."""
     rows = []
     for axis in ("none", "dp", "tp", "pp", "cp"):
         kw = {} if axis == "none" else {axis: 2}
-        s = run(nproc=1 if axis == "none" else 2, steps=steps, timeout=timeout, zero=3 if axis == "dp" else 1, **kw)
-        rows.append({"axis": axis, "state_bytes": max(s["state_bytes_per_rank"]),
-                     "activation_bytes": max(a or 0 for a in s["activation_bytes_per_rank"]) or None,
-                     "sent_bytes": {k: v for k, v in s["comm_bytes_by_axis"][0].items() if v},
-                     "step_time_s": s["step_time_s"], "correct": s["matches_reference"] and s["grads_match_reference"]})
+        s = run(
+            nproc=1 if axis == "none" else 2,
+            steps=steps,
+            timeout=timeout,
+            zero=3 if axis == "dp" else 1,
+            **kw,
+        )
+        rows.append(
+            {
+                "axis": axis,
+                "state_bytes": max(s["state_bytes_per_rank"]),
+                "activation_bytes": max(a or 0 for a in s["activation_bytes_per_rank"]) or None,
+                "sent_bytes": {k: v for k, v in s["comm_bytes_by_axis"][0].items() if v},
+                "step_time_s": s["step_time_s"],
+                "correct": s["matches_reference"] and s["grads_match_reference"],
+            }
+        )
     return rows
 
 
 def which_parallelism_table(rows: list[dict]) -> str:
     """The "which parallelism should I use" table (Markdown): ``RULES`` beside what ``compare_axes``
-    measured (memory per rank as a share of one rank's, kB sent per rank per step, on which group)."""
+    measured (memory per rank as a share of one rank's, kB sent per rank per step, on which
+    group)."""
     base = rows[0]
-    names = {"dp": "DP (ZeRO-3 / FSDP)", "tp": "TP (+ SP)", "pp": "PP (1F1B)", "cp": "CP (ring attention)"}
-    lines = ["| parallelism | splits | memory saving | communication cost | best for | measured here: 2 ranks vs 1 |",
-             "|---|---|---|---|---|---|"]
+    names = {
+        "dp": "DP (ZeRO-3 / FSDP)",
+        "tp": "TP (+ SP)",
+        "pp": "PP (1F1B)",
+        "cp": "CP (ring attention)",
+    }
+    lines = [
+        "| parallelism | splits | memory saving | communication cost | best for | measured here: 2 ranks vs 1 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows[1:]:
         splits, saves, costs, best = RULES[r["axis"]]
-        act = (f"activations {r['activation_bytes'] / base['activation_bytes']:.2f}x"
-               if r["activation_bytes"] else "activations n/a (1F1B)")
+        act = (
+            f"activations {r['activation_bytes'] / base['activation_bytes']:.2f}x"
+            if r["activation_bytes"]
+            else "activations n/a (1F1B)"
+        )
         sent = ", ".join(f"{v / 1e3:.0f} kB on {k}" for k, v in r["sent_bytes"].items())
-        measured = f"state {r['state_bytes'] / base['state_bytes']:.2f}x, {act}; sends {sent} per step"
+        measured = (
+            f"state {r['state_bytes'] / base['state_bytes']:.2f}x, {act}; sends {sent} per step"
+        )
         lines.append(f"| {names[r['axis']]} | {splits} | {saves} | {costs} | {best} | {measured} |")
     return "\n".join(lines)
 
 
 def report(s: dict) -> str:
-    """A mesh run in words: the layout, losses against the reference step by step, the gradient check,
-    the groups against torch's, and bytes sent per rank per step by group (measured, then theory)."""
+    """A mesh run in words: the layout, losses against the reference step by step, the gradient
+    check, the groups against torch's, and bytes sent per rank per step by group (measured, then
+    theory)."""
     d = s["degrees"]
     ok = s["matches_reference"] and s["grads_match_reference"]
-    lines = [f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']}, {s['microbatches']} "
-             f"micro-batch(es) per DP rank) on {s['nproc']} {s['backend']} ranks: "
-             f"{'matches' if ok else 'DOES NOT MATCH'} the reference",
-             f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'rel. diff':>9}"]
+    lines = [
+        f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']}, {s['microbatches']} "
+        f"micro-batch(es) per DP rank) on {s['nproc']} {s['backend']} ranks: "
+        f"{'matches' if ok else 'DOES NOT MATCH'} the reference",
+        f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'rel. diff':>9}",
+    ]
     for i, (a, b) in enumerate(zip(s["losses"], s["reference_losses"]), 1):
         lines.append(f"{i:>4}  {a:>10.6f}  {b:>10.6f}  {abs(a - b) / abs(b):>9.1e}")
-    lines += [f"gradients after step 1: {s['grads_compared']} tensors by name, max relative difference "
-              f"{s['max_rel_grad_diff']:.1e} ({s['worst_grad']})",
-              f"groups equal torch's init_device_mesh on every rank: {s['groups_match_torch']}",
-              f"bytes sent per rank per step, measured (theory), equal: {s['bytes_match_theory']}",
-              f"{'rank':>4}  {'dp pp cp tp':<12}" + "".join(f"{a:>20}" for a in AXIS_NAMES)]
-    for rank, (c, m, t) in enumerate(zip(s["rank_coords"], s["comm_bytes_by_axis"], s["theory_comm_bytes_by_axis"])):
+    lines += [
+        f"gradients after step 1: {s['grads_compared']} tensors by name, max relative difference "
+        f"{s['max_rel_grad_diff']:.1e} ({s['worst_grad']})",
+        f"groups equal torch's init_device_mesh on every rank: {s['groups_match_torch']}",
+        f"bytes sent per rank per step, measured (theory), equal: {s['bytes_match_theory']}",
+        f"{'rank':>4}  {'dp pp cp tp':<12}" + "".join(f"{a:>20}" for a in AXIS_NAMES),
+    ]
+    for rank, (c, m, t) in enumerate(
+        zip(s["rank_coords"], s["comm_bytes_by_axis"], s["theory_comm_bytes_by_axis"])
+    ):
         cells = "".join(f"{f'{m[a]:,.0f} ({t[a]:,.0f})':>20}" for a in AXIS_NAMES)
         lines.append(f"{rank:>4}  {c['dp']:>2} {c['pp']:>2} {c['cp']:>2} {c['tp']:>2}  {cells}")
-    lines.append(f"state bytes per rank {s['state_bytes_per_rank']}, theory equal: {s['state_matches_theory']}")
+    lines.append(
+        f"state bytes per rank {s['state_bytes_per_rank']}, theory equal: {s['state_matches_theory']}"
+    )
     return "\n".join(lines)

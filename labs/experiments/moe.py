@@ -1,20 +1,22 @@
-"""Experiment 07: expert parallelism, alone and with data parallelism, against the single-process MoE and the theory.
+"""Experiment 07: expert parallelism, alone and with data parallelism, against the single-process
+MoE and the theory.
 
     check = layer_check(ep=4, top_k=2, capacity_factor=1.0)      # one MoE layer: outputs, drops, every gradient
     summary = run(nproc=4, ep=2, experts=8, top_k=2)            # python -m labs.run moe --nproc 4 --ep 2 --json
     curves = balance_run(aux_loss_coefs=(0.0, 0.1), steps=30)    # load imbalance with and without the aux loss
 
-The reference (see ``solutions/expert_parallel.py``): on ``nproc`` data-parallel ranks, each with its
-own tokens, the EP run must equal the single-process MoE on the concatenated global batch with one
-routing group per rank (``groups=nproc``): capacity C = ceil(cf·k·N/E) with N a rank's tokens, and the
-aux loss per group, averaged. EP groups are ``ep`` consecutive ranks; ranks holding the same experts
-(every ep-th rank) average the experts' gradients (``labs.theory.moe.ep_rank_groups``).
+The reference (see ``solutions/expert_parallel.py``): on ``nproc`` data-parallel ranks, each with
+its own tokens, the EP run must equal the single-process MoE on the concatenated global batch with
+one routing group per rank (``groups=nproc``): capacity C = ceil(cf·k·N/E) with N a rank's tokens,
+and the aux loss per group, averaged. EP groups are ``ep`` consecutive ranks; ranks holding the same
+experts (every ep-th rank) average the experts' gradients (``labs.theory.moe.ep_rank_groups``).
 
 Checks: losses of every step and gradients of the first step (router, experts, the rest) within 1e-5
 relative (fp32); the bytes the ledger counts in each layer's dispatch and combine all-to-alls equal
-the rows the routing decisions send off the rank × H × 4; gradient all-reduce bytes and state bytes per
-rank equal ``labs.theory``. PyTorch has no expert-parallel layer to time against; the single-process
-layer is compared with ``transformers``' ``MixtralSparseMoeBlock`` in the tests instead.
+the rows the routing decisions send off the rank × H × 4; gradient all-reduce bytes and state bytes
+per rank equal ``labs.theory``. PyTorch has no expert-parallel layer to time against; the
+single-process layer is compared with ``transformers``' ``MixtralSparseMoeBlock`` in the tests
+instead.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def check_options(*, nproc: int, ep: int, moe: MoEConfig) -> ParallelDims:
 
 
 def make_groups(ep: int):
-    """(this rank's EP group, this rank's expert-DP group). Every rank creates every group, in order."""
+    """(this rank's EP group, this rank's expert-DP group). Every rank creates every group, in
+    order."""
     rank, mine = dist.get_rank(), {}
     for kind, groups in theory.ep_rank_groups(dist.get_world_size(), ep).items():
         for ranks in groups:
@@ -69,170 +72,295 @@ def make_groups(ep: int):
 
 
 def routing_counts(layer, n_experts: int) -> dict:
-    """Pairs per expert from a layer's last routing, before (``chosen``) and after (``kept``) dropping."""
+    """Pairs per expert from a layer's last routing, before (``chosen``) and after (``kept``)
+    dropping."""
     chosen, keep = layer.routing["chosen"], layer.routing["keep"]
-    return {"chosen": torch.bincount(chosen.flatten(), minlength=n_experts).tolist(),
-            "kept": torch.bincount(chosen[keep], minlength=n_experts).tolist()}
+    return {
+        "chosen": torch.bincount(chosen.flatten(), minlength=n_experts).tolist(),
+        "kept": torch.bincount(chosen[keep], minlength=n_experts).tolist(),
+    }
 
 
 def _a2a_bytes(ledger, phase):
-    return [r.sent_bytes for r in ledger.records if r.op == "all_to_all_single" and r.phase == phase]
+    return [
+        r.sent_bytes for r in ledger.records if r.op == "all_to_all_single" and r.phase == phase
+    ]
 
 
-# --- one process: the numbers, the router, the Mixtral block ---------------------------------------------------
-def param_report(*, experts: int = 8, top_k: int = 2, ep: int = 4, cfg: ModelConfig | None = None) -> dict:
-    """Total, active and per-EP-rank parameters of the course model with MoE layers: theory and measured."""
+# --- one process: the numbers, the router, the Mixtral block
+# ---------------------------------------------------
+def param_report(
+    *, experts: int = 8, top_k: int = 2, ep: int = 4, cfg: ModelConfig | None = None
+) -> dict:
+    """Total, active and per-EP-rank parameters of the course model with MoE layers: theory and
+    measured."""
     cfg, moe = cfg or ModelConfig(), MoEConfig(n_experts=experts, top_k=top_k)
     counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
     dense = theory.moe_param_counts(model_spec(cfg, MoEConfig(n_experts=1, top_k=1)))["total"]
-    return {"dense_model": dense, "total": counts["total"], "measured_total": count_params(build_moe_model(cfg, moe)),
-            "active": counts["active"], "active_share": round(counts["active"] / counts["total"], 3),
-            "per_rank": counts["per_rank"], "ep": ep}
+    return {
+        "dense_model": dense,
+        "total": counts["total"],
+        "measured_total": count_params(build_moe_model(cfg, moe)),
+        "active": counts["active"],
+        "active_share": round(counts["active"] / counts["total"], 3),
+        "per_rank": counts["per_rank"],
+        "ep": ep,
+    }
 
 
-def routing_table(*, tokens: int = 8, experts: int = 4, top_k: int = 2, capacity_factor: float | None = 1.0,
-                  seed: int = 0) -> str:
-    """One MoE layer routes ``tokens`` random tokens: each token's experts, weights and which pairs were
-    kept (``x``: dropped over capacity). Returns the table as text."""
-    layer = init_weights(exercise("expert_parallel").MoELayer(
-        LAYER_CFG, MoEConfig(n_experts=experts, top_k=top_k, capacity_factor=capacity_factor)), seed)
+def routing_table(
+    *,
+    tokens: int = 8,
+    experts: int = 4,
+    top_k: int = 2,
+    capacity_factor: float | None = 1.0,
+    seed: int = 0,
+) -> str:
+    """One MoE layer routes ``tokens`` random tokens: each token's experts, weights and which pairs
+    were kept (``x``: dropped over capacity). Returns the table as text."""
+    layer = init_weights(
+        exercise("expert_parallel").MoELayer(
+            LAYER_CFG, MoEConfig(n_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+        ),
+        seed,
+    )
     with torch.no_grad():
         layer.router.weight.mul_(20)  # a trained router is confident; a fresh one is nearly uniform
-        x = torch.randn(1, tokens, LAYER_CFG.n_embd, generator=torch.Generator().manual_seed(seed + 1))
+        x = torch.randn(
+            1, tokens, LAYER_CFG.n_embd, generator=torch.Generator().manual_seed(seed + 1)
+        )
         layer(x)
         _, _, weights, _ = exercise("expert_parallel").route(x[0], layer.router, top_k)
     chosen, keep = layer.routing["chosen"].tolist(), layer.routing["keep"].tolist()
-    lines = [f"capacity {layer.capacity(tokens)} pairs per expert (cf={capacity_factor}, k={top_k}, E={experts}, "
-             f"N={tokens})", "token  " + "  ".join(f"choice {j}: expert (weight)" for j in range(top_k))]
+    lines = [
+        f"capacity {layer.capacity(tokens)} pairs per expert (cf={capacity_factor}, k={top_k}, E={experts}, "
+        f"N={tokens})",
+        "token  " + "  ".join(f"choice {j}: expert (weight)" for j in range(top_k)),
+    ]
     for t in range(tokens):
-        cells = [f"e{e} ({w:.2f}){'' if k else ' x'}" for e, w, k in zip(chosen[t], weights[t].tolist(), keep[t])]
+        cells = [
+            f"e{e} ({w:.2f}){'' if k else ' x'}"
+            for e, w, k in zip(chosen[t], weights[t].tolist(), keep[t])
+        ]
         lines.append(f"{t:>5}  " + "  ".join(f"{c:<26}" for c in cells))
     return "\n".join(lines)
 
 
 def mixtral_check(*, n_experts: int = 4, tokens: int = 30, seed: int = 0) -> dict:
-    """Our single-process layer (top-2, no capacity) against ``transformers``' ``MixtralSparseMoeBlock``
-    holding the same weights: the outputs, and the load-balancing loss (ours x k = theirs, which counts
-    k pairs per token)."""
+    """Our single-process layer (top-2, no capacity) against ``transformers``'
+    ``MixtralSparseMoeBlock`` holding the same weights: the outputs, and the load-balancing loss
+    (ours x k = theirs, which counts k pairs per token)."""
     from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
+    from transformers.models.mixtral.modeling_mixtral import (
+        MixtralSparseMoeBlock,
+        load_balancing_loss_func,
+    )
+
     xp, cfg = exercise("expert_parallel"), LAYER_CFG
     layer = init_weights(xp.MoELayer(cfg, MoEConfig(n_experts=n_experts, top_k=2)), seed)
-    block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
-                                                num_local_experts=n_experts, num_experts_per_tok=2,
-                                                experts_implementation="eager"))
+    block = MixtralSparseMoeBlock(
+        MixtralConfig(
+            hidden_size=cfg.n_embd,
+            intermediate_size=cfg.ffn_hidden,
+            num_local_experts=n_experts,
+            num_experts_per_tok=2,
+            experts_implementation="eager",
+        )
+    )
     with torch.no_grad():
         layer.router.weight.mul_(30)  # confident, well-separated choices
         block.gate.weight.copy_(layer.router.weight)
         for e, expert in layer.experts.items():
-            block.experts.gate_up_proj[int(e)].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
+            block.experts.gate_up_proj[int(e)].copy_(
+                torch.cat([expert.gate_proj.weight, expert.up_proj.weight])
+            )
             block.experts.down_proj[int(e)].copy_(expert.down_proj.weight)
         x = torch.randn(1, tokens, cfg.n_embd, generator=torch.Generator().manual_seed(seed + 1))
         ours, theirs = layer(x), block(x)
         logits = layer.router(x[0])
         aux = 2 * xp.load_balancing_loss(logits.softmax(-1), layer.routing["chosen"])
         hf_aux = load_balancing_loss_func((logits,), n_experts, 2)
-    return {"max_output_rel_diff": max_rel_diff(ours, theirs), "aux_loss_times_k": aux.item(),
-            "hf_aux_loss": hf_aux.item(), "z_loss": xp.router_z_loss(logits).item(),
-            "z_loss_formula": torch.log(logits.double().exp().sum(-1)).pow(2).mean().item()}
+    return {
+        "max_output_rel_diff": max_rel_diff(ours, theirs),
+        "aux_loss_times_k": aux.item(),
+        "hf_aux_loss": hf_aux.item(),
+        "z_loss": xp.router_z_loss(logits).item(),
+        "z_loss_formula": torch.log(logits.double().exp().sum(-1)).pow(2).mean().item(),
+    }
 
 
-# --- one layer -------------------------------------------------------------------------------------------------
+# --- one layer
+# -------------------------------------------------------------------------------------------------
 def _layer_inputs(cfg, world, tokens_per_rank, seed):
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(world, tokens_per_rank, cfg.n_embd, generator=g)    # [ranks, N, H]: rank r's tokens in row r
+    x = torch.randn(
+        world, tokens_per_rank, cfg.n_embd, generator=g
+    )  # [ranks, N, H]: rank r's tokens in row r
     return x, torch.randn(x.shape, generator=g)
 
 
-def layer_worker(cfg: ModelConfig, moe: MoEConfig, ep: int, tokens_per_rank: int, seed: int) -> dict:
+def layer_worker(
+    cfg: ModelConfig, moe: MoEConfig, ep: int, tokens_per_rank: int, seed: int
+) -> dict:
     xp, rank, world = exercise("expert_parallel"), dist.get_rank(), dist.get_world_size()
     ep_group, expert_dp = make_groups(ep)
     device = rank_device()
-    layer = xp.ExpertParallelMoE.from_full(init_weights(xp.MoELayer(cfg, moe), seed).to(device), group=ep_group)
+    layer = xp.ExpertParallelMoE.from_full(
+        init_weights(xp.MoELayer(cfg, moe), seed).to(device), group=ep_group
+    )
     x_all, dy_all = _layer_inputs(cfg, world, tokens_per_rank, seed)
-    x = x_all[rank:rank + 1].to(device).requires_grad_()                   # [1, N, H]: this rank's tokens
+    x = x_all[rank : rank + 1].to(device).requires_grad_()  # [1, N, H]: this rank's tokens
     with CommLedger() as ledger:
         with ledger.phase("forward"):
             y = layer(x)
-            objective = (y * dy_all[rank:rank + 1].to(device)).sum() + layer.aux_loss
+            objective = (y * dy_all[rank : rank + 1].to(device)).sum() + layer.aux_loss
         with ledger.phase("backward"):
             objective.backward()
     xp.allreduce_gradients(layer, expert_dp_group=expert_dp)
-    return {"y": y.detach()[0], "x_grad": x.grad[0], "keep": layer.routing["keep"], "aux": layer.aux_loss.item(),
-            "grads": {n: p.grad for n, p in layer.named_parameters()}, "experts": list(layer.experts),
-            "counts": routing_counts(layer, moe.n_experts), "forward_a2a": _a2a_bytes(ledger, "forward"),
-            "backward_a2a": _a2a_bytes(ledger, "backward")}
+    return {
+        "y": y.detach()[0],
+        "x_grad": x.grad[0],
+        "keep": layer.routing["keep"],
+        "aux": layer.aux_loss.item(),
+        "grads": {n: p.grad for n, p in layer.named_parameters()},
+        "experts": list(layer.experts),
+        "counts": routing_counts(layer, moe.n_experts),
+        "forward_a2a": _a2a_bytes(ledger, "forward"),
+        "backward_a2a": _a2a_bytes(ledger, "backward"),
+    }
 
 
-def layer_check(*, ep: int = 2, nproc: int | None = None, experts: int = 8, top_k: int = 2,
-                capacity_factor: float | None = None, tokens_per_rank: int = 64, seed: int = 0,
-                backend: str = "auto", timeout: float = 120.0) -> dict:
-    """One MoE layer on ``nproc`` ranks (EP groups of ``ep``) against the single-process layer on all the
-    tokens (``groups=nproc``): outputs, input gradients, every parameter gradient, dropped pairs, bytes."""
+def layer_check(
+    *,
+    ep: int = 2,
+    nproc: int | None = None,
+    experts: int = 8,
+    top_k: int = 2,
+    capacity_factor: float | None = None,
+    tokens_per_rank: int = 64,
+    seed: int = 0,
+    backend: str = "auto",
+    timeout: float = 120.0,
+) -> dict:
+    """One MoE layer on ``nproc`` ranks (EP groups of ``ep``) against the single-process layer on
+    all the tokens (``groups=nproc``): outputs, input gradients, every parameter gradient, dropped
+    pairs, bytes."""
     nproc = nproc or ep
     moe = MoEConfig(n_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     check_options(nproc=nproc, ep=ep, moe=moe)
-    per_rank = launch(layer_worker, nproc, LAYER_CFG, moe, ep, tokens_per_rank, seed, backend=backend,
-                      timeout=timeout)
+    per_rank = launch(
+        layer_worker,
+        nproc,
+        LAYER_CFG,
+        moe,
+        ep,
+        tokens_per_rank,
+        seed,
+        backend=backend,
+        timeout=timeout,
+    )
     with one_thread():
         ref = init_weights(exercise("expert_parallel").MoELayer(LAYER_CFG, moe, groups=nproc), seed)
         x_all, dy_all = _layer_inputs(LAYER_CFG, nproc, tokens_per_rank, seed)
         x_ref = x_all.clone().requires_grad_()
         y_ref = ref(x_ref)
-        ((y_ref * dy_all).sum() / nproc + ref.aux_loss).backward()   # the mean of the ranks' objectives
+        (
+            (y_ref * dy_all).sum() / nproc + ref.aux_loss
+        ).backward()  # the mean of the ranks' objectives
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    grad_diffs = [max(max_rel_diff(g, ref_grads[n]) for n, g in r["grads"].items()) for r in per_rank]
-    router_diff = max(max_rel_diff(r["grads"]["router.weight"], ref_grads["router.weight"]) for r in per_rank)
+    grad_diffs = [
+        max(max_rel_diff(g, ref_grads[n]) for n, g in r["grads"].items()) for r in per_rank
+    ]
+    router_diff = max(
+        max_rel_diff(r["grads"]["router.weight"], ref_grads["router.weight"]) for r in per_rank
+    )
     keep_ref = ref.routing["keep"].view(nproc, tokens_per_rank, top_k)
     result = {
-        "ep": ep, "nproc": nproc, "experts": experts, "top_k": top_k, "capacity_factor": capacity_factor,
-        "tokens_per_rank": tokens_per_rank, "capacity": ref.capacity(tokens_per_rank),
-        "max_output_rel_diff": max_rel_diff(torch.stack([r["y"] for r in per_rank]), y_ref.detach()),
-        "max_input_grad_rel_diff": max_rel_diff(torch.stack([r["x_grad"] for r in per_rank]), x_ref.grad * nproc),
-        "max_grad_rel_diff": max(grad_diffs), "router_grad_rel_diff": router_diff,
-        "aux_loss": sum(r["aux"] for r in per_rank) / nproc, "reference_aux_loss": ref.aux_loss.item(),
+        "ep": ep,
+        "nproc": nproc,
+        "experts": experts,
+        "top_k": top_k,
+        "capacity_factor": capacity_factor,
+        "tokens_per_rank": tokens_per_rank,
+        "capacity": ref.capacity(tokens_per_rank),
+        "max_output_rel_diff": max_rel_diff(
+            torch.stack([r["y"] for r in per_rank]), y_ref.detach()
+        ),
+        "max_input_grad_rel_diff": max_rel_diff(
+            torch.stack([r["x_grad"] for r in per_rank]), x_ref.grad * nproc
+        ),
+        "max_grad_rel_diff": max(grad_diffs),
+        "router_grad_rel_diff": router_diff,
+        "aux_loss": sum(r["aux"] for r in per_rank) / nproc,
+        "reference_aux_loss": ref.aux_loss.item(),
         "same_drops": all(torch.equal(r["keep"], keep_ref[i]) for i, r in enumerate(per_rank)),
-        "dropped_pairs": int((~ref.routing["keep"]).sum()), "pairs": ref.routing["keep"].numel(),
+        "dropped_pairs": int((~ref.routing["keep"]).sum()),
+        "pairs": ref.routing["keep"].numel(),
         "experts_per_rank": [r["experts"] for r in per_rank],
     }
-    result["matches_reference"] = max(result[k] for k in ("max_output_rel_diff", "max_input_grad_rel_diff",
-                                                          "max_grad_rel_diff")) <= TOLERANCES[torch.float32]
-    result.update(_bytes_vs_theory(per_rank, [[r["counts"]] for r in per_rank], ep, experts, LAYER_CFG.n_embd))
+    result["matches_reference"] = (
+        max(
+            result[k]
+            for k in ("max_output_rel_diff", "max_input_grad_rel_diff", "max_grad_rel_diff")
+        )
+        <= TOLERANCES[torch.float32]
+    )
+    result.update(
+        _bytes_vs_theory(per_rank, [[r["counts"]] for r in per_rank], ep, experts, LAYER_CFG.n_embd)
+    )
     return result
 
 
 def _bytes_vs_theory(per_rank, counts, ep, experts, hidden) -> dict:
-    """Ledger vs theory per rank: the forward all-to-alls, layer by layer, are [counts, dispatch, combine];
-    the backward ones, last layer first, are combine's gradient (sent the way dispatch went, so dispatch's
-    bytes) then dispatch's gradient (combine's bytes). ``counts[rank][layer]`` comes from the routing."""
+    """Ledger vs theory per rank: the forward all-to-alls, layer by layer, are [counts, dispatch,
+    combine]; the backward ones, last layer first, are combine's gradient (sent the way dispatch
+    went, so dispatch's bytes) then dispatch's gradient (combine's bytes). ``counts[rank][layer]``
+    comes from the routing."""
     measured, predicted = [], []
     for rank, r in enumerate(per_rank):
-        first = rank - rank % ep                                   # this rank's EP group: ranks first .. first+ep-1
+        first = rank - rank % ep  # this rank's EP group: ranks first .. first+ep-1
         expected = []
         for layer in range(len(counts[rank])):
-            rows = theory.rows_between_ranks([counts[s][layer]["kept"] for s in range(first, first + ep)])
+            rows = theory.rows_between_ranks(
+                [counts[s][layer]["kept"] for s in range(first, first + ep)]
+            )
             b = theory.all_to_all_bytes(rows, rank % ep, hidden, 4)
-            expected.append([theory.counts_exchange_bytes(experts, ep), b["dispatch"], b["combine"]])
+            expected.append(
+                [theory.counts_exchange_bytes(experts, ep), b["dispatch"], b["combine"]]
+            )
         backward = [[dispatch, combine] for _, dispatch, combine in reversed(expected)]
         measured.append({"forward": r["forward_a2a"], "backward": r["backward_a2a"]})
-        predicted.append({"forward": [x for b in expected for x in b], "backward": [x for b in backward for x in b]})
-    return {"a2a_bytes_per_rank": measured, "theory_a2a_bytes_per_rank": predicted,
-            "bytes_match_theory": measured == predicted}
+        predicted.append(
+            {
+                "forward": [x for b in expected for x in b],
+                "backward": [x for b in backward for x in b],
+            }
+        )
+    return {
+        "a2a_bytes_per_rank": measured,
+        "theory_a2a_bytes_per_rank": predicted,
+        "bytes_match_theory": measured == predicted,
+    }
 
 
 def bytes_table(result: dict) -> str:
-    """Per rank and MoE layer, the forward all-to-alls: bytes the ledger counted vs the routing's figure
-    (from ``layer_check`` or ``run``), and what uniform routing would send on average."""
+    """Per rank and MoE layer, the forward all-to-alls: bytes the ledger counted vs the routing's
+    figure (from ``layer_check`` or ``run``), and what uniform routing would send on average."""
     lines = ["rank  layer  counts     dispatch: ledger / theory     combine: ledger / theory"]
-    for rank, (m, t) in enumerate(zip(result["a2a_bytes_per_rank"], result["theory_a2a_bytes_per_rank"])):
+    for rank, (m, t) in enumerate(
+        zip(result["a2a_bytes_per_rank"], result["theory_a2a_bytes_per_rank"])
+    ):
         for layer in range(len(m["forward"]) // 3):
-            c, d, b = m["forward"][3 * layer:3 * layer + 3]
-            _, td, tb = t["forward"][3 * layer:3 * layer + 3]
-            lines.append(f"{rank:>4}  {layer:>5}  {c:>6.0f}  {d:>12.0f} / {td:<12}  {b:>12.0f} / {tb:<12}")
+            c, d, b = m["forward"][3 * layer : 3 * layer + 3]
+            _, td, tb = t["forward"][3 * layer : 3 * layer + 3]
+            lines.append(
+                f"{rank:>4}  {layer:>5}  {c:>6.0f}  {d:>12.0f} / {td:<12}  {b:>12.0f} / {tb:<12}"
+            )
     return "\n".join(lines)
 
 
-# --- training the course model with MoE layers ------------------------------------------------------------------------
+# --- training the course model with MoE layers
+# ------------------------------------------------------------------------
 def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) -> dict:
     xp, rank, world = exercise("expert_parallel"), dist.get_rank(), dist.get_world_size()
     ep_group, expert_dp = make_groups(ep)
@@ -240,8 +368,14 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
     model = build_moe_model(cfg, moe, seed=train.seed, device=device)
     swap_mlp(model, lambda i, layer: xp.ExpertParallelMoE.from_full(layer, group=ep_group))
     optimizer = make_optimizer(model.parameters(), train)
-    batches = rank_batches(steps=train.steps, batch_size=train.per_rank_batch(world), seq_len=train.seq_len,
-                           rank=rank, world_size=world, seed=train.data_seed)
+    batches = rank_batches(
+        steps=train.steps,
+        batch_size=train.per_rank_batch(world),
+        seq_len=train.seq_len,
+        rank=rank,
+        world_size=world,
+        seed=train.data_seed,
+    )
     losses, times, out, ledger = [], [], {}, CommLedger()
     for step, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
@@ -255,14 +389,23 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
             with ledger.phase("grad_sync"):
                 xp.allreduce_gradients(model, expert_dp_group=expert_dp)
         if step == 0:
-            out.update(grads={n: p.grad.clone() for n, p in model.named_parameters()},
-                       counts=[routing_counts(layer, moe.n_experts) for layer in model.moe_layers()],
-                       forward_a2a=_a2a_bytes(ledger, "forward"), backward_a2a=_a2a_bytes(ledger, "backward"),
-                       grad_sync_bytes=ledger.sent_bytes("all_reduce", "grad_sync"),
-                       expert_param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()
-                                              if getattr(p, "expert_parallel", False)),
-                       other_param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()
-                                             if not getattr(p, "expert_parallel", False)))
+            out.update(
+                grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                counts=[routing_counts(layer, moe.n_experts) for layer in model.moe_layers()],
+                forward_a2a=_a2a_bytes(ledger, "forward"),
+                backward_a2a=_a2a_bytes(ledger, "backward"),
+                grad_sync_bytes=ledger.sent_bytes("all_reduce", "grad_sync"),
+                expert_param_bytes=sum(
+                    p.numel() * p.element_size()
+                    for p in model.parameters()
+                    if getattr(p, "expert_parallel", False)
+                ),
+                other_param_bytes=sum(
+                    p.numel() * p.element_size()
+                    for p in model.parameters()
+                    if not getattr(p, "expert_parallel", False)
+                ),
+            )
         optimizer.step()
         if step == 0:  # parameters, gradients and optimizer state are all alive here
             out["state_bytes"] = state_bytes(model, optimizer)["total"]
@@ -270,85 +413,183 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
         synchronize(device)
         times.append(time.perf_counter() - t0)
         global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)  # the reference's loss: the mean over all tokens = the mean of the ranks'
+        dist.all_reduce(
+            global_loss
+        )  # the reference's loss: the mean over all tokens = the mean of the ranks'
         losses.append(global_loss.item() / world)
         report_progress()
-    return {**out, "losses": losses, "step_time_s": sorted(times)[len(times) // 2], "backend": dist.get_backend(),
-            "n_params": count_params(model)}
+    return {
+        **out,
+        "losses": losses,
+        "step_time_s": sorted(times)[len(times) // 2],
+        "backend": dist.get_backend(),
+        "n_params": count_params(model),
+    }
 
 
-def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool = False, timeout: float = 120.0,
-        experts: int = 8, top_k: int = 2, capacity_factor: float | None = 1.25, ep: int | None = None,
-        aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, seed: int = 0) -> dict:
-    """Train the course model with MoE layers on ``nproc`` ranks (EP groups of ``ep``, default all of them,
-    data parallel across groups) and check it against the single-process reference and the theory."""
+def run(
+    *,
+    nproc: int = 4,
+    steps: int = 5,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 120.0,
+    experts: int = 8,
+    top_k: int = 2,
+    capacity_factor: float | None = 1.25,
+    ep: int | None = None,
+    aux_loss_coef: float = 1e-2,
+    z_loss_coef: float = 1e-3,
+    seed: int = 0,
+) -> dict:
+    """Train the course model with MoE layers on ``nproc`` ranks (EP groups of ``ep``, default all
+    of them, data parallel across groups) and check it against the single-process reference and the
+    theory."""
     ep = ep or nproc
-    moe = MoEConfig(n_experts=experts, top_k=top_k, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef,
-                    z_loss_coef=z_loss_coef)
+    moe = MoEConfig(
+        n_experts=experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        aux_loss_coef=aux_loss_coef,
+        z_loss_coef=z_loss_coef,
+    )
     check_options(nproc=nproc, ep=ep, moe=moe)
     cfg, train = ModelConfig(), TrainConfig(steps=steps, seed=seed)
-    tokens = train.per_rank_batch(nproc) * train.seq_len  # (a batch that does not split is an error here)
-    per_rank = launch(train_worker, nproc, cfg, moe, train, ep, backend=backend, timeout=timeout, progress=steps,
-                      desc="MoE steps")
+    tokens = (
+        train.per_rank_batch(nproc) * train.seq_len
+    )  # (a batch that does not split is an error here)
+    per_rank = launch(
+        train_worker,
+        nproc,
+        cfg,
+        moe,
+        train,
+        ep,
+        backend=backend,
+        timeout=timeout,
+        progress=steps,
+        desc="MoE steps",
+    )
     ref_model = build_moe_model(cfg, moe, seed=seed, groups=nproc)
     n_params = count_params(ref_model)
     ref = train_reference(cfg, train, dp=nproc, model=ref_model, return_grads=True)
-    summary = new_summary("moe", nproc=nproc, backend=per_rank[0]["backend"], steps=steps, ep=ep, dp=nproc,
-                          experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+    summary = new_summary(
+        "moe",
+        nproc=nproc,
+        backend=per_rank[0]["backend"],
+        steps=steps,
+        ep=ep,
+        dp=nproc,
+        experts=experts,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+    )
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
     grad_diff = max(max_rel_diff(g, ref.grads[n]) for r in per_rank for n, g in r["grads"].items())
-    summary.update(max_grad_rel_diff=grad_diff, grads_match_reference=grad_diff <= TOLERANCES[torch.float32])
-    # Bytes: all-to-alls against the routing decisions, gradient all-reduces and state against the theory.
+    summary.update(
+        max_grad_rel_diff=grad_diff, grads_match_reference=grad_diff <= TOLERANCES[torch.float32]
+    )
+    # Bytes: all-to-alls against the routing decisions, gradient all-reduces and state against the
+    # theory.
     a2a = _bytes_vs_theory(per_rank, [r["counts"] for r in per_rank], ep, experts, cfg.n_embd)
     counts, r0 = theory.moe_param_counts(model_spec(cfg, moe), ep=ep), per_rank[0]
-    summary.update(a2a, **{f"{who}comm_bytes_per_rank": [sum(b["forward"]) + sum(b["backward"]) for b in a2a[key]]
-                           for who, key in (("", "a2a_bytes_per_rank"), ("theory_", "theory_a2a_bytes_per_rank"))})
     summary.update(
-        uniform_routing_comm_bytes=4 * cfg.n_layer * theory.expected_all_to_all_bytes(tokens, top_k, ep, cfg.n_embd, 4),
+        a2a,
+        **{
+            f"{who}comm_bytes_per_rank": [sum(b["forward"]) + sum(b["backward"]) for b in a2a[key]]
+            for who, key in (("", "a2a_bytes_per_rank"), ("theory_", "theory_a2a_bytes_per_rank"))
+        },
+    )
+    summary.update(
+        uniform_routing_comm_bytes=4
+        * cfg.n_layer
+        * theory.expected_all_to_all_bytes(tokens, top_k, ep, cfg.n_embd, 4),
         grad_sync_bytes_per_rank=[r["grad_sync_bytes"] for r in per_rank],
-        theory_grad_sync_bytes=(all_reduce_bytes(r0["other_param_bytes"], nproc)
-                                + all_reduce_bytes(r0["expert_param_bytes"], nproc // ep)),
+        theory_grad_sync_bytes=(
+            all_reduce_bytes(r0["other_param_bytes"], nproc)
+            + all_reduce_bytes(r0["expert_param_bytes"], nproc // ep)
+        ),
         state_bytes_per_rank=[r["state_bytes"] for r in per_rank],
         theory_state_bytes_per_rank=theory_state_bytes(counts["per_rank"])["total_bytes"],
-        params_per_rank=r0["n_params"], theory_params_per_rank=counts["per_rank"], params_total=counts["total"],
-        params_active=counts["active"], measured_params_total=n_params,
+        params_per_rank=r0["n_params"],
+        theory_params_per_rank=counts["per_rank"],
+        params_total=counts["total"],
+        params_active=counts["active"],
+        measured_params_total=n_params,
         step_time_s=max(r["step_time_s"] for r in per_rank),
         torch_step_time_s=None,  # PyTorch ships no expert-parallel layer to time against
-        tokens_per_rank=tokens, capacity=None if capacity_factor is None else
-        theory.expert_capacity(tokens, top_k, experts, capacity_factor),
+        tokens_per_rank=tokens,
+        capacity=None
+        if capacity_factor is None
+        else theory.expert_capacity(tokens, top_k, experts, capacity_factor),
         chosen_per_expert=[[c["chosen"] for c in r["counts"]] for r in per_rank],
-        kept_per_expert=[[c["kept"] for c in r["counts"]] for r in per_rank])
+        kept_per_expert=[[c["kept"] for c in r["counts"]] for r in per_rank],
+    )
     return summary
 
 
-# --- load balance over a short run -------------------------------------------------------------------------------
-def balance_run(*, aux_loss_coefs=(0.0, 0.1), steps: int = 30, experts: int = 8, top_k: int = 2,
-                capacity_factor: float | None = 1.25, groups: int = 2, seed: int = 0) -> dict:
-    """Train the MoE model single-process (``groups`` routing groups, as on that many ranks) once per
-    aux-loss coefficient; per step: the imbalance (max/mean pairs per expert, worst layer and group),
-    the share of pairs dropped, the loss and the pairs per expert (``counts[step][layer][group][e]``).
-    Returns {coef: {"imbalance", "dropped_share", "loss", "counts", "capacity"}}."""
+# --- load balance over a short run
+# -------------------------------------------------------------------------------
+def balance_run(
+    *,
+    aux_loss_coefs=(0.0, 0.1),
+    steps: int = 30,
+    experts: int = 8,
+    top_k: int = 2,
+    capacity_factor: float | None = 1.25,
+    groups: int = 2,
+    seed: int = 0,
+) -> dict:
+    """Train the MoE model single-process (``groups`` routing groups, as on that many ranks) once
+    per aux-loss coefficient; per step: the imbalance (max/mean pairs per expert, worst layer and
+    group), the share of pairs dropped, the loss and the pairs per expert
+    (``counts[step][layer][group][e]``). Returns {coef: {"imbalance", "dropped_share", "loss",
+    "counts", "capacity"}}."""
     cfg, train = ModelConfig(), TrainConfig(steps=steps, seed=seed)
     with one_thread():
-        return {coef: _balance_curve(cfg, train, groups, MoEConfig(n_experts=experts, top_k=top_k, aux_loss_coef=coef,
-                                                                   capacity_factor=capacity_factor))
-                for coef in aux_loss_coefs}
+        return {
+            coef: _balance_curve(
+                cfg,
+                train,
+                groups,
+                MoEConfig(
+                    n_experts=experts,
+                    top_k=top_k,
+                    aux_loss_coef=coef,
+                    capacity_factor=capacity_factor,
+                ),
+            )
+            for coef in aux_loss_coefs
+        }
 
 
 def _balance_curve(cfg: ModelConfig, train: TrainConfig, groups: int, moe: MoEConfig) -> dict:
     model = build_moe_model(cfg, moe, seed=train.seed, groups=groups)
     optimizer = make_optimizer(model.parameters(), train)
-    rows = {"imbalance": [], "dropped_share": [], "loss": [], "counts": [],
-            "capacity": model.moe_layers()[0].capacity(train.batch_size * train.seq_len // groups)}
-    batches = rank_batches(steps=train.steps, batch_size=train.batch_size, seq_len=train.seq_len,
-                           seed=train.data_seed)
+    rows = {
+        "imbalance": [],
+        "dropped_share": [],
+        "loss": [],
+        "counts": [],
+        "capacity": model.moe_layers()[0].capacity(train.batch_size * train.seq_len // groups),
+    }
+    batches = rank_batches(
+        steps=train.steps, batch_size=train.batch_size, seq_len=train.seq_len, seed=train.data_seed
+    )
     for x, y in tqdm(batches, desc=f"aux coef {moe.aux_loss_coef:g}", leave=False):
         _, loss = model(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        per_group = [[torch.bincount(layer.routing["chosen"].view(groups, -1)[g], minlength=moe.n_experts).tolist()
-                      for g in range(groups)] for layer in model.moe_layers()]   # [layer][group][e]
+        per_group = [
+            [
+                torch.bincount(
+                    layer.routing["chosen"].view(groups, -1)[g], minlength=moe.n_experts
+                ).tolist()
+                for g in range(groups)
+            ]
+            for layer in model.moe_layers()
+        ]  # [layer][group][e]
         keep = torch.cat([layer.routing["keep"].flatten() for layer in model.moe_layers()])
         rows["imbalance"].append(max(theory.imbalance(c) for layer in per_group for c in layer))
         rows["dropped_share"].append(1 - keep.float().mean().item())
@@ -360,9 +601,20 @@ def _balance_curve(cfg: ModelConfig, train: TrainConfig, groups: int, moe: MoECo
 def add_arguments(parser) -> None:
     parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (E)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (k)")
-    parser.add_argument("--capacity-factor", type=float, default=1.25,
-                        help="expert capacity as a multiple of an even share (> 0); 0 is rejected")
-    parser.add_argument("--no-capacity", dest="capacity_factor", action="store_const", const=None,
-                        help="no capacity: drop nothing")
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel ranks per group (default: --nproc)")
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.25,
+        help="expert capacity as a multiple of an even share (> 0); 0 is rejected",
+    )
+    parser.add_argument(
+        "--no-capacity",
+        dest="capacity_factor",
+        action="store_const",
+        const=None,
+        help="no capacity: drop nothing",
+    )
+    parser.add_argument(
+        "--ep", type=int, default=None, help="expert-parallel ranks per group (default: --nproc)"
+    )
     parser.add_argument("--seed", type=int, default=0)

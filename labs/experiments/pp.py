@@ -1,4 +1,5 @@
-"""Experiment 05: pipeline schedules on P ranks against the reference, the bubble formula and torch's pipelining.
+"""Experiment 05: pipeline schedules on P ranks against the reference, the bubble formula and
+torch's pipelining.
 
     summary = run(nproc=4, schedule="1f1b", microbatches=8)     # notebook 05, or:
     python -m labs.run pp --schedule 1f1b --nproc 4 --microbatches 8 --vs-torch --json
@@ -55,11 +56,23 @@ from labs.runtime.launcher import launch, report_progress
 from labs.theory import pipeline as theory
 from labs.theory.dims import ParallelDims, check_divides
 from labs.theory.memory import param_counts
-from labs.train import TOLERANCES, TrainConfig, compare_losses, data_for, make_optimizer, max_rel_diff, train_reference
+from labs.train import (
+    TOLERANCES,
+    TrainConfig,
+    compare_losses,
+    data_for,
+    make_optimizer,
+    max_rel_diff,
+    train_reference,
+)
 
 CHOICES = ("naive", "gpipe", "1f1b", "interleaved")
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "afab": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "interleaved": "ScheduleInterleaved1F1B"}
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "afab": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+}
 
 
 class MeasuredTimeline(Timeline):
@@ -70,7 +83,9 @@ class MeasuredTimeline(Timeline):
         super().__init__()
         self.min_time = {"F": op_time, "B": backward_ratio * op_time}
         self._params = {p.untyped_storage().data_ptr() for p in exclude}
-        self.live: dict[tuple, int] = defaultdict(int)  # (micro-batch, chunk) -> saved tensors alive
+        self.live: dict[tuple, int] = defaultdict(
+            int
+        )  # (micro-batch, chunk) -> saved tensors alive
         self.peak_held, self.bytes, self.peak_bytes = 0, 0, 0
         self._tag = None
 
@@ -78,7 +93,11 @@ class MeasuredTimeline(Timeline):
     def span(self, name: str, **meta):
         start = time.perf_counter()
         self._tag = (meta.get("microbatch"), meta.get("chunk"))
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack) if name == "F" else nullcontext()
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            if name == "F"
+            else nullcontext()
+        )
         with super().span(name, **meta), hooks:
             yield
             pad = self.min_time.get(name, 0.0) - (time.perf_counter() - start)
@@ -93,7 +112,9 @@ class MeasuredTimeline(Timeline):
         self.bytes += nbytes
         self.peak_held = max(self.peak_held, sum(1 for n in self.live.values() if n))
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        weakref.finalize(held, self._release, tag, nbytes)  # runs when autograd frees the saved tensor
+        weakref.finalize(
+            held, self._release, tag, nbytes
+        )  # runs when autograd frees the saved tensor
         return held
 
     def _release(self, tag, nbytes):
@@ -117,9 +138,21 @@ def _events(timeline) -> dict:
     CLOCK_MONOTONIC on Linux, one clock for all processes of a machine, so the ranks' origins
     (``timeline.origin``) line their spans up exactly; the barrier before each origin only
     lines them up to within its exit skew, milliseconds on a busy machine."""
-    return {"host": socket.gethostname(), "origin": timeline.origin,
-            "spans": [{"rank": e.rank, "name": e.name, "microbatch": e.meta.get("microbatch"),
-                       "chunk": e.meta.get("chunk"), "start": e.start, "end": e.end} for e in timeline.events]}
+    return {
+        "host": socket.gethostname(),
+        "origin": timeline.origin,
+        "spans": [
+            {
+                "rank": e.rank,
+                "name": e.name,
+                "microbatch": e.meta.get("microbatch"),
+                "chunk": e.meta.get("chunk"),
+                "start": e.start,
+                "end": e.end,
+            }
+            for e in timeline.events
+        ],
+    }
 
 
 def _one_clock(per_rank, key) -> list[dict]:
@@ -134,10 +167,14 @@ def _one_clock(per_rank, key) -> list[dict]:
 
 def _stages(pp, pipe, model, plan, virtual):
     """This rank's chunks: virtual stages rank, rank+P, ... (one unless interleaved)."""
-    return [pp.build_stage(model, plan=plan, stage=c * pipe.size + pipe.rank) for c in range(virtual)]
+    return [
+        pp.build_stage(model, plan=plan, stage=c * pipe.size + pipe.rank) for c in range(virtual)
+    ]
 
 
-def split_microbatches(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_microbatches(
+    x: torch.Tensor, y: torch.Tensor, n: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut the global batch (x, y), [B, T] each, into ``n`` micro-batches of [B/n, T]."""
     check_divides(x.shape[0], "batch_size", n, "microbatches")
     return list(zip(x.chunk(n), y.chunk(n)))
@@ -155,10 +192,20 @@ def _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline):
     return step(chunks[0], mbs, pipe=pipe, timeline=timeline)
 
 
-def pipeline_worker(schedule: str, model_cfg: ModelConfig, cfg: TrainConfig, microbatches: int, virtual: int,
-                    plan: tuple, op_time: float = 0.0, backward_ratio: float = 2.0, vs_torch: bool = False) -> dict:
+def pipeline_worker(
+    schedule: str,
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    microbatches: int,
+    virtual: int,
+    plan: tuple,
+    op_time: float = 0.0,
+    backward_ratio: float = 2.0,
+    vs_torch: bool = False,
+) -> dict:
     """Train ``cfg.steps`` steps (naive: ``cfg.steps`` forwards) with our schedule on this rank,
-    then one measured step; optionally the same with torch's pipelining. Returns what this rank saw."""
+    then one measured step; optionally the same with torch's pipelining. Returns what this rank
+    saw."""
     pp = exercise("pipeline_parallel")
     pipe = pp.pipe_group()
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
@@ -166,7 +213,14 @@ def pipeline_worker(schedule: str, model_cfg: ModelConfig, cfg: TrainConfig, mic
     params = [p for c in chunks for p in c.parameters()]
     optimizer = make_optimizer(params, cfg) if schedule != "naive" else None
     data = data_for(cfg)
-    out = {"rank": pipe.rank, "backend": dist.get_backend(), "losses": [], "times": [], "grads": {}, "logits": None}
+    out = {
+        "rank": pipe.rank,
+        "backend": dist.get_backend(),
+        "losses": [],
+        "times": [],
+        "grads": {},
+        "logits": None,
+    }
     for step, (x, y) in enumerate(data):
         first = step == 0
         timeline = MeasuredTimeline(exclude=params) if first else Timeline()
@@ -177,7 +231,9 @@ def pipeline_worker(schedule: str, model_cfg: ModelConfig, cfg: TrainConfig, mic
         if schedule == "naive":
             if result is not None:
                 out["logits"] = result if first else out["logits"]
-                result = F.cross_entropy(result.float().flatten(0, 1), y.to(result.device).flatten()).item()
+                result = F.cross_entropy(
+                    result.float().flatten(0, 1), y.to(result.device).flatten()
+                ).item()
         else:
             if first:
                 out["grads"] = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
@@ -189,15 +245,21 @@ def pipeline_worker(schedule: str, model_cfg: ModelConfig, cfg: TrainConfig, mic
         out["times"].append(time.perf_counter() - t0)
         out["losses"].append(result)
         if first:
-            out.update(sent_bytes=ledger.sent_bytes(), held=timeline.peak_held, held_bytes=timeline.peak_bytes,
-                       order=[(e.name, e.meta["microbatch"], e.meta["chunk"]) for e in timeline.events])
+            out.update(
+                sent_bytes=ledger.sent_bytes(),
+                held=timeline.peak_held,
+                held_bytes=timeline.peak_bytes,
+                order=[(e.name, e.meta["microbatch"], e.meta["chunk"]) for e in timeline.events],
+            )
         report_progress()
     out["raw_events"] = _events(timeline)  # the last step's
     if schedule == "naive":
         out["state_bytes"] = state_bytes(params)["total"]
     # the measurement step: padded operations, no update (its gradients are thrown away)
     # an interleaved chunk holds 1/V of the rank's layers, so its operations take 1/V of the time
-    measured = MeasuredTimeline(op_time=op_time / virtual, backward_ratio=backward_ratio, exclude=params)
+    measured = MeasuredTimeline(
+        op_time=op_time / virtual, backward_ratio=backward_ratio, exclude=params
+    )
     _run_step(pp, schedule, chunks, *data[0], microbatches, pipe, measured)
     out["events"] = _events(measured)
     if vs_torch and schedule != "naive":
@@ -206,28 +268,42 @@ def pipeline_worker(schedule: str, model_cfg: ModelConfig, cfg: TrainConfig, mic
 
 
 def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) -> dict:
-    """The same split trained by torch.distributed.pipelining; losses and step times on this rank."""
+    """The same split trained by torch.distributed.pipelining; losses and step times on this
+    rank."""
     import torch.distributed.pipelining as tpp
+
     if schedule == "1f1b" and microbatches < pipe.size:
-        return {"torch_skipped": f"Schedule1F1B needs microbatches >= stages ({microbatches} < {pipe.size})"}
+        return {
+            "torch_skipped": f"Schedule1F1B needs microbatches >= stages ({microbatches} < {pipe.size})"
+        }
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
     chunks = _stages(pp, pipe, model, plan, virtual)
     n = pipe.size * virtual
-    stages = [tpp.PipelineStage(c, c_idx * pipe.size + pipe.rank, n, pipe.device, group=pipe.group)
-              for c_idx, c in enumerate(chunks)]
+    stages = [
+        tpp.PipelineStage(c, c_idx * pipe.size + pipe.rank, n, pipe.device, group=pipe.group)
+        for c_idx, c in enumerate(chunks)
+    ]
 
-    def loss_fn(logits, targets):  # the mean over the micro-batch; torch divides gradients by M (scale_grads)
+    def loss_fn(
+        logits, targets
+    ):  # the mean over the micro-batch; torch divides gradients by M (scale_grads)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-    sched = cls(stages if schedule == "interleaved" else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    sched = cls(
+        stages if schedule == "interleaved" else stages[0],
+        n_microbatches=microbatches,
+        loss_fn=loss_fn,
+    )
     optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)
     has_first, has_last = chunks[0].first, chunks[-1].last
     losses, times = [], []
     for x, y in data_for(cfg):
         x, y, mb_losses = x.to(pipe.device), y.to(pipe.device), []
         t0 = time.perf_counter()
-        sched.step(*((x,) if has_first else ()), **({"target": y, "losses": mb_losses} if has_last else {}))
+        sched.step(
+            *((x,) if has_first else ()), **({"target": y, "losses": mb_losses} if has_last else {})
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(pipe.device)
@@ -244,7 +320,8 @@ def layer_costs(model_cfg: ModelConfig) -> tuple[list[int], int, int]:
 
 
 def stage_params(model_cfg: ModelConfig, plan: tuple, stages: int) -> list[int]:
-    """Parameters each rank holds under ``plan`` (its virtual stages rank, rank+P, ...), from the theory."""
+    """Parameters each rank holds under ``plan`` (its virtual stages rank, rank+P, ...), from the
+    theory."""
     costs, first, last = layer_costs(model_cfg)
     per_stage = theory.plan_costs(costs, plan, first, last)
     return [sum(per_stage[r::stages]) for r in range(stages)]
@@ -256,9 +333,15 @@ def make_plan(schedule: str, model_cfg: ModelConfig, stages: int, virtual: int, 
     n = stages * virtual
     if plan is not None:
         plan = tuple(plan)
-        if len(plan) != n or sum(plan) != model_cfg.n_layer or min(plan) < (0 if schedule == "naive" else 1):
-            raise ValueError(f"plan={plan} must give {n} stages (nproc x virtual) layers adding up to "
-                             f"layers={model_cfg.n_layer}, at least 1 each")
+        if (
+            len(plan) != n
+            or sum(plan) != model_cfg.n_layer
+            or min(plan) < (0 if schedule == "naive" else 1)
+        ):
+            raise ValueError(
+                f"plan={plan} must give {n} stages (nproc x virtual) layers adding up to "
+                f"layers={model_cfg.n_layer}, at least 1 each"
+            )
         return plan
     costs, first, last = layer_costs(model_cfg)
     balanced = theory.balanced_plan(costs, n, first_extra=first, last_extra=last)
@@ -268,7 +351,9 @@ def make_plan(schedule: str, model_cfg: ModelConfig, stages: int, virtual: int, 
     return theory.fill_plan(costs, n, capacity=capacity, first_extra=first, last_extra=last)
 
 
-def validate(*, nproc, schedule, microbatches, virtual, layers, batch_size, op_time, backward_ratio) -> None:
+def validate(
+    *, nproc, schedule, microbatches, virtual, layers, batch_size, op_time, backward_ratio
+) -> None:
     """Every ValueError a bad option can cause, raised before any rank starts."""
     if schedule not in CHOICES + ("afab",):
         raise ValueError(f"schedule={schedule!r} is not one of {CHOICES}")
@@ -279,27 +364,75 @@ def validate(*, nproc, schedule, microbatches, virtual, layers, batch_size, op_t
         raise ValueError(f"op_time={op_time} and backward_ratio={backward_ratio} must be >= 0")
 
 
-def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool = False, timeout: float = 300.0,
-        schedule: str = "1f1b", microbatches: int | None = None, virtual: int | None = None, layers: int = 8,
-        batch_size: int = 16, plan=None, op_time: float = 0.02, backward_ratio: float = 2.0, seed: int = 0) -> dict:
+def run(
+    *,
+    nproc: int = 4,
+    steps: int = 5,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 300.0,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    virtual: int | None = None,
+    layers: int = 8,
+    batch_size: int = 16,
+    plan=None,
+    op_time: float = 0.02,
+    backward_ratio: float = 2.0,
+    seed: int = 0,
+) -> dict:
     """Run ``schedule`` on ``nproc`` pipeline stages and check it; returns the lab summary.
     Defaults: ``microbatches`` 8 (naive: 1), ``virtual`` 2 for interleaved (else 1)."""
     microbatches = (1 if schedule == "naive" else 8) if microbatches is None else microbatches
     virtual = (2 if schedule == "interleaved" else 1) if virtual is None else virtual
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    validate(nproc=nproc, schedule=schedule, microbatches=microbatches, virtual=virtual, layers=layers,
-             batch_size=batch_size, op_time=op_time, backward_ratio=backward_ratio)
+    validate(
+        nproc=nproc,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual=virtual,
+        layers=layers,
+        batch_size=batch_size,
+        op_time=op_time,
+        backward_ratio=backward_ratio,
+    )
     model_cfg = ModelConfig(n_layer=layers)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
     plan = make_plan(schedule, model_cfg, nproc, virtual, plan)
     if vs_torch:
         import torch.distributed.pipelining  # noqa: F401  (slow to import: once here, not in every forked rank)
     ref = reference_run(model_cfg, cfg) if schedule != "naive" else None
-    per_rank = launch(pipeline_worker, nproc, schedule, model_cfg, cfg, microbatches, virtual, plan, op_time,
-                      backward_ratio, vs_torch, backend=backend, timeout=timeout, progress=steps, desc=schedule)
-    return summarize(per_rank, ref, schedule=schedule, model_cfg=model_cfg, cfg=cfg, microbatches=microbatches,
-                     virtual=virtual, plan=plan, op_time=op_time, backward_ratio=backward_ratio, vs_torch=vs_torch)
+    per_rank = launch(
+        pipeline_worker,
+        nproc,
+        schedule,
+        model_cfg,
+        cfg,
+        microbatches,
+        virtual,
+        plan,
+        op_time,
+        backward_ratio,
+        vs_torch,
+        backend=backend,
+        timeout=timeout,
+        progress=steps,
+        desc=schedule,
+    )
+    return summarize(
+        per_rank,
+        ref,
+        schedule=schedule,
+        model_cfg=model_cfg,
+        cfg=cfg,
+        microbatches=microbatches,
+        virtual=virtual,
+        plan=plan,
+        op_time=op_time,
+        backward_ratio=backward_ratio,
+        vs_torch=vs_torch,
+    )
 
 
 def reference_run(model_cfg: ModelConfig, cfg: TrainConfig):
@@ -307,78 +440,154 @@ def reference_run(model_cfg: ModelConfig, cfg: TrainConfig):
     return train_reference(model_cfg, cfg, return_grads=True)
 
 
-def summarize(per_rank, ref, *, schedule, model_cfg, cfg, microbatches, virtual, plan, op_time, backward_ratio,
-              vs_torch) -> dict:
+def summarize(
+    per_rank,
+    ref,
+    *,
+    schedule,
+    model_cfg,
+    cfg,
+    microbatches,
+    virtual,
+    plan,
+    op_time,
+    backward_ratio,
+    vs_torch,
+) -> dict:
     """The lab summary from the ranks' results and the reference ``ref`` (None for naive, whose
     reference is the unsplit model's forward): reference, theory and torch side by side."""
     P, last = len(per_rank), per_rank[-1]
     timeline = _one_clock(per_rank, "events")  # every rank's measured operations on one clock
-    summary = new_summary("pp", nproc=P, backend=last["backend"], steps=cfg.steps, schedule=schedule,
-                          microbatches=microbatches, virtual=virtual, plan=list(plan), op_time_s=op_time)
-    if schedule == "naive":  # inference: compare with the unsplit model's forward on the same batches
+    summary = new_summary(
+        "pp",
+        nproc=P,
+        backend=last["backend"],
+        steps=cfg.steps,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual=virtual,
+        plan=list(plan),
+        op_time_s=op_time,
+    )
+    if (
+        schedule == "naive"
+    ):  # inference: compare with the unsplit model's forward on the same batches
         model = build_model(model_cfg, seed=cfg.seed)
         with torch.no_grad(), one_thread():
             reference = [model(x, y)[1].item() for x, y in data_for(cfg)]
-            summary["max_logits_rel_diff"] = max_rel_diff(last["logits"], model(data_for(cfg)[0][0]))
+            summary["max_logits_rel_diff"] = max_rel_diff(
+                last["logits"], model(data_for(cfg)[0][0])
+            )
     else:
         reference, grads = ref.losses, {n: g for r in per_rank for n, g in r["grads"].items()}
         missing = sorted(set(ref.grads) - set(grads))
-        summary["max_grad_rel_diff"] = max(max_rel_diff(grads[n], g) for n, g in ref.grads.items() if n in grads)
-        summary["grads_match_reference"] = not missing and summary["max_grad_rel_diff"] <= TOLERANCES[torch.float32]
+        summary["max_grad_rel_diff"] = max(
+            max_rel_diff(grads[n], g) for n, g in ref.grads.items() if n in grads
+        )
+        summary["grads_match_reference"] = (
+            not missing and summary["max_grad_rel_diff"] <= TOLERANCES[torch.float32]
+        )
     fill_losses(summary, last["losses"], reference)
     order = theory.schedule_ops(schedule, P, microbatches, virtual)
     per_stage = stage_params(model_cfg, plan, P)
     summary.update(
         comm_bytes_per_rank=[r["sent_bytes"] for r in per_rank],
-        theory_comm_bytes_per_rank=[theory.p2p_bytes_per_rank(schedule, P, r, batch=cfg.batch_size,
-                                                              seq_len=cfg.seq_len, hidden=model_cfg.n_embd,
-                                                              virtual=virtual) for r in range(P)],
+        theory_comm_bytes_per_rank=[
+            theory.p2p_bytes_per_rank(
+                schedule,
+                P,
+                r,
+                batch=cfg.batch_size,
+                seq_len=cfg.seq_len,
+                hidden=model_cfg.n_embd,
+                virtual=virtual,
+            )
+            for r in range(P)
+        ],
         state_bytes_per_rank=[r["state_bytes"] for r in per_rank],
-        theory_state_bytes_per_rank=[n * (4 if schedule == "naive" else 16) for n in per_stage],  # fp32 + grad + AdamW
+        theory_state_bytes_per_rank=[
+            n * (4 if schedule == "naive" else 16) for n in per_stage
+        ],  # fp32 + grad + AdamW
         step_time_s=max(median_step_time(r["times"]) for r in per_rank),
-        order_matches_schedule=all(list(map(tuple, r["order"])) == order[r["rank"]] for r in per_rank),
+        order_matches_schedule=all(
+            list(map(tuple, r["order"])) == order[r["rank"]] for r in per_rank
+        ),
         bubble_fraction=idle_fraction_of(timeline),
         raw_bubble_fraction=idle_fraction_of(_one_clock(per_rank, "raw_events")),
         theory_bubble_fraction=theory.bubble_fraction(schedule, P, microbatches, virtual),
-        simulated_bubble_fraction=theory.simulate(schedule, P, microbatches, virtual, 1.0,
-                                                  0.0 if schedule == "naive" else backward_ratio)["bubble_fraction"],
-        timeline=timeline)
+        simulated_bubble_fraction=theory.simulate(
+            schedule, P, microbatches, virtual, 1.0, 0.0 if schedule == "naive" else backward_ratio
+        )["bubble_fraction"],
+        timeline=timeline,
+    )
     # the formula assumes operations start the moment they can; the chart shows how late they did
     fit = theory.fit_timeline(summary["timeline"], schedule, P, microbatches, virtual)
-    summary.update(measured_t_forward_s=fit["t_forward"], measured_t_backward_s=fit["t_backward"],
-                   measured_delay_s=fit["t_delay"], delay_bubble_fraction=fit["bubble_fraction"])
+    summary.update(
+        measured_t_forward_s=fit["t_forward"],
+        measured_t_backward_s=fit["t_backward"],
+        measured_delay_s=fit["t_delay"],
+        delay_bubble_fraction=fit["bubble_fraction"],
+    )
     if schedule != "naive":
-        summary.update(microbatches_held=[r["held"] for r in per_rank],
-                       theory_microbatches_held=[theory.in_flight_microbatches(schedule, P, microbatches, r, virtual)
-                                                 for r in range(P)],
-                       activation_bytes_held=[r["held_bytes"] for r in per_rank])
-    summary["comm_matches_theory"] = summary["comm_bytes_per_rank"] == summary["theory_comm_bytes_per_rank"]
+        summary.update(
+            microbatches_held=[r["held"] for r in per_rank],
+            theory_microbatches_held=[
+                theory.in_flight_microbatches(schedule, P, microbatches, r, virtual)
+                for r in range(P)
+            ],
+            activation_bytes_held=[r["held_bytes"] for r in per_rank],
+        )
+    summary["comm_matches_theory"] = (
+        summary["comm_bytes_per_rank"] == summary["theory_comm_bytes_per_rank"]
+    )
     if vs_torch and "torch_times" in last:
-        summary["torch_step_time_s"] = max(median_step_time(r["torch_times"])
-                                           for r in per_rank)
+        summary["torch_step_time_s"] = max(median_step_time(r["torch_times"]) for r in per_rank)
         summary["torch_losses"] = last["torch_losses"]
-        summary["torch_max_abs_loss_diff"] = compare_losses(last["torch_losses"], reference)["max_abs_loss_diff"]
+        summary["torch_max_abs_loss_diff"] = compare_losses(last["torch_losses"], reference)[
+            "max_abs_loss_diff"
+        ]
     elif vs_torch:
-        summary["torch_skipped"] = last.get("torch_skipped", "torch.distributed.pipelining has no naive placement")
+        summary["torch_skipped"] = last.get(
+            "torch_skipped", "torch.distributed.pipelining has no naive placement"
+        )
     return summary
 
 
 def idle_fraction_of(spans: list[dict]) -> float:
     """The measured bubble: idle share of ranks x makespan in the ranks' "F"/"B" spans."""
     from labs.measure import Event
-    return idle_fraction([Event(e["rank"], e["name"], e["start"], e["end"]) for e in spans], names=("F", "B"))
+
+    return idle_fraction(
+        [Event(e["rank"], e["name"], e["start"], e["end"]) for e in spans], names=("F", "B")
+    )
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--schedule", choices=CHOICES, default="1f1b")
     parser.add_argument("--microbatches", type=int, default=None, help="M (default 8; naive: 1)")
-    parser.add_argument("--virtual", type=int, default=None, help="V chunks per rank (interleaved; default 2)")
+    parser.add_argument(
+        "--virtual", type=int, default=None, help="V chunks per rank (interleaved; default 2)"
+    )
     parser.add_argument("--layers", type=int, default=8, help="layers of the course model")
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
-    parser.add_argument("--plan", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
-                        help="layers per (virtual) stage, e.g. 3,2,2,1 (default: balanced by parameters)")
-    parser.add_argument("--op-time", type=float, default=0.02,
-                        help="seconds each forward is padded to in the measured step (0: no padding)")
-    parser.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time when padding")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="global batch (sequences per step)"
+    )
+    parser.add_argument(
+        "--plan",
+        type=lambda s: tuple(int(v) for v in s.split(",")),
+        default=None,
+        help="layers per (virtual) stage, e.g. 3,2,2,1 (default: balanced by parameters)",
+    )
+    parser.add_argument(
+        "--op-time",
+        type=float,
+        default=0.02,
+        help="seconds each forward is padded to in the measured step (0: no padding)",
+    )
+    parser.add_argument(
+        "--backward-ratio",
+        type=float,
+        default=2.0,
+        help="backward time / forward time when padding",
+    )
     parser.add_argument("--seed", type=int, default=0)
-

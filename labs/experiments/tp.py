@@ -3,16 +3,16 @@
     summary = run(nproc=4, sp=True, model="hf-llama", vs_torch=True)
     python -m labs.run tp --nproc 4 --sp --model hf-llama --vs-torch --json
 
-Every rank (the TP group is WORLD) cuts the model built from the seed with ``apply_tensor_parallel``,
-runs the first step under the communication ledger (phases "forward" and "backward") and the
-saved-tensor meter, then trains ``steps`` AdamW steps (foreach=False) on the reference's global batches
-(all TP ranks read the same batch). Checked three ways:
+Every rank (the TP group is WORLD) cuts the model built from the seed with
+``apply_tensor_parallel``, runs the first step under the communication ledger (phases "forward" and
+"backward") and the saved-tensor meter, then trains ``steps`` AdamW steps (foreach=False) on the
+reference's global batches (all TP ranks read the same batch). Checked three ways:
 
 * reference (single process, same seed and data, fp32, within 1e-5 relative): step 1's logits and
-  every gradient (the ranks' shards concatenated along ``partition_dim``, replicated tensors compared
-  on every rank), every loss, every parameter after the last step;
-* theory (``labs.theory.tensor_parallel``): collectives per phase and op (calls, payload, bytes sent)
-  on every rank, parameter bytes per rank, saved activation bytes per rank;
+  every gradient (the ranks' shards concatenated along ``partition_dim``, replicated tensors
+  compared on every rank), every loss, every parameter after the last step;
+* theory (``labs.theory.tensor_parallel``): collectives per phase and op (calls, payload, bytes
+  sent) on every rank, parameter bytes per rank, saved activation bytes per rank;
 * PyTorch (``vs_torch``): DTensor ``parallelize_module`` (ColwiseParallel / RowwiseParallel, with SP
   SequenceParallel and PrepareModuleInput) and ``loss_parallel`` on the same weights and data:
   logits and losses against ours and the reference, and the median step time of both.
@@ -29,7 +29,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.experiments.common import COMM_HEADER, comm_row, course_spec, fill_losses, median_step_time, new_summary
+from labs.experiments.common import (
+    COMM_HEADER,
+    comm_row,
+    course_spec,
+    fill_losses,
+    median_step_time,
+    new_summary,
+)
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread, rank_device, synchronize
@@ -38,14 +45,22 @@ from labs.runtime.launcher import choose_backend, launch, report_progress
 from labs.theory import memory as memory_theory
 from labs.theory import tensor_parallel as theory
 from labs.theory.dims import check_positive
-from labs.train import TOLERANCES, TrainConfig, compare_losses, data_for, make_optimizer, max_rel_diff, train_reference
+from labs.train import (
+    TOLERANCES,
+    TrainConfig,
+    compare_losses,
+    data_for,
+    make_optimizer,
+    max_rel_diff,
+    train_reference,
+)
 
 MODELS = ("course", "hf-llama")
 
 
 class LlamaWithLoss(nn.Module):
-    """A ``LlamaForCausalLM`` called like the course model: ``(idx, targets) -> (logits, mean cross-entropy)``
-    on already shifted targets (HF's own ``labels=`` shifts them once more)."""
+    """A ``LlamaForCausalLM`` called like the course model: ``(idx, targets) -> (logits, mean
+    cross-entropy)`` on already shifted targets (HF's own ``labels=`` shifts them once more)."""
 
     def __init__(self, hf):
         super().__init__()
@@ -59,21 +74,25 @@ class LlamaWithLoss(nn.Module):
 
 
 def full_model(cfg: ModelConfig, model: str, seed: int) -> nn.Module:
-    """The unsharded model: the course ``Transformer`` or a ``LlamaForCausalLM`` with the same weights."""
+    """The unsharded model: the course ``Transformer`` or a ``LlamaForCausalLM`` with the same
+    weights."""
     if model not in MODELS:
         raise ValueError(f"model={model!r} is not one of {MODELS}")
     course = build_model(cfg, seed)
     if model == "course":
         return course
     from labs.models.hf import to_hf_llama
+
     return to_hf_llama(course).train()
 
 
 def reference_name(name: str, model: str) -> str:
-    """The parameter name in the reference model (course names, or HF's behind ``LlamaWithLoss``)."""
+    """The parameter name in the reference model (course names, or HF's behind
+    ``LlamaWithLoss``)."""
     if model == "course":
         return name
     from labs.models.hf import hf_llama_name
+
     return "hf." + hf_llama_name(name)
 
 
@@ -84,35 +103,69 @@ def check_args(cfg: ModelConfig, *, nproc: int, sp: bool, model: str, train: Tra
     check_positive(nproc=nproc)
     theory.check(course_spec(cfg), tp=nproc, sp=sp, batch=train.batch_size, seq=train.seq_len)
     if train.seq_len > cfg.seq_len:
-        raise ValueError(f"seq_len={train.seq_len} is longer than the model's rotary table ({cfg.seq_len})")
+        raise ValueError(
+            f"seq_len={train.seq_len} is longer than the model's rotary table ({cfg.seq_len})"
+        )
 
 
 # --- DTensor: torch's own tensor parallelism on the same model ------------------------------------
 def torch_tensor_parallel(model: nn.Module, *, sp: bool) -> nn.Module:
-    """A copy of the course model parallelised by ``torch.distributed.tensor.parallel`` over WORLD, the plan
-    torchtitan uses for Llama: q/k/v, gate/up ColwiseParallel; o, down RowwiseParallel; the embedding
-    RowwiseParallel; the head ColwiseParallel with its output left sharded over V (for ``loss_parallel``);
-    with SP the norms SequenceParallel and the attention/MLP inputs redistributed from Shard(1)."""
+    """A copy of the course model parallelised by ``torch.distributed.tensor.parallel`` over WORLD,
+    the plan torchtitan uses for Llama: q/k/v, gate/up ColwiseParallel; o, down RowwiseParallel; the
+    embedding RowwiseParallel; the head ColwiseParallel with its output left sharded over V (for
+    ``loss_parallel``); with SP the norms SequenceParallel and the attention/MLP inputs
+    redistributed from Shard(1)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     model = copy.deepcopy(model)
     x_layout = Shard(1) if sp else Replicate()
-    top = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=x_layout),
-           "lm_head": ColwiseParallel(input_layouts=x_layout, output_layouts=Shard(-1), use_local_output=False)}
+    top = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=x_layout),
+        "lm_head": ColwiseParallel(
+            input_layouts=x_layout, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
     parallelize_module(model, mesh, {**top, **({"norm": SequenceParallel()} if sp else {})})
     for block in model.layers:
-        plan = {name: ColwiseParallel() for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj",
-                                                     "mlp.gate_proj", "mlp.up_proj")}
-        plan.update({"attn.o_proj": RowwiseParallel(output_layouts=x_layout),
-                     "mlp.down_proj": RowwiseParallel(output_layouts=x_layout)})
+        plan = {
+            name: ColwiseParallel()
+            for name in (
+                "attn.q_proj",
+                "attn.k_proj",
+                "attn.v_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+            )
+        }
+        plan.update(
+            {
+                "attn.o_proj": RowwiseParallel(output_layouts=x_layout),
+                "mlp.down_proj": RowwiseParallel(output_layouts=x_layout),
+            }
+        )
         if sp:
-            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                    desired_input_layouts=(Replicate(), None, None)),
-                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+            plan.update(
+                {
+                    "attn_norm": SequenceParallel(),
+                    "mlp_norm": SequenceParallel(),
+                    "attn": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None),
+                        desired_input_layouts=(Replicate(), None, None),
+                    ),
+                    "mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
         parallelize_module(block, mesh, plan)
     return model
 
@@ -125,7 +178,8 @@ def _scalar(t) -> float:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).item()
 
 
-# --- the worker --------------------------------------------------------------------------------------
+# --- the worker
+# --------------------------------------------------------------------------------------
 def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = False) -> dict:
     """Train ``model`` on ``batches``; step 1 measured (ledger, saved tensors) when ``measure``."""
     ctx = loss_context or contextlib.nullcontext
@@ -140,8 +194,10 @@ def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = 
                     logits, loss = model(x, y)
                 with ledger.phase("backward"), ctx():
                     loss.backward()
-            out["comm"] = [(r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes)
-                           for r in ledger.records]
+            out["comm"] = [
+                (r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes)
+                for r in ledger.records
+            ]
             out["saved_bytes"] = saved.bytes
         else:
             with ctx():
@@ -151,66 +207,106 @@ def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = 
             out["logits"] = _local(logits).detach().clone()
             out["grads"] = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
         optimizer.step()
-        if step == len(batches) - 1:  # held at the end of a step: parameters, gradients, AdamW's moments
+        if (
+            step == len(batches) - 1
+        ):  # held at the end of a step: parameters, gradients, AdamW's moments
             out["state"] = state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         losses.append(_scalar(loss.detach()))
         synchronize()
         times.append(time.perf_counter() - t0)
         report_progress()
-    out.update(losses=losses, step_time_s=median_step_time(times),
-               params={n: _local(p).detach().clone() for n, p in model.named_parameters()})
+    out.update(
+        losses=losses,
+        step_time_s=median_step_time(times),
+        params={n: _local(p).detach().clone() for n, p in model.named_parameters()},
+    )
     return out
 
 
 def tp_worker(full, cfg: TrainConfig, sp: bool, vs_torch: bool) -> dict:
-    """One rank: our tensor parallelism (and torch's, with ``vs_torch``) trained on the reference's batches."""
+    """One rank: our tensor parallelism (and torch's, with ``vs_torch``) trained on the reference's
+    batches."""
     device = rank_device()
     full = full.to(device)  # this rank's own copy (forked, or its own process under torchrun)
     tp_model = exercise("tensor_parallel").apply_tensor_parallel(full, sequence_parallel=sp)
     batches = [(x.to(device), y.to(device)) for x, y in data_for(cfg)]
     ours = _train(tp_model, batches, cfg, measure=True)
-    ours["partition_dims"] = {n: getattr(p, "partition_dim", None) for n, p in tp_model.named_parameters()}
+    ours["partition_dims"] = {
+        n: getattr(p, "partition_dim", None) for n, p in tp_model.named_parameters()
+    }
     if vs_torch:
         from torch.distributed.tensor.parallel import loss_parallel
+
         from labs.models.hf_convert import course_model_from
-        theirs = _train(torch_tensor_parallel(course_model_from(full), sp=sp), batches, cfg, loss_context=loss_parallel)
+
+        theirs = _train(
+            torch_tensor_parallel(course_model_from(full), sp=sp),
+            batches,
+            cfg,
+            loss_context=loss_parallel,
+        )
         ours["torch"] = {k: theirs[k] for k in ("logits", "losses", "step_time_s")}
     return ours
 
 
-# --- comparing in the parent -----------------------------------------------------------------------
+# --- comparing in the parent
+# -----------------------------------------------------------------------
 def assemble(per_rank: list[dict], key: str) -> dict[str, torch.Tensor]:
-    """Full tensors from the ranks' shards: concatenated along ``partition_dim``, rank 0's if replicated."""
+    """Full tensors from the ranks' shards: concatenated along ``partition_dim``, rank 0's if
+    replicated."""
     dims = per_rank[0]["partition_dims"]
-    return {n: torch.cat([r[key][n] for r in per_rank], dim=d) if d is not None else per_rank[0][key][n]
-            for n, d in dims.items()}
+    return {
+        n: torch.cat([r[key][n] for r in per_rank], dim=d) if d is not None else per_rank[0][key][n]
+        for n, d in dims.items()
+    }
 
 
-def worst_difference(per_rank: list[dict], key: str, reference: dict, model: str) -> tuple[float, str]:
-    """Largest relative difference to ``reference`` of the assembled tensors, replicated ones checked on every
-    rank; returns (difference, "name (rank r)")."""
+def worst_difference(
+    per_rank: list[dict], key: str, reference: dict, model: str
+) -> tuple[float, str]:
+    """Largest relative difference to ``reference`` of the assembled tensors, replicated ones
+    checked on every rank; returns (difference, "name (rank r)")."""
     full, dims = assemble(per_rank, key), per_rank[0]["partition_dims"]
     worst = (0.0, "")
     for name, tensor in full.items():
         ref = reference[reference_name(name, model)]
-        candidates = [(tensor, "")] if dims[name] is not None else [(r[key][name], f" (rank {i})")
-                                                                     for i, r in enumerate(per_rank)]
+        candidates = (
+            [(tensor, "")]
+            if dims[name] is not None
+            else [(r[key][name], f" (rank {i})") for i, r in enumerate(per_rank)]
+        )
         for got, where in candidates:
             worst = max(worst, (max_rel_diff(got.double(), ref.double()), name + where))
     return worst
 
 
 def measured_comm(records: list[tuple]) -> dict:
-    return theory.summarise([{"op": op, "phase": phase, "payload_bytes": k, "sent_bytes": sent}
-                             for op, phase, k, sent in records])
+    return theory.summarise(
+        [
+            {"op": op, "phase": phase, "payload_bytes": k, "sent_bytes": sent}
+            for op, phase, k, sent in records
+        ]
+    )
 
 
-def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool = False, timeout: float = 300.0,
-        sp: bool = False, model: str = "course", seed: int = 0, batch_size: int = 8, seq_len: int = 32,
-        model_cfg: ModelConfig | None = None) -> dict:
-    """Train the ``model`` ("course" or "hf-llama") tensor-parallel on ``nproc`` ranks (with sequence
-    parallelism when ``sp``) and check it against the reference, the theory and (``vs_torch``) DTensor."""
+def run(
+    *,
+    nproc: int = 4,
+    steps: int = 5,
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 300.0,
+    sp: bool = False,
+    model: str = "course",
+    seed: int = 0,
+    batch_size: int = 8,
+    seq_len: int = 32,
+    model_cfg: ModelConfig | None = None,
+) -> dict:
+    """Train the ``model`` ("course" or "hf-llama") tensor-parallel on ``nproc`` ranks (with
+    sequence parallelism when ``sp``) and check it against the reference, the theory and
+    (``vs_torch``) DTensor."""
     cfg = model_cfg or ModelConfig()
     train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
     check_args(cfg, nproc=nproc, sp=sp, model=model, train=train)
@@ -220,23 +316,49 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
     with one_thread(), torch.no_grad():
         ref_logits = reference_model(x)
     ref = train_reference(cfg, train, model=copy.deepcopy(reference_model), return_grads=True)
-    per_rank = launch(tp_worker, nproc, full, train, sp, vs_torch, backend=backend, timeout=timeout,
-                      progress=steps * (2 if vs_torch else 1), desc=f"tp={nproc}{' +sp' if sp else ''}")
+    per_rank = launch(
+        tp_worker,
+        nproc,
+        full,
+        train,
+        sp,
+        vs_torch,
+        backend=backend,
+        timeout=timeout,
+        progress=steps * (2 if vs_torch else 1),
+        desc=f"tp={nproc}{' +sp' if sp else ''}",
+    )
 
     spec, tol = course_spec(cfg), TOLERANCES[torch.float32]
-    s = new_summary("tp", nproc=nproc, backend=choose_backend(nproc, backend), steps=steps, model=model, sp=sp,
-                    tp=nproc, batch_size=batch_size, seq_len=seq_len)
+    s = new_summary(
+        "tp",
+        nproc=nproc,
+        backend=choose_backend(nproc, backend),
+        steps=steps,
+        model=model,
+        sp=sp,
+        tp=nproc,
+        batch_size=batch_size,
+        seq_len=seq_len,
+    )
     fill_losses(s, per_rank[0]["losses"], ref.losses)
     logits = torch.cat([r["logits"] for r in per_rank], dim=-1)
     s["max_rel_logit_diff"] = max_rel_diff(logits, ref_logits)
     s["max_rel_grad_diff"], s["worst_grad"] = worst_difference(per_rank, "grads", ref.grads, model)
-    s["max_rel_param_diff"], s["worst_param"] = worst_difference(per_rank, "params", ref.params, model)
+    s["max_rel_param_diff"], s["worst_param"] = worst_difference(
+        per_rank, "params", ref.params, model
+    )
     s["losses_equal_on_every_rank"] = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     s["logits_shape_per_rank"] = list(per_rank[0]["logits"].shape)
-    # Parameters after training are reported, not checked at 1e-5: AdamW divides each gradient element by its
-    # own RMS, so an element whose gradient is near eps (1e-8) turns a 1e-10 difference into ~1e-4 of its update.
-    s["matches_reference"] = (s["matches_reference"] and s["losses_equal_on_every_rank"]
-                              and max(s["max_rel_logit_diff"], s["max_rel_grad_diff"]) <= tol)
+    # Parameters after training are reported, not checked at 1e-5: AdamW divides each gradient
+    # element by its
+    # own RMS, so an element whose gradient is near eps (1e-8) turns a 1e-10 difference into ~1e-4
+    # of its update.
+    s["matches_reference"] = (
+        s["matches_reference"]
+        and s["losses_equal_on_every_rank"]
+        and max(s["max_rel_logit_diff"], s["max_rel_grad_diff"]) <= tol
+    )
 
     size = dict(tp=nproc, sp=sp, batch=batch_size, seq=seq_len, dtype_bytes=4)
     expected = theory.comm_summary(spec, **size)
@@ -256,44 +378,77 @@ def run(*, nproc: int = 4, steps: int = 5, backend: str = "auto", vs_torch: bool
         theirs = [r["torch"] for r in per_rank]
         s["torch_step_time_s"] = max(t["step_time_s"] for t in theirs)
         s["torch_losses"] = theirs[0]["losses"]
-        s["torch_max_rel_loss_diff"] = compare_losses(theirs[0]["losses"], ref.losses)["max_rel_loss_diff"]
-        s["torch_max_rel_logit_diff_vs_ours"] = max_rel_diff(torch.cat([t["logits"] for t in theirs], -1), logits)
+        s["torch_max_rel_loss_diff"] = compare_losses(theirs[0]["losses"], ref.losses)[
+            "max_rel_loss_diff"
+        ]
+        s["torch_max_rel_logit_diff_vs_ours"] = max_rel_diff(
+            torch.cat([t["logits"] for t in theirs], -1), logits
+        )
     return s
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism too")
-    parser.add_argument("--model", choices=MODELS, default="course", help="the course model or a transformers Llama")
+    parser.add_argument(
+        "--model", choices=MODELS, default="course", help="the course model or a transformers Llama"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (every TP rank reads all)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per step (every TP rank reads all)"
+    )
     parser.add_argument("--seq-len", type=int, default=32)
 
 
 def comm_table(summary: dict) -> str:
-    """The step's collectives per phase and op, measured on rank 0 beside the theory's figures, as a table."""
+    """The step's collectives per phase and op, measured on rank 0 beside the theory's figures, as a
+    table."""
     lines = [f"{'phase':9} {'op':15}{COMM_HEADER}"]
     for phase in ("forward", "backward"):
         measured, expected = summary["comm"].get(phase, {}), summary["theory_comm"].get(phase, {})
         for op in sorted(set(measured) | set(expected)):
-            lines.append(f"{phase:9} {op:15}" + comm_row(measured.get(op, {}), expected.get(op, {})))
+            lines.append(
+                f"{phase:9} {op:15}" + comm_row(measured.get(op, {}), expected.get(op, {}))
+            )
     return "\n".join(lines)
 
 
 def headline(summary: dict) -> dict:
     """The checks of a run at a glance."""
-    keys = ("model", "tp", "sp", "matches_reference", "max_rel_logit_diff", "max_rel_grad_diff", "max_rel_loss_diff",
-            "comm_matches_theory", "logits_shape_per_rank")
+    keys = (
+        "model",
+        "tp",
+        "sp",
+        "matches_reference",
+        "max_rel_logit_diff",
+        "max_rel_grad_diff",
+        "max_rel_loss_diff",
+        "comm_matches_theory",
+        "logits_shape_per_rank",
+    )
     return {k: summary[k] for k in keys}
 
 
 def memory_vs_calculator(summary: dict) -> dict:
-    """Bytes per rank of a run (B·T tokens of the course model, fp32): measured, this lab's theory, and the course's
-    memory calculator (``labs.theory.memory.memory_per_rank``, which models Megatron's SP: column-parallel inputs
-    saved sequence-sharded and gathered again in backward)."""
-    calc = memory_theory.memory_per_rank(course_spec(ModelConfig()), seq=summary["seq_len"], mbs=summary["batch_size"],
-                                         precision="fp32", tp=summary["tp"], sp=summary["sp"])
-    return {"params": {"measured": summary["param_bytes_per_rank"][0], "theory": summary["theory_param_bytes_per_rank"],
-                       "calculator": calc["param_bytes"]},
-            "saved activations": {"measured": summary["saved_activation_bytes"][0],
-                                  "theory": summary["theory_saved_activation_bytes"],
-                                  "calculator": calc["activation_bytes"]}}
+    """Bytes per rank of a run (B·T tokens of the course model, fp32): measured, this lab's theory,
+    and the course's memory calculator (``labs.theory.memory.memory_per_rank``, which models
+    Megatron's SP: column-parallel inputs saved sequence-sharded and gathered again in backward)."""
+    calc = memory_theory.memory_per_rank(
+        course_spec(ModelConfig()),
+        seq=summary["seq_len"],
+        mbs=summary["batch_size"],
+        precision="fp32",
+        tp=summary["tp"],
+        sp=summary["sp"],
+    )
+    return {
+        "params": {
+            "measured": summary["param_bytes_per_rank"][0],
+            "theory": summary["theory_param_bytes_per_rank"],
+            "calculator": calc["param_bytes"],
+        },
+        "saved activations": {
+            "measured": summary["saved_activation_bytes"][0],
+            "theory": summary["theory_saved_activation_bytes"],
+            "calculator": calc["activation_bytes"],
+        },
+    }

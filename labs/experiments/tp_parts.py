@@ -24,36 +24,55 @@ from labs.train import max_rel_diff
 
 
 def split_matmul_demo(*, tp: int = 2, seed: int = 0) -> dict:
-    """Y = X A computed whole, by columns of A (each part X A_r, concatenated) and by rows of A (X_r A_r,
-    summed): the shapes each of ``tp`` ranks would hold and the largest difference from the whole product."""
+    """Y = X A computed whole, by columns of A (each part X A_r, concatenated) and by rows of A (X_r
+    A_r, summed): the shapes each of ``tp`` ranks would hold and the largest difference from the
+    whole product."""
     g = torch.Generator().manual_seed(seed)
-    x, a = torch.randn(4, 6 * tp, generator=g), torch.randn(6 * tp, 8 * tp, generator=g)  # X [B·T, H], A [H, F]
+    x, a = (
+        torch.randn(4, 6 * tp, generator=g),
+        torch.randn(6 * tp, 8 * tp, generator=g),
+    )  # X [B·T, H], A [H, F]
     y = x @ a
     columns = [x @ a_r for a_r in a.chunk(tp, dim=1)]  # rank r: X A_r, [B·T, F/tp]
-    rows = [x_r @ a_r for x_r, a_r in zip(x.chunk(tp, dim=1), a.chunk(tp, dim=0))]  # rank r: X_r A_r, [B·T, F] partial
-    return {"X": list(x.shape), "A": list(a.shape), "Y": list(y.shape),
-            "column split: A_r": list(a.chunk(tp, 1)[0].shape), "column split: Y_r": list(columns[0].shape),
-            "column split: max |cat(Y_r) - Y|": (torch.cat(columns, dim=1) - y).abs().max().item(),
-            "row split: X_r, A_r": [list(x.chunk(tp, 1)[0].shape), list(a.chunk(tp, 0)[0].shape)],
-            "row split: X_r A_r": list(rows[0].shape),
-            "row split: max |sum(X_r A_r) - Y|": (sum(rows) - y).abs().max().item()}
+    rows = [
+        x_r @ a_r for x_r, a_r in zip(x.chunk(tp, dim=1), a.chunk(tp, dim=0))
+    ]  # rank r: X_r A_r, [B·T, F] partial
+    return {
+        "X": list(x.shape),
+        "A": list(a.shape),
+        "Y": list(y.shape),
+        "column split: A_r": list(a.chunk(tp, 1)[0].shape),
+        "column split: Y_r": list(columns[0].shape),
+        "column split: max |cat(Y_r) - Y|": (torch.cat(columns, dim=1) - y).abs().max().item(),
+        "row split: X_r, A_r": [list(x.chunk(tp, 1)[0].shape), list(a.chunk(tp, 0)[0].shape)],
+        "row split: X_r A_r": list(rows[0].shape),
+        "row split: max |sum(X_r A_r) - Y|": (sum(rows) - y).abs().max().item(),
+    }
 
 
 def _inputs(shape, n, salt):
-    """Every rank's tensor (float64, seeded by rank and ``salt``), rebuilt identically on every rank."""
-    return [torch.randn(shape, generator=torch.Generator().manual_seed(100 * salt + i), dtype=torch.float64)
-            for i in range(n)]
+    """Every rank's tensor (float64, seeded by rank and ``salt``), rebuilt identically on every
+    rank."""
+    return [
+        torch.randn(
+            shape, generator=torch.Generator().manual_seed(100 * salt + i), dtype=torch.float64
+        )
+        for i in range(n)
+    ]
 
 
 def _check_op(op, x_shape, g_shape, expected_out, expected_grad, salt):
-    """Apply ``op`` to this rank's input, backpropagate this rank's upstream gradient, compare both results."""
+    """Apply ``op`` to this rank's input, backpropagate this rank's upstream gradient, compare both
+    results."""
     n, r, device = dist.get_world_size(), dist.get_rank(), rank_device()
     xs, gs = _inputs(x_shape, n, salt), _inputs(g_shape, n, salt + 50)
     x = xs[r].to(device).requires_grad_()
     out = op.apply(x, dist.group.WORLD)
     out.backward(gs[r].to(device))
-    return {"forward": max_rel_diff(out.detach().cpu(), expected_out(xs, r, n)),
-            "backward": max_rel_diff(x.grad.cpu(), expected_grad(gs, r, n))}
+    return {
+        "forward": max_rel_diff(out.detach().cpu(), expected_out(xs, r, n)),
+        "backward": max_rel_diff(x.grad.cpu(), expected_grad(gs, r, n)),
+    }
 
 
 def operators_worker() -> dict:
@@ -62,31 +81,64 @@ def operators_worker() -> dict:
     B, T, H = 2, 4 * n, 8 * n
     chunk = lambda t, dim, r, n: t.chunk(n, dim)[r]  # noqa: E731
     cases = {  # name: (input shape, upstream grad shape, expected output, expected input gradient)
-        "CopyToModelParallelRegion": ((B, T, H), (B, T, H), lambda xs, r, n: xs[r], lambda gs, r, n: sum(gs)),
-        "ReduceFromModelParallelRegion": ((B, T, H), (B, T, H), lambda xs, r, n: sum(xs), lambda gs, r, n: gs[r]),
-        "GatherFromModelParallelRegion": ((B, T, H // n), (B, T, H), lambda xs, r, n: torch.cat(xs, -1),
-                                          lambda gs, r, n: chunk(gs[r], -1, r, n)),
-        "ScatterToModelParallelRegion": ((B, T, H), (B, T, H // n), lambda xs, r, n: chunk(xs[r], -1, r, n),
-                                         lambda gs, r, n: torch.cat(gs, -1)),
-        "GatherFromSequenceParallelRegion": ((B, T // n, H), (B, T, H), lambda xs, r, n: torch.cat(xs, 1),
-                                             lambda gs, r, n: chunk(sum(gs), 1, r, n)),
-        "ReduceScatterToSequenceParallelRegion": ((B, T, H), (B, T // n, H), lambda xs, r, n: chunk(sum(xs), 1, r, n),
-                                                  lambda gs, r, n: torch.cat(gs, 1)),
+        "CopyToModelParallelRegion": (
+            (B, T, H),
+            (B, T, H),
+            lambda xs, r, n: xs[r],
+            lambda gs, r, n: sum(gs),
+        ),
+        "ReduceFromModelParallelRegion": (
+            (B, T, H),
+            (B, T, H),
+            lambda xs, r, n: sum(xs),
+            lambda gs, r, n: gs[r],
+        ),
+        "GatherFromModelParallelRegion": (
+            (B, T, H // n),
+            (B, T, H),
+            lambda xs, r, n: torch.cat(xs, -1),
+            lambda gs, r, n: chunk(gs[r], -1, r, n),
+        ),
+        "ScatterToModelParallelRegion": (
+            (B, T, H),
+            (B, T, H // n),
+            lambda xs, r, n: chunk(xs[r], -1, r, n),
+            lambda gs, r, n: torch.cat(gs, -1),
+        ),
+        "GatherFromSequenceParallelRegion": (
+            (B, T // n, H),
+            (B, T, H),
+            lambda xs, r, n: torch.cat(xs, 1),
+            lambda gs, r, n: chunk(sum(gs), 1, r, n),
+        ),
+        "ReduceScatterToSequenceParallelRegion": (
+            (B, T, H),
+            (B, T // n, H),
+            lambda xs, r, n: chunk(sum(xs), 1, r, n),
+            lambda gs, r, n: torch.cat(gs, 1),
+        ),
     }
-    return {name: _check_op(getattr(tp, name), *case, salt=i) for i, (name, case) in enumerate(cases.items())}
+    return {
+        name: _check_op(getattr(tp, name), *case, salt=i)
+        for i, (name, case) in enumerate(cases.items())
+    }
 
 
 def check_operators(*, nproc: int = 2, timeout: float = 60.0) -> dict:
-    """The six conjugate operators on ``nproc`` ranks (float64): forward and backward against their definition.
-    Returns the worst relative difference over ranks, per operator and direction."""
+    """The six conjugate operators on ``nproc`` ranks (float64): forward and backward against their
+    definition. Returns the worst relative difference over ranks, per operator and direction."""
     per_rank = launch(operators_worker, nproc, timeout=timeout)
-    return {name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")} for name in per_rank[0]}
+    return {
+        name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")}
+        for name in per_rank[0]
+    }
 
 
 def _compare(parallel, full, inp, *, local_in=None, local_out=None, call=None) -> dict:
-    """Run ``full`` on ``inp`` and ``parallel`` on this rank's part of it (``local_in``), loss sum(y²) on each;
-    compare the output with ``local_out`` of the full one, and the gradients of the input and of every
-    parameter (this rank's shard along ``partition_dim``, or all of it when replicated)."""
+    """Run ``full`` on ``inp`` and ``parallel`` on this rank's part of it (``local_in``), loss
+    sum(y²) on each; compare the output with ``local_out`` of the full one, and the gradients of the
+    input and of every parameter (this rank's shard along ``partition_dim``, or all of it when
+    replicated)."""
     keep = lambda t: t  # noqa: E731
     local_in, local_out, call = local_in or keep, local_out or keep, call or (lambda m, x: m(x))
     n, r = dist.get_world_size(), dist.get_rank()
@@ -114,17 +166,31 @@ def layers_worker(sp: bool, seed: int) -> dict:
     attn, mlp = full.layers[0].attn, full.layers[0].mlp
     g = torch.Generator().manual_seed(seed + 1)
     x, h = (torch.randn(B, T, d, generator=g).to(device) for d in (cfg.n_embd, cfg.ffn_hidden))
-    idx, targets = (torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2))
-    last, seq = (lambda t: t.chunk(n, -1)[r]), (lambda t: t.chunk(n, 1)[r])  # this rank's slice of a full tensor
+    idx, targets = (
+        torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2)
+    )
+    last, seq = (
+        (lambda t: t.chunk(n, -1)[r]),
+        (lambda t: t.chunk(n, 1)[r]),
+    )  # this rank's slice of a full tensor
     out = {
-        "ColumnParallelLinear": _compare(tp.ColumnParallelLinear(attn.q_proj, group=group), attn.q_proj, x,
-                                         local_out=last),
+        "ColumnParallelLinear": _compare(
+            tp.ColumnParallelLinear(attn.q_proj, group=group), attn.q_proj, x, local_out=last
+        ),
         "ColumnParallelLinear (gather_output)": _compare(
-            tp.ColumnParallelLinear(mlp.gate_proj, group=group, gather_output=True), mlp.gate_proj, x),
-        "RowParallelLinear": _compare(tp.RowParallelLinear(mlp.down_proj, group=group), mlp.down_proj, h,
-                                      local_in=last),
-        "VocabParallelEmbedding": _compare(tp.VocabParallelEmbedding(full.tok_emb, group=group, sequence_parallel=sp),
-                                           full.tok_emb, idx, local_out=seq if sp else None),
+            tp.ColumnParallelLinear(mlp.gate_proj, group=group, gather_output=True),
+            mlp.gate_proj,
+            x,
+        ),
+        "RowParallelLinear": _compare(
+            tp.RowParallelLinear(mlp.down_proj, group=group), mlp.down_proj, h, local_in=last
+        ),
+        "VocabParallelEmbedding": _compare(
+            tp.VocabParallelEmbedding(full.tok_emb, group=group, sequence_parallel=sp),
+            full.tok_emb,
+            idx,
+            local_out=seq if sp else None,
+        ),
     }
     logits = torch.randn(B * T, cfg.vocab_size, generator=g).to(device).requires_grad_()
     local = last(logits.detach()).requires_grad_()
@@ -132,18 +198,29 @@ def layers_worker(sp: bool, seed: int) -> dict:
     loss.backward()
     reference = F.cross_entropy(logits, targets.flatten())
     reference.backward()
-    out["VocabParallelCrossEntropy"] = {"forward": max_rel_diff(loss.detach(), reference.detach()),
-                                        "backward": max_rel_diff(local.grad, last(logits.grad))}
+    out["VocabParallelCrossEntropy"] = {
+        "forward": max_rel_diff(loss.detach(), reference.detach()),
+        "backward": max_rel_diff(local.grad, last(logits.grad)),
+    }
     cos, sin = rotary_cos_sin(torch.arange(T, device=device), cfg.head_dim, cfg.rope_theta)
     block = tp.apply_tensor_parallel(full, group=group, sequence_parallel=sp).layers[0]
     out["ParallelBlock" + (" (SP)" if sp else "")] = _compare(
-        block, full.layers[0], x, local_in=seq if sp else None, local_out=seq if sp else None,
-        call=lambda m, inp: m(inp, cos, sin))
+        block,
+        full.layers[0],
+        x,
+        local_in=seq if sp else None,
+        local_out=seq if sp else None,
+        call=lambda m, inp: m(inp, cos, sin),
+    )
     return out
 
 
 def check_layers(*, nproc: int = 2, sp: bool = False, seed: int = 0, timeout: float = 60.0) -> dict:
-    """Column- and row-parallel linears, the vocab-parallel embedding and loss, and one parallel block (with
-    SP when ``sp``) against the full layers: worst relative difference over ranks, forward and backward."""
+    """Column- and row-parallel linears, the vocab-parallel embedding and loss, and one parallel
+    block (with SP when ``sp``) against the full layers: worst relative difference over ranks,
+    forward and backward."""
     per_rank = launch(layers_worker, nproc, sp, seed, timeout=timeout)
-    return {name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")} for name in per_rank[0]}
+    return {
+        name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")}
+        for name in per_rank[0]
+    }

@@ -1,4 +1,5 @@
-"""Experiment 03: ZeRO stages 0-3 against the single-process reference, the theory and torch's FSDP2.
+"""Experiment 03: ZeRO stages 0-3 against the single-process reference, the theory and torch's
+FSDP2.
 
     summary = run(nproc=4, stage=3)               # notebook 03, or: python -m labs.run zero --stage 3 --json
     run(nproc=4, stage=2, offload=True)           # ZeRO-2 with the optimizer on the host
@@ -40,7 +41,14 @@ from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
-from labs.train import TOLERANCES, TrainConfig, compare_losses, make_optimizer, max_rel_diff, train_reference
+from labs.train import (
+    TOLERANCES,
+    TrainConfig,
+    compare_losses,
+    make_optimizer,
+    max_rel_diff,
+    train_reference,
+)
 
 MODELS = ("course", "awkward")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -49,16 +57,17 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 @dataclass(frozen=True)
 class RunSpec:
     """One training run on every rank. ``start``: steps already taken (data resumes there)."""
+
     stage: int = 3
     offload: bool = False
     prefetch: bool = True
     model: str = "course"
     steps: int = 5
     start: int = 0
-    load: str | None = None      # checkpoint folder to resume from
-    save: str | None = None      # checkpoint folder to write after the last step
-    torch_fsdp: bool = False     # train with torch's fully_shard instead of our ZeRO
-    dtype: str = "float32"       # float64: parameter checks beyond AdamW's amplified rounding (see run)
+    load: str | None = None  # checkpoint folder to resume from
+    save: str | None = None  # checkpoint folder to write after the last step
+    torch_fsdp: bool = False  # train with torch's fully_shard instead of our ZeRO
+    dtype: str = "float32"  # float64: parameter checks beyond AdamW's amplified rounding (see run)
 
 
 def check_model(model: str, dtype: str = "float32") -> None:
@@ -97,20 +106,29 @@ class DataParallel:
         self.model, self.group = model, group
         seen, self.buckets = set(), []
         for _, modules in units:
-            self.buckets.append([p for m in modules for p in m.parameters() if p.requires_grad and p not in seen])
+            self.buckets.append(
+                [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
+            )
             seen.update(self.buckets[-1])
         self.optimizer = make_optimizer(model.parameters(), cfg)
 
     def step(self):
         n = dist.get_world_size(self.group)
-        for params in self.buckets:  # zeros for unused parameters keep every rank's call the same size
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        for (
+            params
+        ) in self.buckets:  # zeros for unused parameters keep every rank's call the same size
+            flat = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in params
+                ]
+            )
             dist.all_reduce(flat, group=self.group)
             flat /= n
             offset = 0
             for p in params:
                 if p.grad is not None:
-                    p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.optimizer.step()
 
@@ -123,8 +141,10 @@ def held_bytes(model, wrapper) -> dict[str, int]:
     units = getattr(wrapper, "units", [])
     offload = getattr(getattr(wrapper, "zero", None), "offload", False)
     roles = {
-        "params": list(model.parameters()) + [u.shard_param for u in units if hasattr(u, "shard_param")],
-        "grads": [p.grad for p in model.parameters()] + [t for u in units for t in (u.full_grad, u.shard_grad)],
+        "params": list(model.parameters())
+        + [u.shard_param for u in units if hasattr(u, "shard_param")],
+        "grads": [p.grad for p in model.parameters()]
+        + [t for u in units for t in (u.full_grad, u.shard_grad)],
         "host": [t for u in units if offload for t in (u.host, u.host.grad)],
     }
     out, seen = {}, set()
@@ -144,10 +164,11 @@ def held_bytes(model, wrapper) -> dict[str, int]:
 
 
 def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig):
-    """(our wrapper or None, its optimizer) for ``spec``: plain data parallelism (stage 0), ZeRO-``stage``, or
-    torch's FSDP2 ``fully_shard`` on the same units."""
+    """(our wrapper or None, its optimizer) for ``spec``: plain data parallelism (stage 0),
+    ZeRO-``stage``, or torch's FSDP2 ``fully_shard`` on the same units."""
     if spec.torch_fsdp:
         from torch.distributed.fsdp import fully_shard
+
         for _, modules in units_of(model)[:-1]:
             fully_shard(modules[0])
         fully_shard(model)  # the root unit: whatever is left (final norm + head)
@@ -155,8 +176,14 @@ def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig):
     if spec.stage == 0:
         w = DataParallel(model, cfg=cfg, units=units_of(model))
     else:
-        w = exercise("zero").shard_model(model, stage=spec.stage, cfg=cfg, units=units_of(model),
-                                         offload=spec.offload, prefetch=spec.prefetch)
+        w = exercise("zero").shard_model(
+            model,
+            stage=spec.stage,
+            cfg=cfg,
+            units=units_of(model),
+            offload=spec.offload,
+            prefetch=spec.prefetch,
+        )
     return w, w.optimizer
 
 
@@ -166,8 +193,10 @@ def full_params(model, wrapper) -> dict[str, torch.Tensor]:
     names = {p: n for n, p in model.named_parameters()}
     units = getattr(wrapper, "units", None)
     if wrapper is None or not hasattr(wrapper, "inflight"):  # whole parameters live in the model
-        src = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for n, p in model.named_parameters()}
+        src = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
         return {**src, **out}
     for u in units:
         flat = torch.empty(u.padded, dtype=u.shard_param.dtype, device=u.shard_param.device)
@@ -183,10 +212,17 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     loaded = None
     if spec.load:
         from labs.checkpoint import load
+
         load(wrapper, spec.load)
         loaded = full_params(model, wrapper)  # what the checkpoint gave, before any training
-    data = rank_batches(steps=spec.start + spec.steps, batch_size=cfg.per_rank_batch(n), seq_len=cfg.seq_len,
-                        rank=rank, world_size=n, seed=cfg.data_seed)[spec.start:]
+    data = rank_batches(
+        steps=spec.start + spec.steps,
+        batch_size=cfg.per_rank_batch(n),
+        seq_len=cfg.seq_len,
+        rank=rank,
+        world_size=n,
+        seed=cfg.data_seed,
+    )[spec.start :]
     losses, times, held = [], [], None
     with CommLedger() as ledger:
         for step, (x, y) in enumerate(data):
@@ -202,27 +238,46 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
             synchronize(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
-            if step == len(data) - 1:  # what the calculator counts: state after the step, gradients held
-                held = held_bytes(model, wrapper) if wrapper is not None else _torch_bytes(model, optimizer)
+            if (
+                step == len(data) - 1
+            ):  # what the calculator counts: state after the step, gradients held
+                held = (
+                    held_bytes(model, wrapper)
+                    if wrapper is not None
+                    else _torch_bytes(model, optimizer)
+                )
             (wrapper or optimizer).zero_grad()
             report_progress()
     if spec.save:
         from labs.checkpoint import save
+
         save(wrapper, spec.save)
     params = full_params(model, wrapper)
-    return {"losses": losses, "step_time_s": median_step_time(times), "held": held,
-            "params": params if rank == 0 else None, "loaded_params": loaded if rank == 0 else None,
-            "backend": dist.get_backend(),
-            "sent_per_step": ledger.sent_bytes() / len(data),
-            "sent_by_op": {op: v["sent_bytes"] / len(data) for op, v in ledger.summary().items()},
-            "peak_param_bytes": dict(getattr(wrapper, "peak", {})),
-            "host_bytes_per_step": getattr(wrapper, "host_bytes", 0) / len(data)}
+    return {
+        "losses": losses,
+        "step_time_s": median_step_time(times),
+        "held": held,
+        "params": params if rank == 0 else None,
+        "loaded_params": loaded if rank == 0 else None,
+        "backend": dist.get_backend(),
+        "sent_per_step": ledger.sent_bytes() / len(data),
+        "sent_by_op": {op: v["sent_bytes"] / len(data) for op, v in ledger.summary().items()},
+        "peak_param_bytes": dict(getattr(wrapper, "peak", {})),
+        "host_bytes_per_step": getattr(wrapper, "host_bytes", 0) / len(data),
+    }
 
 
 def _torch_bytes(model, optimizer) -> dict[str, int]:
     from labs.measure.memory import state_bytes
+
     b = state_bytes(model, optimizer)
-    return {"params": b["params"], "grads": b["grads"], "optimizer": b["optimizer"], "host": 0, "total": b["total"]}
+    return {
+        "params": b["params"],
+        "grads": b["grads"],
+        "optimizer": b["optimizer"],
+        "host": 0,
+        "total": b["total"],
+    }
 
 
 def warm_imports(*, fsdp: bool = False) -> None:
@@ -236,17 +291,31 @@ def check_options(stage, offload, model, nproc, steps, dtype="float32"):
     if stage not in theory.STAGES:
         raise ValueError(f"stage={stage!r} is not one of {theory.STAGES}")
     if stage > 0 and nproc < 2:
-        raise ValueError(f"stage={stage} shards over ranks but nproc={nproc}; use nproc >= 2 or stage=0")
+        raise ValueError(
+            f"stage={stage} shards over ranks but nproc={nproc}; use nproc >= 2 or stage=0"
+        )
     if offload and stage == 0:
-        raise ValueError("offload=True needs stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)")
+        raise ValueError(
+            "offload=True needs stage 1, 2 or 3 (stage 0 keeps the optimizer on every rank)"
+        )
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     check_model(model, dtype)
 
 
-def run(*, nproc: int = 4, steps: int = 5, stage: int = 3, offload: bool = False, prefetch: bool = True,
-        model: str = "course", dtype: str = "float32", backend: str = "auto", vs_torch: bool = False,
-        timeout: float = 300.0) -> dict:
+def run(
+    *,
+    nproc: int = 4,
+    steps: int = 5,
+    stage: int = 3,
+    offload: bool = False,
+    prefetch: bool = True,
+    model: str = "course",
+    dtype: str = "float32",
+    backend: str = "auto",
+    vs_torch: bool = False,
+    timeout: float = 300.0,
+) -> dict:
     """Train ``steps`` AdamW steps with ZeRO ``stage`` on ``nproc`` ranks; check it three ways.
 
     ``matches_reference``: losses within 1e-5 relative of the single-process reference;
@@ -259,29 +328,72 @@ def run(*, nproc: int = 4, steps: int = 5, stage: int = 3, offload: bool = False
     """
     check_options(stage, offload, model, nproc, steps, dtype)
     cfg = TrainConfig(steps=steps)
-    spec = RunSpec(stage=stage, offload=offload, prefetch=prefetch, model=model, steps=steps, dtype=dtype)
+    spec = RunSpec(
+        stage=stage, offload=offload, prefetch=prefetch, model=model, steps=steps, dtype=dtype
+    )
     warm_imports(fsdp=vs_torch)
-    per_rank = launch(train_worker, nproc, spec, cfg, backend=backend, timeout=timeout, progress=steps,
-                      desc=f"ZeRO-{stage}" if stage else "data parallel")
+    per_rank = launch(
+        train_worker,
+        nproc,
+        spec,
+        cfg,
+        backend=backend,
+        timeout=timeout,
+        progress=steps,
+        desc=f"ZeRO-{stage}" if stage else "data parallel",
+    )
     net = build(model, seed=cfg.seed, dtype=dtype)
     ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
-    s = new_summary("zero", nproc=nproc, backend=per_rank[0]["backend"], steps=steps, stage=stage,
-                    offload=offload, prefetch=prefetch, model=model, dtype=dtype)
+    s = new_summary(
+        "zero",
+        nproc=nproc,
+        backend=per_rank[0]["backend"],
+        steps=steps,
+        stage=stage,
+        offload=offload,
+        prefetch=prefetch,
+        model=model,
+        dtype=dtype,
+    )
     fill_losses(s, mean_losses(per_rank), ref.losses)
-    s.update(param_diff(per_rank[0]["params"], ref.params), params_sha1=digest(per_rank[0]["params"]))
-    gradless = sum(p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads)
+    s.update(
+        param_diff(per_rank[0]["params"], ref.params), params_sha1=digest(per_rank[0]["params"])
+    )
+    gradless = sum(
+        p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads
+    )
     frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
-    _fill_theory(s, per_rank, unit_numels(net), nproc, stage, offload, prefetch, frozen, gradless,
-                 DTYPES[dtype].itemsize)
+    _fill_theory(
+        s,
+        per_rank,
+        unit_numels(net),
+        nproc,
+        stage,
+        offload,
+        prefetch,
+        frozen,
+        gradless,
+        DTYPES[dtype].itemsize,
+    )
     s["step_time_s"] = max(r["step_time_s"] for r in per_rank)
     if vs_torch:
-        t = launch(train_worker, nproc, replace(spec, torch_fsdp=True), cfg, backend=backend, timeout=timeout,
-                   progress=steps, desc="torch fully_shard")
+        t = launch(
+            train_worker,
+            nproc,
+            replace(spec, torch_fsdp=True),
+            cfg,
+            backend=backend,
+            timeout=timeout,
+            progress=steps,
+            desc="torch fully_shard",
+        )
         s["torch_step_time_s"] = max(r["step_time_s"] for r in t)
         s["torch_state_bytes_per_rank"] = [r["held"]["total"] for r in t]
         s["torch_state_breakdown"] = t[0]["held"]
         s["torch_losses"] = mean_losses(t)
-        s["torch_max_rel_loss_diff"] = compare_losses(s["torch_losses"], ref.losses)["max_rel_loss_diff"]
+        s["torch_max_rel_loss_diff"] = compare_losses(s["torch_losses"], ref.losses)[
+            "max_rel_loss_diff"
+        ]
         s["torch_max_param_rel_diff"] = param_diff(t[0]["params"], ref.params)["max_param_rel_diff"]
     return s
 
@@ -290,7 +402,9 @@ def digest(params: dict) -> str:
     """SHA-1 of the parameters' bytes, by name: equal digests mean bit-identical models."""
     h = hashlib.sha1()
     for name in sorted(params):
-        h.update(name.encode() + params[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(
+            name.encode() + params[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        )
     return h.hexdigest()
 
 
@@ -302,8 +416,11 @@ def param_diff(params: dict, reference: dict) -> dict:
         raise AssertionError(f"parameters missing from the parallel run: {missing}")
     diffs = {n: max_rel_diff(params[n].double(), ref.double()) for n, ref in reference.items()}
     worst = max(diffs, key=diffs.get)
-    return {"max_param_rel_diff": diffs[worst], "worst_param": worst,
-            "params_match_reference": diffs[worst] <= TOLERANCES[torch.float32]}
+    return {
+        "max_param_rel_diff": diffs[worst],
+        "worst_param": worst,
+        "params_match_reference": diffs[worst] <= TOLERANCES[torch.float32],
+    }
 
 
 def mean_losses(per_rank: list[dict]) -> list[float]:
@@ -311,52 +428,88 @@ def mean_losses(per_rank: list[dict]) -> list[float]:
     return [statistics.fmean(step) for step in zip(*(r["losses"] for r in per_rank))]
 
 
-def _fill_theory(s, per_rank, units, nproc, stage, offload, prefetch, frozen_numel, gradless, itemsize):
-    held = theory.held_bytes(units, stage=stage, dp=nproc, offload=offload, frozen_numel=frozen_numel,
-                             gradless_numel=gradless, itemsize=itemsize)
+def _fill_theory(
+    s, per_rank, units, nproc, stage, offload, prefetch, frozen_numel, gradless, itemsize
+):
+    held = theory.held_bytes(
+        units,
+        stage=stage,
+        dp=nproc,
+        offload=offload,
+        frozen_numel=frozen_numel,
+        gradless_numel=gradless,
+        itemsize=itemsize,
+    )
     comm = theory.comm_bytes(units, stage=stage, dp=nproc, itemsize=itemsize)
-    s.update(unit_numels=units, n_params=sum(units),
-             comm_bytes_per_rank=[r["sent_per_step"] for r in per_rank], theory_comm_bytes_per_rank=comm["total"],
-             comm_by_op=per_rank[0]["sent_by_op"], theory_comm_by_op=comm,
-             psi_equivalent=per_rank[0]["sent_per_step"] / ((nproc - 1) / nproc * itemsize * sum(units)),
-             state_bytes_per_rank=[r["held"]["total"] for r in per_rank], theory_state_bytes_per_rank=held["total"],
-             state_breakdown=per_rank[0]["held"], theory_breakdown=held, calculator_bytes=held["calculator"])
-    s["bytes_match_theory"] = all(abs(b - comm["total"]) < 1e-6 * comm["total"] for b in s["comm_bytes_per_rank"])
-    s["memory_matches_theory"] = all(r["held"][k] == held[k] for r in per_rank
-                                     for k in ("params", "grads", "optimizer", "host", "total"))
+    s.update(
+        unit_numels=units,
+        n_params=sum(units),
+        comm_bytes_per_rank=[r["sent_per_step"] for r in per_rank],
+        theory_comm_bytes_per_rank=comm["total"],
+        comm_by_op=per_rank[0]["sent_by_op"],
+        theory_comm_by_op=comm,
+        psi_equivalent=per_rank[0]["sent_per_step"] / ((nproc - 1) / nproc * itemsize * sum(units)),
+        state_bytes_per_rank=[r["held"]["total"] for r in per_rank],
+        theory_state_bytes_per_rank=held["total"],
+        state_breakdown=per_rank[0]["held"],
+        theory_breakdown=held,
+        calculator_bytes=held["calculator"],
+    )
+    s["bytes_match_theory"] = all(
+        abs(b - comm["total"]) < 1e-6 * comm["total"] for b in s["comm_bytes_per_rank"]
+    )
+    s["memory_matches_theory"] = all(
+        r["held"][k] == held[k]
+        for r in per_rank
+        for k in ("params", "grads", "optimizer", "host", "total")
+    )
     if stage == 3:
         s["peak_param_bytes_per_rank"] = [r["peak_param_bytes"]["forward"] for r in per_rank]
         s["peak_param_bytes_backward"] = [r["peak_param_bytes"]["backward"] for r in per_rank]
-        s["theory_peak_param_bytes"] = theory.peak_param_bytes(units, dp=nproc, prefetch=prefetch, itemsize=itemsize)
-        s["peak_matches_theory"] = all(b == s["theory_peak_param_bytes"] for b in s["peak_param_bytes_per_rank"])
+        s["theory_peak_param_bytes"] = theory.peak_param_bytes(
+            units, dp=nproc, prefetch=prefetch, itemsize=itemsize
+        )
+        s["peak_matches_theory"] = all(
+            b == s["theory_peak_param_bytes"] for b in s["peak_param_bytes_per_rank"]
+        )
     if offload:
         s["host_bytes_per_step"] = per_rank[0]["host_bytes_per_step"]
-        s["theory_host_bytes_per_step"] = theory.offload_bytes(units, dp=nproc, itemsize=itemsize)["total"]
+        s["theory_host_bytes_per_step"] = theory.offload_bytes(units, dp=nproc, itemsize=itemsize)[
+            "total"
+        ]
 
 
 def report(s: dict) -> str:
     """A run's checks in a few lines: reference, memory, communication, peak, offload, torch."""
     kb = lambda b: f"{b / 1e3:,.1f} kB"  # noqa: E731
     name = f"ZeRO-{s['stage']}" if s["stage"] else "data parallel (stage 0)"
-    lines = [f"{name} on {s['nproc']} ranks ({s['backend']}, {s['model']} model, {s['dtype']}"
-             f"{', offload' if s['offload'] else ''}), {s['steps']} AdamW steps",
-             f"  losses      max relative difference to the reference {s['max_rel_loss_diff']:.1e}",
-             f"  parameters  max relative difference {s['max_param_rel_diff']:.1e} ({s['worst_param']})",
-             f"  held/rank   {kb(s['state_bytes_per_rank'][0])} measured, {kb(s['theory_state_bytes_per_rank'])}"
-             f" theory (params {kb(s['state_breakdown']['params'])}, grads {kb(s['state_breakdown']['grads'])},"
-             f" optimizer {kb(s['state_breakdown']['optimizer'])})",
-             f"  sent/rank   {kb(s['comm_bytes_per_rank'][0])} per step measured, {kb(s['theory_comm_bytes_per_rank'])}"
-             f" theory = {s['psi_equivalent']:.3g} x (N-1)/N x 4Ψ"]
+    lines = [
+        f"{name} on {s['nproc']} ranks ({s['backend']}, {s['model']} model, {s['dtype']}"
+        f"{', offload' if s['offload'] else ''}), {s['steps']} AdamW steps",
+        f"  losses      max relative difference to the reference {s['max_rel_loss_diff']:.1e}",
+        f"  parameters  max relative difference {s['max_param_rel_diff']:.1e} ({s['worst_param']})",
+        f"  held/rank   {kb(s['state_bytes_per_rank'][0])} measured, {kb(s['theory_state_bytes_per_rank'])}"
+        f" theory (params {kb(s['state_breakdown']['params'])}, grads {kb(s['state_breakdown']['grads'])},"
+        f" optimizer {kb(s['state_breakdown']['optimizer'])})",
+        f"  sent/rank   {kb(s['comm_bytes_per_rank'][0])} per step measured, {kb(s['theory_comm_bytes_per_rank'])}"
+        f" theory = {s['psi_equivalent']:.3g} x (N-1)/N x 4Ψ",
+    ]
     if s["stage"] == 3:
-        lines.append(f"  peak params {kb(s['peak_param_bytes_per_rank'][0])} in forward measured,"
-                     f" {kb(s['theory_peak_param_bytes'])} theory (shards + unit k + prefetched k+1)")
+        lines.append(
+            f"  peak params {kb(s['peak_param_bytes_per_rank'][0])} in forward measured,"
+            f" {kb(s['theory_peak_param_bytes'])} theory (shards + unit k + prefetched k+1)"
+        )
     if s["offload"]:
-        lines.append(f"  host link   {kb(s['host_bytes_per_step'])} per step measured, "
-                     f"{kb(s['theory_host_bytes_per_step'])} theory; on host {kb(s['state_breakdown']['host'])}")
+        lines.append(
+            f"  host link   {kb(s['host_bytes_per_step'])} per step measured, "
+            f"{kb(s['theory_host_bytes_per_step'])} theory; on host {kb(s['state_breakdown']['host'])}"
+        )
     if s.get("torch_step_time_s"):
-        lines.append(f"  step time   ours {s['step_time_s'] * 1e3:.0f} ms, torch fully_shard "
-                     f"{s['torch_step_time_s'] * 1e3:.0f} ms; torch holds {kb(s['torch_state_bytes_per_rank'][0])}"
-                     f" per rank, losses within {s['torch_max_rel_loss_diff']:.1e} of the reference")
+        lines.append(
+            f"  step time   ours {s['step_time_s'] * 1e3:.0f} ms, torch fully_shard "
+            f"{s['torch_step_time_s'] * 1e3:.0f} ms; torch holds {kb(s['torch_state_bytes_per_rank'][0])}"
+            f" per rank, losses within {s['torch_max_rel_loss_diff']:.1e} of the reference"
+        )
     else:
         lines.append(f"  step time   {s['step_time_s'] * 1e3:.0f} ms (median)")
     return "\n".join(lines)
@@ -366,21 +519,47 @@ def plot_stages(sweep: list[dict], axes=None):
     """Measured (bars) against theory (black ticks), stages 0-3: state bytes held per rank by
     parameters, gradients and optimizer state, and bytes sent per rank per step."""
     import matplotlib.pyplot as plt
+
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     mem, comm = axes
     x = [s["stage"] for s in sweep]
     bottom = [0] * len(sweep)
-    for kind, colour in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
+    for kind, colour in (
+        ("params", "tab:blue"),
+        ("grads", "tab:orange"),
+        ("optimizer", "tab:green"),
+    ):
         vals = [s["state_breakdown"][kind] / 1e3 for s in sweep]
         mem.bar(x, vals, bottom=bottom, color=colour, label=kind)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    mem.scatter(x, [s["theory_state_bytes_per_rank"] / 1e3 for s in sweep], marker="_", s=900, color="black",
-                label="theory", zorder=3)
-    mem.set(title=f"state held per rank ({sweep[0]['nproc']} ranks)", xlabel="ZeRO stage", ylabel="kB")
-    comm.bar(x, [s["comm_bytes_per_rank"][0] / 1e3 for s in sweep], color="tab:purple", label="measured (ledger)")
-    comm.scatter(x, [s["theory_comm_bytes_per_rank"] / 1e3 for s in sweep], marker="_", s=900, color="black",
-                 label="theory", zorder=3)
+    mem.scatter(
+        x,
+        [s["theory_state_bytes_per_rank"] / 1e3 for s in sweep],
+        marker="_",
+        s=900,
+        color="black",
+        label="theory",
+        zorder=3,
+    )
+    mem.set(
+        title=f"state held per rank ({sweep[0]['nproc']} ranks)", xlabel="ZeRO stage", ylabel="kB"
+    )
+    comm.bar(
+        x,
+        [s["comm_bytes_per_rank"][0] / 1e3 for s in sweep],
+        color="tab:purple",
+        label="measured (ledger)",
+    )
+    comm.scatter(
+        x,
+        [s["theory_comm_bytes_per_rank"] / 1e3 for s in sweep],
+        marker="_",
+        s=900,
+        color="black",
+        label="theory",
+        zorder=3,
+    )
     comm.set(title="bytes sent per rank per step", xlabel="ZeRO stage", ylabel="kB")
     for ax in axes:
         ax.set_xticks(x)
@@ -389,10 +568,25 @@ def plot_stages(sweep: list[dict], axes=None):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--stage", type=int, default=3, choices=theory.STAGES,
-                        help="0: data parallel, 1: + optimizer sharded, 2: + gradients, 3: + parameters")
-    parser.add_argument("--offload", action="store_true", help="optimizer state and update on the host")
-    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="ZeRO-3: no prefetch")
-    parser.add_argument("--model", choices=MODELS, default="course", help="awkward: 8,009 elements, tied weights")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="float64 checks parameters beyond AdamW-amplified rounding")
+    parser.add_argument(
+        "--stage",
+        type=int,
+        default=3,
+        choices=theory.STAGES,
+        help="0: data parallel, 1: + optimizer sharded, 2: + gradients, 3: + parameters",
+    )
+    parser.add_argument(
+        "--offload", action="store_true", help="optimizer state and update on the host"
+    )
+    parser.add_argument(
+        "--no-prefetch", dest="prefetch", action="store_false", help="ZeRO-3: no prefetch"
+    )
+    parser.add_argument(
+        "--model", choices=MODELS, default="course", help="awkward: 8,009 elements, tied weights"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float32",
+        help="float64 checks parameters beyond AdamW-amplified rounding",
+    )

@@ -1,4 +1,5 @@
-"""Run one grading item in its own process group with a time limit, then kill whatever it left behind.
+"""Run one grading item in its own process group with a time limit, then kill whatever it left
+behind.
 
 The grader makes itself a Linux *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): a process
 that a submission daemonises (double fork, ``setsid``) is re-parented to the grader rather than to
@@ -58,14 +59,23 @@ def kill_leftovers() -> int:
     return len(killed)
 
 
-def run_item(cmd: list[str], *, cwd: Path, env: dict, timeout: float, log: Path) -> tuple[int | None, float, int]:
-    """Run ``cmd`` in a new process group, at most ``timeout`` seconds. Returns (exit code, or None when
-    it ran out of time; seconds; how many processes it left behind, now killed). Output goes to ``log``,
-    of which the last 200 kB are kept."""
+def run_item(
+    cmd: list[str], *, cwd: Path, env: dict, timeout: float, log: Path
+) -> tuple[int | None, float, int]:
+    """Run ``cmd`` in a new process group, at most ``timeout`` seconds. Returns (exit code, or None
+    when it ran out of time; seconds; how many processes it left behind, now killed). Output goes to
+    ``log``, of which the last 200 kB are kept."""
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

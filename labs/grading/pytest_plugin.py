@@ -42,12 +42,21 @@ def pytest_collection_finish(session):
 def pytest_runtest_setup(item):
     limit = int(os.environ.get("LABS_GRADE_MAX_TIMEOUTS", "0"))
     if limit and _state["timeouts"] >= limit:
-        pytest.fail(f"not run: {_state['timeouts']} earlier tests of this lab timed out", pytrace=False)
+        pytest.fail(
+            f"not run: {_state['timeouts']} earlier tests of this lab timed out", pytrace=False
+        )
 
 
 def pytest_runtest_logreport(report):
     message = _message(report) if report.failed or report.skipped else ""
     if report.failed and TIMEOUT_MARK in message:
         _state["timeouts"] += 1
-    _write({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "message": message,
-            "duration": round(report.duration, 3)})
+    _write(
+        {
+            "nodeid": report.nodeid,
+            "when": report.when,
+            "outcome": report.outcome,
+            "message": message,
+            "duration": round(report.duration, 3),
+        }
+    )

@@ -8,28 +8,40 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-CSV_FIELDS = ("student", "lab", "tests_passed", "tests_total", "hidden_passed", "hidden_total", "notebook",
-              "notebook_executed", "notebook_detail", "tests_time_s", "notebook_time_s")
+CSV_FIELDS = (
+    "student",
+    "lab",
+    "tests_passed",
+    "tests_total",
+    "hidden_passed",
+    "hidden_total",
+    "notebook",
+    "notebook_executed",
+    "notebook_detail",
+    "tests_time_s",
+    "notebook_time_s",
+)
 MAX_QUOTED_LINES = 25
 
 
 @dataclass
 class Result:
     """One student's result on one lab (or on a notebook-only row)."""
+
     student: str
     lab: str
     notebook: str | None
     tests_passed: int = 0
-    tests_total: int = 0               # tests marked exercise, public + hidden
+    tests_total: int = 0  # tests marked exercise, public + hidden
     hidden_passed: int = 0
     hidden_total: int = 0
-    failures: list = field(default_factory=list)   # [nodeid, message] per test not passed
+    failures: list = field(default_factory=list)  # [nodeid, message] per test not passed
     tests_time_s: float = 0.0
-    notebook_executed: str = "-"       # yes / no / "-" (no notebook, or notebooks not run)
-    notebook_detail: str = ""          # ok, or what stopped it (status: cell N `source`: error)
+    notebook_executed: str = "-"  # yes / no / "-" (no notebook, or notebooks not run)
+    notebook_detail: str = ""  # ok, or what stopped it (status: cell N `source`: error)
     notebook_time_s: float = 0.0
-    cells_changed: int = 0             # code cells of the released notebook not in the student's verbatim
-    leftover_processes: int = 0        # processes still running after the item ended (killed)
+    cells_changed: int = 0  # code cells of the released notebook not in the student's verbatim
+    leftover_processes: int = 0  # processes still running after the item ended (killed)
 
 
 def _quote(text: str) -> list[str]:
@@ -47,61 +59,109 @@ def _failed_checks(r: Result, conceal: bool) -> list[str]:
         by_message.setdefault(message, []).append(nodeid)
     lines = []
     for message, nodeids in by_message.items():
-        lines += ["* **failed**: " + ", ".join(f"`{n}`" for n in nodeids), ""] + _quote(message) + [""]
+        lines += (
+            ["* **failed**: " + ", ".join(f"`{n}`" for n in nodeids), ""] + _quote(message) + [""]
+        )
     return lines
 
 
-def feedback_page(student: str, results: list[Result], ignored: list[str], meta: dict, conceal: bool = False,
-                  notes: list[str] = ()) -> str:
-    """The Markdown page a student gets: the score per lab, then every failed check with its message."""
+def feedback_page(
+    student: str,
+    results: list[Result],
+    ignored: list[str],
+    meta: dict,
+    conceal: bool = False,
+    notes: list[str] = (),
+) -> str:
+    """The Markdown page a student gets: the score per lab, then every failed check with its
+    message."""
     passed, total = sum(r.tests_passed for r in results), sum(r.tests_total for r in results)
     ran = sum(r.notebook_executed == "yes" for r in results)
     notebooks = sum(r.notebook_executed != "-" for r in results)
-    lines = [f"# Feedback for {student}", "",
-             f"Graded {meta['graded_at']} against the course at commit {meta['commit'] or 'unknown'}: "
-             f"**{passed}/{total} checks passed, {ran}/{notebooks} notebooks ran to the end.**", "",
-             *[f"{note}\n" for note in notes],
-             "| lab | checks passed | notebook | ran to the end |", "|---|---|---|---|"]
-    lines += [f"| {r.lab} | {r.tests_passed}/{r.tests_total} | {r.notebook or '-'} | {r.notebook_executed} |"
-              for r in results]
+    lines = [
+        f"# Feedback for {student}",
+        "",
+        f"Graded {meta['graded_at']} against the course at commit {meta['commit'] or 'unknown'}: "
+        f"**{passed}/{total} checks passed, {ran}/{notebooks} notebooks ran to the end.**",
+        "",
+        *[f"{note}\n" for note in notes],
+        "| lab | checks passed | notebook | ran to the end |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.lab} | {r.tests_passed}/{r.tests_total} | {r.notebook or '-'} | {r.notebook_executed} |"
+        for r in results
+    ]
     for r in results:
-        if not r.failures and r.notebook_executed != "no" and not r.leftover_processes and not r.cells_changed:
+        if (
+            not r.failures
+            and r.notebook_executed != "no"
+            and not r.leftover_processes
+            and not r.cells_changed
+        ):
             continue
         lines += ["", f"## {r.lab}", ""] + _failed_checks(r, conceal)
         if r.notebook_executed == "no":
             lines += [f"* **notebook** `notebooks/{r.notebook}` did not run to the end:", ""]
             lines += _quote(r.notebook_detail) + [""]
         if r.cells_changed:
-            lines.append(f"* {r.cells_changed} code cell(s) of the course's notebook are not in yours unchanged.")
+            lines.append(
+                f"* {r.cells_changed} code cell(s) of the course's notebook are not in yours unchanged."
+            )
         if r.leftover_processes:
-            lines.append(f"* {r.leftover_processes} process(es) started while grading this lab were still running "
-                         "at its end (left by your code, or by a run stopped for time); the grader killed them.")
+            lines.append(
+                f"* {r.leftover_processes} process(es) started while grading this lab were still running "
+                "at its end (left by your code, or by a run stopped for time); the grader killed them."
+            )
     if ignored:
-        lines += ["", "## Files not graded", "",
-                  "These files differ from the course release; grading used the course's copies "
-                  "(only `labs/<exercise>.py` and the notebooks are taken from a submission):", ""]
+        lines += [
+            "",
+            "## Files not graded",
+            "",
+            "These files differ from the course release; grading used the course's copies "
+            "(only `labs/<exercise>.py` and the notebooks are taken from a submission):",
+            "",
+        ]
         lines += [f"* `{name}`" for name in ignored[:50]]
         lines += [f"* ... and {len(ignored) - 50} more"] if len(ignored) > 50 else []
     return "\n".join(lines) + "\n"
 
 
 def write_reports(report: Path, results: list[Result], meta: dict) -> None:
-    """``scores.csv`` (one row per student and lab), ``scores.json`` (everything), ``summary.md`` (a grid)."""
+    """``scores.csv`` (one row per student and lab), ``scores.json`` (everything), ``summary.md`` (a
+    grid)."""
     with open(report / "scores.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in results:
-            writer.writerow({**asdict(r), "notebook": r.notebook or "",
-                             "notebook_detail": (r.notebook_detail.splitlines() or [""])[0][:200],
-                             "tests_time_s": f"{r.tests_time_s:.1f}", "notebook_time_s": f"{r.notebook_time_s:.1f}"})
-    (report / "scores.json").write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1))
+            writer.writerow(
+                {
+                    **asdict(r),
+                    "notebook": r.notebook or "",
+                    "notebook_detail": (r.notebook_detail.splitlines() or [""])[0][:200],
+                    "tests_time_s": f"{r.tests_time_s:.1f}",
+                    "notebook_time_s": f"{r.notebook_time_s:.1f}",
+                }
+            )
+    (report / "scores.json").write_text(
+        json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=1)
+    )
     labs = list(dict.fromkeys(r.lab for r in results))
-    lines = ["# Scorecard", "", f"Graded {meta['graded_at']}, course commit {meta['commit'] or 'unknown'}. "
-             "Each cell: checks passed/total, then whether the notebook ran to the end.", "",
-             "| student | " + " | ".join(labs) + " | time (s) |", "|---" * (len(labs) + 2) + "|"]
+    lines = [
+        "# Scorecard",
+        "",
+        f"Graded {meta['graded_at']}, course commit {meta['commit'] or 'unknown'}. "
+        "Each cell: checks passed/total, then whether the notebook ran to the end.",
+        "",
+        "| student | " + " | ".join(labs) + " | time (s) |",
+        "|---" * (len(labs) + 2) + "|",
+    ]
     for student in dict.fromkeys(r.student for r in results):
         mine = {r.lab: r for r in results if r.student == student}
-        cells = [f"{mine[lab].tests_passed}/{mine[lab].tests_total} {mine[lab].notebook_executed}" for lab in labs]
+        cells = [
+            f"{mine[lab].tests_passed}/{mine[lab].tests_total} {mine[lab].notebook_executed}"
+            for lab in labs
+        ]
         seconds = sum(r.tests_time_s + r.notebook_time_s for r in mine.values())
         lines.append(f"| {student} | " + " | ".join(cells) + f" | {seconds:.0f} |")
     (report / "summary.md").write_text("\n".join(lines) + "\n")

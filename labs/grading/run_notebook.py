@@ -24,8 +24,13 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 def main(src: str, dst: str, result_path: str, cell_timeout: float) -> int:
     nb = nbformat.read(src, as_version=4)
-    result = {"status": "starting", "cell": None, "code_cells": sum(c.cell_type == "code" for c in nb.cells),
-              "ename": "", "evalue": ""}
+    result = {
+        "status": "starting",
+        "cell": None,
+        "code_cells": sum(c.cell_type == "code" for c in nb.cells),
+        "ename": "",
+        "evalue": "",
+    }
 
     def save():
         Path(result_path).write_text(json.dumps(result))
@@ -36,18 +41,32 @@ def main(src: str, dst: str, result_path: str, cell_timeout: float) -> int:
 
     save()
     # interrupt_on_timeout: a cell over time gets KeyboardInterrupt, so labs.launch stops its ranks
-    client = NotebookClient(nb, timeout=cell_timeout, interrupt_on_timeout=True, kernel_name="python3",
-                            startup_timeout=120, resources={"metadata": {"path": str(Path(src).parent)}},
-                            on_cell_start=on_cell_start)
+    client = NotebookClient(
+        nb,
+        timeout=cell_timeout,
+        interrupt_on_timeout=True,
+        kernel_name="python3",
+        startup_timeout=120,
+        resources={"metadata": {"path": str(Path(src).parent)}},
+        on_cell_start=on_cell_start,
+    )
     try:
         client.execute()
         result["status"] = "ok"
     except CellTimeoutError as exc:
-        result.update(status="cell-timeout", ename="CellTimeoutError", evalue=str(exc).splitlines()[0])
+        result.update(
+            status="cell-timeout", ename="CellTimeoutError", evalue=str(exc).splitlines()[0]
+        )
     except CellExecutionError as exc:
-        over_time = exc.ename == "KeyboardInterrupt" and time.monotonic() - result.get("started", 0) >= cell_timeout
-        result.update(status="cell-timeout" if over_time else "error", ename=exc.ename,
-                      evalue=f"interrupted after {cell_timeout:g} s" if over_time else exc.evalue)
+        over_time = (
+            exc.ename == "KeyboardInterrupt"
+            and time.monotonic() - result.get("started", 0) >= cell_timeout
+        )
+        result.update(
+            status="cell-timeout" if over_time else "error",
+            ename=exc.ename,
+            evalue=f"interrupted after {cell_timeout:g} s" if over_time else exc.evalue,
+        )
     except DeadKernelError as exc:
         result.update(status="kernel-died", ename="DeadKernelError", evalue=str(exc))
     except Exception as exc:  # noqa: BLE001 - any failure is the notebook's result, reported to the grader

@@ -4,5 +4,14 @@ from labs.measure.ledger import CommLedger, CommRecord
 from labs.measure.memory import SavedActivations, state_bytes, tensor_bytes
 from labs.measure.timeline import Event, Timeline, idle_fraction, plot_gantt
 
-__all__ = ["CommLedger", "CommRecord", "Event", "SavedActivations", "Timeline", "idle_fraction", "plot_gantt",
-           "state_bytes", "tensor_bytes"]
+__all__ = [
+    "CommLedger",
+    "CommRecord",
+    "Event",
+    "SavedActivations",
+    "Timeline",
+    "idle_fraction",
+    "plot_gantt",
+    "state_bytes",
+    "tensor_bytes",
+]

@@ -49,21 +49,37 @@ import torch.distributed.distributed_c10d as c10d
 
 # The wrapped functions. Wrapping them both in ``torch.distributed`` and in
 # ``distributed_c10d`` keeps ``P2POp(dist.isend, ...)`` valid (it compares with c10d's names).
-# (torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single; both are recorded.)
-RECORDED_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-                "reduce_scatter_tensor", "all_gather", "reduce_scatter", "broadcast", "reduce",
-                "all_to_all_single", "send", "isend", "recv", "irecv", "batch_isend_irecv")
+# (torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single; both are
+# recorded.)
+RECORDED_OPS = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "send",
+    "isend",
+    "recv",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 @dataclass(frozen=True)
 class CommRecord:
     """One collective on one rank."""
-    op: str            # e.g. "all_reduce"
-    group_size: int    # N
+
+    op: str  # e.g. "all_reduce"
+    group_size: int  # N
     payload_bytes: int  # K: the tensor handed to the call
-    sent_bytes: float   # bytes this rank sends (algorithm model, see module docstring)
-    recv_bytes: float   # bytes this rank receives (point-to-point and all-to-all: exact)
-    phase: str          # the label of the enclosing ``ledger.phase(...)`` block
+    sent_bytes: float  # bytes this rank sends (algorithm model, see module docstring)
+    recv_bytes: float  # bytes this rank receives (point-to-point and all-to-all: exact)
+    phase: str  # the label of the enclosing ``ledger.phase(...)`` block
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -82,19 +98,22 @@ def ring_fraction(n: int) -> float:
 class CommLedger:
     """Records the collectives this rank issues while active. One ledger at a time per process."""
 
-    _active: "CommLedger | None" = None
+    _active: CommLedger | None = None
 
     def __init__(self):
         self.records: list[CommRecord] = []
-        self.groups: list = []  # the ProcessGroup of each record (None: the default group), in-process only
+        # the ProcessGroup of each record (None: the default group), in-process only
+        self.groups: list = []
         self._phase = ""
         self._originals: dict[tuple[object, str], object] = {}
         self._depth = threading.local()  # nested calls (batch_isend_irecv -> isend) count once
 
     # --- context management -------------------------------------------------
-    def __enter__(self) -> "CommLedger":
+    def __enter__(self) -> CommLedger:
         if CommLedger._active is not None:
-            raise RuntimeError("a CommLedger is already recording in this process; nest phases instead")
+            raise RuntimeError(
+                "a CommLedger is already recording in this process; nest phases instead"
+            )
         CommLedger._active = self
         for op in RECORDED_OPS:
             wrapper = self._wrap(op, getattr(c10d, op))  # one wrapper object, set in both modules
@@ -129,7 +148,8 @@ class CommLedger:
         return sum(r.payload_bytes for r in self._select(op, phase))
 
     def sent_bytes_by_group(self) -> list[tuple[object, float]]:
-        """(process group, bytes this rank sent on it) for every group used; None is the default group."""
+        """(process group, bytes this rank sent on it) for every group used; None is the default
+        group."""
         out: dict[int, list] = {}
         for group, r in zip(self.groups, self.records):
             out.setdefault(id(group), [group, 0.0])[1] += r.sent_bytes
@@ -137,7 +157,9 @@ class CommLedger:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per op: number of calls, payload bytes and bytes sent by this rank."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+        out: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0}
+        )
         for r in self.records:
             out[r.op]["calls"] += 1
             out[r.op]["payload_bytes"] += r.payload_bytes
@@ -149,7 +171,11 @@ class CommLedger:
         self.groups.clear()
 
     def _select(self, op, phase):
-        return [r for r in self.records if (op is None or r.op == op) and (phase is None or r.phase == phase)]
+        return [
+            r
+            for r in self.records
+            if (op is None or r.op == op) and (phase is None or r.phase == phase)
+        ]
 
     # --- recording ----------------------------------------------------------------
     def _wrap(self, op, original):
@@ -170,7 +196,9 @@ class CommLedger:
         return recorded
 
     def _add(self, op, n, payload, sent, received=0.0, group=None):
-        self.records.append(CommRecord(op, n, int(payload), float(sent), float(received), self._phase))
+        self.records.append(
+            CommRecord(op, n, int(payload), float(sent), float(received), self._phase)
+        )
         self.groups.append(group)
 
     def _record(self, op, args, kwargs):
@@ -178,13 +206,22 @@ class CommLedger:
             for p2p in _bind(op, args, kwargs)["p2p_op_list"]:
                 name = getattr(p2p.op, "__name__", str(p2p.op))
                 k = _nbytes(p2p.tensor)
-                self._add(name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0, p2p.group)
+                self._add(
+                    name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0, p2p.group
+                )
             return
         a = _bind(op, args, kwargs)
         group = a.get("group")
         if op in ("send", "isend", "recv", "irecv"):
             k = _nbytes(a["tensor"])
-            self._add(op, 2, k, k if op in ("send", "isend") else 0, k if op in ("recv", "irecv") else 0, group)
+            self._add(
+                op,
+                2,
+                k,
+                k if op in ("send", "isend") else 0,
+                k if op in ("recv", "irecv") else 0,
+                group,
+            )
             return
         n = _group_size(group)
         if op == "all_reduce":
@@ -207,7 +244,8 @@ class CommLedger:
         self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k, group)
 
     def _record_all_to_all(self, a, n):
-        """Exact bytes: the rows of ``input`` bound for other ranks, and those arriving from them."""
+        """Exact bytes: the rows of ``input`` bound for other ranks, and those arriving from
+        them."""
         output, inp = a["output"], a["input"]
         me = dist.get_rank(a.get("group"))
         row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)

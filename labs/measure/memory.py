@@ -57,19 +57,33 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     Scalar step counters are bookkeeping, not per-parameter state, and are left out."""
     if optimizer is None:
         return 0
-    tensors = [_local(v) for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    tensors = [
+        _local(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     return _unique_bytes(tensors)
 
 
-def state_bytes(model_or_params, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> dict:
+def state_bytes(
+    model_or_params, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
+) -> dict:
     """Bytes of parameters, gradients and optimizer state held by this rank.
 
     ``model_or_params`` is a module or an iterable of tensors (a ZeRO rank's shards).
     ``extra`` adds named entries (e.g. ``{"master_params": ...}`` for fp32 master weights).
     """
-    params = list(model_or_params.parameters()) if isinstance(model_or_params, torch.nn.Module) else list(model_or_params)
-    out = {"params": param_bytes(params), "grads": grad_bytes(params), "optimizer": optimizer_bytes(optimizer)}
+    params = (
+        list(model_or_params.parameters())
+        if isinstance(model_or_params, torch.nn.Module)
+        else list(model_or_params)
+    )
+    out = {
+        "params": param_bytes(params),
+        "grads": grad_bytes(params),
+        "optimizer": optimizer_bytes(optimizer),
+    }
     out.update(extra or {})
     out["total"] = sum(out.values())
     return out
@@ -103,7 +117,11 @@ class SavedActivations:
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            if storage.data_ptr() not in self._excluded and key not in self._seen and storage.nbytes() > 0:
+            if (
+                storage.data_ptr() not in self._excluded
+                and key not in self._seen
+                and storage.nbytes() > 0
+            ):
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
                 self.count += 1
@@ -111,7 +129,7 @@ class SavedActivations:
                 self.by_region[self._region] += storage.nbytes()
         return t
 
-    def __enter__(self) -> "SavedActivations":
+    def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -132,7 +150,8 @@ class _Region:
 
 
 def peak_device_bytes(device: torch.device) -> int | None:
-    """Peak bytes the CUDA allocator handed out since the last reset; None on CPU (no allocator stats)."""
+    """Peak bytes the CUDA allocator handed out since the last reset; None on CPU (no allocator
+    stats)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return None

@@ -26,8 +26,8 @@ from labs.runtime.device import rank_device, synchronize
 @dataclass(frozen=True)
 class Event:
     rank: int
-    name: str          # e.g. "F", "B", "all_reduce", "optimizer"
-    start: float       # seconds since the timeline's origin
+    name: str  # e.g. "F", "B", "all_reduce", "optimizer"
+    start: float  # seconds since the timeline's origin
     end: float
     meta: dict = field(default_factory=dict)  # e.g. {"microbatch": 3, "chunk": 0}
 
@@ -83,8 +83,13 @@ def idle_fraction(events: list[Event], names: tuple[str, ...] | None = None) -> 
     return 1.0 - busy / (len(ranks) * (t1 - t0))
 
 
-def plot_gantt(events: list[Event], ax=None, color_by: str | None = "microbatch", title: str | None = None,
-               labels: bool = True):
+def plot_gantt(
+    events: list[Event],
+    ax=None,
+    color_by: str | None = "microbatch",
+    title: str | None = None,
+    labels: bool = True,
+):
     """Draw ranks (rows) against time; spans coloured by ``meta[color_by]`` (or by name)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -97,11 +102,25 @@ def plot_gantt(events: list[Event], ax=None, color_by: str | None = "microbatch"
     for e in events:
         key = str(e.meta.get(color_by, e.name))
         hatch = "//" if e.name.upper().startswith("B") else None
-        ax.barh(e.rank, e.duration, left=e.start, height=0.8, color=colour[key], edgecolor="black",
-                linewidth=0.4, hatch=hatch)
+        ax.barh(
+            e.rank,
+            e.duration,
+            left=e.start,
+            height=0.8,
+            color=colour[key],
+            edgecolor="black",
+            linewidth=0.4,
+            hatch=hatch,
+        )
         if labels and e.duration > 0:
-            ax.text(e.start + e.duration / 2, e.rank, f"{e.name}{e.meta.get(color_by, '')}",
-                    ha="center", va="center", fontsize=7)
+            ax.text(
+                e.start + e.duration / 2,
+                e.rank,
+                f"{e.name}{e.meta.get(color_by, '')}",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
     ranks = sorted({e.rank for e in events})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -109,6 +128,11 @@ def plot_gantt(events: list[Event], ax=None, color_by: str | None = "microbatch"
     if title:
         ax.set_title(title)
     if len(keys) <= 12:
-        ax.legend(handles=[Patch(color=colour[k], label=f"{color_by or 'span'} {k}") for k in keys],
-                  fontsize=7, loc="upper right", bbox_to_anchor=(1.0, -0.15), ncol=min(6, len(keys)))
+        ax.legend(
+            handles=[Patch(color=colour[k], label=f"{color_by or 'span'} {k}") for k in keys],
+            fontsize=7,
+            loc="upper right",
+            bbox_to_anchor=(1.0, -0.15),
+            ncol=min(6, len(keys)),
+        )
     return ax

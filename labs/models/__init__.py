@@ -1,4 +1,5 @@
-"""The course model (``labs.models.transformer``) and ``transformers`` adapters (``labs.models.hf``)."""
+"""The course model (``labs.models.transformer``) and ``transformers`` adapters
+(``labs.models.hf``)."""
 
 from labs.models.transformer import ModelConfig, Transformer, build_model, count_params
 

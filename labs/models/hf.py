@@ -5,8 +5,9 @@
     gpt2 = build_hf_gpt2(n_layer=2, n_embd=64, n_head=4)
 
 The course model uses Llama's module layout, so the weight copy is a rename
-(``tok_emb`` -> ``model.embed_tokens``, ``layers.i.attn_norm`` -> ``model.layers.i.input_layernorm``, ...).
-A test checks the two give the same logits: the course model *is* a Llama.
+(``tok_emb`` -> ``model.embed_tokens``, ``layers.i.attn_norm`` ->
+``model.layers.i.input_layernorm``, ...). A test checks the two give the same logits: the course
+model *is* a Llama.
 """
 
 from __future__ import annotations
@@ -24,12 +25,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def llama_config(cfg: ModelConfig):
     """A ``transformers.LlamaConfig`` with the course model's dimensions."""
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
-                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-                       num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
-                       max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
-                       rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                       attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attn_implementation="sdpa",
+    )
 
 
 def hf_llama_name(name: str) -> str:
@@ -40,13 +52,16 @@ def hf_llama_name(name: str) -> str:
         return "model.norm.weight"
     if name == "lm_head.weight":
         return name
-    name = name.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")
+    name = name.replace("attn_norm", "input_layernorm").replace(
+        "mlp_norm", "post_attention_layernorm"
+    )
     return "model." + name.replace(".attn.", ".self_attn.")
 
 
 def to_hf_llama(model: torch.nn.Module):
     """A ``LlamaForCausalLM`` holding copies of the course model's weights."""
     from transformers import LlamaForCausalLM
+
     hf = LlamaForCausalLM(llama_config(model.cfg)).to(next(model.parameters()).dtype)
     state = {hf_llama_name(k): v for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
@@ -54,7 +69,9 @@ def to_hf_llama(model: torch.nn.Module):
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (model.cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"weight names do not line up: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"weight names do not line up: missing {missing}, unexpected {unexpected}"
+        )
     return hf.eval()
 
 
@@ -63,14 +80,31 @@ def build_hf_llama(cfg: ModelConfig, seed: int = 0):
     return to_hf_llama(build_model(cfg, seed))
 
 
-def build_hf_gpt2(*, vocab_size: int = 256, seq_len: int = 64, n_layer: int = 2, n_embd: int = 64,
-                  n_head: int = 4, seed: int = 0):
+def build_hf_gpt2(
+    *,
+    vocab_size: int = 256,
+    seq_len: int = 64,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    seed: int = 0,
+):
     """A small ``GPT2LMHeadModel`` (learned positions, LayerNorm, GELU MLP, tied head)."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                        n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=seq_len,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -78,5 +112,6 @@ def meta_model(config):
     """Instantiate a ``transformers`` config on the meta device: shapes only, no memory.
     Used to count parameters of Llama-3 70B or 405B on a laptop."""
     from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

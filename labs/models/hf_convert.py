@@ -1,4 +1,5 @@
-"""The course model from a ``transformers`` ``LlamaForCausalLM`` (the inverse of ``labs.models.hf.to_hf_llama``).
+"""The course model from a ``transformers`` ``LlamaForCausalLM`` (the inverse of
+``labs.models.hf.to_hf_llama``).
 
     full = course_model_from(hf_llama)    # a course Transformer with the same weights (same logits)
     full = course_model_from(course)      # returned as it is
@@ -23,21 +24,34 @@ def course_config_from_hf(config) -> ModelConfig:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    unsupported = [name for name, differs in (
-        ("attention_bias", bool(getattr(config, "attention_bias", False))),
-        ("mlp_bias", bool(getattr(config, "mlp_bias", False))),
-        ("rope_type", rope.get("rope_type", "default") != "default"),
-        ("hidden_act", getattr(config, "hidden_act", "silu") != "silu"),
-        ("head_dim", head_dim * config.num_attention_heads != config.hidden_size)) if differs]
+    unsupported = [
+        name
+        for name, differs in (
+            ("attention_bias", bool(getattr(config, "attention_bias", False))),
+            ("mlp_bias", bool(getattr(config, "mlp_bias", False))),
+            ("rope_type", rope.get("rope_type", "default") != "default"),
+            ("hidden_act", getattr(config, "hidden_act", "silu") != "silu"),
+            ("head_dim", head_dim * config.num_attention_heads != config.hidden_size),
+        )
+        if differs
+    ]
     if unsupported:
-        raise ValueError(f"this Llama config differs from the course model in {unsupported}; supported: no biases, "
-                         "default rotary, silu, head_dim = hidden_size / num_attention_heads")
-    return ModelConfig(vocab_size=config.vocab_size, seq_len=config.max_position_embeddings,
-                       n_layer=config.num_hidden_layers, n_embd=config.hidden_size,
-                       n_head=config.num_attention_heads,
-                       n_kv_head=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                       ffn_hidden=config.intermediate_size, tie_embeddings=bool(config.tie_word_embeddings),
-                       rope_theta=float(theta), norm_eps=config.rms_norm_eps)
+        raise ValueError(
+            f"this Llama config differs from the course model in {unsupported}; supported: no biases, "
+            "default rotary, silu, head_dim = hidden_size / num_attention_heads"
+        )
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        seq_len=config.max_position_embeddings,
+        n_layer=config.num_hidden_layers,
+        n_embd=config.hidden_size,
+        n_head=config.num_attention_heads,
+        n_kv_head=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        ffn_hidden=config.intermediate_size,
+        tie_embeddings=bool(config.tie_word_embeddings),
+        rope_theta=float(theta),
+        norm_eps=config.rms_norm_eps,
+    )
 
 
 def course_model_from(model: nn.Module) -> Transformer:
@@ -47,8 +61,10 @@ def course_model_from(model: nn.Module) -> Transformer:
         return model
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "llama":
-        raise ValueError(f"model must be the course Transformer or a transformers LlamaForCausalLM, "
-                         f"got {type(model).__name__}")
+        raise ValueError(
+            f"model must be the course Transformer or a transformers LlamaForCausalLM, "
+            f"got {type(model).__name__}"
+        )
     full = Transformer(course_config_from_hf(config)).to(next(model.parameters()).dtype)
     state = model.state_dict()
     full.load_state_dict({name: state[hf_llama_name(name)] for name in full.state_dict()})

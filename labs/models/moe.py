@@ -30,11 +30,13 @@ from labs.theory.moe import check_capacity_factor, check_top_k
 
 @dataclass(frozen=True)
 class MoEConfig:
-    n_experts: int = 8                     # E
-    top_k: int = 2                         # k experts per token (1: Switch, 2: GShard/Mixtral)
-    capacity_factor: float | None = None   # None: no capacity, nothing dropped; 1.0: an even share per expert
-    aux_loss_coef: float = 1e-2            # Switch Transformer's alpha for the load-balancing loss
-    z_loss_coef: float = 1e-3              # ST-MoE's router z-loss coefficient
+    n_experts: int = 8  # E
+    top_k: int = 2  # k experts per token (1: Switch, 2: GShard/Mixtral)
+    capacity_factor: float | None = (
+        None  # None: no capacity, nothing dropped; 1.0: an even share per expert
+    )
+    aux_loss_coef: float = 1e-2  # Switch Transformer's alpha for the load-balancing loss
+    z_loss_coef: float = 1e-3  # ST-MoE's router z-loss coefficient
 
     def __post_init__(self):
         check_positive(n_experts=self.n_experts, top_k=self.top_k)
@@ -57,7 +59,8 @@ class MoETransformer(Transformer):
         return [block.mlp for block in self.layers]
 
     def forward(self, idx, targets=None, positions=None):
-        """idx: [B, T] -> logits [B, T, V]; with targets, also cross-entropy + sum of the layers' aux losses."""
+        """idx: [B, T] -> logits [B, T, V]; with targets, also cross-entropy + sum of the layers'
+        aux losses."""
         out = super().forward(idx, targets, positions)
         if targets is None:
             return out
@@ -66,19 +69,28 @@ class MoETransformer(Transformer):
 
 
 def swap_mlp(model: Transformer, make: Callable[[int, nn.Module], nn.Module]) -> Transformer:
-    """Replace each block's ``mlp`` with ``make(layer_index, current_mlp)``, in place; returns ``model``."""
+    """Replace each block's ``mlp`` with ``make(layer_index, current_mlp)``, in place; returns
+    ``model``."""
     for i, block in enumerate(model.layers):
         block.mlp = make(i, block.mlp)
     return model
 
 
-def build_moe_model(cfg: ModelConfig, moe: MoEConfig, *, seed: int = 0, groups: int = 1,
-                    device: torch.device | str = "cpu") -> MoETransformer:
-    """The course model with ``exercise("expert_parallel").MoELayer`` in every block, weights from ``seed``
-    (the course model's ``init_weights``: same seed, same weights, on every rank). ``groups``: the
-    token groups capacity and the aux loss are computed over (the single-process reference of a run
-    on ``groups`` data-parallel ranks uses one group per rank; see the exercise module)."""
+def build_moe_model(
+    cfg: ModelConfig,
+    moe: MoEConfig,
+    *,
+    seed: int = 0,
+    groups: int = 1,
+    device: torch.device | str = "cpu",
+) -> MoETransformer:
+    """The course model with ``exercise("expert_parallel").MoELayer`` in every block, weights from
+    ``seed`` (the course model's ``init_weights``: same seed, same weights, on every rank).
+    ``groups``: the token groups capacity and the aux loss are computed over (the single-process
+    reference of a run on ``groups`` data-parallel ranks uses one group per rank; see the exercise
+    module)."""
     from labs.runtime.impl import exercise
+
     layer_cls = exercise("expert_parallel").MoELayer
     model = MoETransformer(cfg, moe, lambda i: layer_cls(cfg, moe, groups=groups))
     return init_weights(model, seed).to(device)

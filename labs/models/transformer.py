@@ -27,19 +27,27 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256        # byte-level tokenizer: one token per byte
-    seq_len: int = 64            # longest sequence; sizes the rotary table
+    vocab_size: int = 256  # byte-level tokenizer: one token per byte
+    seq_len: int = 64  # longest sequence; sizes the rotary table
     n_layer: int = 2
-    n_embd: int = 64             # H
-    n_head: int = 8              # nh; head dim = n_embd // n_head
-    n_kv_head: int = 4           # nkv < nh is grouped-query attention; = nh is plain multi-head
-    ffn_hidden: int = 128        # F; Llama uses about 8/3 H rounded up
+    n_embd: int = 64  # H
+    n_head: int = 8  # nh; head dim = n_embd // n_head
+    n_kv_head: int = 4  # nkv < nh is grouped-query attention; = nh is plain multi-head
+    ffn_hidden: int = 128  # F; Llama uses about 8/3 H rounded up
     tie_embeddings: bool = False  # share the token embedding with the output head (GPT-2 does)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden"):
+        for name in (
+            "vocab_size",
+            "seq_len",
+            "n_layer",
+            "n_embd",
+            "n_head",
+            "n_kv_head",
+            "ffn_hidden",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
@@ -47,7 +55,9 @@ class ModelConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
         if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary positions")
+            raise ValueError(
+                f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary positions"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -71,9 +81,12 @@ class RMSNorm(nn.Module):
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
     """cos and sin tables for the given token positions: ``[T, hd]`` each."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)                 # [T, hd]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -99,8 +112,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
     def project(self, x, cos, sin):
-        """x [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], q and k rotated by ``cos``/``sin``. The head
-        counts come from the weights' shapes, so a tensor-parallel copy (nh/tp, nkv/tp heads) projects alike."""
+        """x [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], q and k rotated by
+        ``cos``/``sin``. The head counts come from the weights' shapes, so a tensor-parallel copy
+        (nh/tp, nkv/tp heads) projects alike."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
@@ -111,7 +125,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         # Each group of nh/nkv query heads shares one key/value head.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, hd]
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )  # [B, nh, T, hd]
         y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, H]
         return self.o_proj(y)
 
@@ -142,8 +158,11 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def run_blocks(blocks, x: torch.Tensor, cfg: ModelConfig, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Decoder ``blocks`` (an iterable) on x [B, T, H] at rotary ``positions`` (default 0..T-1) -> [B, T, H]."""
+def run_blocks(
+    blocks, x: torch.Tensor, cfg: ModelConfig, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Decoder ``blocks`` (an iterable) on x [B, T, H] at rotary ``positions`` (default 0..T-1) ->
+    [B, T, H]."""
     if positions is None:
         positions = torch.arange(x.shape[1], device=x.device)
     # tables in the activations' dtype (as transformers' Llama does), or bf16 q/k would turn fp32
@@ -168,7 +187,9 @@ class Transformer(nn.Module):
 
     def forward(self, idx, targets=None, positions=None):
         """idx: [B, T] token ids -> logits [B, T, V]; with targets, also the mean cross-entropy."""
-        if positions is None:  # from the ids: under sequence parallelism the embedding returns T/tp tokens
+        if (
+            positions is None
+        ):  # from the ids: under sequence parallelism the embedding returns T/tp tokens
             positions = torch.arange(idx.shape[1], device=idx.device)
         x = run_blocks(self.layers, self.tok_emb(idx), self.cfg, positions)  # [B, T, H]
         logits = self.lm_head(self.norm(x))  # [B, T, V]
@@ -188,13 +209,21 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
             if p.dim() == 1:
                 p.fill_(1.0)
                 continue
-            scale = std / math.sqrt(2 * n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            scale = (
+                std / math.sqrt(2 * n_layer)
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else std
+            )
             p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(
+    cfg: ModelConfig,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Transformer:
     """The course model with weights from ``seed``: same seed, same weights, on every rank."""
     model = init_weights(Transformer(cfg), seed)
     return model.to(device=device, dtype=dtype)

@@ -1,10 +1,25 @@
 """Launcher, backend and device choice, the implementation switch, logging."""
 
 from labs.runtime.device import environment_report, one_thread, rank_device, synchronize
-from labs.runtime.impl import exercise, implementation, set_implementation
 from labs.runtime.errors import LaunchTimeout, RankDied, RankError
+from labs.runtime.impl import exercise, implementation, set_implementation
 from labs.runtime.launcher import choose_backend, launch, report_progress, under_torchrun
 from labs.runtime.log import log
 
-__all__ = ["LaunchTimeout", "RankDied", "RankError", "choose_backend", "environment_report", "exercise", "implementation",
-           "launch", "log", "one_thread", "rank_device", "report_progress", "set_implementation", "synchronize", "under_torchrun"]
+__all__ = [
+    "LaunchTimeout",
+    "RankDied",
+    "RankError",
+    "choose_backend",
+    "environment_report",
+    "exercise",
+    "implementation",
+    "launch",
+    "log",
+    "one_thread",
+    "rank_device",
+    "report_progress",
+    "set_implementation",
+    "synchronize",
+    "under_torchrun",
+]

@@ -38,12 +38,17 @@ def one_thread():
 
 
 def gpu_names() -> list[str]:
-    """GPU names from nvidia-smi ([] without it): asking torch would initialise CUDA here, and ranks could no
-    longer be forked."""
+    """GPU names from nvidia-smi ([] without it): asking torch would initialise CUDA here, and ranks
+    could no longer be forked."""
     import subprocess
+
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     except (OSError, subprocess.SubprocessError):
         return []
@@ -51,8 +56,9 @@ def gpu_names() -> list[str]:
 
 def environment_report() -> dict:
     """What the course will run on here: versions, cores, GPUs and the backend ``launch`` picks."""
-    from labs.runtime.launcher import choose_backend
     from labs.runtime.impl import implementation
+    from labs.runtime.launcher import choose_backend
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
         "python": platform.python_version(),

@@ -1,4 +1,5 @@
-"""How a launch fails: the exceptions ``launch`` raises, and the choice of which rank's story to tell.
+"""How a launch fails: the exceptions ``launch`` raises, and the choice of which rank's story to
+tell.
 
 When one rank fails, its peers usually fail a moment later ("connection reset by peer",
 blocked in a collective with a rank that is gone). The error names the root cause: a rank's
@@ -11,13 +12,26 @@ from __future__ import annotations
 
 import signal
 
+
 class RankError(RuntimeError):
     """A rank raised. ``rank``, ``exc_type`` (e.g. "NotImplementedError"), ``message``
     and ``rank_traceback`` (the text of the rank's traceback) say what happened."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, rank_traceback: str, others: str = "",
-                 stderr_tail: str = ""):
-        self.rank, self.exc_type, self.message, self.rank_traceback = rank, exc_type, message, rank_traceback
+    def __init__(
+        self,
+        rank: int,
+        exc_type: str,
+        message: str,
+        rank_traceback: str,
+        others: str = "",
+        stderr_tail: str = "",
+    ):
+        self.rank, self.exc_type, self.message, self.rank_traceback = (
+            rank,
+            exc_type,
+            message,
+            rank_traceback,
+        )
         text = f"rank {rank} raised {exc_type}: {message}"
         if others:
             text += f"\n({others})"
@@ -27,16 +41,23 @@ class RankError(RuntimeError):
 
 
 class RankDied(RuntimeError):
-    """A rank ended without a result: killed by a signal (``signal_name``) or exited early (``exit_code``)."""
+    """A rank ended without a result: killed by a signal (``signal_name``) or exited early
+    (``exit_code``)."""
 
     def __init__(self, rank: int, exit_code: int | None, text: str, stderr_tail: str = ""):
         self.rank, self.exit_code = rank, exit_code
-        self.signal_name = _signal_name(-exit_code) if exit_code is not None and exit_code < 0 else None
+        self.signal_name = (
+            _signal_name(-exit_code) if exit_code is not None and exit_code < 0 else None
+        )
         super().__init__(text + _tail_text(rank, stderr_tail))
 
 
 def _tail_text(rank: int, tail: str) -> str:
-    return f"\n\n--- last lines rank {rank} wrote to stderr ---\n{tail.rstrip()}" if tail.strip() else ""
+    return (
+        f"\n\n--- last lines rank {rank} wrote to stderr ---\n{tail.rstrip()}"
+        if tail.strip()
+        else ""
+    )
 
 
 class LaunchTimeout(TimeoutError):
@@ -48,7 +69,8 @@ class LaunchTimeout(TimeoutError):
             f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished"
             f" (rank(s) {finished or 'none'} returned). The usual cause is a collective that"
             " some ranks call and others never reach (a skipped all_reduce, a send without a"
-            " matching recv). All ranks were killed.")
+            " matching recv). All ranks were killed."
+        )
 
 
 def read_stderr(path: str, max_lines: int | None = None) -> str:
@@ -59,10 +81,13 @@ def read_stderr(path: str, max_lines: int | None = None) -> str:
         return ""
     lines = [line for line in lines if not line.startswith("frame #")]  # C++ stack frames: noise
     if max_lines:
-        # faulthandler's dump of every thread's stack follows the message that matters: keep its headline only
-        fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+        # faulthandler's dump of every thread's stack follows the message that matters: keep its
+        # headline only
+        fatal = next(
+            (i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None
+        )
         if fatal is not None:
-            lines = lines[:fatal + 1]
+            lines = lines[: fatal + 1]
         lines = lines[-max_lines:]
     return "\n".join(lines)
 
@@ -81,12 +106,23 @@ def raise_failure(errors, deaths, returned, stderr_paths):
         exc_type, message, tb = errors[rank]
         others = [f"rank {r} raised {errors[r][0]}" for r in sorted(errors) if r != rank]
         others += [_death_text(r, code) for r, code in sorted(deaths.items())]
-        raise RankError(rank, exc_type, message, tb, others="; ".join(others + context),
-                        stderr_tail=read_stderr(stderr_paths[rank], max_lines=15))
+        raise RankError(
+            rank,
+            exc_type,
+            message,
+            tb,
+            others="; ".join(others + context),
+            stderr_tail=read_stderr(stderr_paths[rank], max_lines=15),
+        )
     rank = min(deaths)
     others = [f"rank {r} then raised {errors[r][0]}" for r in sorted(errors)]
-    raise RankDied(rank, deaths[rank], "; ".join([_death_text(rank, deaths[rank])] + others + context)
-                   + ". The other ranks were stopped.", stderr_tail=read_stderr(stderr_paths[rank], max_lines=15))
+    raise RankDied(
+        rank,
+        deaths[rank],
+        "; ".join([_death_text(rank, deaths[rank])] + others + context)
+        + ". The other ranks were stopped.",
+        stderr_tail=read_stderr(stderr_paths[rank], max_lines=15),
+    )
 
 
 def _signal_name(number: int) -> str:
@@ -99,6 +135,10 @@ def _signal_name(number: int) -> str:
 def _death_text(rank, code) -> str:
     if code is not None and code < 0:
         name = _signal_name(-code)
-        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        hint = (
+            " (out of memory? the kernel's OOM killer sends SIGKILL)"
+            if -code == signal.SIGKILL
+            else ""
+        )
         return f"rank {rank} died from {name}{hint}"
     return f"rank {rank} exited with code {code} before returning a result"

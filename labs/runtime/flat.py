@@ -1,4 +1,5 @@
-"""Flat parameter buffers and gradient-readiness hooks: the plumbing under ZeRO (``solutions/zero.py``).
+"""Flat parameter buffers and gradient-readiness hooks: the plumbing under ZeRO
+(``solutions/zero.py``).
 
     buf = FlatBuffer("block 0", params, rank=1, world=4)   # layout: numel, shard, padded, [lo, hi)
     buf.bind(full)                  # every parameter's data becomes a view of ``full`` [padded]
@@ -25,10 +26,15 @@ import torch
 
 
 def course_units(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """ZeRO's units of the course model, or of a pipeline stage of it, in forward order: the embedding, each block,
-    the final norm with the head (each part that the module has; a stage's blocks keep their layer numbers).
-    ``labs.theory.zero.course_units`` counts the same units' parameters."""
-    blocks = model.layers.items() if isinstance(model.layers, torch.nn.ModuleDict) else enumerate(model.layers)
+    """ZeRO's units of the course model, or of a pipeline stage of it, in forward order: the
+    embedding, each block, the final norm with the head (each part that the module has; a stage's
+    blocks keep their layer numbers). ``labs.theory.zero.course_units`` counts the same units'
+    parameters."""
+    blocks = (
+        model.layers.items()
+        if isinstance(model.layers, torch.nn.ModuleDict)
+        else enumerate(model.layers)
+    )
     units = [("embedding", [model.tok_emb])] if getattr(model, "tok_emb", None) is not None else []
     units += [(f"block {i}", [block]) for i, block in blocks]
     if getattr(model, "lm_head", None) is not None:
@@ -54,12 +60,13 @@ class FlatBuffer:
         """Each parameter's slice of a flat buffer, shaped like the parameter."""
         out, offset = [], 0
         for p in self.params:
-            out.append(flat[offset: offset + p.numel()].view_as(p))
+            out.append(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         return out
 
     def bind(self, full: torch.Tensor) -> None:
-        """Make each parameter's data a view of ``full``: gathering into ``full`` updates the model."""
+        """Make each parameter's data a view of ``full``: gathering into ``full`` updates the
+        model."""
         self.full = full
         for p, view in zip(self.params, self.views(full)):
             p.data = view
@@ -78,9 +85,11 @@ class FlatBuffer:
         """bool [shard]: this rank's elements of parameters that got no gradient (None: all did)."""
         if all(p in got_grad for p in self.params):
             return None
-        mask = torch.cat([torch.full((p.numel(),), p not in got_grad) for p in self.params]
-                         + [torch.zeros(self.padded - self.numel, dtype=torch.bool)])
-        return mask[self.lo: self.hi].to(self.params[0].device)
+        mask = torch.cat(
+            [torch.full((p.numel(),), p not in got_grad) for p in self.params]
+            + [torch.zeros(self.padded - self.numel, dtype=torch.bool)]
+        )
+        return mask[self.lo : self.hi].to(self.params[0].device)
 
 
 class GradReadiness:

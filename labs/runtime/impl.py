@@ -1,4 +1,5 @@
-"""Which implementation of the exercises runs: the learner's (``labs``) or the reference (``solutions``).
+"""Which implementation of the exercises runs: the learner's (``labs``) or the reference
+(``solutions``).
 
 One switch, the environment variable ``LABS_IMPL``:
 
@@ -17,8 +18,18 @@ from types import ModuleType
 
 IMPL_ENV = "LABS_IMPL"
 IMPLEMENTATIONS = ("labs", "solutions")
-EXERCISES = ("collectives", "ddp", "zero", "tensor_parallel", "pipeline_parallel", "context_parallel",
-             "expert_parallel", "mesh", "inference", "multimodal")
+EXERCISES = (
+    "collectives",
+    "ddp",
+    "zero",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "context_parallel",
+    "expert_parallel",
+    "mesh",
+    "inference",
+    "multimodal",
+)
 
 
 def implementation() -> str:

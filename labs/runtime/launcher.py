@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import multiprocessing as mp
 import os
 import pickle
-import tempfile
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing import connection
-import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
@@ -67,16 +67,26 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nccl" and gpus < nprocs:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible;"
-                         f" use nprocs<={gpus} or backend='gloo'")
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible;"
+            f" use nprocs<={gpus} or backend='gloo'"
+        )
     if backend == "auto":
         return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
     return backend
 
 
-def launch(fn, nprocs: int, *args, backend: str = "auto", timeout: float = 120.0,
-           start_method: str | None = None, progress: int | None = None, desc: str = "steps",
-           env: dict[str, str] | None = None) -> list:
+def launch(
+    fn,
+    nprocs: int,
+    *args,
+    backend: str = "auto",
+    timeout: float = 120.0,
+    start_method: str | None = None,
+    progress: int | None = None,
+    desc: str = "steps",
+    env: dict[str, str] | None = None,
+) -> list:
     """Run ``fn(*args)`` on ``nprocs`` ranks with the default process group initialised.
 
     Returns the per-rank return values in rank order. ``timeout`` (seconds) bounds the
@@ -102,8 +112,10 @@ def launch(fn, nprocs: int, *args, backend: str = "auto", timeout: float = 120.0
     if method not in ("fork", "spawn"):
         raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
     if method == "fork" and backend == "nccl" and torch.cuda.is_initialized():
-        raise ValueError("cannot fork NCCL ranks after CUDA was initialised in this process; "
-                         "use start_method='spawn' (fn must then live in a .py module) or restart the kernel")
+        raise ValueError(
+            "cannot fork NCCL ranks after CUDA was initialised in this process; "
+            "use start_method='spawn' (fn must then live in a .py module) or restart the kernel"
+        )
     if method == "spawn":
         _check_picklable(fn)
     return _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}))
@@ -122,11 +134,14 @@ def _default_start_method() -> str:
 
 
 def _check_picklable(fn) -> None:
-    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
+        fn, "__qualname__", ""
+    ):
         raise ValueError(
             f"{getattr(fn, '__qualname__', fn)} is defined in a notebook or inside a function, so spawned"
             " ranks cannot import it. Move it into a .py module (e.g. next to the notebook) and import it,"
-            " or use start_method='fork' (Linux, CUDA not yet initialised).")
+            " or use start_method='fork' (Linux, CUDA not yet initialised)."
+        )
 
 
 def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) -> list:
@@ -144,9 +159,23 @@ def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) 
         try:
             for rank in range(nprocs):
                 parent_end, child_end = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=_rank_main, name=f"rank{rank}",
-                                args=(fn, args, rank, nprocs, os.path.join(folder, "store"), backend, timeout,
-                                      child_end, conns + [parent_end], stderr_paths[rank], env))
+                p = ctx.Process(
+                    target=_rank_main,
+                    name=f"rank{rank}",
+                    args=(
+                        fn,
+                        args,
+                        rank,
+                        nprocs,
+                        os.path.join(folder, "store"),
+                        backend,
+                        timeout,
+                        child_end,
+                        conns + [parent_end],
+                        stderr_paths[rank],
+                        env,
+                    ),
+                )
                 p.start()
                 child_end.close()  # the child holds the only other end: EOF tells us it is gone
                 procs.append(p)
@@ -168,7 +197,11 @@ def _replay_stderr(paths) -> None:
     for rank, path in enumerate(paths):
         text = read_stderr(path)
         if text.strip():
-            print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
+            print(
+                "\n".join(f"[rank {rank}] {line}" for line in text.splitlines()),
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
@@ -248,29 +281,42 @@ def _progress_bar(total, desc):
     if not total:
         return None
     from tqdm.auto import tqdm
+
     return tqdm(total=total, desc=desc, leave=True)
 
 
-def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends, stderr_path, env):
+def _rank_main(
+    fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends, stderr_path, env
+):
     """Entry point of one launched rank."""
     global _parent_conn
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    for end in parent_ends:  # forked copies of the parent's pipe ends would hide the EOF we wait for
+    for (
+        end
+    ) in parent_ends:  # forked copies of the parent's pipe ends would hide the EOF we wait for
         end.close()
     _parent_conn = conn
     stderr_file = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     sys.stderr.flush()
     os.dup2(stderr_file, 2)  # C++ logs and Python warnings: captured for the parent to show
     if getattr(sys.stderr, "fileno", None) is None or _not_fd2(sys.stderr):
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # e.g. a Jupyter stream: write to fd 2 too
+        sys.stderr = open(
+            2, "w", buffering=1, closefd=False
+        )  # e.g. a Jupyter stream: write to fd 2 too
     if faulthandler.is_enabled():  # a crash's Python stack goes to the captured stderr too
         faulthandler.enable(file=sys.stderr)
     os.environ.update(env)
-    if "TORCH_DISTRIBUTED_DEBUG" in env:  # read once at import, and this process imported torch before fork
+    if (
+        "TORCH_DISTRIBUTED_DEBUG" in env
+    ):  # read once at import, and this process imported torch before fork
         dist.set_debug_level_from_env()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     try:
         _init_rank(rank, world_size, backend, timeout, store_path)
         message = ("ok", _to_cpu(fn(*args)))
@@ -280,7 +326,9 @@ def _rank_main(fn, args, rank, world_size, store_path, backend, timeout, conn, p
     try:
         payload = pickle.dumps(message)
     except Exception as e:  # an unpicklable result is the rank's error, not a mystery
-        payload = pickle.dumps(("error", "TypeError", f"rank result cannot be pickled: {e}", traceback.format_exc()))
+        payload = pickle.dumps(
+            ("error", "TypeError", f"rank result cannot be pickled: {e}", traceback.format_exc())
+        )
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -304,7 +352,9 @@ def _not_fd2(stream) -> bool:
 def _to_cpu(result):
     """Results travel to the parent as CPU tensors: unpickling a CUDA tensor there would
     initialise CUDA in the parent and forbid the next fork."""
-    return torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, result)
+    return torch.utils._pytree.tree_map(
+        lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, result
+    )
 
 
 def _init_rank(rank, world_size, backend, timeout, store_path):
@@ -313,14 +363,17 @@ def _init_rank(rank, world_size, backend, timeout, store_path):
     else:
         torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
 
 
 def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> list:
     world = int(os.environ["WORLD_SIZE"])
     if nprocs != world:
-        raise ValueError(f"nprocs={nprocs} but torchrun started WORLD_SIZE={world} ranks; pass --nproc {world}")
+        raise ValueError(
+            f"nprocs={nprocs} but torchrun started WORLD_SIZE={world} ranks; pass --nproc {world}"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"

@@ -1,4 +1,5 @@
-"""Which processes live under this one, read from Linux's /proc: how the course checks that a run left none behind."""
+"""Which processes live under this one, read from Linux's /proc: how the course checks that a run
+left none behind."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def parents() -> dict[int, int]:
             stat = (entry / "stat").read_text()
         except OSError:  # the process ended while we looked
             continue
-        state, ppid = stat[stat.rindex(")") + 2:].split()[:2]  # fields after "pid (comm)"
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]  # fields after "pid (comm)"
         if state != "Z":
             parent_of[int(entry.name)] = int(ppid)
     return parent_of

@@ -39,22 +39,29 @@ def all_gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Chunk ``rank`` along ``dim`` of the sum over ranks of ``x`` (one ``reduce_scatter_single``)."""
+    """Chunk ``rank`` along ``dim`` of the sum over ranks of ``x`` (one
+    ``reduce_scatter_single``)."""
     n = dist.get_world_size(group)
     chunks = x.chunk(n, dim)
     if len(chunks) != n or any(c.shape != chunks[0].shape for c in chunks):
-        raise ValueError(f"reduce_scatter_along: size {x.shape[dim]} of dim {dim} does not split into {n} equal chunks")
+        raise ValueError(
+            f"reduce_scatter_along: size {x.shape[dim]} of dim {dim} does not split into {n} equal chunks"
+        )
     out = x.new_empty(chunks[0].shape)
-    dist.reduce_scatter_single(out, torch.cat(chunks, dim=0), group=group)  # chunk i lands on rank i
+    dist.reduce_scatter_single(
+        out, torch.cat(chunks, dim=0), group=group
+    )  # chunk i lands on rank i
     return out
 
 
 def shard_weight(layer: torch.nn.Module, dim: int, group=None) -> torch.nn.Parameter:
     """This rank's contiguous 1/N block along ``dim`` of ``layer.weight``, as a new Parameter tagged
-    ``partition_dim = dim`` (the ranks' blocks concatenated along it in rank order give the weight back).
-    The layer must have no bias: the course's layers shard weights only."""
+    ``partition_dim = dim`` (the ranks' blocks concatenated along it in rank order give the weight
+    back). The layer must have no bias: the course's layers shard weights only."""
     if getattr(layer, "bias", None) is not None:
-        raise ValueError(f"{type(layer).__name__} has a bias; the tensor-parallel layers take none (Llama has none)")
+        raise ValueError(
+            f"{type(layer).__name__} has a bias; the tensor-parallel layers take none (Llama has none)"
+        )
     part = torch.nn.Parameter(split_along(layer.weight.detach(), dim, group).clone())
     part.partition_dim = dim
     return part

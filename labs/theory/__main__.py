@@ -1,9 +1,9 @@
 """The course's calculators from the command line (pure formulas, no torch needed).
 
-    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --precision bf16-mixed --zero 3 --dp 8 --json
-    python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
-    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 --gpu-mem 80 --json
-    python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --precision bf16-mixed --zero
+    3 --dp 8 --json python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
+    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8
+    --gpu-mem 80 --json python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
     python -m labs.theory moe --preset mixtral-8x7b --json
 
 Each command's module exposes ``add_arguments(parser)``, ``cli(args) -> dict`` and
@@ -19,21 +19,28 @@ import json
 import sys
 
 COMMANDS = {
-    "comm": "labs.theory.comm_cli",      # bytes per rank of a collective
+    "comm": "labs.theory.comm_cli",  # bytes per rank of a collective
     "memory": "labs.theory.memory_report",  # notebook 01: per-rank memory
-    "bubble": "labs.theory.pipeline",    # notebook 05: pipeline bubble
-    "cp": "labs.theory.context_parallel",  # notebook 06: ring-attention work, K/V bytes, long-context memory
-    "moe": "labs.theory.moe",            # notebook 07: active vs total parameters, all-to-all bytes
-    "plan": "labs.theory.plan_report",    # notebook 08: the parallelism planner
-    "infer": "labs.theory.inference",    # notebook 09: KV cache per rank, messages per token, decode time
-    "multimodal": "labs.theory.multimodal_plan",  # notebook 11: an encoder's memory and pipeline imbalance
+    "bubble": "labs.theory.pipeline",  # notebook 05: pipeline bubble
+    # notebook 06: ring-attention work, K/V bytes, long-context memory
+    "cp": "labs.theory.context_parallel",
+    "moe": "labs.theory.moe",  # notebook 07: active vs total parameters, all-to-all bytes
+    "plan": "labs.theory.plan_report",  # notebook 08: the parallelism planner
+    # notebook 09: KV cache per rank, messages per token, decode time
+    "infer": "labs.theory.inference",
+    # notebook 11: an encoder's memory and pipeline imbalance
+    "multimodal": "labs.theory.multimodal_plan",
 }
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m labs.theory", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    parser = argparse.ArgumentParser(
+        prog="python -m labs.theory", description=__doc__.splitlines()[0]
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}"
+    )
     modules = {}
     for name, path in COMMANDS.items():
         try:

@@ -1,4 +1,5 @@
-"""Activation memory: the bytes autograd keeps for backward, per rank and per micro-batch. Pure Python.
+"""Activation memory: the bytes autograd keeps for backward, per rank and per micro-batch. Pure
+Python.
 
 Two models of the same thing (notebook 01 compares them):
 
@@ -31,8 +32,8 @@ Recomputation (``recompute``):
     selective  gpt: Korthikanti's selective recomputation, drop the attention-core term 5·a·s/h.
                llama: flash attention already recomputes the attention core, so we go one
                step further, as torchtitan's op-level selective AC does: keep the outputs of every
-               matmul and of the attention kernel, recompute norms, rotary and SwiGLU's pointwise ops
-               (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+               matmul and of the attention kernel, recompute norms, rotary and SwiGLU's pointwise
+               ops (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
     full       checkpoint each block: keep only its input, e·h per token (recomputing the block in
                backward needs one block's activations for a moment; that transient is not counted)
 
@@ -53,15 +54,22 @@ RECOMPUTE = ("none", "selective", "full")
 
 class Term(NamedTuple):
     name: str
-    bytes: float      # per token (``per="token"``), per sequence position (``"position"``) or per micro-batch (``"step"``)
-    split: str        # "tp", "sp" or "rep": which degrees divide it (see the module docstring)
+    # per token (``per="token"``), per sequence position (``"position"``) or per micro-batch
+    # (``"step"``)
+    bytes: float
+    split: str  # "tp", "sp" or "rep": which degrees divide it (see the module docstring)
     per: str = "token"
 
 
 def _norm(prefix: str, h: int, e: int) -> list[Term]:
-    """RMSNorm in fp32 (as Llama does): saves the fp32 input, 1/rms, the normalized x and the output."""
-    return [Term(f"{prefix}.input_fp32", 4 * h, "sp"), Term(f"{prefix}.rsqrt", 4, "sp"),
-            Term(f"{prefix}.normalized", e * h, "sp"), Term(f"{prefix}.output", e * h, "sp")]
+    """RMSNorm in fp32 (as Llama does): saves the fp32 input, 1/rms, the normalized x and the
+    output."""
+    return [
+        Term(f"{prefix}.input_fp32", 4 * h, "sp"),
+        Term(f"{prefix}.rsqrt", 4, "sp"),
+        Term(f"{prefix}.normalized", e * h, "sp"),
+        Term(f"{prefix}.output", e * h, "sp"),
+    ]
 
 
 def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") -> list[Term]:
@@ -72,40 +80,77 @@ def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") ->
     if recompute == "full":  # torch.utils.checkpoint keeps the block's input
         return [Term("block_input", e * h, "sp")]
     if spec.arch == "gpt":  # the playbook's formula, term by term (Korthikanti et al. 2022, §4.1)
-        terms = [Term("layernorm_inputs", 2 * e * h, "sp"), Term("attn_input", e * h, "sp"),
-                 Term("attn_dropout_mask", h, "sp"), Term("mlp_input", e * h, "sp"), Term("mlp_dropout_mask", h, "sp"),
-                 Term("q_k", 2 * e * h, "tp"), Term("v", e * h, "tp"), Term("attn_proj_input", e * h, "tp"),
-                 Term("gelu_input", e * F, "tp"), Term("gelu_output", e * F, "tp")]
-        if recompute == "none":  # softmax output, its dropout mask, dropout output: a·s values per token
+        terms = [
+            Term("layernorm_inputs", 2 * e * h, "sp"),
+            Term("attn_input", e * h, "sp"),
+            Term("attn_dropout_mask", h, "sp"),
+            Term("mlp_input", e * h, "sp"),
+            Term("mlp_dropout_mask", h, "sp"),
+            Term("q_k", 2 * e * h, "tp"),
+            Term("v", e * h, "tp"),
+            Term("attn_proj_input", e * h, "tp"),
+            Term("gelu_input", e * F, "tp"),
+            Term("gelu_output", e * F, "tp"),
+        ]
+        if (
+            recompute == "none"
+        ):  # softmax output, its dropout mask, dropout output: a·s values per token
             terms.append(Term("attn_scores", (2 * e + 1) * nh * seq, "tp"))
         return terms
     q, kv = nh * spec.hd, spec.kv_heads * spec.hd  # query width, key/value width
-    if recompute == "selective":  # outputs of every matmul and of the attention kernel, plus the block input
-        return [Term("block_input", e * h, "sp"), Term("q_proj_out", e * q, "tp"), Term("k_proj_out", e * kv, "tp"),
-                Term("v_proj_out", e * kv, "tp"), Term("attn_out", e * q, "tp"), Term("attn_logsumexp", 4 * nh, "tp"),
-                Term("o_proj_out", e * h, "rep"), Term("gate_proj_out", e * F, "tp"), Term("up_proj_out", e * F, "tp"),
-                Term("down_proj_out", e * h, "rep")]
-    return [*_norm("attn_norm", h, e),
-            Term("q_rotated", e * q, "tp"), Term("k_rotated", e * kv, "tp"), Term("v", e * kv, "tp"),
-            Term("attn_out", e * q, "tp"), Term("attn_logsumexp", 4 * nh, "tp"),
-            *_norm("mlp_norm", h, e),
-            Term("gate", e * F, "tp"), Term("silu_gate", e * F, "tp"), Term("up", e * F, "tp"),
-            Term("swiglu_out", e * F, "tp")]
+    if (
+        recompute == "selective"
+    ):  # outputs of every matmul and of the attention kernel, plus the block input
+        return [
+            Term("block_input", e * h, "sp"),
+            Term("q_proj_out", e * q, "tp"),
+            Term("k_proj_out", e * kv, "tp"),
+            Term("v_proj_out", e * kv, "tp"),
+            Term("attn_out", e * q, "tp"),
+            Term("attn_logsumexp", 4 * nh, "tp"),
+            Term("o_proj_out", e * h, "rep"),
+            Term("gate_proj_out", e * F, "tp"),
+            Term("up_proj_out", e * F, "tp"),
+            Term("down_proj_out", e * h, "rep"),
+        ]
+    return [
+        *_norm("attn_norm", h, e),
+        Term("q_rotated", e * q, "tp"),
+        Term("k_rotated", e * kv, "tp"),
+        Term("v", e * kv, "tp"),
+        Term("attn_out", e * q, "tp"),
+        Term("attn_logsumexp", 4 * nh, "tp"),
+        *_norm("mlp_norm", h, e),
+        Term("gate", e * F, "tp"),
+        Term("silu_gate", e * F, "tp"),
+        Term("up", e * F, "tp"),
+        Term("swiglu_out", e * F, "tp"),
+    ]
 
 
 def model_terms(spec, *, dtype_bytes: int) -> dict[str, list[Term]]:
-    """What the model saves outside its layers, by part. The playbook's formula (gpt) counts layers only."""
+    """What the model saves outside its layers, by part. The playbook's formula (gpt) counts layers
+    only."""
     if spec.arch == "gpt":
         return {"embedding": [], "rotary": [], "final_norm": [], "loss": []}
     e = dtype_bytes
-    return {"embedding": [Term("token_ids", 8, "rep")],                       # int64 ids for the embedding's backward
-            "rotary": [Term("rotary_cos_sin", 2 * spec.hd * e, "rep", "position")],  # [T, hd] cos and sin tables
-            "final_norm": _norm("final_norm", spec.hidden, e),
-            "loss": [Term("log_softmax_fp32", 4 * spec.vocab_size, "tp"),    # cross-entropy on fp32 logits
-                     Term("targets", 8, "rep"), Term("loss_weight", 4, "rep", "step")]}
+    return {
+        "embedding": [Term("token_ids", 8, "rep")],  # int64 ids for the embedding's backward
+        "rotary": [
+            Term("rotary_cos_sin", 2 * spec.hd * e, "rep", "position")
+        ],  # [T, hd] cos and sin tables
+        "final_norm": _norm("final_norm", spec.hidden, e),
+        "loss": [
+            Term("log_softmax_fp32", 4 * spec.vocab_size, "tp"),  # cross-entropy on fp32 logits
+            Term("targets", 8, "rep"),
+            Term("loss_weight", 4, "rep", "step"),
+        ],
+    }
 
 
-def terms_bytes(terms: list[Term], *, seq: int, mbs: int, tp: int = 1, sp: bool = False, cp: int = 1) -> float:
+def terms_bytes(
+    terms: list[Term], *, seq: int, mbs: int, tp: int = 1, sp: bool = False, cp: int = 1
+) -> float:
     """Bytes of ``terms`` for one micro-batch on one rank: per-token terms times mbs·seq/cp tokens,
     divided by tp where the term's split applies."""
     total = 0.0
@@ -116,25 +161,47 @@ def terms_bytes(terms: list[Term], *, seq: int, mbs: int, tp: int = 1, sp: bool 
     return total
 
 
-def stage_activation_bytes(spec, *, seq: int, mbs: int, dtype_bytes: int, layers: int, first: bool = True,
-                           last: bool = True, tp: int = 1, sp: bool = False, cp: int = 1,
-                           recompute: str = "none") -> dict[str, float]:
-    """Activation bytes one rank holds for ONE micro-batch of a pipeline stage with ``layers`` layers
-    (the first stage has the embedding, the last the final norm and the loss). Returns the parts
-    (``per_layer``, ``layers``, ``embedding``, ``rotary``, ``final_norm``, ``loss``) and ``total``."""
+def stage_activation_bytes(
+    spec,
+    *,
+    seq: int,
+    mbs: int,
+    dtype_bytes: int,
+    layers: int,
+    first: bool = True,
+    last: bool = True,
+    tp: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    recompute: str = "none",
+) -> dict[str, float]:
+    """Activation bytes one rank holds for ONE micro-batch of a pipeline stage with ``layers``
+    layers (the first stage has the embedding, the last the final norm and the loss). Returns the
+    parts (``per_layer``, ``layers``, ``embedding``, ``rotary``, ``final_norm``, ``loss``) and
+    ``total``."""
     size = dict(seq=seq, mbs=mbs, tp=tp, sp=sp, cp=cp)
-    per_layer = terms_bytes(layer_terms(spec, seq=seq, dtype_bytes=dtype_bytes, recompute=recompute), **size)
-    parts = {name: terms_bytes(terms, **size) for name, terms in model_terms(spec, dtype_bytes=dtype_bytes).items()}
-    out = {"per_layer": per_layer, "layers": layers * per_layer,
-           "embedding": parts["embedding"] if first else 0.0,
-           "rotary": parts["rotary"] if layers else 0.0,
-           "final_norm": parts["final_norm"] if last else 0.0,
-           "loss": parts["loss"] if last else 0.0}
+    per_layer = terms_bytes(
+        layer_terms(spec, seq=seq, dtype_bytes=dtype_bytes, recompute=recompute), **size
+    )
+    parts = {
+        name: terms_bytes(terms, **size)
+        for name, terms in model_terms(spec, dtype_bytes=dtype_bytes).items()
+    }
+    out = {
+        "per_layer": per_layer,
+        "layers": layers * per_layer,
+        "embedding": parts["embedding"] if first else 0.0,
+        "rotary": parts["rotary"] if layers else 0.0,
+        "final_norm": parts["final_norm"] if last else 0.0,
+        "loss": parts["loss"] if last else 0.0,
+    }
     out["total"] = sum(v for k, v in out.items() if k != "per_layer")
     return out
 
 
-def playbook_layer_bytes(*, seq: int, mbs: int, hidden: int, heads: int, tp: int = 1, sp: bool = False) -> float:
+def playbook_layer_bytes(
+    *, seq: int, mbs: int, hidden: int, heads: int, tp: int = 1, sp: bool = False
+) -> float:
     """The playbook's closed form for one layer in 16-bit: s·b·h·(34 + 5·a·s/h), split as in
     Korthikanti et al. eq. 2 (TP) and eq. 5 (TP + SP). Used to check the term table above."""
     sbh = seq * mbs * hidden

@@ -61,5 +61,12 @@ def simulate(op: str, n: int, root: int = 0) -> dict:
         sent = full if n > 1 else 0
     else:
         sent = BYTES_PER_RANK[op](full, n)
-    return {"op": op, "world_size": n, "before": before, "after": after, "description": DESCRIPTIONS[op],
-            "chunks_sent_per_rank": sent, "tensor_chunks": full}
+    return {
+        "op": op,
+        "world_size": n,
+        "before": before,
+        "after": after,
+        "description": DESCRIPTIONS[op],
+        "chunks_sent_per_rank": sent,
+        "tensor_chunks": full,
+    }

@@ -54,8 +54,13 @@ def broadcast_bytes(k: float, n: int) -> float:
     return (n - 1) / n * k
 
 
-BYTES_PER_RANK = {"all_reduce": all_reduce_bytes, "reduce_scatter": reduce_scatter_bytes,
-                  "all_gather": all_gather_bytes, "all_to_all": all_to_all_bytes, "broadcast": broadcast_bytes}
+BYTES_PER_RANK = {
+    "all_reduce": all_reduce_bytes,
+    "reduce_scatter": reduce_scatter_bytes,
+    "all_gather": all_gather_bytes,
+    "all_to_all": all_to_all_bytes,
+    "broadcast": broadcast_bytes,
+}
 
 
 def ring_steps(op: str, n: int) -> int:

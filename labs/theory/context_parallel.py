@@ -55,7 +55,7 @@ def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
 
 
 def block_kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
-    """"full", "diagonal" or "masked": what a causal mask leaves of query chunk × key chunk."""
+    """ "full", "diagonal" or "masked": what a causal mask leaves of query chunk × key chunk."""
     if not causal or k_chunk < q_chunk:
         return "full"
     return "diagonal" if k_chunk == q_chunk else "masked"
@@ -75,12 +75,16 @@ def ring_schedule(cp: int, *, causal: bool = True, zigzag: bool = True) -> list[
             src = (r - s) % cp
             q_ids, k_ids = chunk_ids(r, cp, zigzag), chunk_ids(src, cp, zigzag)
             blocks = [(a, b, block_kind(a, b, causal)) for a in q_ids for b in k_ids]
-            step.append({"rank": r, "kv_from": src, "q_chunks": q_ids, "kv_chunks": k_ids, "blocks": blocks})
+            step.append(
+                {"rank": r, "kv_from": src, "q_chunks": q_ids, "kv_chunks": k_ids, "blocks": blocks}
+            )
         schedule.append(step)
     return schedule
 
 
-def work_per_rank(cp: int, *, causal: bool = True, zigzag: bool = True, upto_step: int | None = None) -> list[dict]:
+def work_per_rank(
+    cp: int, *, causal: bool = True, zigzag: bool = True, upto_step: int | None = None
+) -> list[dict]:
     """Per rank: counts of full, diagonal and masked blocks, and ``computed`` = full + diagonal,
     over the ring steps 0..``upto_step`` (all steps by default)."""
     schedule = ring_schedule(cp, causal=causal, zigzag=zigzag)
@@ -105,7 +109,9 @@ def imbalance(work: list[dict]) -> float:
     return max(computed) * len(computed) / sum(computed)
 
 
-def block_flops(*, batch: int, n_head: int, chunk: int, head_dim: int, backward: bool = False) -> int:
+def block_flops(
+    *, batch: int, n_head: int, chunk: int, head_dim: int, backward: bool = False
+) -> int:
     """FLOPs of one c×c attention block: Q·Kᵀ and P·V forward (2 matmuls); backward
     recomputes Q·Kᵀ and adds dV, dP, dQ, dK (5 matmuls). 2 FLOPs per multiply-add."""
     matmuls = 5 if backward else 2
@@ -114,7 +120,9 @@ def block_flops(*, batch: int, n_head: int, chunk: int, head_dim: int, backward:
 
 def kv_bytes(*, batch: int, seq_len: int, n_kv_head: int, head_dim: int, itemsize: int = 4) -> int:
     """KV: bytes of one layer's full K and V (all T tokens, unrepeated kv heads)."""
-    check_positive(batch=batch, seq_len=seq_len, n_kv_head=n_kv_head, head_dim=head_dim, itemsize=itemsize)
+    check_positive(
+        batch=batch, seq_len=seq_len, n_kv_head=n_kv_head, head_dim=head_dim, itemsize=itemsize
+    )
     return 2 * batch * seq_len * n_kv_head * head_dim * itemsize
 
 
@@ -125,30 +133,60 @@ def ring_bytes_per_rank(*, cp: int, kv: float) -> dict[str, float]:
     return {"forward": forward, "backward": 2 * forward, "total": 3 * forward}
 
 
-def tokens_to_hide_comm(*, n_head: int, n_kv_head: int, head_dim: int, flops_per_s: float, bytes_per_s: float,
-                        itemsize: int = 2, causal: bool = True) -> float:
+def tokens_to_hide_comm(
+    *,
+    n_head: int,
+    n_kv_head: int,
+    head_dim: int,
+    flops_per_s: float,
+    bytes_per_s: float,
+    itemsize: int = 2,
+    causal: bool = True,
+) -> float:
     """Local tokens s = T/CP above which one ring step's compute outlasts its K/V transfer, so the
     overlap hides the ring completely. Per step a rank computes s queries × s keys,
     4·s²·nh·hd FLOPs (half of it under a balanced causal mask) and sends 2·s·nkv·hd·itemsize
     bytes: compute grows as s², communication as s."""
     check_positive(n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, itemsize=itemsize)
     if flops_per_s <= 0 or bytes_per_s <= 0:
-        raise ValueError(f"flops_per_s and bytes_per_s must be > 0, got {flops_per_s}, {bytes_per_s}")
+        raise ValueError(
+            f"flops_per_s and bytes_per_s must be > 0, got {flops_per_s}, {bytes_per_s}"
+        )
     flops_per_token2 = 4 * n_head * head_dim * (0.5 if causal else 1.0)
     return 2 * n_kv_head * head_dim * itemsize * flops_per_s / (bytes_per_s * flops_per_token2)
 
 
-def attention_saved_bytes(*, batch: int, seq_len: int, n_head: int, n_kv_head: int, head_dim: int, cp: int = 1,
-                          itemsize: int = 4, lse_itemsize: int = 4) -> float:
+def attention_saved_bytes(
+    *,
+    batch: int,
+    seq_len: int,
+    n_head: int,
+    n_kv_head: int,
+    head_dim: int,
+    cp: int = 1,
+    itemsize: int = 4,
+    lse_itemsize: int = 4,
+) -> float:
     """Bytes ring attention keeps for backward per layer per rank: q, k, v, out of the local
     T/CP tokens, plus the fp32 log-sum-exp of each local query. Falls as 1/CP."""
     check_cp(cp)
     local = seq_len / cp
-    return batch * local * head_dim * (2 * n_head + 2 * n_kv_head) * itemsize + batch * n_head * local * lse_itemsize
+    return (
+        batch * local * head_dim * (2 * n_head + 2 * n_kv_head) * itemsize
+        + batch * n_head * local * lse_itemsize
+    )
 
 
-def activation_bytes(*, seq_len: int, batch: int, hidden: int, n_head: int, n_layer: int, cp: int = 1,
-                     flash: bool = True) -> float:
+def activation_bytes(
+    *,
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    n_head: int,
+    n_layer: int,
+    cp: int = 1,
+    flash: bool = True,
+) -> float:
     """The Ultra-Scale Playbook's activation memory per rank, half precision, no recomputation:
     L·s·b·h·(34 + 5·a·s/h) bytes for s = T/CP local tokens. The 5·a·s/h term is the T×T
     attention matrix (scores, softmax, dropout mask); a fused kernel (``flash=True``) never
@@ -160,15 +198,33 @@ def activation_bytes(*, seq_len: int, batch: int, hidden: int, n_head: int, n_la
     return n_layer * s * batch * hidden * per_token
 
 
-def long_context_table(*, seq_lens, batch: int = 1, hidden: int = 4096, n_head: int = 32, n_layer: int = 32,
-                       cps=(1, 2, 4, 8, 16), flash: bool = True) -> list[dict]:
+def long_context_table(
+    *,
+    seq_lens,
+    batch: int = 1,
+    hidden: int = 4096,
+    n_head: int = 32,
+    n_layer: int = 32,
+    cps=(1, 2, 4, 8, 16),
+    flash: bool = True,
+) -> list[dict]:
     """Activation GB per rank for each sequence length and CP degree (Llama-3-8B-like defaults)."""
     rows = []
     for t in seq_lens:
         row = {"seq_len": t}
         for cp in cps:
-            row[f"cp={cp}"] = activation_bytes(seq_len=t, batch=batch, hidden=hidden, n_head=n_head,
-                                               n_layer=n_layer, cp=cp, flash=flash) / 1e9
+            row[f"cp={cp}"] = (
+                activation_bytes(
+                    seq_len=t,
+                    batch=batch,
+                    hidden=hidden,
+                    n_head=n_head,
+                    n_layer=n_layer,
+                    cp=cp,
+                    flash=flash,
+                )
+                / 1e9
+            )
         rows.append(row)
     return rows
 
@@ -183,6 +239,11 @@ def add_arguments(parser) -> None:
 
 def cli(args) -> dict:
     work = work_per_rank(args.cp, causal=args.causal, zigzag=args.zigzag)
-    return {"cp": args.cp, "causal": args.causal, "layout": LAYOUTS[args.zigzag],
-            "blocks_computed_per_rank": [w["computed"] for w in work],
-            "blocks_masked_per_rank": [w["masked"] for w in work], "imbalance": imbalance(work)}
+    return {
+        "cp": args.cp,
+        "causal": args.causal,
+        "layout": LAYOUTS[args.zigzag],
+        "blocks_computed_per_rank": [w["computed"] for w in work],
+        "blocks_masked_per_rank": [w["masked"] for w in work],
+        "imbalance": imbalance(work),
+    }

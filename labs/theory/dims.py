@@ -26,8 +26,10 @@ def divisors(n: int) -> list[int]:
 def check_divides(value: int, value_name: str, degree: int, degree_name: str) -> None:
     """Raise if ``degree`` does not divide ``value``, listing the degrees that would."""
     if value % degree:
-        raise ValueError(f"{value_name}={value} is not divisible by {degree_name}={degree}; "
-                         f"use {degree_name} in {{{','.join(map(str, divisors(value)))}}} or change {value_name}")
+        raise ValueError(
+            f"{value_name}={value} is not divisible by {degree_name}={degree}; "
+            f"use {degree_name} in {{{','.join(map(str, divisors(value)))}}} or change {value_name}"
+        )
 
 
 def check_positive(**values) -> None:
@@ -42,7 +44,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1                 # expert parallelism: carved out of dp x cp, as torchtitan does
+    ep: int = 1  # expert parallelism: carved out of dp x cp, as torchtitan does
     world_size: int | None = None  # defaults to the product of dp, tp, pp, cp
 
     def __post_init__(self):
@@ -52,11 +54,15 @@ class ParallelDims:
             object.__setattr__(self, "world_size", product)
         check_positive(world_size=self.world_size)
         if product != self.world_size:
-            raise ValueError(f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {product} "
-                             f"but world_size={self.world_size}; choose degrees whose product is {self.world_size}")
+            raise ValueError(
+                f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {product} "
+                f"but world_size={self.world_size}; choose degrees whose product is {self.world_size}"
+            )
         if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}: experts are spread over "
-                             f"the data- and context-parallel ranks")
+            raise ValueError(
+                f"ep={self.ep} must divide dp*cp={self.dp * self.cp}: experts are spread over "
+                f"the data- and context-parallel ranks"
+            )
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -83,21 +89,42 @@ class ParallelDims:
             groups.setdefault(key, []).append(rank)
         return list(groups.values())
 
-    def check_model(self, *, n_head: int | None = None, n_kv_head: int | None = None, n_embd: int | None = None,
-                    vocab_size: int | None = None, ffn_hidden: int | None = None, n_layer: int | None = None,
-                    seq_len: int | None = None, n_experts: int | None = None, virtual_stages: int = 1,
-                    cp_chunks_per_rank: int = 1) -> None:
+    def check_model(
+        self,
+        *,
+        n_head: int | None = None,
+        n_kv_head: int | None = None,
+        n_embd: int | None = None,
+        vocab_size: int | None = None,
+        ffn_hidden: int | None = None,
+        n_layer: int | None = None,
+        seq_len: int | None = None,
+        n_experts: int | None = None,
+        virtual_stages: int = 1,
+        cp_chunks_per_rank: int = 1,
+    ) -> None:
         """Raise if a model dimension does not split evenly over the degree that splits it."""
         if self.tp > 1:
-            for value, name in ((n_head, "n_head"), (n_kv_head, "n_kv_head"), (n_embd, "n_embd"),
-                                (vocab_size, "vocab_size"), (ffn_hidden, "ffn_hidden")):
+            for value, name in (
+                (n_head, "n_head"),
+                (n_kv_head, "n_kv_head"),
+                (n_embd, "n_embd"),
+                (vocab_size, "vocab_size"),
+                (ffn_hidden, "ffn_hidden"),
+            ):
                 if value is not None:
                     check_divides(value, name, self.tp, "tp")
         if n_layer is not None and self.pp * virtual_stages > n_layer:
-            raise ValueError(f"pp={self.pp} x virtual_stages={virtual_stages} = {self.pp * virtual_stages} stages "
-                             f"but only n_layer={n_layer} layers; use pp*virtual_stages <= {n_layer}")
+            raise ValueError(
+                f"pp={self.pp} x virtual_stages={virtual_stages} = {self.pp * virtual_stages} stages "
+                f"but only n_layer={n_layer} layers; use pp*virtual_stages <= {n_layer}"
+            )
         if seq_len is not None and self.cp > 1:
-            check_divides(seq_len, "seq_len", self.cp * cp_chunks_per_rank,
-                          "cp" if cp_chunks_per_rank == 1 else f"cp*{cp_chunks_per_rank}")
+            check_divides(
+                seq_len,
+                "seq_len",
+                self.cp * cp_chunks_per_rank,
+                "cp" if cp_chunks_per_rank == 1 else f"cp*{cp_chunks_per_rank}",
+            )
         if n_experts is not None and self.ep > 1:
             check_divides(n_experts, "n_experts", self.ep, "ep")

@@ -32,7 +32,8 @@ from labs.theory.dims import check_positive
 
 
 def matmul_params(spec) -> int:
-    """Weights that take part in a matmul: q, k, v, o and the MLP matrices of every layer, and the head."""
+    """Weights that take part in a matmul: q, k, v, o and the MLP matrices of every layer, and the
+    head."""
     h, F, L = spec.hidden, spec.ffn, spec.n_layers
     if spec.arch == "gpt":
         per_layer = 4 * h * h + 2 * h * F
@@ -45,6 +46,7 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
     """Training (forward + backward) FLOPs per token: 6·P_matmul + 12·L·nh·hd·seq, or with
     ``exact=False`` the playbook's 6·N + 12·L·h·seq; plus what ``recompute`` reruns."""
     from labs.theory.memory import param_count
+
     check_positive(seq=seq)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
@@ -53,7 +55,9 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
         flops = 6 * matmul_params(spec) + 3 * attention_fwd
     else:
         flops = 6 * param_count(spec) + 12 * spec.n_layers * spec.hidden * seq
-    if recompute == "full":  # one more forward of every block but its last matmul (the head is not checkpointed)
+    if (
+        recompute == "full"
+    ):  # one more forward of every block but its last matmul (the head is not checkpointed)
         layer_weights = matmul_params(spec) - spec.vocab_size * spec.hidden
         flops += 2 * (layer_weights - spec.n_layers * spec.hidden * spec.ffn) + attention_fwd
     elif recompute == "selective" and spec.arch == "gpt":
@@ -61,7 +65,9 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
     return flops
 
 
-def training_flops(spec, *, seq: int, tokens: int, exact: bool = True, recompute: str = "none") -> float:
+def training_flops(
+    spec, *, seq: int, tokens: int, exact: bool = True, recompute: str = "none"
+) -> float:
     """FLOPs of one training step over ``tokens`` tokens (global batch x sequence length)."""
     check_positive(tokens=tokens)
     return flops_per_token(spec, seq=seq, exact=exact, recompute=recompute) * tokens
@@ -69,7 +75,11 @@ def training_flops(spec, *, seq: int, tokens: int, exact: bool = True, recompute
 
 def mfu(flops_per_step: float, *, step_time_s: float, peak_flops: float, n_gpus: int = 1) -> float:
     """Model FLOPs utilisation: the share of the GPUs' peak the step's useful FLOPs achieve."""
-    for name, value in (("step_time_s", step_time_s), ("peak_flops", peak_flops), ("n_gpus", n_gpus)):
+    for name, value in (
+        ("step_time_s", step_time_s),
+        ("peak_flops", peak_flops),
+        ("n_gpus", n_gpus),
+    ):
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
     return flops_per_step / (step_time_s * peak_flops * n_gpus)

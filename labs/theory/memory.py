@@ -5,7 +5,8 @@ Pure Python, no torch: every figure here is a formula, and tests check each one
 against real tensors (``labs.measure.memory``).
 
     memory_per_rank(PRESETS["llama3-8b"], seq=4096, mbs=1, zero=3, dp=8)   # -> {"total_bytes": ..., ...}
-    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 --gpu-mem 80 --json
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 --gpu-mem 80
+    --json
 
 Symbols: Ψ parameters, N data-parallel ranks (``dp``), k optimizer bytes per parameter.
 
@@ -67,24 +68,30 @@ class ModelSpec:
     ``arch="gpt"``: LayerNorm (weight and bias), biases everywhere, learned positions
     (``max_positions``), GELU MLP (up, down), multi-head attention, tied head.
     """
+
     arch: str = "llama"
     vocab_size: int = 256
     hidden: int = 64
     n_layers: int = 2
     n_heads: int = 8
-    n_kv_heads: int | None = None     # None: = n_heads
-    ffn_hidden: int | None = None     # None: 4 * hidden
+    n_kv_heads: int | None = None  # None: = n_heads
+    ffn_hidden: int | None = None  # None: 4 * hidden
     tied_embeddings: bool = False
-    max_positions: int = 1024         # gpt only: rows of the learned position table
-    head_dim: int | None = None       # None: hidden // n_heads
+    max_positions: int = 1024  # gpt only: rows of the learned position table
+    head_dim: int | None = None  # None: hidden // n_heads
 
     def __post_init__(self):
         if self.arch not in ("llama", "gpt"):
             raise ValueError(f"arch={self.arch!r} is not one of ('llama', 'gpt')")
         required = ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")
         check_positive(**{n: getattr(self, n) for n in required})
-        check_positive(**{n: getattr(self, n) for n in ("n_kv_heads", "ffn_hidden", "head_dim")
-                          if getattr(self, n) is not None})  # None: the default above
+        check_positive(
+            **{
+                n: getattr(self, n)
+                for n in ("n_kv_heads", "ffn_hidden", "head_dim")
+                if getattr(self, n) is not None
+            }
+        )  # None: the default above
         if self.head_dim is None and self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -128,8 +135,16 @@ def param_counts(spec: ModelSpec) -> dict[str, int]:
     per_layer = attention + mlp + norms
     head = 0 if spec.tied_embeddings else V * h
     total = embedding + L * per_layer + final_norm + head
-    return {"embedding": embedding, "attention": attention, "mlp": mlp, "norms": norms, "per_layer": per_layer,
-            "final_norm": final_norm, "head": head, "total": total}
+    return {
+        "embedding": embedding,
+        "attention": attention,
+        "mlp": mlp,
+        "norms": norms,
+        "per_layer": per_layer,
+        "final_norm": final_norm,
+        "head": head,
+        "total": total,
+    }
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -147,11 +162,21 @@ def _check_state_args(n_params, precision, optimizer, zero, dp):
         raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
     check_positive(dp=dp)
     if zero > 0 and dp == 1:
-        raise ValueError(f"zero={zero} shards over data-parallel ranks but dp=1; use dp >= 2 or zero=0")
+        raise ValueError(
+            f"zero={zero} shards over data-parallel ranks but dp=1; use dp >= 2 or zero=0"
+        )
 
 
-def state_bytes(n_params: int, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0, dp: int = 1,
-                fp32_grad_accum: bool = False, exact_shards: bool = False) -> dict[str, float]:
+def state_bytes(
+    n_params: int,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    zero: int = 0,
+    dp: int = 1,
+    fp32_grad_accum: bool = False,
+    exact_shards: bool = False,
+) -> dict[str, float]:
     """Bytes of training state one rank holds between steps, for ``n_params`` parameters.
 
     Returns ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (moments plus the fp32
@@ -167,14 +192,19 @@ def state_bytes(n_params: int, *, precision: str = "fp32", optimizer: str = "ada
     params = n_params * p["param"] if zero < 3 else shard * p["param"]
     grads = n_params * grad_per_param if zero < 2 else shard * grad_per_param
     optim = n_params * opt_per_param if zero < 1 else shard * opt_per_param
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim, "total_bytes": params + grads + optim}
+    return {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "optimizer_bytes": optim,
+        "total_bytes": params + grads + optim,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Per rank under tensor, pipeline, context and data parallelism: the calculator of notebook 01.
 
 PP_SCHEDULES = ("1f1b", "afab", "gpipe")
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
@@ -183,46 +213,87 @@ def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
     if spec.arch == "llama":
         attention = (2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd) // tp
         mlp, norms, embedding, final_norm = 3 * h * F // tp, 2 * h, V * h, h
-    else:  # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases replicated)
+    # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases
+    # replicated)
+    else:
         attention = (4 * h * h + 3 * h) // tp + h
         mlp = (2 * h * F + F) // tp + h
         norms, embedding, final_norm = 4 * h, V * h + spec.max_positions * h, 2 * h
     per_layer = attention + mlp + norms
     head = 0 if spec.tied_embeddings else V * h
     total = embedding + spec.n_layers * per_layer + final_norm + head
-    return {"embedding": embedding, "attention": attention, "mlp": mlp, "norms": norms, "per_layer": per_layer,
-            "final_norm": final_norm, "head": head, "total": total}
+    return {
+        "embedding": embedding,
+        "attention": attention,
+        "mlp": mlp,
+        "norms": norms,
+        "per_layer": per_layer,
+        "final_norm": final_norm,
+        "head": head,
+        "total": total,
+    }
 
 
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
-    """Layers of pipeline stage ``stage``: n_layers // pp, one more on the first n_layers % pp stages."""
+    """Layers of pipeline stage ``stage``: n_layers // pp, one more on the first n_layers % pp
+    stages."""
     return n_layers // pp + (1 if stage < n_layers % pp else 0)
 
 
 def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO), the layers split evenly."""
-    return layers_params(spec, layers=layers_on_stage(spec.n_layers, pp, stage), first=stage == 0,
-                         last=stage == pp - 1, pp=pp, tp=tp)
+    """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO), the layers split
+    evenly."""
+    return layers_params(
+        spec,
+        layers=layers_on_stage(spec.n_layers, pp, stage),
+        first=stage == 0,
+        last=stage == pp - 1,
+        pp=pp,
+        tp=tp,
+    )
 
 
-def layers_params(spec: ModelSpec, *, layers: int, first: bool, last: bool, pp: int, tp: int = 1) -> int:
-    """Parameters one TP rank of a pipeline stage holds with ``layers`` blocks: the ``first`` stage also the
-    embedding, the ``last`` the final norm and the head (and, tied across pp > 1 stages, its own copy of the table)."""
+def layers_params(
+    spec: ModelSpec, *, layers: int, first: bool, last: bool, pp: int, tp: int = 1
+) -> int:
+    """Parameters one TP rank of a pipeline stage holds with ``layers`` blocks: the ``first`` stage
+    also the embedding, the ``last`` the final norm and the head (and, tied across pp > 1 stages,
+    its own copy of the table)."""
     c = param_counts_per_rank(spec, tp=tp)
     n = layers * c["per_layer"] + (c["embedding"] if first else 0)
     if last:
-        tied_copy = math.ceil(spec.vocab_size / tp) * spec.hidden if spec.tied_embeddings and pp > 1 else 0
+        tied_copy = (
+            math.ceil(spec.vocab_size / tp) * spec.hidden if spec.tied_embeddings and pp > 1 else 0
+        )
         n += c["final_norm"] + c["head"] + tied_copy
     return n
 
 
-def _check_layout(spec, *, seq, mbs, precision, dp, tp, sp, pp, cp, recompute, microbatches, schedule,
-                  fp32_grad_accum) -> None:
+def _check_layout(
+    spec,
+    *,
+    seq,
+    mbs,
+    precision,
+    dp,
+    tp,
+    sp,
+    pp,
+    cp,
+    recompute,
+    microbatches,
+    schedule,
+    fp32_grad_accum,
+) -> None:
     check_positive(seq=seq, mbs=mbs)
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)  # every degree an integer >= 1
-    dims.check_model(n_head=spec.n_heads, n_kv_head=spec.kv_heads, ffn_hidden=spec.ffn, n_layer=spec.n_layers)
+    dims.check_model(
+        n_head=spec.n_heads, n_kv_head=spec.kv_heads, ffn_hidden=spec.ffn, n_layer=spec.n_layers
+    )
     if sp and tp == 1:
-        raise ValueError("sp=True splits activations over tensor-parallel ranks but tp=1; use tp >= 2 or sp=False")
+        raise ValueError(
+            "sp=True splits activations over tensor-parallel ranks but tp=1; use tp >= 2 or sp=False"
+        )
     check_divides(seq, "seq", cp * tp if sp else cp, "cp*tp" if sp else "cp")  # tokens split evenly
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
@@ -231,13 +302,30 @@ def _check_layout(spec, *, seq, mbs, precision, dp, tp, sp, pp, cp, recompute, m
     if microbatches is not None:
         check_positive(microbatches=microbatches)
     if fp32_grad_accum and precision != "bf16-mixed":
-        raise ValueError(f"fp32_grad_accum=True only applies to precision='bf16-mixed', not {precision!r}")
+        raise ValueError(
+            f"fp32_grad_accum=True only applies to precision='bf16-mixed', not {precision!r}"
+        )
 
 
-def memory_per_rank(spec: ModelSpec, *, seq: int, mbs: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
-                    zero: int = 0, dp: int = 1, tp: int = 1, sp: bool = False, pp: int = 1, cp: int = 1,
-                    recompute: str = "none", microbatches: int | None = None, schedule: str = "1f1b",
-                    fp32_grad_accum: bool = False, exact_shards: bool = False) -> dict:
+def memory_per_rank(
+    spec: ModelSpec,
+    *,
+    seq: int,
+    mbs: int,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    zero: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    cp: int = 1,
+    recompute: str = "none",
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    fp32_grad_accum: bool = False,
+    exact_shards: bool = False,
+) -> dict:
     """Bytes one rank holds at the peak of a training step: parameters, gradients, optimizer
     state and saved activations, for the busiest pipeline stage.
 
@@ -248,32 +336,72 @@ def memory_per_rank(spec: ModelSpec, *, seq: int, mbs: int, precision: str = "bf
     (the parts: per_layer, layers, embedding, rotary, final_norm, loss, total) and
     ``stage_total_bytes`` (every stage's total).
     """
-    _check_layout(spec, seq=seq, mbs=mbs, precision=precision, dp=dp, tp=tp, sp=sp, pp=pp, cp=cp,
-                  recompute=recompute, microbatches=microbatches, schedule=schedule, fp32_grad_accum=fp32_grad_accum)
+    _check_layout(
+        spec,
+        seq=seq,
+        mbs=mbs,
+        precision=precision,
+        dp=dp,
+        tp=tp,
+        sp=sp,
+        pp=pp,
+        cp=cp,
+        recompute=recompute,
+        microbatches=microbatches,
+        schedule=schedule,
+        fp32_grad_accum=fp32_grad_accum,
+    )
     m = microbatches or pp
     stages = []
     for stage in range(pp):
         n = stage_params(spec, tp=tp, pp=pp, stage=stage)
-        state = state_bytes(n, precision=precision, optimizer=optimizer, zero=zero, dp=dp,
-                            fp32_grad_accum=fp32_grad_accum, exact_shards=exact_shards)
+        state = state_bytes(
+            n,
+            precision=precision,
+            optimizer=optimizer,
+            zero=zero,
+            dp=dp,
+            fp32_grad_accum=fp32_grad_accum,
+            exact_shards=exact_shards,
+        )
         layers = layers_on_stage(spec.n_layers, pp, stage)
-        per_mb = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=PRECISIONS[precision]["param"],
-                                        layers=layers, first=stage == 0, last=stage == pp - 1, tp=tp, sp=sp, cp=cp,
-                                        recompute=recompute)
+        per_mb = stage_activation_bytes(
+            spec,
+            seq=seq,
+            mbs=mbs,
+            dtype_bytes=PRECISIONS[precision]["param"],
+            layers=layers,
+            first=stage == 0,
+            last=stage == pp - 1,
+            tp=tp,
+            sp=sp,
+            cp=cp,
+            recompute=recompute,
+        )
         in_flight = in_flight_microbatches(schedule, pp, m, stage) if pp > 1 else 1
         activations = in_flight * per_mb["total"]
-        stages.append({"params": n, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
-                       "optimizer_bytes": state["optimizer_bytes"], "activation_bytes": activations,
-                       "total_bytes": state["total_bytes"] + activations, "stage": stage, "layers": layers,
-                       "in_flight": in_flight, "activations_per_microbatch": per_mb})
+        stages.append(
+            {
+                "params": n,
+                "param_bytes": state["param_bytes"],
+                "grad_bytes": state["grad_bytes"],
+                "optimizer_bytes": state["optimizer_bytes"],
+                "activation_bytes": activations,
+                "total_bytes": state["total_bytes"] + activations,
+                "stage": stage,
+                "layers": layers,
+                "in_flight": in_flight,
+                "activations_per_microbatch": per_mb,
+            }
+        )
     worst = max(stages, key=lambda s: s["total_bytes"])
     return {**worst, "stage_total_bytes": [s["total_bytes"] for s in stages]}
 
 
 def fits(total_bytes: float, gpu_mem_gib: float) -> bool:
-    """Whether ``total_bytes`` fit in a GPU with ``gpu_mem_gib`` GiB (2^30 bytes, as nvidia-smi's MiB / 1024).
-    Transient buffers (logits casts, communication buffers, a block recomputed in backward,
-    allocator fragmentation) are not in the total: leave a few GiB of headroom."""
+    """Whether ``total_bytes`` fit in a GPU with ``gpu_mem_gib`` GiB (2^30 bytes, as nvidia-smi's
+    MiB / 1024). Transient buffers (logits casts, communication buffers, a block recomputed in
+    backward, allocator fragmentation) are not in the total: leave a few GiB of headroom."""
     if not gpu_mem_gib > 0:
         raise ValueError(f"gpu_mem must be > 0 GiB, got {gpu_mem_gib!r}")
     return total_bytes <= gpu_mem_gib * GIB

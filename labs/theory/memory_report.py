@@ -1,9 +1,10 @@
-"""The memory calculator's front-end logic, shared by the CLI and the widget (``labs.widgets.memory``):
-a model from a preset or free dimensions, the fits / does-not-fit verdict, sweeps, and
-``python -m labs.theory memory``. Pure Python.
+"""The memory calculator's front-end logic, shared by the CLI and the widget
+(``labs.widgets.memory``): a model from a preset or free dimensions, the fits / does-not-fit
+verdict, sweeps, and ``python -m labs.theory memory``. Pure Python.
 
     python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 --gpu-mem 80
-    python -m labs.theory memory --layers 2 --hidden 64 --heads 8 --kv-heads 4 --ffn 128 --vocab 256 \\
+    python -m labs.theory memory --layers 2 --hidden 64 --heads 8 --kv-heads 4 --ffn 128 --vocab 256
+    \\
         --seq 32 --mbs 8 --precision fp32 --json
 
 Dimensions given with a preset override the preset's. Bad input (a degree that does not divide
@@ -15,18 +16,39 @@ from __future__ import annotations
 import dataclasses
 
 from labs.theory.dims import check_positive
-from labs.theory.memory import GIB, ModelSpec, OPTIMIZERS, PRECISIONS, PP_SCHEDULES, fits, memory_per_rank, param_count
+from labs.theory.memory import (
+    GIB,
+    OPTIMIZERS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    ModelSpec,
+    fits,
+    memory_per_rank,
+    param_count,
+)
 
-DIMS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads", "ffn": "ffn_hidden",
-        "vocab": "vocab_size"}  # CLI / widget name -> ModelSpec field
+DIMS = {
+    "layers": "n_layers",
+    "hidden": "hidden",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "ffn": "ffn_hidden",
+    "vocab": "vocab_size",
+}  # CLI / widget name -> ModelSpec field
 RUN_KEYS = ("seq", "mbs", *memory_per_rank.__kwdefaults__)  # the keywords of memory_per_rank
 
 
-def model_spec(preset: str | None = None, *, arch: str | None = None, tied: bool | None = None,
-               **dims: int | None) -> tuple[str, ModelSpec]:
+def model_spec(
+    preset: str | None = None,
+    *,
+    arch: str | None = None,
+    tied: bool | None = None,
+    **dims: int | None,
+) -> tuple[str, ModelSpec]:
     """(name, spec) for a preset with optional overrides, or for free dimensions
     (``layers``, ``hidden``, ``heads``, ``vocab`` required; ``kv_heads``, ``ffn`` optional)."""
     from labs.theory.presets import preset as get_preset
+
     unknown = sorted(set(dims) - set(DIMS))
     if unknown:
         raise ValueError(f"unknown model dimension(s) {unknown}; choose from {tuple(DIMS)}")
@@ -38,14 +60,24 @@ def model_spec(preset: str | None = None, *, arch: str | None = None, tied: bool
         return preset, dataclasses.replace(get_preset(preset), **fields)
     missing = [f"--{n}" for n in ("layers", "hidden", "heads", "vocab") if n not in given]
     if missing:
-        raise ValueError(f"give --preset NAME or the model's dimensions; missing {', '.join(missing)}")
+        raise ValueError(
+            f"give --preset NAME or the model's dimensions; missing {', '.join(missing)}"
+        )
     return "custom", ModelSpec(**fields)
 
 
 def spec_dims(spec: ModelSpec) -> dict:
     """The free dimensions (CLI / widget names) that rebuild ``spec`` with ``model_spec``."""
-    return {"layers": spec.n_layers, "hidden": spec.hidden, "heads": spec.n_heads, "kv_heads": spec.kv_heads,
-            "ffn": spec.ffn, "vocab": spec.vocab_size, "arch": spec.arch, "tied": spec.tied_embeddings}
+    return {
+        "layers": spec.n_layers,
+        "hidden": spec.hidden,
+        "heads": spec.n_heads,
+        "kv_heads": spec.kv_heads,
+        "ffn": spec.ffn,
+        "vocab": spec.vocab_size,
+        "arch": spec.arch,
+        "tied": spec.tied_embeddings,
+    }
 
 
 def verdict(total_bytes: float, gpu_mem_gib: float) -> str:
@@ -76,24 +108,40 @@ def evaluate(*, preset: str | None, dims: dict | None = None, gpu_mem_gib: float
     try:
         name, spec = model_spec(preset, **(dims or {}))
         result = memory_per_rank(spec, **run)
-        return {"name": name, "spec": spec, "result": result, "error": None,
-                "verdict": verdict(result["total_bytes"], gpu_mem_gib)}
+        return {
+            "name": name,
+            "spec": spec,
+            "result": result,
+            "error": None,
+            "verdict": verdict(result["total_bytes"], gpu_mem_gib),
+        }
     except ValueError as e:
-        return {"name": preset, "spec": None, "result": None, "error": str(e), "verdict": f"cannot compute: {e}"}
+        return {
+            "name": preset,
+            "spec": None,
+            "result": None,
+            "error": str(e),
+            "verdict": f"cannot compute: {e}",
+        }
 
 
 def bytes_per_param_table() -> str:
     """Training-state bytes per parameter for each precision and optimizer (no ZeRO)."""
     from labs.theory.memory import state_bytes
-    lines = [f"{'precision':<30}{'optimizer':<14}{'params':>7}{'grads':>7}{'optimizer':>10}{'total':>7}"]
+
+    lines = [
+        f"{'precision':<30}{'optimizer':<14}{'params':>7}{'grads':>7}{'optimizer':>10}{'total':>7}"
+    ]
     for precision, accum in (("fp32", False), ("bf16-mixed", False), ("bf16-mixed", True)):
         for optimizer in OPTIMIZERS:
             if optimizer == "adam":
                 continue  # the same state as adamw
             b = state_bytes(1, precision=precision, optimizer=optimizer, fp32_grad_accum=accum)
             label = precision + (" + fp32 grad accum" if accum else "")
-            lines.append(f"{label:<30}{optimizer:<14}{b['param_bytes']:>7}{b['grad_bytes']:>7}"
-                         f"{b['optimizer_bytes']:>10}{b['total_bytes']:>7}")
+            lines.append(
+                f"{label:<30}{optimizer:<14}{b['param_bytes']:>7}{b['grad_bytes']:>7}"
+                f"{b['optimizer_bytes']:>10}{b['total_bytes']:>7}"
+            )
     return "\n".join(lines)
 
 
@@ -102,46 +150,78 @@ def compare(spec: ModelSpec, configs: dict[str, dict], **common) -> list[dict]:
     as rows like ``sweep``'s with the name as ``value``."""
     rows = []
     for name, config in configs.items():
-        rows += [{**row, "value": name} for row in sweep(spec, "seq", [config.get("seq", common.get("seq"))],
-                                                         **{**common, **config})]
+        rows += [
+            {**row, "value": name}
+            for row in sweep(
+                spec, "seq", [config.get("seq", common.get("seq"))], **{**common, **config}
+            )
+        ]
     return rows
 
 
 def format_rows(rows: list[dict], gpu_mem_gib: float | None = None, label: str = "") -> str:
-    """A table of ``sweep`` / ``compare`` rows: GiB per rank by part, and the verdict for ``gpu_mem_gib``."""
+    """A table of ``sweep`` / ``compare`` rows: GiB per rank by part, and the verdict for
+    ``gpu_mem_gib``."""
     width = max([len(label)] + [len(str(r["value"])) for r in rows]) + 2
-    head = f"{label:<{width}}" + "".join(f"{h:>13}" for h in ("params", "grads", "optimizer", "activations", "total"))
-    lines = [head + (f"   on {gpu_mem_gib:.1f} GiB" if gpu_mem_gib else ""), f"{'':<{width}}{'(GiB per rank)':>65}"]
+    head = f"{label:<{width}}" + "".join(
+        f"{h:>13}" for h in ("params", "grads", "optimizer", "activations", "total")
+    )
+    lines = [
+        head + (f"   on {gpu_mem_gib:.1f} GiB" if gpu_mem_gib else ""),
+        f"{'':<{width}}{'(GiB per rank)':>65}",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{str(r['value']):<{width}}  invalid: {r['error']}")
             continue
-        cells = "".join(f"{r[k] / GIB:>13.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
-                                                          "activation_bytes", "total_bytes"))
-        lines.append(f"{str(r['value']):<{width}}{cells}" + (
-            "   " + verdict(r["total_bytes"], gpu_mem_gib).split(":")[0] if gpu_mem_gib else ""))
+        cells = "".join(
+            f"{r[k] / GIB:>13.2f}"
+            for k in (
+                "param_bytes",
+                "grad_bytes",
+                "optimizer_bytes",
+                "activation_bytes",
+                "total_bytes",
+            )
+        )
+        lines.append(
+            f"{str(r['value']):<{width}}{cells}"
+            + ("   " + verdict(r["total_bytes"], gpu_mem_gib).split(":")[0] if gpu_mem_gib else "")
+        )
     return "\n".join(lines)
 
 
-def format_terms(spec: ModelSpec, *, seq: int, precision: str = "bf16-mixed", recompute: str = "none") -> str:
+def format_terms(
+    spec: ModelSpec, *, seq: int, precision: str = "bf16-mixed", recompute: str = "none"
+) -> str:
     """What one layer saves per token, tensor by tensor, in bytes and in units of h, beside the
     playbook's 34 + 5·a·s/h (16-bit) for the same dimensions."""
     from labs.theory.activations import layer_terms
-    terms = layer_terms(spec, seq=seq, dtype_bytes=PRECISIONS[precision]["param"], recompute=recompute)
+
+    terms = layer_terms(
+        spec, seq=seq, dtype_bytes=PRECISIONS[precision]["param"], recompute=recompute
+    )
     h = spec.hidden
     lines = [f"{'saved tensor':<24}{'bytes/token':>14}{'/ h':>9}  split"]
     lines += [f"{t.name:<24}{t.bytes:>14,.0f}{t.bytes / h:>9.2f}  {t.split}" for t in terms]
     total = sum(t.bytes for t in terms)
     playbook = 34 + 5 * spec.n_heads * seq / h
-    lines += [f"{'total per layer':<24}{total:>14,.0f}{total / h:>9.2f}",
-              f"{'playbook 34 + 5as/h':<24}{playbook * h:>14,.0f}{playbook:>9.2f}  (16-bit, eager attention)"]
+    lines += [
+        f"{'total per layer':<24}{total:>14,.0f}{total / h:>9.2f}",
+        f"{'playbook 34 + 5as/h':<24}{playbook * h:>14,.0f}{playbook:>9.2f}  (16-bit, eager attention)",
+    ]
     return "\n".join(lines)
 
 
 def add_model_arguments(parser):
-    """``--preset`` or free dimensions (``--layers --hidden ...``): the model options every calculator shares."""
-    model = parser.add_argument_group("model: a preset, or free dimensions (which override a preset's)")
-    model.add_argument("--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b")
+    """``--preset`` or free dimensions (``--layers --hidden ...``): the model options every
+    calculator shares."""
+    model = parser.add_argument_group(
+        "model: a preset, or free dimensions (which override a preset's)"
+    )
+    model.add_argument(
+        "--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b"
+    )
     model.add_argument("--arch", default=None, help="llama (default) or gpt, for free dimensions")
     for name in DIMS:
         model.add_argument("--" + name.replace("_", "-"), type=int, default=None)
@@ -149,62 +229,96 @@ def add_model_arguments(parser):
 
 
 def spec_from_args(args) -> tuple[str, ModelSpec]:
-    """(name, spec) of the model that ``add_model_arguments``' options give (and ``--tied``, where a command has it)."""
+    """(name, spec) of the model that ``add_model_arguments``' options give (and ``--tied``, where a
+    command has it)."""
     dims = {name: getattr(args, name) for name in DIMS}
     return model_spec(args.preset, arch=args.arch, tied=getattr(args, "tied", None), **dims)
 
 
 def add_arguments(parser) -> None:
     model = add_model_arguments(parser)
-    model.add_argument("--tied", action="store_true", default=None, help="tie the output head to the embedding")
+    model.add_argument(
+        "--tied", action="store_true", default=None, help="tie the output head to the embedding"
+    )
     run = parser.add_argument_group("training run")
     run.add_argument("--seq", type=int, default=4096, help="sequence length")
-    run.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per rank per micro-batch)")
+    run.add_argument(
+        "--mbs", type=int, default=1, help="micro-batch size (sequences per rank per micro-batch)"
+    )
     run.add_argument("--precision", default="bf16-mixed", help=" or ".join(PRECISIONS))
     run.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
-    run.add_argument("--fp32-grad-accum", action="store_true", help="bf16-mixed: accumulate gradients in fp32")
-    run.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (shards over the dp ranks)")
+    run.add_argument(
+        "--fp32-grad-accum", action="store_true", help="bf16-mixed: accumulate gradients in fp32"
+    )
+    run.add_argument(
+        "--zero", type=int, default=0, help="ZeRO stage 0-3 (shards over the dp ranks)"
+    )
     for degree in ("dp", "tp", "pp", "cp"):
         run.add_argument("--" + degree, type=int, default=1, help=f"{degree} degree")
     run.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp >= 2)")
     run.add_argument("--recompute", default="none", help="none, selective or full")
-    run.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: pp)")
+    run.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per step (default: pp)"
+    )
     run.add_argument("--schedule", default="1f1b", help=", ".join(PP_SCHEDULES))
     gpu = parser.add_argument_group("GPU")
-    gpu.add_argument("--gpu-mem", type=float, default=None, help="GPU memory in GiB: adds 'fits' to the result")
-    gpu.add_argument("--step-time", type=float, default=None, help="measured step time in seconds (for MFU)")
-    gpu.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU (for MFU)")
+    gpu.add_argument(
+        "--gpu-mem", type=float, default=None, help="GPU memory in GiB: adds 'fits' to the result"
+    )
+    gpu.add_argument(
+        "--step-time", type=float, default=None, help="measured step time in seconds (for MFU)"
+    )
+    gpu.add_argument(
+        "--peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU (for MFU)"
+    )
 
 
 def cli(args) -> dict:
     from labs.theory.flops import flops_per_token, mfu
+
     name, spec = spec_from_args(args)
     config = {key: getattr(args, key) for key in RUN_KEYS if key != "exact_shards"}
     result = memory_per_rank(spec, **config)
     config["microbatches"] = args.microbatches or args.pp
     out = {"model": name, "total_params": param_count(spec), **result, "config": config}
     if args.gpu_mem is not None:
-        out.update(gpu_mem_gib=args.gpu_mem, fits=fits(result["total_bytes"], args.gpu_mem),
-                   verdict=verdict(result["total_bytes"], args.gpu_mem))
+        out.update(
+            gpu_mem_gib=args.gpu_mem,
+            fits=fits(result["total_bytes"], args.gpu_mem),
+            verdict=verdict(result["total_bytes"], args.gpu_mem),
+        )
     out["flops_per_token"] = flops_per_token(spec, seq=args.seq)
     if args.step_time is not None and args.peak_tflops is not None:
         tokens = args.seq * args.mbs * config["microbatches"] * args.dp
-        out["mfu"] = mfu(out["flops_per_token"] * tokens, step_time_s=args.step_time,
-                         peak_flops=args.peak_tflops * 1e12, n_gpus=args.dp * args.tp * args.pp * args.cp)
+        out["mfu"] = mfu(
+            out["flops_per_token"] * tokens,
+            step_time_s=args.step_time,
+            peak_flops=args.peak_tflops * 1e12,
+            n_gpus=args.dp * args.tp * args.pp * args.cp,
+        )
     return out
 
 
 def format_result(r: dict) -> str:
     c = r["config"]
-    parallel = " ".join(f"{d}={c[d]}" for d in ("dp", "tp", "pp", "cp")) + (" +sp" if c["sp"] else "")
-    lines = [f"model       {r['model']}: {r['total_params']:,} parameters, {r['params']:,} on this rank",
-             f"run         seq {c['seq']}, mbs {c['mbs']}, {c['precision']}, {c['optimizer']}, ZeRO-{c['zero']}, "
-             f"{parallel}, recompute {c['recompute']}",
-             f"rank        pipeline stage {r['stage']}: {r['layers']} layers, {r['in_flight']} micro-batch(es) in flight",
-             "", f"{'per rank':<22}{'GiB':>10}"]
-    for key, label in (("param_bytes", "parameters"), ("grad_bytes", "gradients"),
-                       ("optimizer_bytes", "optimizer state"), ("activation_bytes", "activations"),
-                       ("total_bytes", "total")):
+    parallel = " ".join(f"{d}={c[d]}" for d in ("dp", "tp", "pp", "cp")) + (
+        " +sp" if c["sp"] else ""
+    )
+    lines = [
+        f"model       {r['model']}: {r['total_params']:,} parameters, {r['params']:,} on this rank",
+        f"run         seq {c['seq']}, mbs {c['mbs']}, {c['precision']}, {c['optimizer']}, ZeRO-{c['zero']}, "
+        f"{parallel}, recompute {c['recompute']}",
+        f"rank        pipeline stage {r['stage']}: {r['layers']} layers, {r['in_flight']} micro-batch(es) in flight",
+        "",
+        f"{'per rank':<22}{'GiB':>10}",
+    ]
+    for key, label in (
+        ("param_bytes", "parameters"),
+        ("grad_bytes", "gradients"),
+        ("optimizer_bytes", "optimizer state"),
+        ("activation_bytes", "activations"),
+        ("total_bytes", "total"),
+    ):
         lines.append(f"{label:<22}{r[key] / GIB:>10.2f}")
     if "verdict" in r:
         lines += ["", r["verdict"]]

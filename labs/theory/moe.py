@@ -1,4 +1,5 @@
-"""Mixture of experts on paper: total vs active parameters, expert capacity, all-to-all bytes. Pure Python.
+"""Mixture of experts on paper: total vs active parameters, expert capacity, all-to-all bytes. Pure
+Python.
 
 Symbols: E experts per MoE layer, k experts per token (top-k), h hidden, F an expert's
 SwiGLU hidden size, L layers (every one an MoE layer), N tokens in one *group* (the tokens
@@ -49,22 +50,32 @@ from labs.theory.memory import ModelSpec, param_counts
 
 def check_top_k(top_k: int, n_experts: int) -> None:
     if top_k > n_experts:
-        raise ValueError(f"top_k={top_k} is larger than n_experts={n_experts}: a token cannot pick more experts "
-                         f"than exist; use top_k in {{{','.join(map(str, range(1, n_experts + 1)))}}}")
+        raise ValueError(
+            f"top_k={top_k} is larger than n_experts={n_experts}: a token cannot pick more experts "
+            f"than exist; use top_k in {{{','.join(map(str, range(1, n_experts + 1)))}}}"
+        )
 
 
 def check_capacity_factor(capacity_factor) -> None:
     """None means no capacity (nothing dropped); otherwise a number > 0."""
     if capacity_factor is None:
         return
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0 (1.0 = an even share per expert) or None for no "
-                         f"dropping, got {capacity_factor!r}")
+    if (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, (int, float))
+        or not capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor must be > 0 (1.0 = an even share per expert) or None for no "
+            f"dropping, got {capacity_factor!r}"
+        )
 
 
 @dataclass(frozen=True)
 class MoESpec:
-    """A Llama-style model whose every MLP is ``n_experts`` SwiGLU experts (``dense.ffn`` wide each)."""
+    """A Llama-style model whose every MLP is ``n_experts`` SwiGLU experts (``dense.ffn`` wide
+    each)."""
+
     dense: ModelSpec
     n_experts: int = 8
     top_k: int = 2
@@ -73,12 +84,19 @@ class MoESpec:
         check_positive(n_experts=self.n_experts, top_k=self.top_k)
         check_top_k(self.top_k, self.n_experts)
         if self.dense.arch != "llama":
-            raise ValueError(f"dense.arch={self.dense.arch!r}: MoESpec counts SwiGLU experts; use arch='llama'")
+            raise ValueError(
+                f"dense.arch={self.dense.arch!r}: MoESpec counts SwiGLU experts; use arch='llama'"
+            )
 
 
 # Mixtral 8x7B's published configuration (config.json of mistralai/Mixtral-8x7B-v0.1).
-MIXTRAL_8X7B = MoESpec(ModelSpec(vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                                 ffn_hidden=14336), n_experts=8, top_k=2)
+MIXTRAL_8X7B = MoESpec(
+    ModelSpec(
+        vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336
+    ),
+    n_experts=8,
+    top_k=2,
+)
 
 
 def moe_param_counts(spec: MoESpec, ep: int = 1) -> dict[str, int]:
@@ -86,20 +104,29 @@ def moe_param_counts(spec: MoESpec, ep: int = 1) -> dict[str, int]:
     ``per_layer_total``, ``per_layer_active`` and ``per_rank`` (held by one of ``ep`` ranks)."""
     check_positive(ep=ep)
     check_divides(spec.n_experts, "n_experts", ep, "ep")
-    dense = param_counts(spec.dense)             # one MLP per layer: the size of one expert
+    dense = param_counts(spec.dense)  # one MLP per layer: the size of one expert
     expert, router = dense["mlp"], spec.dense.hidden * spec.n_experts
     shared = dense["attention"] + dense["norms"] + router
     outside = dense["embedding"] + dense["final_norm"] + dense["head"]
     L = spec.dense.n_layers
-    per_layer_total, per_layer_active = shared + spec.n_experts * expert, shared + spec.top_k * expert
-    return {"expert": expert, "router": router, "per_layer_total": per_layer_total,
-            "per_layer_active": per_layer_active, "total": outside + L * per_layer_total,
-            "active": outside + L * per_layer_active,
-            "per_rank": outside + L * (shared + spec.n_experts // ep * expert)}
+    per_layer_total, per_layer_active = (
+        shared + spec.n_experts * expert,
+        shared + spec.top_k * expert,
+    )
+    return {
+        "expert": expert,
+        "router": router,
+        "per_layer_total": per_layer_total,
+        "per_layer_active": per_layer_active,
+        "total": outside + L * per_layer_total,
+        "active": outside + L * per_layer_active,
+        "per_rank": outside + L * (shared + spec.n_experts // ep * expert),
+    }
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
-    """C = ceil(cf · k · N / E): the (token, choice) pairs one expert accepts from a group of N tokens."""
+    """C = ceil(cf · k · N / E): the (token, choice) pairs one expert accepts from a group of N
+    tokens."""
     check_positive(tokens=tokens, top_k=top_k, n_experts=n_experts)
     check_top_k(top_k, n_experts)
     check_capacity_factor(capacity_factor)
@@ -114,7 +141,8 @@ def dropped_pairs(counts: list[int], capacity: int | None) -> int:
 
 
 def imbalance(counts: list[int]) -> float:
-    """max / mean of the load per expert: 1.0 is perfectly balanced, E means one expert takes all."""
+    """max / mean of the load per expert: 1.0 is perfectly balanced, E means one expert takes
+    all."""
     mean = sum(counts) / len(counts)
     return max(counts) / mean if mean else 1.0
 
@@ -122,12 +150,15 @@ def imbalance(counts: list[int]) -> float:
 def ep_rank_groups(world_size: int, ep: int) -> dict[str, list[list[int]]]:
     """Ranks that exchange tokens (``ep``: consecutive ranks, like a TP group on one node) and ranks
     that hold the same experts and average their gradients (``expert_dp``: every ep-th rank).
-    Expert parallelism is carved out of the data-parallel ranks: world_size = ep · (world_size/ep)."""
+    Expert parallelism is carved out of the data-parallel ranks: world_size = ep ·
+    (world_size/ep)."""
     check_positive(world_size=world_size, ep=ep)
     check_divides(world_size, "world_size", ep, "ep")
     replicas = world_size // ep
-    return {"ep": [[g * ep + i for i in range(ep)] for g in range(replicas)],
-            "expert_dp": [[g * ep + i for g in range(replicas)] for i in range(ep)]}
+    return {
+        "ep": [[g * ep + i for i in range(ep)] for g in range(replicas)],
+        "expert_dp": [[g * ep + i for g in range(replicas)] for i in range(ep)],
+    }
 
 
 def rows_between_ranks(kept_per_expert: list[list[int]]) -> list[list[int]]:
@@ -136,13 +167,15 @@ def rows_between_ranks(kept_per_expert: list[list[int]]) -> list[list[int]]:
     ep, n_experts = len(kept_per_expert), len(kept_per_expert[0])
     check_divides(n_experts, "n_experts", ep, "ep")
     per = n_experts // ep
-    return [[sum(row[d * per:(d + 1) * per]) for d in range(ep)] for row in kept_per_expert]
+    return [[sum(row[d * per : (d + 1) * per]) for d in range(ep)] for row in kept_per_expert]
 
 
-def all_to_all_bytes(rows: list[list[int]], rank: int, hidden: int, itemsize: int) -> dict[str, int]:
-    """Bytes ``rank`` sends in one MoE layer's forward all-to-alls of tokens: ``dispatch``, ``combine``
-    and their ``total`` (the counts go first: :func:`counts_exchange_bytes`). ``rows[s][d]`` as
-    :func:`rows_between_ranks` gives."""
+def all_to_all_bytes(
+    rows: list[list[int]], rank: int, hidden: int, itemsize: int
+) -> dict[str, int]:
+    """Bytes ``rank`` sends in one MoE layer's forward all-to-alls of tokens: ``dispatch``,
+    ``combine`` and their ``total`` (the counts go first: :func:`counts_exchange_bytes`).
+    ``rows[s][d]`` as :func:`rows_between_ranks` gives."""
     ep = len(rows)
     if not 0 <= rank < ep:
         raise ValueError(f"rank={rank} is outside 0..{ep - 1}")
@@ -158,16 +191,21 @@ def counts_exchange_bytes(n_experts: int, ep: int) -> int:
     return 8 * (ep - 1) * (n_experts // ep)
 
 
-def expected_all_to_all_bytes(tokens: int, top_k: int, ep: int, hidden: int, itemsize: int) -> float:
-    """Dispatch (or combine) bytes per rank with uniform routing and no drops: N·k·(ep-1)/ep · h · b."""
+def expected_all_to_all_bytes(
+    tokens: int, top_k: int, ep: int, hidden: int, itemsize: int
+) -> float:
+    """Dispatch (or combine) bytes per rank with uniform routing and no drops: N·k·(ep-1)/ep · h ·
+    b."""
     check_positive(tokens=tokens, top_k=top_k, ep=ep, hidden=hidden, itemsize=itemsize)
     return tokens * top_k * (ep - 1) / ep * hidden * itemsize
 
 
-def synthetic_routing(*, tokens: int, n_experts: int, top_k: int, ranks: int = 1, skew: float = 0.0,
-                      seed: int = 0) -> list[list[int]]:
-    """A router to play with: each rank's ``tokens`` tokens pick ``top_k`` distinct experts, expert e
-    with weight exp(-skew · e / E) (skew 0: uniform). Returns ``counts[rank][e]`` (pairs before dropping)."""
+def synthetic_routing(
+    *, tokens: int, n_experts: int, top_k: int, ranks: int = 1, skew: float = 0.0, seed: int = 0
+) -> list[list[int]]:
+    """A router to play with: each rank's ``tokens`` tokens pick ``top_k`` distinct experts, expert
+    e with weight exp(-skew · e / E) (skew 0: uniform). Returns ``counts[rank][e]`` (pairs before
+    dropping)."""
     check_positive(tokens=tokens, n_experts=n_experts, top_k=top_k, ranks=ranks)
     check_top_k(top_k, n_experts)
     if skew < 0:
@@ -179,28 +217,41 @@ def synthetic_routing(*, tokens: int, n_experts: int, top_k: int, ranks: int = 1
         row = [0] * n_experts
         for _ in range(tokens):
             # Gumbel top-k: sampling k experts without replacement in proportion to exp(logit).
-            keys = sorted(range(n_experts), key=lambda e: logits[e] - math.log(-math.log(rng.random() or 1e-300)),
-                          reverse=True)
+            keys = sorted(
+                range(n_experts),
+                key=lambda e: logits[e] - math.log(-math.log(rng.random() or 1e-300)),
+                reverse=True,
+            )
             for e in keys[:top_k]:
                 row[e] += 1
         counts.append(row)
     return counts
 
 
-def capacity_sweep(counts: list[list[int]], tokens: int, top_k: int,
-                   factors: list[float]) -> list[dict]:
+def capacity_sweep(
+    counts: list[list[int]], tokens: int, top_k: int, factors: list[float]
+) -> list[dict]:
     """Share of pairs dropped at each capacity factor, for per-group counts ``counts[g][e]``."""
     n_experts, pairs = len(counts[0]), sum(map(sum, counts))
     out = []
     for cf in factors:
         c = expert_capacity(tokens, top_k, n_experts, cf)
         dropped = sum(dropped_pairs(row, c) for row in counts)
-        out.append({"capacity_factor": cf, "capacity": c, "dropped": dropped, "dropped_share": dropped / pairs})
+        out.append(
+            {
+                "capacity_factor": cf,
+                "capacity": c,
+                "dropped": dropped,
+                "dropped_share": dropped / pairs,
+            }
+        )
     return out
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=("mixtral-8x7b",), default=None, help="a published model")
+    parser.add_argument(
+        "--preset", choices=("mixtral-8x7b",), default=None, help="a published model"
+    )
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--heads", type=int, default=32)
@@ -209,17 +260,34 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (for the per-rank count)")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks (for the per-rank count)"
+    )
 
 
 def cli(args) -> dict:
-    spec = MIXTRAL_8X7B if args.preset == "mixtral-8x7b" else MoESpec(
-        ModelSpec(vocab_size=args.vocab, hidden=args.hidden, n_layers=args.layers, n_heads=args.heads,
-                  n_kv_heads=args.kv_heads, ffn_hidden=args.ffn), n_experts=args.experts, top_k=args.top_k)
+    spec = (
+        MIXTRAL_8X7B
+        if args.preset == "mixtral-8x7b"
+        else MoESpec(
+            ModelSpec(
+                vocab_size=args.vocab,
+                hidden=args.hidden,
+                n_layers=args.layers,
+                n_heads=args.heads,
+                n_kv_heads=args.kv_heads,
+                ffn_hidden=args.ffn,
+            ),
+            n_experts=args.experts,
+            top_k=args.top_k,
+        )
+    )
     counts = moe_param_counts(spec, ep=args.ep)
     return {**counts, "active_share": counts["active"] / counts["total"], "ep": args.ep}
 
 
 def format_result(r: dict) -> str:
-    return (f"{r['total'] / 1e9:.2f} B parameters in all, {r['active'] / 1e9:.2f} B active per token "
-            f"({100 * r['active_share']:.0f}%); {r['per_rank'] / 1e9:.2f} B per rank with ep={r['ep']}")
+    return (
+        f"{r['total'] / 1e9:.2f} B parameters in all, {r['active'] / 1e9:.2f} B active per token "
+        f"({100 * r['active_share']:.0f}%); {r['per_rank'] / 1e9:.2f} B per rank with ep={r['ep']}"
+    )

@@ -1,150 +1,304 @@
 """The planner with an encoder in front of the decoder, and its command line. Pure Python.
 
-    plan_with_encoder(preset("llama3-8b"), ENCODERS["siglip-so400m"], text_tokens=1024, gpus=64, gpus_per_node=8,
+    plan_with_encoder(preset("llama3-8b"), ENCODERS["siglip-so400m"], text_tokens=1024, gpus=64,
+    gpus_per_node=8,
                       gpu_mem_gib=80)
-    python -m labs.theory multimodal --preset llama3-8b --encoder siglip-so400m --text-tokens 1024 --gpus 16 \
+    python -m labs.theory multimodal --preset llama3-8b --encoder siglip-so400m --text-tokens 1024
+    --gpus 16 \
         --layout 4,1,4,1,1 --global-batch 1024          # once the command is registered
 
-The decoder is planned by ``labs.theory.planner`` for T = P + C tokens per sequence; the encoder then goes where
-the lab (notebook 11) puts it: on pipeline stage 0, replicated over TP and CP, sharded over DP by ZeRO. Memory
-comes from ``labs.theory.multimodal.memory_per_rank_with_encoder``; time from each stage's FLOPs at the planner's
-efficiency, run through 1F1B on paper (``simulate_stages``) with the planner's split and with ``balanced_split``'s.
-The planner's own step time assumes equal stages; the stage table shows how far from equal they are (the
-encoder on the first stage, and a large vocabulary's head on the last).
+The decoder is planned by ``labs.theory.planner`` for T = P + C tokens per sequence; the encoder
+then goes where the lab (notebook 11) puts it: on pipeline stage 0, replicated over TP and CP,
+sharded over DP by ZeRO. Memory comes from ``labs.theory.multimodal.memory_per_rank_with_encoder``;
+time from each stage's FLOPs at the planner's efficiency, run through 1F1B on paper
+(``simulate_stages``) with the planner's split and with ``balanced_split``'s. The planner's own step
+time assumes equal stages; the stage table shows how far from equal they are (the encoder on the
+first stage, and a large vocabulary's head on the last).
 """
 
 from __future__ import annotations
 
 from labs.theory.memory import ModelSpec
-from labs.theory.multimodal import (ENCODERS, EncoderSpec, balanced_split, encoder_flops, encoder_param_counts,
-                                    encoder_spec, memory_per_rank_with_encoder, pipeline_balance, simulate_stages)
+from labs.theory.multimodal import (
+    ENCODERS,
+    EncoderSpec,
+    balanced_split,
+    encoder_flops,
+    encoder_param_counts,
+    encoder_spec,
+    memory_per_rank_with_encoder,
+    pipeline_balance,
+    simulate_stages,
+)
 
 
-def plan_with_encoder(spec: ModelSpec, enc: EncoderSpec, *, text_tokens: int, gpus: int, gpus_per_node: int,
-                      gpu_mem_gib: float, layout: dict | None = None, global_batch: int | None = None,
-                      peak_tflops: float = 989.0, **assumptions) -> dict:
-    """The planner (``labs.theory.planner``) with an encoder in front of the decoder. The decoder is planned
-    for T = P + C tokens per sequence (``plan``, or ``evaluate`` for a given ``layout`` {dp, tp, pp, cp,
-    zero}); the encoder then goes where the lab puts it: on pipeline stage 0, replicated over TP and CP,
-    sharded by ZeRO. Returns ``decoder`` (the planner's figures: layout, memory, step time, bubble),
-    ``memory`` (``memory_per_rank_with_encoder`` for that layout), ``fits``, ``encoder_params``, and the
-    pipeline with the planner's split (``split``, ``stage_time_s`` per micro-batch, ``bubble``,
-    ``step_time_s``; ``decoder_only_*`` the same split without the encoder) next to ``balanced_split``'s
-    (``rebalanced_*``, and ``rebalanced_memory``). Times: FLOPs at ``peak_tflops`` times the planner's efficiency,
-    plus the decoder's exposed communication."""
+def plan_with_encoder(
+    spec: ModelSpec,
+    enc: EncoderSpec,
+    *,
+    text_tokens: int,
+    gpus: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    layout: dict | None = None,
+    global_batch: int | None = None,
+    peak_tflops: float = 989.0,
+    **assumptions,
+) -> dict:
+    """The planner (``labs.theory.planner``) with an encoder in front of the decoder. The decoder is
+    planned for T = P + C tokens per sequence (``plan``, or ``evaluate`` for a given ``layout`` {dp,
+    tp, pp, cp, zero}); the encoder then goes where the lab puts it: on pipeline stage 0, replicated
+    over TP and CP, sharded by ZeRO. Returns ``decoder`` (the planner's figures: layout, memory,
+    step time, bubble), ``memory`` (``memory_per_rank_with_encoder`` for that layout), ``fits``,
+    ``encoder_params``, and the pipeline with the planner's split (``split``, ``stage_time_s`` per
+    micro-batch, ``bubble``, ``step_time_s``; ``decoder_only_*`` the same split without the encoder)
+    next to ``balanced_split``'s (``rebalanced_*``, and ``rebalanced_memory``). Times: FLOPs at
+    ``peak_tflops`` times the planner's efficiency, plus the decoder's exposed communication."""
     from labs.theory import planner
+
     seq = enc.tokens + text_tokens
     if layout is None:
-        p = planner.plan(spec, seq=seq, gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
-                         global_batch=global_batch, peak_tflops=peak_tflops, **assumptions)
+        p = planner.plan(
+            spec,
+            seq=seq,
+            gpus=gpus,
+            gpus_per_node=gpus_per_node,
+            gpu_mem_gib=gpu_mem_gib,
+            global_batch=global_batch,
+            peak_tflops=peak_tflops,
+            **assumptions,
+        )
         a = p["assumptions"]
     else:
         a = {**planner.ASSUMPTIONS, **assumptions}
-        batch = global_batch if global_batch is not None else max(1, planner.TOKENS_PER_BATCH // seq)
+        batch = (
+            global_batch if global_batch is not None else max(1, planner.TOKENS_PER_BATCH // seq)
+        )
         cluster = planner.Cluster(gpus, gpus_per_node, gpu_mem_gib, peak_tflops)
-        p = {**layout, **planner.evaluate(spec, {k: layout[k] for k in ("dp", "tp", "pp", "cp", "zero")}, seq=seq,
-                                          global_batch=batch, cluster=cluster, **a)}
+        p = {
+            **layout,
+            **planner.evaluate(
+                spec,
+                {k: layout[k] for k in ("dp", "tp", "pp", "cp", "zero")},
+                seq=seq,
+                global_batch=batch,
+                cluster=cluster,
+                **a,
+            ),
+        }
     dp, tp, pp, cp, zero, m = (p[k] for k in ("dp", "tp", "pp", "cp", "zero", "microbatches"))
     mbs = a["mbs"]
-    memory = memory_per_rank_with_encoder(spec, enc, text_tokens=text_tokens, mbs=mbs, precision=a["precision"],
-                                          optimizer=a["optimizer"], zero=zero, dp=dp * cp if zero else 1, tp=tp,
-                                          pp=pp, sp=tp > 1, cp=cp, microbatches=m, schedule=a["schedule"],
-                                          recompute=a["recompute"])
+    memory = memory_per_rank_with_encoder(
+        spec,
+        enc,
+        text_tokens=text_tokens,
+        mbs=mbs,
+        precision=a["precision"],
+        optimizer=a["optimizer"],
+        zero=zero,
+        dp=dp * cp if zero else 1,
+        tp=tp,
+        pp=pp,
+        sp=tp > 1,
+        cp=cp,
+        microbatches=m,
+        schedule=a["schedule"],
+        recompute=a["recompute"],
+    )
     rate = peak_tflops * 1e12 * a["efficiency"]
-    out = {"seq": seq, "layout": {k: p[k] for k in ("dp", "tp", "pp", "cp", "zero")}, "microbatches": m,
-           "decoder": {"memory_bytes": p["memory"]["total_bytes"], "step_time_s": p["step_time_s"],
-                       "bubble": p["bubble"]},
-           "memory": memory, "fits": memory["total_bytes"] <= p["budget_bytes"], "budget_bytes": p["budget_bytes"],
-           "encoder_params": encoder_param_counts(enc, text_hidden=spec.hidden)["total"]}
+    out = {
+        "seq": seq,
+        "layout": {k: p[k] for k in ("dp", "tp", "pp", "cp", "zero")},
+        "microbatches": m,
+        "decoder": {
+            "memory_bytes": p["memory"]["total_bytes"],
+            "step_time_s": p["step_time_s"],
+            "bubble": p["bubble"],
+        },
+        "memory": memory,
+        "fits": memory["total_bytes"] <= p["budget_bytes"],
+        "budget_bytes": p["budget_bytes"],
+        "encoder_params": encoder_param_counts(enc, text_hidden=spec.hidden)["total"],
+    }
     exposed = p["exposed_comm_s"]
     if pp == 1:
         f = encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
-        encoder_s = m * (f["forward"] + f["backward"]) / rate  # replicated over TP and CP: every GPU runs it
-        out.update(split=None, encoder_time_s=encoder_s, step_time_s=p["step_time_s"] + encoder_s,
-                   bubble=0.0, rebalanced_split=None)
+        encoder_s = (
+            m * (f["forward"] + f["backward"]) / rate
+        )  # replicated over TP and CP: every GPU runs it
+        out.update(
+            split=None,
+            encoder_time_s=encoder_s,
+            step_time_s=p["step_time_s"] + encoder_s,
+            bubble=0.0,
+            rebalanced_split=None,
+        )
         return out
-    for key, split in (("", memory["split"]), ("rebalanced_", balanced_split(spec, enc, stages=pp,
-                                                                             text_tokens=text_tokens, mbs=mbs, tp=tp))):
-        r = pipeline_balance(spec, enc, split=split, text_tokens=text_tokens, mbs=mbs, microbatches=m,
-                             flops_per_s=rate, tp=tp)
-        out.update({f"{key}split": split, f"{key}stage_time_s": r["stage_time"], f"{key}imbalance": r["imbalance"],
-                    f"{key}bubble": r["bubble_fraction"], f"{key}step_time_s": r["step_time"] + exposed})
-        if not key:  # the same split without the encoder: how much of the imbalance is the encoder's
+    for key, split in (
+        ("", memory["split"]),
+        (
+            "rebalanced_",
+            balanced_split(spec, enc, stages=pp, text_tokens=text_tokens, mbs=mbs, tp=tp),
+        ),
+    ):
+        r = pipeline_balance(
+            spec,
+            enc,
+            split=split,
+            text_tokens=text_tokens,
+            mbs=mbs,
+            microbatches=m,
+            flops_per_s=rate,
+            tp=tp,
+        )
+        out.update(
+            {
+                f"{key}split": split,
+                f"{key}stage_time_s": r["stage_time"],
+                f"{key}imbalance": r["imbalance"],
+                f"{key}bubble": r["bubble_fraction"],
+                f"{key}step_time_s": r["step_time"] + exposed,
+            }
+        )
+        if (
+            not key
+        ):  # the same split without the encoder: how much of the imbalance is the encoder's
             f = encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
             t_f = [r["t_forward"][0] - f["forward"] / rate] + r["t_forward"][1:]
             t_b = [r["t_backward"][0] - f["backward"] / rate] + r["t_backward"][1:]
             alone = simulate_stages(t_f, t_b, m)
-            out.update(decoder_only_stage_time_s=[x + y for x, y in zip(t_f, t_b)],
-                       decoder_only_bubble=alone["bubble_fraction"],
-                       decoder_only_step_time_s=alone["makespan"] + exposed)
+            out.update(
+                decoder_only_stage_time_s=[x + y for x, y in zip(t_f, t_b)],
+                decoder_only_bubble=alone["bubble_fraction"],
+                decoder_only_step_time_s=alone["makespan"] + exposed,
+            )
     out["rebalanced_memory"] = memory_per_rank_with_encoder(
-        spec, enc, text_tokens=text_tokens, mbs=mbs, precision=a["precision"], optimizer=a["optimizer"], zero=zero,
-        dp=dp * cp if zero else 1, tp=tp, pp=pp, sp=tp > 1, cp=cp, microbatches=m, schedule=a["schedule"],
-        recompute=a["recompute"], split=out["rebalanced_split"])
+        spec,
+        enc,
+        text_tokens=text_tokens,
+        mbs=mbs,
+        precision=a["precision"],
+        optimizer=a["optimizer"],
+        zero=zero,
+        dp=dp * cp if zero else 1,
+        tp=tp,
+        pp=pp,
+        sp=tp > 1,
+        cp=cp,
+        microbatches=m,
+        schedule=a["schedule"],
+        recompute=a["recompute"],
+        split=out["rebalanced_split"],
+    )
     return out
 
 
-# --- python -m labs.theory multimodal --------------------------------------------------------------------
+# --- python -m labs.theory multimodal
+# --------------------------------------------------------------------
 def add_arguments(parser) -> None:
     from labs.theory.memory_report import add_model_arguments
-    add_model_arguments(parser).title = "the decoder: a preset of the memory calculator, or free dimensions"
+
+    add_model_arguments(
+        parser
+    ).title = "the decoder: a preset of the memory calculator, or free dimensions"
     parser.set_defaults(preset="llama3-8b")
     parser.add_argument("--encoder", default="siglip-so400m", help=f"one of {', '.join(ENCODERS)}")
     for name in ("tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim"):
-        parser.add_argument("--encoder-" + name.replace("_", "-"), type=int, default=None,
-                            help="override the encoder's")
+        parser.add_argument(
+            "--encoder-" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help="override the encoder's",
+        )
     parser.add_argument("--text-tokens", type=int, required=True, help="C: text tokens per sample")
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: ~4M tokens)")
-    parser.add_argument("--layout", default=None, help="dp,tp,pp,cp,zero instead of the planner's choice")
+    parser.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per step (default: ~4M tokens)"
+    )
+    parser.add_argument(
+        "--layout", default=None, help="dp,tp,pp,cp,zero instead of the planner's choice"
+    )
 
 
 def cli(args) -> dict:
     import dataclasses
+
     from labs.theory.memory_report import spec_from_args
+
     name, spec = spec_from_args(args)
-    enc = dataclasses.replace(encoder_spec(args.encoder), **{n: getattr(args, "encoder_" + n) for n in (
-        "tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim") if getattr(args, "encoder_" + n)})
+    enc = dataclasses.replace(
+        encoder_spec(args.encoder),
+        **{
+            n: getattr(args, "encoder_" + n)
+            for n in ("tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim")
+            if getattr(args, "encoder_" + n)
+        },
+    )
     layout = None
     if args.layout:
         values = args.layout.split(",")
         if len(values) != 5 or not all(v.strip().isdigit() for v in values):
-            raise ValueError(f"layout={args.layout!r} must be five integers dp,tp,pp,cp,zero, e.g. 4,1,4,1,1")
+            raise ValueError(
+                f"layout={args.layout!r} must be five integers dp,tp,pp,cp,zero, e.g. 4,1,4,1,1"
+            )
         layout = dict(zip(("dp", "tp", "pp", "cp", "zero"), map(int, values)))
-    r = plan_with_encoder(spec, enc, text_tokens=args.text_tokens, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                          gpu_mem_gib=args.gpu_mem, peak_tflops=args.peak_tflops, global_batch=args.global_batch,
-                          layout=layout)
+    r = plan_with_encoder(
+        spec,
+        enc,
+        text_tokens=args.text_tokens,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_mem_gib=args.gpu_mem,
+        peak_tflops=args.peak_tflops,
+        global_batch=args.global_batch,
+        layout=layout,
+    )
     return plan_summary(r, model=name, encoder=args.encoder)
 
 
 def plan_summary(r: dict, *, model: str = "custom", encoder: str = "custom") -> dict:
-    """``plan_with_encoder``'s result as plain JSON (memory per stage in GiB), what ``format_result`` prints."""
+    """``plan_with_encoder``'s result as plain JSON (memory per stage in GiB), what
+    ``format_result`` prints."""
     keep = {k: v for k, v in r.items() if k not in ("memory", "rebalanced_memory")}
-    keep["memory_gib"] = [b / 2 ** 30 for b in r["memory"]["stage_total_bytes"]]
-    keep["decoder_only_memory_gib"] = [b / 2 ** 30 for b in r["memory"]["decoder_only_bytes"]]
+    keep["memory_gib"] = [b / 2**30 for b in r["memory"]["stage_total_bytes"]]
+    keep["decoder_only_memory_gib"] = [b / 2**30 for b in r["memory"]["decoder_only_bytes"]]
     return {"model": model, "encoder": encoder, **keep}
 
 
 def format_result(r: dict) -> str:
     lay = r["layout"]
-    lines = [f"{r['model']} + {r['encoder']}: {r['seq']} decoder tokens per sample; layout DP={lay['dp']} "
-             f"TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} ZeRO-{lay['zero']}, "
-             f"{r['microbatches']} micro-batches per step",
-             "memory per stage (GiB)  " + " ".join(f"{g:6.1f}" for g in r["memory_gib"]) +
-             f"   fits: {r['fits']}",
-             "  decoder alone         " + " ".join(f"{g:6.1f}" for g in r["decoder_only_memory_gib"])]
+    lines = [
+        f"{r['model']} + {r['encoder']}: {r['seq']} decoder tokens per sample; layout DP={lay['dp']} "
+        f"TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} ZeRO-{lay['zero']}, "
+        f"{r['microbatches']} micro-batches per step",
+        "memory per stage (GiB)  "
+        + " ".join(f"{g:6.1f}" for g in r["memory_gib"])
+        + f"   fits: {r['fits']}",
+        "  decoder alone         " + " ".join(f"{g:6.1f}" for g in r["decoder_only_memory_gib"]),
+    ]
     if r["split"] is None:
-        lines.append(f"no pipeline: every GPU runs the encoder, {r['encoder_time_s']:.3g} s per step "
-                     f"(step {r['decoder']['step_time_s']:.3g} s -> {r['step_time_s']:.3g} s)")
+        lines.append(
+            f"no pipeline: every GPU runs the encoder, {r['encoder_time_s']:.3g} s per step "
+            f"(step {r['decoder']['step_time_s']:.3g} s -> {r['step_time_s']:.3g} s)"
+        )
         return "\n".join(lines)
-    for label, key in (("decoder alone", "decoder_only_"), ("with encoder", ""), ("rebalanced", "rebalanced_")):
+    for label, key in (
+        ("decoder alone", "decoder_only_"),
+        ("with encoder", ""),
+        ("rebalanced", "rebalanced_"),
+    ):
         split = r["split"] if key != "rebalanced_" else r["rebalanced_split"]
-        lines.append(f"{label:14} split {str(split):26} stage ms " + " ".join(
-            f"{t * 1e3:6.1f}" for t in r[f"{key}stage_time_s"]) + f"   bubble {r[f'{key}bubble']:.1%}, "
-            f"step {r[f'{key}step_time_s']:.3g} s")
-    lines.append(f"(the planner's estimate, equal stages: bubble {r['decoder']['bubble']:.1%}, "
-                 f"step {r['decoder']['step_time_s']:.3g} s)")
+        lines.append(
+            f"{label:14} split {str(split):26} stage ms "
+            + " ".join(f"{t * 1e3:6.1f}" for t in r[f"{key}stage_time_s"])
+            + f"   bubble {r[f'{key}bubble']:.1%}, "
+            f"step {r[f'{key}step_time_s']:.3g} s"
+        )
+    lines.append(
+        f"(the planner's estimate, equal stages: bubble {r['decoder']['bubble']:.1%}, "
+        f"step {r['decoder']['step_time_s']:.3g} s)"
+    )
     return "\n".join(lines)

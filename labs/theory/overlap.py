@@ -1,4 +1,5 @@
-"""Data parallelism on paper: gradient buckets and the comm/compute overlap of a backward pass. Pure Python.
+"""Data parallelism on paper: gradient buckets and the comm/compute overlap of a backward pass. Pure
+Python.
 
 Symbols: G bytes of gradients, N data-parallel ranks, β the bandwidth each rank sends
 at (bytes/s, the "bus bandwidth" of ``labs.theory.comm.bus_bandwidth``), α the fixed
@@ -31,7 +32,7 @@ from __future__ import annotations
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_positive
 
-MiB = 1 << 20          # torch's DDP counts bucket_cap_mb in MiB, and so do we
+MiB = 1 << 20  # torch's DDP counts bucket_cap_mb in MiB, and so do we
 VARIANTS = ("naive", "overlapped", "bucketed")
 
 
@@ -66,11 +67,21 @@ def all_reduce_calls(variant: str, grad_bytes, bucket_bytes: float = 25 * MiB) -
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     grad_bytes = _check_bytes(grad_bytes)
-    return len(bucket_layout(grad_bytes, bucket_bytes)) if variant == "bucketed" else len(grad_bytes)
+    return (
+        len(bucket_layout(grad_bytes, bucket_bytes)) if variant == "bucketed" else len(grad_bytes)
+    )
 
 
-def simulate_backward(*, grad_bytes, compute_s, bucket_bytes: float, ranks: int, bandwidth: float,
-                      latency_s: float = 0.0, overlap: bool = True) -> dict:
+def simulate_backward(
+    *,
+    grad_bytes,
+    compute_s,
+    bucket_bytes: float,
+    ranks: int,
+    bandwidth: float,
+    latency_s: float = 0.0,
+    overlap: bool = True,
+) -> dict:
     """Timeline of one backward pass with its gradient all-reduces.
 
     ``grad_bytes[i]`` and ``compute_s[i]``: bytes and backward compute time of tensor i,
@@ -82,7 +93,9 @@ def simulate_backward(*, grad_bytes, compute_s, bucket_bytes: float, ranks: int,
     """
     grad_bytes, compute_s = _check_bytes(grad_bytes), list(compute_s)
     if len(compute_s) != len(grad_bytes):
-        raise ValueError(f"compute_s has {len(compute_s)} entries but grad_bytes has {len(grad_bytes)}")
+        raise ValueError(
+            f"compute_s has {len(compute_s)} entries but grad_bytes has {len(grad_bytes)}"
+        )
     if any(t < 0 for t in compute_s):
         raise ValueError(f"compute_s must be >= 0, got {compute_s}")
     if bandwidth <= 0:
@@ -106,20 +119,37 @@ def simulate_backward(*, grad_bytes, compute_s, bucket_bytes: float, ranks: int,
         spans.append({"lane": "comm", "start": start, "end": channel_free, "bucket": b, "bytes": k})
     comm_s = sum(s["end"] - s["start"] for s in spans if s["lane"] == "comm")
     exposed = max(0.0, channel_free - backward_s)
-    return {"spans": spans, "buckets": buckets, "backward_s": backward_s, "comm_s": comm_s, "exposed_s": exposed,
-            "step_s": backward_s + exposed, "hidden_fraction": 1.0 - exposed / comm_s if comm_s > 0 else 1.0,
-            "calls": len(buckets), "sent_bytes": all_reduce_bytes(sum(grad_bytes), ranks)}
+    return {
+        "spans": spans,
+        "buckets": buckets,
+        "backward_s": backward_s,
+        "comm_s": comm_s,
+        "exposed_s": exposed,
+        "step_s": backward_s + exposed,
+        "hidden_fraction": 1.0 - exposed / comm_s if comm_s > 0 else 1.0,
+        "calls": len(buckets),
+        "sent_bytes": all_reduce_bytes(sum(grad_bytes), ranks),
+    }
 
 
-def uniform_model(*, params: float, layers: int, tokens: float, flops: float, bytes_per_grad: int = 2,
-                  tensors_per_layer: int = 4) -> tuple[list[float], list[float]]:
+def uniform_model(
+    *,
+    params: float,
+    layers: int,
+    tokens: float,
+    flops: float,
+    bytes_per_grad: int = 2,
+    tensors_per_layer: int = 4,
+) -> tuple[list[float], list[float]]:
     """Gradient bytes and backward seconds per tensor for a model of ``layers`` identical layers.
 
     Backward costs 4 FLOPs per parameter per token (twice the forward's 2), at ``flops``
     FLOP/s; each layer has ``tensors_per_layer`` equal weight tensors (e.g. attention in/out,
     MLP in/out). Returns (grad_bytes, compute_s) in backward order.
     """
-    check_positive(layers=layers, tensors_per_layer=tensors_per_layer, bytes_per_grad=bytes_per_grad)
+    check_positive(
+        layers=layers, tensors_per_layer=tensors_per_layer, bytes_per_grad=bytes_per_grad
+    )
     for name, v in (("params", params), ("tokens", tokens), ("flops", flops)):
         if v <= 0:
             raise ValueError(f"{name} must be > 0, got {v}")
@@ -128,9 +158,19 @@ def uniform_model(*, params: float, layers: int, tokens: float, flops: float, by
     return [per_tensor * bytes_per_grad] * n, [4 * per_tensor * tokens / flops] * n
 
 
-def simulate_ddp(*, variant: str = "bucketed", params_m: float = 350.0, layers: int = 24, bucket_mb: float = 25.0,
-                 bandwidth_gbs: float = 50.0, tflops: float = 400.0, tokens_per_rank: int = 16384, ranks: int = 8,
-                 latency_us: float = 20.0, bytes_per_grad: int = 2) -> dict:
+def simulate_ddp(
+    *,
+    variant: str = "bucketed",
+    params_m: float = 350.0,
+    layers: int = 24,
+    bucket_mb: float = 25.0,
+    bandwidth_gbs: float = 50.0,
+    tflops: float = 400.0,
+    tokens_per_rank: int = 16384,
+    ranks: int = 8,
+    latency_us: float = 20.0,
+    bytes_per_grad: int = 2,
+) -> dict:
     """The overlap widget's scenario: a ``params_m`` million-parameter model, one DDP variant.
 
     ``bandwidth_gbs`` in GB/s (1e9 bytes/s) per rank, ``tflops`` achieved TFLOP/s,
@@ -141,15 +181,34 @@ def simulate_ddp(*, variant: str = "bucketed", params_m: float = 350.0, layers: 
     check_positive(ranks=ranks)
     if bucket_mb < 0:
         raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
-    grad_bytes, compute_s = uniform_model(params=params_m * 1e6, layers=layers, tokens=tokens_per_rank,
-                                          flops=tflops * 1e12, bytes_per_grad=bytes_per_grad)
-    result = simulate_backward(grad_bytes=grad_bytes, compute_s=compute_s,
-                               bucket_bytes=bucket_mb * MiB if variant == "bucketed" else 0.0, ranks=ranks,
-                               bandwidth=bandwidth_gbs * 1e9, latency_s=latency_us * 1e-6,
-                               overlap=variant != "naive")
-    result.update(variant=variant, params_m=params_m, layers=layers, bucket_mb=bucket_mb, bandwidth_gbs=bandwidth_gbs,
-                  tflops=tflops, tokens_per_rank=tokens_per_rank, ranks=ranks, latency_us=latency_us,
-                  grad_bytes=sum(grad_bytes))
+    grad_bytes, compute_s = uniform_model(
+        params=params_m * 1e6,
+        layers=layers,
+        tokens=tokens_per_rank,
+        flops=tflops * 1e12,
+        bytes_per_grad=bytes_per_grad,
+    )
+    result = simulate_backward(
+        grad_bytes=grad_bytes,
+        compute_s=compute_s,
+        bucket_bytes=bucket_mb * MiB if variant == "bucketed" else 0.0,
+        ranks=ranks,
+        bandwidth=bandwidth_gbs * 1e9,
+        latency_s=latency_us * 1e-6,
+        overlap=variant != "naive",
+    )
+    result.update(
+        variant=variant,
+        params_m=params_m,
+        layers=layers,
+        bucket_mb=bucket_mb,
+        bandwidth_gbs=bandwidth_gbs,
+        tflops=tflops,
+        tokens_per_rank=tokens_per_rank,
+        ranks=ranks,
+        latency_us=latency_us,
+        grad_bytes=sum(grad_bytes),
+    )
     return result
 
 

@@ -1,4 +1,5 @@
-"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart. Pure Python.
+"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart. Pure
+Python.
 
     python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
     simulate("interleaved", 4, 8, virtual=2)["bubble_fraction"]     # 3/19, from the schedule itself
@@ -51,11 +52,15 @@ def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int =
     if schedule != "interleaved" and virtual != 1:
         raise ValueError(f"virtual={virtual} only applies to schedule='interleaved'; use virtual=1")
     if schedule == "naive" and microbatches != 1:
-        raise ValueError(f"schedule='naive' runs the whole batch as one: microbatches={microbatches}, use "
-                         "microbatches=1 (or schedule='gpipe' to split the batch)")
+        raise ValueError(
+            f"schedule='naive' runs the whole batch as one: microbatches={microbatches}, use "
+            "microbatches=1 (or schedule='gpipe' to split the batch)"
+        )
     if schedule == "interleaved" and microbatches % stages:
-        raise ValueError(f"interleaved 1F1B needs microbatches divisible by stages: microbatches={microbatches}, "
-                         f"stages={stages}; use a multiple of {stages}")
+        raise ValueError(
+            f"interleaved 1F1B needs microbatches divisible by stages: microbatches={microbatches}, "
+            f"stages={stages}; use a multiple of {stages}"
+        )
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -70,7 +75,9 @@ def bubble_over_ideal(schedule: str, stages: int, microbatches: int, virtual: in
     return (stages - 1) / (virtual * microbatches)
 
 
-def in_flight_microbatches(schedule: str, stages: int, microbatches: int, stage: int = 0, virtual: int = 1) -> int:
+def in_flight_microbatches(
+    schedule: str, stages: int, microbatches: int, stage: int = 0, virtual: int = 1
+) -> int:
     """Micro-batches whose activations stage ``stage`` holds at the peak of a step.
 
     AFAB: all M. 1F1B: min(P - stage, M). Interleaved: each rank runs V chunks; its
@@ -87,7 +94,9 @@ def in_flight_microbatches(schedule: str, stages: int, microbatches: int, stage:
     return min(interleaved_warmup(stages, microbatches, stage, virtual) + 1, virtual * microbatches)
 
 
-def step_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b: float, virtual: int = 1) -> float:
+def step_time(
+    schedule: str, stages: int, microbatches: int, t_f: float, t_b: float, virtual: int = 1
+) -> float:
     """Time of one step when every stage takes t_f / t_b per micro-batch: the ideal time
     M (t_f + t_b) plus the bubble (P-1)(t_f + t_b)/V. Naive runs forwards only: P t_f."""
     check_schedule(schedule, stages, microbatches, virtual)
@@ -98,6 +107,7 @@ def step_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b: fl
 
 
 # --- the schedules, operation by operation -------------------------------------------------
+
 
 def interleaved_warmup(stages: int, microbatches: int, rank: int, virtual: int) -> int:
     """Forwards rank ``rank`` runs before its first backward (Megatron-LM): 2(P-r-1) + (V-1)P."""
@@ -112,8 +122,11 @@ def interleaved_op(k: int, stages: int, virtual: int, forward: bool) -> tuple[in
     return group * stages + within % stages, (chunk if forward else virtual - 1 - chunk)
 
 
-def schedule_ops(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[tuple]]:
-    """Each rank's operations in the order it runs them: ``[("F", mb, chunk), ("B", mb, chunk), ...]``.
+def schedule_ops(
+    schedule: str, stages: int, microbatches: int, virtual: int = 1
+) -> list[list[tuple]]:
+    """Each rank's operations in the order it runs them: ``[("F", mb, chunk), ("B", mb, chunk),
+    ...]``.
 
     Chunk c of rank r is virtual stage c·P + r (chunk 0 unless interleaved)."""
     check_schedule(schedule, stages, microbatches, virtual)
@@ -125,10 +138,10 @@ def schedule_ops(schedule: str, stages: int, microbatches: int, virtual: int = 1
             ops = [("F", i, 0) for i in range(M)] + [("B", i, 0) for i in range(M)]
         elif schedule == "1f1b":
             warmup = min(stages - r - 1, M)
-            ops = [("F", i, 0) for i in range(warmup)]                          # warm-up
-            for i in range(M - warmup):                                         # steady state
+            ops = [("F", i, 0) for i in range(warmup)]  # warm-up
+            for i in range(M - warmup):  # steady state
                 ops += [("F", warmup + i, 0), ("B", i, 0)]
-            ops += [("B", i, 0) for i in range(M - warmup, M)]                  # cool-down
+            ops += [("B", i, 0) for i in range(M - warmup, M)]  # cool-down
         else:
             total, warmup = virtual * M, interleaved_warmup(stages, M, r, virtual)
             fwd = [("F", *interleaved_op(k, stages, virtual, True)) for k in range(total)]
@@ -136,7 +149,7 @@ def schedule_ops(schedule: str, stages: int, microbatches: int, virtual: int = 1
             ops = fwd[:warmup]
             for k in range(total - warmup):
                 ops += [fwd[warmup + k], bwd[k]]
-            ops += bwd[total - warmup:]
+            ops += bwd[total - warmup :]
         order.append(ops)
     return order
 
@@ -148,20 +161,32 @@ def _needs(name: str, mb: int, vs: int, last: int) -> list[tuple]:
     return [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < last else [])
 
 
-def simulate(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float | list = 1.0,
-             t_b: float | list = 2.0, t_delay: float = 0.0) -> dict:
+def simulate(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    virtual: int = 1,
+    t_f: float | list = 1.0,
+    t_b: float | list = 2.0,
+    t_delay: float = 0.0,
+) -> dict:
     """Run the schedule on paper: each rank takes its operations in order, each as soon as its
     input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
     (what holds a real operation up: a message's latency, a busy CPU). ``t_f`` / ``t_b``: one rank's
     forward / backward of a micro-batch, the same for every rank or a list with one time per rank.
     Returns ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
-    ``bubble_fraction`` (idle share of ranks x makespan) and ``in_flight`` (peak micro-batches held, per rank)."""
+    ``bubble_fraction`` (idle share of ranks x makespan) and ``in_flight`` (peak micro-batches held,
+    per rank)."""
     t_fs = list(t_f) if isinstance(t_f, (list, tuple)) else [t_f] * stages
     t_bs = list(t_b) if isinstance(t_b, (list, tuple)) else [t_b] * stages
     if len(t_fs) != stages or len(t_bs) != stages:
-        raise ValueError(f"t_f and t_b need one time per stage ({stages}); got t_f={t_f!r}, t_b={t_b!r}")
+        raise ValueError(
+            f"t_f and t_b need one time per stage ({stages}); got t_f={t_f!r}, t_b={t_b!r}"
+        )
     if not (min(t_fs) > 0 and min(t_bs) >= 0 and t_delay >= 0):
-        raise ValueError(f"t_f must be > 0, t_b and t_delay >= 0; got t_f={t_f!r}, t_b={t_b!r}, t_delay={t_delay!r}")
+        raise ValueError(
+            f"t_f must be > 0, t_b and t_delay >= 0; got t_f={t_f!r}, t_b={t_b!r}, t_delay={t_delay!r}"
+        )
     order = schedule_ops(schedule, stages, microbatches, virtual)
     cost = {"F": [t / virtual for t in t_fs], "B": [t / virtual for t in t_bs]}  # per rank
     last = stages * virtual - 1
@@ -177,13 +202,27 @@ def simulate(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_
                     break  # its input is not computed yet: the next rank in line may be able to go
                 start = max([free[r]] + [end[n] for n in needs]) + t_delay
                 free[r] = end[(name, mb, vs)] = start + cost[name][r]
-                events.append({"rank": r, "name": name, "microbatch": mb, "chunk": chunk, "start": start,
-                               "end": free[r]})
+                events.append(
+                    {
+                        "rank": r,
+                        "name": name,
+                        "microbatch": mb,
+                        "chunk": chunk,
+                        "start": start,
+                        "end": free[r],
+                    }
+                )
                 nxt[r] += 1
                 progressed = True
-        assert progressed, f"schedule {schedule} deadlocks"  # an internal invariant, tested for every schedule
-    return {"events": events, "makespan": max(e["end"] for e in events), "bubble_fraction": idle_share(events),
-            "in_flight": [peak_in_flight(ops) for ops in order]}
+        assert progressed, (
+            f"schedule {schedule} deadlocks"
+        )  # an internal invariant, tested for every schedule
+    return {
+        "events": events,
+        "makespan": max(e["end"] for e in events),
+        "bubble_fraction": idle_share(events),
+        "in_flight": [peak_in_flight(ops) for ops in order],
+    }
 
 
 def idle_share(events: list[dict]) -> float:
@@ -194,7 +233,9 @@ def idle_share(events: list[dict]) -> float:
     return 1.0 - sum(e["end"] - e["start"] for e in work) / (len(ranks) * span)
 
 
-def fit_timeline(events: list[dict], schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+def fit_timeline(
+    events: list[dict], schedule: str, stages: int, microbatches: int, virtual: int = 1
+) -> dict:
     """What a measured chart says about its machine: the median forward and backward time of a
     rank's share of the layers (``t_forward``, ``t_backward``); the mean delay of an operation,
     how long after it could have started (its rank free, its input computed) it did start
@@ -209,19 +250,28 @@ def fit_timeline(events: list[dict], schedule: str, stages: int, microbatches: i
     for rank in range(stages):
         previous_end = None
         for e in sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"]):
-            ready = [done[n]["end"] for n in _needs(e["name"], e["microbatch"], e["chunk"] * stages + rank, last)
-                     if n in done] + ([previous_end] if previous_end is not None else [])
+            ready = [
+                done[n]["end"]
+                for n in _needs(e["name"], e["microbatch"], e["chunk"] * stages + rank, last)
+                if n in done
+            ] + ([previous_end] if previous_end is not None else [])
             if ready:  # a rank's very first operation without inputs starts when the rank does
                 delays.append(max(0.0, e["start"] - max(ready)))
             previous_end = e["end"]
     t_f, t_b = (median(durations[k] or [0.0]) * virtual for k in ("F", "B"))
     t_delay = sum(delays) / len(delays) if delays else 0.0
     sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_delay)
-    return {"t_forward": t_f, "t_backward": t_b, "t_delay": t_delay, "bubble_fraction": sim["bubble_fraction"]}
+    return {
+        "t_forward": t_f,
+        "t_backward": t_b,
+        "t_delay": t_delay,
+        "bubble_fraction": sim["bubble_fraction"],
+    }
 
 
 def peak_in_flight(ops: list[tuple]) -> int:
-    """Most forwards done whose backward is not: the micro-batches (chunk micro-batches) held at once."""
+    """Most forwards done whose backward is not: the micro-batches (chunk micro-batches) held at
+    once."""
     held = peak = 0
     for name, *_ in ops:
         held += 1 if name == "F" else -1
@@ -231,7 +281,10 @@ def peak_in_flight(ops: list[tuple]) -> int:
 
 # --- splitting the layers into stages ------------------------------------------------------
 
-def balanced_plan(layer_costs: list[int], stages: int, *, first_extra: int = 0, last_extra: int = 0) -> tuple:
+
+def balanced_plan(
+    layer_costs: list[int], stages: int, *, first_extra: int = 0, last_extra: int = 0
+) -> tuple:
     """Layers per stage, contiguous, minimising the largest stage's cost (e.g. parameters);
     the first stage also carries ``first_extra`` (the embedding), the last ``last_extra``
     (final norm and head). Every stage gets at least one layer."""
@@ -249,15 +302,21 @@ def balanced_plan(layer_costs: list[int], stages: int, *, first_extra: int = 0, 
             options = []
             for j in range(s - 1, i):
                 if (s - 1, j) in best:
-                    cost = prefix[i] - prefix[j] + (first_extra if s == 1 else 0) + (last_extra if s == stages else 0)
+                    cost = (
+                        prefix[i]
+                        - prefix[j]
+                        + (first_extra if s == 1 else 0)
+                        + (last_extra if s == stages else 0)
+                    )
                     prev_cost, plan = best[(s - 1, j)]
                     options.append((max(prev_cost, cost), plan + (i - j,)))
             best[(s, i)] = min(options)
     return best[(stages, n)][1]
 
 
-def fill_plan(layer_costs: list[int], stages: int, *, capacity: int, first_extra: int = 0,
-              last_extra: int = 0) -> tuple:
+def fill_plan(
+    layer_costs: list[int], stages: int, *, capacity: int, first_extra: int = 0, last_extra: int = 0
+) -> tuple:
     """Fill device 0 up to ``capacity``, then device 1, ... (the sequential placement behind
     ``device_map="auto"``). The first device also holds ``first_extra``, the last ``last_extra``;
     devices after the fill ends hold no layers (only the last one's head)."""
@@ -267,9 +326,15 @@ def fill_plan(layer_costs: list[int], stages: int, *, capacity: int, first_extra
         lo, hi = 1, sum(layer_costs) + first_extra + last_extra
         while lo < hi:  # the smallest capacity that fits: filling is monotone in capacity
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if _fill(layer_costs, stages, mid, first_extra, last_extra) else (mid + 1, hi)
-        raise ValueError(f"capacity={capacity} is too small to place the model on {stages} devices; "
-                         f"use capacity >= {lo}")
+            lo, hi = (
+                (lo, mid)
+                if _fill(layer_costs, stages, mid, first_extra, last_extra)
+                else (mid + 1, hi)
+            )
+        raise ValueError(
+            f"capacity={capacity} is too small to place the model on {stages} devices; "
+            f"use capacity >= {lo}"
+        )
     return plan
 
 
@@ -293,17 +358,31 @@ def _fill(layer_costs, stages, capacity, first_extra, last_extra):
 def plan_costs(layer_costs, plan, first_extra=0, last_extra=0) -> list[int]:
     """Cost of each stage under ``plan`` (layers per stage)."""
     if sum(plan) != len(layer_costs) or any(n < 0 for n in plan):
-        raise ValueError(f"plan={tuple(plan)} must assign all {len(layer_costs)} layers, >= 0 per stage")
+        raise ValueError(
+            f"plan={tuple(plan)} must assign all {len(layer_costs)} layers, >= 0 per stage"
+        )
     out, i = [], 0
     for s, n in enumerate(plan):
-        out.append(sum(layer_costs[i:i + n]) + (first_extra if s == 0 else 0)
-                   + (last_extra if s == len(plan) - 1 else 0))
+        out.append(
+            sum(layer_costs[i : i + n])
+            + (first_extra if s == 0 else 0)
+            + (last_extra if s == len(plan) - 1 else 0)
+        )
         i += n
     return out
 
 
-def p2p_bytes_per_rank(schedule: str, stages: int, rank: int, *, batch: int, seq_len: int, hidden: int,
-                       itemsize: int = 4, virtual: int = 1) -> int:
+def p2p_bytes_per_rank(
+    schedule: str,
+    stages: int,
+    rank: int,
+    *,
+    batch: int,
+    seq_len: int,
+    hidden: int,
+    itemsize: int = 4,
+    virtual: int = 1,
+) -> int:
     """Bytes rank ``rank`` sends in one step: B·T·H·itemsize for every chunk whose output goes on
     to another virtual stage (forward) and every chunk whose input came from one (backward)."""
     if not 0 <= rank < stages:
@@ -314,8 +393,16 @@ def p2p_bytes_per_rank(schedule: str, stages: int, rank: int, *, batch: int, seq
     return (forward + backward) * per_boundary
 
 
-def pp_vs_tp(*, layers: int, hidden: int, seq_len: int, batch: int, degree: int, itemsize: int = 2,
-             bandwidth: float = 50e9) -> dict:
+def pp_vs_tp(
+    *,
+    layers: int,
+    hidden: int,
+    seq_len: int,
+    batch: int,
+    degree: int,
+    itemsize: int = 2,
+    bandwidth: float = 50e9,
+) -> dict:
     """Bytes one rank sends per step when ``degree`` ranks split a model's ``layers`` by pipeline
     or by tensor parallelism, and the seconds that takes at ``bandwidth`` (bytes/s per rank;
     50e9 = 400 Gb/s, one InfiniBand NIC per GPU, the usual link *between* nodes).
@@ -325,70 +412,114 @@ def pp_vs_tp(*, layers: int, hidden: int, seq_len: int, batch: int, degree: int,
     TP (Megatron): two all-reduces of [B, T, H] per layer in forward and two in backward, each
     2(N-1)/N·B·T·H·itemsize on a ring, on every one of the L layers: 8·L·(N-1)/N·B·T·H·itemsize.
     """
-    check_positive(layers=layers, hidden=hidden, seq_len=seq_len, batch=batch, degree=degree, itemsize=itemsize)
+    check_positive(
+        layers=layers, hidden=hidden, seq_len=seq_len, batch=batch, degree=degree, itemsize=itemsize
+    )
     activation = batch * seq_len * hidden * itemsize
     pp = 2 * activation
     tp = 8 * layers * (degree - 1) / degree * activation
-    return {"pp_bytes_per_rank": pp, "tp_bytes_per_rank": tp, "tp_over_pp": tp / pp,
-            "pp_seconds": pp / bandwidth, "tp_seconds": tp / bandwidth, "tp_collectives_per_step": 4 * layers,
-            "bandwidth": bandwidth}
+    return {
+        "pp_bytes_per_rank": pp,
+        "tp_bytes_per_rank": tp,
+        "tp_over_pp": tp / pp,
+        "pp_seconds": pp / bandwidth,
+        "tp_seconds": tp / bandwidth,
+        "tp_collectives_per_step": 4 * layers,
+        "bandwidth": bandwidth,
+    }
 
 
 def format_pp_vs_tp(r: dict) -> str:
-    return "\n".join([
-        f"pipeline parallel: {r['pp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['pp_seconds']:7.3f} s "
-        f"at {r['bandwidth'] / 1e9:g} GB/s (point to point, overlaps with other micro-batches' compute)",
-        f"tensor parallel:   {r['tp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['tp_seconds']:7.3f} s "
-        f"({r['tp_collectives_per_step']} all-reduces on the critical path)",
-        f"TP sends {r['tp_over_pp']:.0f}x the bytes of PP"])
+    return "\n".join(
+        [
+            f"pipeline parallel: {r['pp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['pp_seconds']:7.3f} s "
+            f"at {r['bandwidth'] / 1e9:g} GB/s (point to point, overlaps with other micro-batches' compute)",
+            f"tensor parallel:   {r['tp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['tp_seconds']:7.3f} s "
+            f"({r['tp_collectives_per_step']} all-reduces on the critical path)",
+            f"TP sends {r['tp_over_pp']:.0f}x the bytes of PP",
+        ]
+    )
 
 
 # --- the `bubble` command of python -m labs.theory -----------------------------------------
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULES)}")
     parser.add_argument("--stages", type=int, required=True, help="P: pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="M: micro-batches per step")
-    parser.add_argument("--virtual", type=int, default=1, help="V: model chunks per rank (interleaved only)")
-    parser.add_argument("--t-forward", type=float, default=1.0, help="forward time of one micro-batch per stage")
-    parser.add_argument("--t-backward", type=float, default=2.0, help="backward time of one micro-batch per stage")
+    parser.add_argument(
+        "--virtual", type=int, default=1, help="V: model chunks per rank (interleaved only)"
+    )
+    parser.add_argument(
+        "--t-forward", type=float, default=1.0, help="forward time of one micro-batch per stage"
+    )
+    parser.add_argument(
+        "--t-backward", type=float, default=2.0, help="backward time of one micro-batch per stage"
+    )
 
 
-def figures(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float = 1.0,
-            t_b: float = 2.0) -> dict:
-    """Everything the calculator shows: formula and simulated bubble, step times, activations held."""
+def figures(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    virtual: int = 1,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+) -> dict:
+    """Everything the calculator shows: formula and simulated bubble, step times, activations
+    held."""
     t_b = 0.0 if schedule == "naive" else t_b  # inference: forwards only
     sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b)
-    held = [in_flight_microbatches(schedule, stages, microbatches, s, virtual) for s in range(stages)]
-    return {"schedule": schedule, "stages": stages, "microbatches": microbatches, "virtual": virtual,
-            "t_forward": t_f, "t_backward": t_b,
-            "bubble_fraction": bubble_fraction(schedule, stages, microbatches, virtual),
-            "bubble_over_ideal": bubble_over_ideal(schedule, stages, microbatches, virtual),
-            "simulated_bubble_fraction": sim["bubble_fraction"],
-            "step_time": step_time(schedule, stages, microbatches, t_f, t_b, virtual),
-            "simulated_step_time": sim["makespan"],
-            "in_flight_microbatches": held,
-            # activations held, in units of one micro-batch's activations on one whole stage
-            "activation_microbatches_per_stage": [h / virtual for h in held],
-            # the rule of thumb: at least 4 micro-batches per stage keeps the bubble small
-            "rule_microbatches": 4 * stages,
-            "rule_bubble_fraction": None if schedule == "naive" else bubble_fraction(
-                schedule, stages, max(microbatches, 4 * stages), virtual)}
+    held = [
+        in_flight_microbatches(schedule, stages, microbatches, s, virtual) for s in range(stages)
+    ]
+    return {
+        "schedule": schedule,
+        "stages": stages,
+        "microbatches": microbatches,
+        "virtual": virtual,
+        "t_forward": t_f,
+        "t_backward": t_b,
+        "bubble_fraction": bubble_fraction(schedule, stages, microbatches, virtual),
+        "bubble_over_ideal": bubble_over_ideal(schedule, stages, microbatches, virtual),
+        "simulated_bubble_fraction": sim["bubble_fraction"],
+        "step_time": step_time(schedule, stages, microbatches, t_f, t_b, virtual),
+        "simulated_step_time": sim["makespan"],
+        "in_flight_microbatches": held,
+        # activations held, in units of one micro-batch's activations on one whole stage
+        "activation_microbatches_per_stage": [h / virtual for h in held],
+        # the rule of thumb: at least 4 micro-batches per stage keeps the bubble small
+        "rule_microbatches": 4 * stages,
+        "rule_bubble_fraction": None
+        if schedule == "naive"
+        else bubble_fraction(schedule, stages, max(microbatches, 4 * stages), virtual),
+    }
 
 
 def cli(args) -> dict:
-    return figures(args.schedule, args.stages, args.microbatches, args.virtual, args.t_forward, args.t_backward)
+    return figures(
+        args.schedule, args.stages, args.microbatches, args.virtual, args.t_forward, args.t_backward
+    )
 
 
 def format_result(r: dict) -> str:
     v = f", V={r['virtual']}" if r["schedule"] == "interleaved" else ""
-    return "\n".join([
-        f"{r['schedule']}: P={r['stages']}, M={r['microbatches']}{v}, t_f={r['t_forward']:g}, t_b={r['t_backward']:g}",
-        f"bubble fraction     {r['bubble_fraction']:.4f}  (idle share of the step; simulated "
-        f"{r['simulated_bubble_fraction']:.4f})",
-        f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
-        f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
-        f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
-    ] + ([] if r["rule_bubble_fraction"] is None else [
-        f"rule of thumb       M >= 4P = {r['rule_microbatches']} micro-batches: bubble fraction "
-        f"{r['rule_bubble_fraction']:.4f}"]))
+    return "\n".join(
+        [
+            f"{r['schedule']}: P={r['stages']}, M={r['microbatches']}{v}, t_f={r['t_forward']:g}, t_b={r['t_backward']:g}",
+            f"bubble fraction     {r['bubble_fraction']:.4f}  (idle share of the step; simulated "
+            f"{r['simulated_bubble_fraction']:.4f})",
+            f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
+            f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
+            f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
+        ]
+        + (
+            []
+            if r["rule_bubble_fraction"] is None
+            else [
+                f"rule of thumb       M >= 4P = {r['rule_microbatches']} micro-batches: bubble fraction "
+                f"{r['rule_bubble_fraction']:.4f}"
+            ]
+        )
+    )

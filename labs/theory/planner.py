@@ -1,8 +1,10 @@
-"""The parallelism planner (notebook 08): which DP x TP x PP x CP layout to train a model with. Pure Python.
+"""The parallelism planner (notebook 08): which DP x TP x PP x CP layout to train a model with. Pure
+Python.
 
     plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)   # dp 4, tp 8, pp 4, cp 4
     scaling(preset("llama3-70b"), [128, 512, 2048], seq=32768, gpus_per_node=8, gpu_mem_gib=80)
-    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 --gpu-mem 80 --json
+    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8
+    --gpu-mem 80 --json
 
 (The CLI and the readable summaries are in ``labs.theory.plan_report``, reachable from here.)
 
@@ -62,8 +64,15 @@ from labs.theory.flops import flops_per_token, mfu
 from labs.theory.memory import GIB, PRECISIONS, ModelSpec, memory_per_rank, param_count
 from labs.theory.pipeline import bubble_fraction, step_time
 
-ASSUMPTIONS = dict(mbs=1, precision="bf16-mixed", optimizer="adamw", recompute="none", schedule="1f1b",
-                   headroom=0.10, efficiency=0.60)
+ASSUMPTIONS = dict(
+    mbs=1,
+    precision="bf16-mixed",
+    optimizer="adamw",
+    recompute="none",
+    schedule="1f1b",
+    headroom=0.10,
+    efficiency=0.60,
+)
 TOKENS_PER_BATCH = 1 << 22  # default global batch: about 4M tokens
 
 
@@ -71,6 +80,7 @@ TOKENS_PER_BATCH = 1 << 22  # default global batch: about 4M tokens
 class Cluster:
     """G GPUs in nodes of K, each with ``gpu_mem_gib`` GiB and ``peak_tflops``; bandwidths are
     GB/s (10^9 bytes/s) per GPU in one direction, inside a node and between nodes."""
+
     gpus: int
     gpus_per_node: int
     gpu_mem_gib: float
@@ -85,8 +95,10 @@ class Cluster:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(f"gpus={self.gpus} is not a whole number of nodes of gpus_per_node="
-                             f"{self.gpus_per_node}; use a multiple of {self.gpus_per_node}")
+            raise ValueError(
+                f"gpus={self.gpus} is not a whole number of nodes of gpus_per_node="
+                f"{self.gpus_per_node}; use a multiple of {self.gpus_per_node}"
+            )
 
     @property
     def node(self) -> int:
@@ -94,13 +106,26 @@ class Cluster:
         return min(self.gpus, self.gpus_per_node)
 
 
-def comm_per_step(spec: ModelSpec, layout: dict, *, seq: int, mbs: int, microbatches: int, params: int,
-                  layers: int, precision: str = "bf16-mixed", recompute: str = "none") -> dict[str, float]:
-    """Bytes one GPU sends per step along each axis of ``layout`` (dp, tp, pp, cp, zero): see the docstring."""
+def comm_per_step(
+    spec: ModelSpec,
+    layout: dict,
+    *,
+    seq: int,
+    mbs: int,
+    microbatches: int,
+    params: int,
+    layers: int,
+    precision: str = "bf16-mixed",
+    recompute: str = "none",
+) -> dict[str, float]:
+    """Bytes one GPU sends per step along each axis of ``layout`` (dp, tp, pp, cp, zero): see the
+    docstring."""
     dp, tp, pp, cp, zero = (layout[k] for k in ("dp", "tp", "pp", "cp", "zero"))
     e, m, full = PRECISIONS[precision]["param"], microbatches, recompute == "full"
-    act = mbs * (seq // cp) * spec.hidden * e                   # K_a: [mbs, T/cp, H]
-    kv = 2 * mbs * seq * (spec.kv_heads // tp) * spec.hd * e    # K and V of the whole sequence: [mbs, T, nkv/tp, hd]
+    act = mbs * (seq // cp) * spec.hidden * e  # K_a: [mbs, T/cp, H]
+    kv = (
+        2 * mbs * seq * (spec.kv_heads // tp) * spec.hd * e
+    )  # K and V of the whole sequence: [mbs, T, nkv/tp, hd]
     n, grads, weights = dp * cp, params * PRECISIONS[precision]["grad"], params * e
     if zero == 0:
         data = all_reduce_bytes(grads, n)
@@ -108,10 +133,12 @@ def comm_per_step(spec: ModelSpec, layout: dict, *, seq: int, mbs: int, microbat
         data = reduce_scatter_bytes(grads, n) + all_gather_bytes(weights, n)
     else:
         data = m * (2 * all_gather_bytes(weights, n) + reduce_scatter_bytes(grads, n))
-    return {"dp": data,
-            "tp": (4 + 2 * full) * layers * m * all_reduce_bytes(act, tp),
-            "pp": 0.0 if pp == 1 else (1 if pp == 2 else 2) * m * act / tp,
-            "cp": (3 + full) * layers * m * all_gather_bytes(kv, cp)}
+    return {
+        "dp": data,
+        "tp": (4 + 2 * full) * layers * m * all_reduce_bytes(act, tp),
+        "pp": 0.0 if pp == 1 else (1 if pp == 2 else 2) * m * act / tp,
+        "cp": (3 + full) * layers * m * all_gather_bytes(kv, cp),
+    }
 
 
 def _spans(layout: dict) -> dict[str, int]:
@@ -120,9 +147,21 @@ def _spans(layout: dict) -> dict[str, int]:
     return {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": tp * cp * pp * dp}
 
 
-def evaluate(spec: ModelSpec, layout: dict, *, seq: int, global_batch: int, cluster: Cluster, mbs: int = 1,
-             precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
-             schedule: str = "1f1b", headroom: float = 0.10, efficiency: float = 0.60) -> dict:
+def evaluate(
+    spec: ModelSpec,
+    layout: dict,
+    *,
+    seq: int,
+    global_batch: int,
+    cluster: Cluster,
+    mbs: int = 1,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    recompute: str = "none",
+    schedule: str = "1f1b",
+    headroom: float = 0.10,
+    efficiency: float = 0.60,
+) -> dict:
     """Every figure of one layout (dp, tp, pp, cp, zero): memory per GPU, whether it fits the budget
     (GPU memory less ``headroom``), whether a model replica fits without DP sharding
     (``replica_fits``), bytes and seconds of communication per axis, bubble, step time, MFU.
@@ -130,47 +169,99 @@ def evaluate(spec: ModelSpec, layout: dict, *, seq: int, global_batch: int, clus
     dp, tp, pp, cp, zero = (layout[k] for k in ("dp", "tp", "pp", "cp", "zero"))
     ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=cluster.gpus)
     if tp > cluster.node or cluster.node % tp:
-        raise ValueError(f"tp={tp} does not fit in a node of gpus_per_node={cluster.gpus_per_node}: a TP group "
-                         f"must sit inside one node; use tp in {{{','.join(map(str, divisors(cluster.node)))}}}")
+        raise ValueError(
+            f"tp={tp} does not fit in a node of gpus_per_node={cluster.gpus_per_node}: a TP group "
+            f"must sit inside one node; use tp in {{{','.join(map(str, divisors(cluster.node)))}}}"
+        )
     if global_batch % (dp * mbs):
-        raise ValueError(f"global_batch={global_batch} sequences do not split over dp={dp} ranks of mbs={mbs}; "
-                         f"use a global batch that is a multiple of dp*mbs={dp * mbs}")
+        raise ValueError(
+            f"global_batch={global_batch} sequences do not split over dp={dp} ranks of mbs={mbs}; "
+            f"use a global batch that is a multiple of dp*mbs={dp * mbs}"
+        )
     m = global_batch // (dp * mbs)
-    run = dict(seq=seq, mbs=mbs, precision=precision, optimizer=optimizer, tp=tp, sp=tp > 1, pp=pp, cp=cp,
-               recompute=recompute, microbatches=m, schedule=schedule)
+    run = dict(
+        seq=seq,
+        mbs=mbs,
+        precision=precision,
+        optimizer=optimizer,
+        tp=tp,
+        sp=tp > 1,
+        pp=pp,
+        cp=cp,
+        recompute=recompute,
+        microbatches=m,
+        schedule=schedule,
+    )
     mem = memory_per_rank(spec, zero=zero, dp=dp * cp if zero else 1, **run)
     replica = mem if zero == 0 else memory_per_rank(spec, **run)
     budget = cluster.gpu_mem_gib * GIB * (1 - headroom)
-    comm = comm_per_step(spec, layout, seq=seq, mbs=mbs, microbatches=m, params=mem["params"], layers=mem["layers"],
-                         precision=precision, recompute=recompute)
-    seconds = {axis: comm[axis] / ((cluster.intra_gbps if span <= cluster.node else cluster.inter_gbps) * 1e9)
-               for axis, span in _spans(layout).items()}
+    comm = comm_per_step(
+        spec,
+        layout,
+        seq=seq,
+        mbs=mbs,
+        microbatches=m,
+        params=mem["params"],
+        layers=mem["layers"],
+        precision=precision,
+        recompute=recompute,
+    )
+    seconds = {
+        axis: comm[axis]
+        / ((cluster.intra_gbps if span <= cluster.node else cluster.inter_gbps) * 1e9)
+        for axis, span in _spans(layout).items()
+    }
     tokens = global_batch * seq
     model_flops = flops_per_token(spec, seq=seq) * tokens
-    compute = flops_per_token(spec, seq=seq, recompute=recompute) * tokens / (
-        cluster.gpus * cluster.peak_tflops * 1e12 * efficiency)
+    compute = (
+        flops_per_token(spec, seq=seq, recompute=recompute)
+        * tokens
+        / (cluster.gpus * cluster.peak_tflops * 1e12 * efficiency)
+    )
     sched = schedule if pp > 1 else "1f1b"
     piped = step_time(sched, pp, m, t_f=compute / (3 * m), t_b=2 * compute / (3 * m))
     exposed = seconds["tp"] + seconds["pp"] + max(0.0, seconds["dp"] + seconds["cp"] - compute)
     total = piped + exposed
-    return {"layout": dict(layout), "microbatches": m, "memory": mem, "budget_bytes": budget,
-            "fits": mem["total_bytes"] <= budget, "replica_bytes": replica["total_bytes"],
-            "replica_fits": replica["total_bytes"] <= budget, "comm_bytes": comm, "comm_seconds": seconds,
-            "intra_node": {axis: span <= cluster.node for axis, span in _spans(layout).items()},
-            "bubble": bubble_fraction(sched, pp, m), "compute_s": compute, "bubble_s": piped - compute,
-            "exposed_comm_s": exposed, "step_time_s": total,
-            "tokens_per_s": tokens / total, "scaling_efficiency": compute / total,
-            "mfu": mfu(model_flops, step_time_s=total, peak_flops=cluster.peak_tflops * 1e12, n_gpus=cluster.gpus)}
+    return {
+        "layout": dict(layout),
+        "microbatches": m,
+        "memory": mem,
+        "budget_bytes": budget,
+        "fits": mem["total_bytes"] <= budget,
+        "replica_bytes": replica["total_bytes"],
+        "replica_fits": replica["total_bytes"] <= budget,
+        "comm_bytes": comm,
+        "comm_seconds": seconds,
+        "intra_node": {axis: span <= cluster.node for axis, span in _spans(layout).items()},
+        "bubble": bubble_fraction(sched, pp, m),
+        "compute_s": compute,
+        "bubble_s": piped - compute,
+        "exposed_comm_s": exposed,
+        "step_time_s": total,
+        "tokens_per_s": tokens / total,
+        "scaling_efficiency": compute / total,
+        "mfu": mfu(
+            model_flops,
+            step_time_s=total,
+            peak_flops=cluster.peak_tflops * 1e12,
+            n_gpus=cluster.gpus,
+        ),
+    }
 
 
 def _layout(dp: int, tp: int, pp: int, cp: int) -> dict:
-    """A layout with the ZeRO stage the rule pairs with it: FSDP (3) without PP, ZeRO-1 with PP, 0 alone."""
+    """A layout with the ZeRO stage the rule pairs with it: FSDP (3) without PP, ZeRO-1 with PP, 0
+    alone."""
     zero = 0 if dp * cp == 1 else (3 if pp == 1 else 1)
     return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero}
 
 
 def _name(layout: dict) -> str:
-    parts = [f"{axis.upper()}={layout[axis]}" for axis in ("dp", "tp", "pp", "cp") if layout[axis] > 1 or axis == "dp"]
+    parts = [
+        f"{axis.upper()}={layout[axis]}"
+        for axis in ("dp", "tp", "pp", "cp")
+        if layout[axis] > 1 or axis == "dp"
+    ]
     return " ".join(parts) + f" (ZeRO-{layout['zero']})"
 
 
@@ -185,21 +276,34 @@ def _try(spec, layout, **kw) -> tuple[dict | None, str | None]:
         return None, str(e)
 
 
-def plan(spec: ModelSpec, *, seq: int, gpus: int, gpus_per_node: int, gpu_mem_gib: float,
-         global_batch: int | None = None, peak_tflops: float = 989.0, intra_gbps: float = 450.0,
-         inter_gbps: float = 50.0, **assumptions) -> dict:
+def plan(
+    spec: ModelSpec,
+    *,
+    seq: int,
+    gpus: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    global_batch: int | None = None,
+    peak_tflops: float = 989.0,
+    intra_gbps: float = 450.0,
+    inter_gbps: float = 50.0,
+    **assumptions,
+) -> dict:
     """The layout the rule proposes (see the module docstring): ``evaluate``'s figures for it, plus
     ``dp``, ``tp``, ``pp``, ``cp``, ``zero``, ``global_batch``, ``rule`` (what each step decided, in
     words), ``rejected`` (layouts passed over, each with its figures or error and the reason),
-    ``warnings`` and ``assumptions``. Raises ValueError when no layout fits, saying what to change."""
+    ``warnings`` and ``assumptions``. Raises ValueError when no layout fits, saying what to
+    change."""
     unknown = sorted(set(assumptions) - set(ASSUMPTIONS))
     if unknown:
         raise ValueError(f"unknown assumption(s) {unknown}; choose from {tuple(ASSUMPTIONS)}")
     a = {**ASSUMPTIONS, **assumptions}
     check_positive(seq=seq, mbs=a["mbs"])
     if not 0 <= a["headroom"] < 1 or not 0 < a["efficiency"] <= 1:
-        raise ValueError(f"headroom must be in [0, 1) and efficiency in (0, 1], got headroom={a['headroom']!r}, "
-                         f"efficiency={a['efficiency']!r}")
+        raise ValueError(
+            f"headroom must be in [0, 1) and efficiency in (0, 1], got headroom={a['headroom']!r}, "
+            f"efficiency={a['efficiency']!r}"
+        )
     cluster = Cluster(gpus, gpus_per_node, gpu_mem_gib, peak_tflops, intra_gbps, inter_gbps)
     batch = global_batch if global_batch is not None else max(1, TOKENS_PER_BATCH // seq)
     check_positive(global_batch=batch)
@@ -208,7 +312,15 @@ def plan(spec: ModelSpec, *, seq: int, gpus: int, gpus_per_node: int, gpu_mem_gi
     rule, rejected = [], []
 
     def reject(layout, result, error, reason):
-        rejected.append({"layout": layout, "name": _name(layout), "result": result, "error": error, "reason": reason})
+        rejected.append(
+            {
+                "layout": layout,
+                "name": _name(layout),
+                "result": result,
+                "error": error,
+                "reason": reason,
+            }
+        )
 
     # 1-2. FSDP over every GPU, then FSDP + TP inside a node, smallest tp first.
     chosen = None
@@ -218,31 +330,46 @@ def plan(spec: ModelSpec, *, seq: int, gpus: int, gpus_per_node: int, gpu_mem_gi
         label = "FSDP" + (f" + TP={tp}" if tp > 1 else "")
         if result is not None and result["fits"]:
             chosen = result
-            rule.append(f"{label}: fits, {_gib(result['memory']['total_bytes'])} per GPU of a {_gib(budget)} budget")
+            rule.append(
+                f"{label}: fits, {_gib(result['memory']['total_bytes'])} per GPU of a {_gib(budget)} budget"
+            )
             break
-        why = error or f"needs {_gib(result['memory']['total_bytes'])} per GPU > {_gib(budget)} budget"
+        why = (
+            error
+            or f"needs {_gib(result['memory']['total_bytes'])} per GPU > {_gib(budget)} budget"
+        )
         reject(layout, result, error, why)
         rule.append(f"{label}: {why}")
 
-    # 3-4. The smallest replica (tp x pp x cp GPUs) that holds the model, PP for its state, CP for its
+    # 3-4. The smallest replica (tp x pp x cp GPUs) that holds the model, PP for its state, CP for
+    # its
     # sequence; the fastest of equal size. Computed even when FSDP fits, to show what it would cost.
     best, tried = _smallest_replica(spec, cluster, kw)
     if chosen is None and best is None:
         needs = [r["replica_bytes"] for _, r, _ in tried if r is not None]
         need = f"; the smallest replica needs {_gib(min(needs))} per GPU" if needs else ""
-        raise ValueError(f"no layout of gpus={gpus} fits the model at seq={seq} in {_gib(budget)} per GPU{need}; "
-                         f"use recompute='full', more GPUs, GPUs with more memory or a shorter sequence")
+        raise ValueError(
+            f"no layout of gpus={gpus} fits the model at seq={seq} in {_gib(budget)} per GPU{need}; "
+            f"use recompute='full', more GPUs, GPUs with more memory or a shorter sequence"
+        )
     if chosen is not None:
         if best is not None:
-            reject(best["layout"], best, None, "FSDP already fits; the rule adds PP and CP only when it does not "
-                                               f"(estimated step {best['step_time_s']:.3g} s vs "
-                                               f"{chosen['step_time_s']:.3g} s)")
+            reject(
+                best["layout"],
+                best,
+                None,
+                "FSDP already fits; the rule adds PP and CP only when it does not "
+                f"(estimated step {best['step_time_s']:.3g} s vs "
+                f"{chosen['step_time_s']:.3g} s)",
+            )
     else:
         chosen = best
         t = best["layout"]
-        rule.append(f"PP/CP: the smallest replica that holds the model is TP={t['tp']} x PP={t['pp']} x CP={t['cp']} "
-                    f"({_size(t)} GPUs, {_gib(best['replica_bytes'])} per GPU without DP sharding); "
-                    f"DP={t['dp']} replicas of it")
+        rule.append(
+            f"PP/CP: the smallest replica that holds the model is TP={t['tp']} x PP={t['pp']} x CP={t['cp']} "
+            f"({_size(t)} GPUs, {_gib(best['replica_bytes'])} per GPU without DP sharding); "
+            f"DP={t['dp']} replicas of it"
+        )
         for layout, result, error in tried:  # the alternatives one axis away from the plan
             if sum(layout[k] != t[k] for k in ("tp", "pp", "cp")) == 1:
                 reject(layout, result, error, error or _why_not(result, best, budget))
@@ -253,16 +380,26 @@ def _smallest_replica(spec, cluster, kw) -> tuple[dict | None, list]:
     """Search replicas by size (tp·pp·cp with pp·cp > 1): the fastest of the smallest that fit, and
     every other layout tried (up to 4x that size) as (layout, result or None, error or None)."""
     G, node = cluster.gpus, cluster.node
-    triples = sorted((tp * pp * cp, tp, pp, cp) for tp in divisors(node) for pp in divisors(G // tp)
-                     if pp <= spec.n_layers for cp in divisors(G // (tp * pp)) if pp * cp > 1)
+    triples = sorted(
+        (tp * pp * cp, tp, pp, cp)
+        for tp in divisors(node)
+        for pp in divisors(G // tp)
+        if pp <= spec.n_layers
+        for cp in divisors(G // (tp * pp))
+        if pp * cp > 1
+    )
     fitting, tried = [], []
     for size, tp, pp, cp in triples:
         if fitting and size > 4 * _size(fitting[0]["layout"]):
             break
         layout = _layout(G // size, tp, pp, cp)
         result, error = _try(spec, layout, **kw)
-        if result is not None and result["replica_fits"] and result["fits"] and (
-                not fitting or size == _size(fitting[0]["layout"])):
+        if (
+            result is not None
+            and result["replica_fits"]
+            and result["fits"]
+            and (not fitting or size == _size(fitting[0]["layout"]))
+        ):
             fitting.append(result)
         else:
             tried.append((layout, result, error))
@@ -282,51 +419,106 @@ def _why_not(result: dict, best: dict, budget: float) -> str:
     if not result["replica_fits"]:
         why = f"a replica needs {_gib(result['replica_bytes'])} per GPU > {_gib(budget)}"
         if result["fits"]:
-            why += (f"; it fits only by sharding over DP x CP = {layout['dp'] * layout['cp']} ranks "
-                    f"({_gib(result['memory']['total_bytes'])}, ZeRO-{layout['zero']})")
+            why += (
+                f"; it fits only by sharding over DP x CP = {layout['dp'] * layout['cp']} ranks "
+                f"({_gib(result['memory']['total_bytes'])}, ZeRO-{layout['zero']})"
+            )
         return why
     if _size(layout) > _size(best["layout"]):
-        return (f"fits, but a replica of {_size(layout)} GPUs leaves DP={layout['dp']} "
-                f"(the plan's replica has {_size(best['layout'])})")
-    return (f"fits with a replica of the same size, but its step is slower "
-            f"({result['step_time_s']:.3g} s vs {best['step_time_s']:.3g} s)")
+        return (
+            f"fits, but a replica of {_size(layout)} GPUs leaves DP={layout['dp']} "
+            f"(the plan's replica has {_size(best['layout'])})"
+        )
+    return (
+        f"fits with a replica of the same size, but its step is slower "
+        f"({result['step_time_s']:.3g} s vs {best['step_time_s']:.3g} s)"
+    )
 
 
 def _finish(spec, result, rule, rejected, assumptions, batch, cluster) -> dict:
-    out = {**result["layout"], **result, "sp": result["layout"]["tp"] > 1, "world_size": cluster.gpus,
-           "global_batch": batch, "total_params": param_count(spec), "rule": rule, "rejected": rejected,
-           "assumptions": assumptions, "cluster": dataclasses.asdict(cluster)}
+    out = {
+        **result["layout"],
+        **result,
+        "sp": result["layout"]["tp"] > 1,
+        "world_size": cluster.gpus,
+        "global_batch": batch,
+        "total_params": param_count(spec),
+        "rule": rule,
+        "rejected": rejected,
+        "assumptions": assumptions,
+        "cluster": dataclasses.asdict(cluster),
+    }
     warnings, step = [], result["step_time_s"]
     for axis, seconds in result["comm_seconds"].items():
         if seconds > 0.2 * step:
             link = "inside a node" if result["intra_node"][axis] else "between nodes"
-            warnings.append(f"{axis} traffic takes {seconds:.3g} s of a {step:.3g} s step ({link}); a larger "
-                            f"micro-batch (fewer, larger messages per byte of compute) or fewer ranks on it would help")
+            warnings.append(
+                f"{axis} traffic takes {seconds:.3g} s of a {step:.3g} s step ({link}); a larger "
+                f"micro-batch (fewer, larger messages per byte of compute) or fewer ranks on it would help"
+            )
     if result["bubble"] > 0.2:
-        warnings.append(f"the pipeline bubble is {result['bubble']:.0%} of the step; more micro-batches per step "
-                        f"(a larger global batch) or an interleaved schedule shrink it")
+        warnings.append(
+            f"the pipeline bubble is {result['bubble']:.0%} of the step; more micro-batches per step "
+            f"(a larger global batch) or an interleaved schedule shrink it"
+        )
     out["warnings"] = warnings
     return out
 
 
-def scaling(spec: ModelSpec, gpu_counts, *, seq: int, gpus_per_node: int, gpu_mem_gib: float,
-            global_batch: int | None = None, **kw) -> list[dict]:
-    """The plan at each of ``gpu_counts`` for the same model and global batch: where the time goes as
-    the machine grows. Each row: ``gpus``, the degrees, ``step_time_s``, ``tokens_per_s_per_gpu``,
-    ``scaling_efficiency`` (compute / step) and ``vs_first`` (throughput per GPU relative to the first
-    count's), the seconds of ``bubble_s`` and exposed communication, or ``error`` when nothing fits."""
+def scaling(
+    spec: ModelSpec,
+    gpu_counts,
+    *,
+    seq: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    global_batch: int | None = None,
+    **kw,
+) -> list[dict]:
+    """The plan at each of ``gpu_counts`` for the same model and global batch: where the time goes
+    as the machine grows. Each row: ``gpus``, the degrees, ``step_time_s``,
+    ``tokens_per_s_per_gpu``, ``scaling_efficiency`` (compute / step) and ``vs_first`` (throughput
+    per GPU relative to the first count's), the seconds of ``bubble_s`` and exposed communication,
+    or ``error`` when nothing fits."""
     rows = []
     for gpus in gpu_counts:
         try:
-            p = plan(spec, seq=seq, gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
-                     global_batch=global_batch, **kw)
+            p = plan(
+                spec,
+                seq=seq,
+                gpus=gpus,
+                gpus_per_node=gpus_per_node,
+                gpu_mem_gib=gpu_mem_gib,
+                global_batch=global_batch,
+                **kw,
+            )
         except ValueError as e:
             rows.append({"gpus": gpus, "error": str(e)})
             continue
-        rows.append({"gpus": gpus, **{k: p[k] for k in ("dp", "tp", "pp", "cp", "zero", "microbatches", "compute_s",
-                                                         "bubble_s", "exposed_comm_s", "step_time_s",
-                                                         "scaling_efficiency", "mfu")},
-                     "exposed_by_axis": _exposed_by_axis(p), "tokens_per_s_per_gpu": p["tokens_per_s"] / gpus})
+        rows.append(
+            {
+                "gpus": gpus,
+                **{
+                    k: p[k]
+                    for k in (
+                        "dp",
+                        "tp",
+                        "pp",
+                        "cp",
+                        "zero",
+                        "microbatches",
+                        "compute_s",
+                        "bubble_s",
+                        "exposed_comm_s",
+                        "step_time_s",
+                        "scaling_efficiency",
+                        "mfu",
+                    )
+                },
+                "exposed_by_axis": _exposed_by_axis(p),
+                "tokens_per_s_per_gpu": p["tokens_per_s"] / gpus,
+            }
+        )
     base = next((r["tokens_per_s_per_gpu"] for r in rows if "error" not in r), None)
     for r in rows:
         if "error" not in r:
@@ -335,7 +527,8 @@ def scaling(spec: ModelSpec, gpu_counts, *, seq: int, gpus_per_node: int, gpu_me
 
 
 def _exposed_by_axis(p: dict) -> dict[str, float]:
-    """The exposed seconds split by axis: TP and PP entirely, DP and CP in proportion to their excess."""
+    """The exposed seconds split by axis: TP and PP entirely, DP and CP in proportion to their
+    excess."""
     sec = p["comm_seconds"]
     hidden = sec["dp"] + sec["cp"]
     excess = max(0.0, hidden - p["compute_s"])

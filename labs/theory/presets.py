@@ -14,15 +14,36 @@ from labs.theory.memory import ModelSpec, param_count
 
 PRESETS: dict[str, ModelSpec] = {
     # the course model: labs.models.transformer.ModelConfig() with its defaults
-    "tiny": ModelSpec(vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128),
-    "gpt2-small": ModelSpec(arch="gpt", vocab_size=50257, hidden=768, n_layers=12, n_heads=12,
-                            tied_embeddings=True, max_positions=1024),
-    "llama3.2-1b": ModelSpec(vocab_size=128256, hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                             ffn_hidden=8192, tied_embeddings=True),
-    "llama3-8b": ModelSpec(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
-    "llama3-70b": ModelSpec(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672),
-    "llama3-405b": ModelSpec(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                             ffn_hidden=53248),
+    "tiny": ModelSpec(
+        vocab_size=256, hidden=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128
+    ),
+    "gpt2-small": ModelSpec(
+        arch="gpt",
+        vocab_size=50257,
+        hidden=768,
+        n_layers=12,
+        n_heads=12,
+        tied_embeddings=True,
+        max_positions=1024,
+    ),
+    "llama3.2-1b": ModelSpec(
+        vocab_size=128256,
+        hidden=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        tied_embeddings=True,
+    ),
+    "llama3-8b": ModelSpec(
+        vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336
+    ),
+    "llama3-70b": ModelSpec(
+        vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672
+    ),
+    "llama3-405b": ModelSpec(
+        vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248
+    ),
 }
 
 # name -> (memory in GiB as nvidia-smi reports it, dense bf16 peak TFLOP/s)
@@ -44,9 +65,13 @@ def preset(name: str) -> ModelSpec:
 
 def preset_table() -> str:
     """The presets' dimensions and exact parameter counts, one per line."""
-    lines = [f"{'preset':<13}{'arch':<6}{'layers':>7}{'hidden':>7}{'heads':>6}{'kv':>4}{'ffn':>7}{'vocab':>8}"
-             f"{'tied':>6}{'parameters':>17}"]
+    lines = [
+        f"{'preset':<13}{'arch':<6}{'layers':>7}{'hidden':>7}{'heads':>6}{'kv':>4}{'ffn':>7}{'vocab':>8}"
+        f"{'tied':>6}{'parameters':>17}"
+    ]
     for name, s in PRESETS.items():
-        lines.append(f"{name:<13}{s.arch:<6}{s.n_layers:>7}{s.hidden:>7}{s.n_heads:>6}{s.kv_heads:>4}{s.ffn:>7}"
-                     f"{s.vocab_size:>8}{'yes' if s.tied_embeddings else 'no':>6}{param_count(s):>17,}")
+        lines.append(
+            f"{name:<13}{s.arch:<6}{s.n_layers:>7}{s.hidden:>7}{s.n_heads:>6}{s.kv_heads:>4}{s.ffn:>7}"
+            f"{s.vocab_size:>8}{'yes' if s.tied_embeddings else 'no':>6}{param_count(s):>17,}"
+        )
     return "\n".join(lines)

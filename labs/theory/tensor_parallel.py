@@ -14,7 +14,8 @@ V vocabulary, L layers, N = tp, e bytes per element of the model's dtype, K = B�
 Ring volumes come from ``labs.theory.comm``: an all-reduce sends 2(N-1)/N·K per rank, an
 all-gather or a reduce-scatter (N-1)/N·K, K being the full tensor.
 
-Per block (Megatron-LM, Shoeybi et al. 2019, §3; sequence parallelism, Korthikanti et al. 2022, §4.2.2):
+Per block (Megatron-LM, Shoeybi et al. 2019, §3; sequence parallelism, Korthikanti et al. 2022,
+§4.2.2):
 
     without SP   forward  all-reduce after o_proj and after down_proj (g):        2 x all-reduce(K)
                  backward all-reduce of the attention and MLP input gradients (f): 2 x all-reduce(K)
@@ -49,50 +50,104 @@ COURSE_MODEL = PRESETS["tiny"]  # labs.models.transformer.ModelConfig()'s dimens
 LINKS = {"NVLink 4 (H100 SXM, in a node)": 450.0, "InfiniBand NDR 400 Gb/s (between nodes)": 50.0}
 
 
-def check(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: int = 1, dtype_bytes: int = 4) -> None:
-    """ValueError unless the course's TP applies: a Llama-style spec, tp dividing heads, kv heads, hidden,
-    F and vocabulary, and with SP the sequence."""
+def check(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    sp: bool = False,
+    batch: int = 1,
+    seq: int = 1,
+    dtype_bytes: int = 4,
+) -> None:
+    """ValueError unless the course's TP applies: a Llama-style spec, tp dividing heads, kv heads,
+    hidden, F and vocabulary, and with SP the sequence."""
     if spec.arch != "llama":
-        raise ValueError(f"spec.arch={spec.arch!r}: the tensor-parallel lab models the course's Llama; "
-                         "use arch='llama'")
+        raise ValueError(
+            f"spec.arch={spec.arch!r}: the tensor-parallel lab models the course's Llama; "
+            "use arch='llama'"
+        )
     check_positive(tp=tp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-    ParallelDims(tp=tp).check_model(n_head=spec.n_heads, n_kv_head=spec.kv_heads, n_embd=spec.hidden,
-                                    ffn_hidden=spec.ffn, vocab_size=spec.vocab_size)
+    ParallelDims(tp=tp).check_model(
+        n_head=spec.n_heads,
+        n_kv_head=spec.kv_heads,
+        n_embd=spec.hidden,
+        ffn_hidden=spec.ffn,
+        vocab_size=spec.vocab_size,
+    )
     if sp:
         check_divides(seq, "seq", tp, "tp")
 
 
 def weight_shards(spec: ModelSpec, *, tp: int) -> list[dict]:
-    """The weights of one block, of the embedding and of the head: full shape (as ``nn.Linear.weight``,
-    [out, in]), how they split (``column``: dim 0, ``row``: dim 1, ``vocab``: dim 0, ``replicated``) and
-    each rank's shape."""
+    """The weights of one block, of the embedding and of the head: full shape (as
+    ``nn.Linear.weight``, [out, in]), how they split (``column``: dim 0, ``row``: dim 1, ``vocab``:
+    dim 0, ``replicated``) and each rank's shape."""
     check(spec, tp=tp)
-    h, q, kv, F, V = spec.hidden, spec.n_heads * spec.hd, spec.kv_heads * spec.hd, spec.ffn, spec.vocab_size
-    rows = [("tok_emb", (V, h), "vocab"), ("attn_norm", (h,), "replicated"), ("attn.q_proj", (q, h), "column"),
-            ("attn.k_proj", (kv, h), "column"), ("attn.v_proj", (kv, h), "column"), ("attn.o_proj", (h, q), "row"),
-            ("mlp_norm", (h,), "replicated"), ("mlp.gate_proj", (F, h), "column"), ("mlp.up_proj", (F, h), "column"),
-            ("mlp.down_proj", (h, F), "row"), ("norm", (h,), "replicated"), ("lm_head", (V, h), "column")]
+    h, q, kv, F, V = (
+        spec.hidden,
+        spec.n_heads * spec.hd,
+        spec.kv_heads * spec.hd,
+        spec.ffn,
+        spec.vocab_size,
+    )
+    rows = [
+        ("tok_emb", (V, h), "vocab"),
+        ("attn_norm", (h,), "replicated"),
+        ("attn.q_proj", (q, h), "column"),
+        ("attn.k_proj", (kv, h), "column"),
+        ("attn.v_proj", (kv, h), "column"),
+        ("attn.o_proj", (h, q), "row"),
+        ("mlp_norm", (h,), "replicated"),
+        ("mlp.gate_proj", (F, h), "column"),
+        ("mlp.up_proj", (F, h), "column"),
+        ("mlp.down_proj", (h, F), "row"),
+        ("norm", (h,), "replicated"),
+        ("lm_head", (V, h), "column"),
+    ]
     out = []
     for name, shape, split in rows:
         dim = {"column": 0, "vocab": 0, "row": 1}.get(split)
         rank_shape = tuple(n // tp if i == dim else n for i, n in enumerate(shape))
-        out.append({"name": name, "shape": shape, "split": split, "dim": dim, "rank_shape": rank_shape,
-                    "in_block": name not in ("tok_emb", "norm", "lm_head")})
+        out.append(
+            {
+                "name": name,
+                "shape": shape,
+                "split": split,
+                "dim": dim,
+                "rank_shape": rank_shape,
+                "in_block": name not in ("tok_emb", "norm", "lm_head"),
+            }
+        )
     return out
 
 
 def _collective(name, op_pair, k, tp, where):
     fwd, bwd = op_pair
-    return {"op": name, "kind": "collective", "where": where, "forward": fwd, "backward": bwd, "payload_bytes": k,
-            "forward_sent_bytes": BYTES_PER_RANK[fwd](k, tp) if fwd else 0.0,
-            "backward_sent_bytes": BYTES_PER_RANK[bwd](k, tp) if bwd else 0.0}
+    return {
+        "op": name,
+        "kind": "collective",
+        "where": where,
+        "forward": fwd,
+        "backward": bwd,
+        "payload_bytes": k,
+        "forward_sent_bytes": BYTES_PER_RANK[fwd](k, tp) if fwd else 0.0,
+        "backward_sent_bytes": BYTES_PER_RANK[bwd](k, tp) if bwd else 0.0,
+    }
 
 
-def block_flow(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: int = 1,
-               dtype_bytes: int = 4) -> list[dict]:
-    """One block's forward, op by op: each rank's output shape (``shape``) and whether ranks hold the
-    same tensor (``layout``: "replicated", "split T", "split heads", "split F", "partial sums"); the
-    collectives (kind "collective") with their forward and backward ops, payload K and bytes sent per rank."""
+def block_flow(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    sp: bool = False,
+    batch: int = 1,
+    seq: int = 1,
+    dtype_bytes: int = 4,
+) -> list[dict]:
+    """One block's forward, op by op: each rank's output shape (``shape``) and whether ranks hold
+    the same tensor (``layout``: "replicated", "split T", "split heads", "split F", "partial sums");
+    the collectives (kind "collective") with their forward and backward ops, payload K and bytes
+    sent per rank."""
     check(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
     B, T, H, hd, F = batch, seq, spec.hidden, spec.hd, spec.ffn
     nh, nkv = spec.n_heads // tp, spec.kv_heads // tp
@@ -103,37 +158,74 @@ def block_flow(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, se
     def compute(op, shape, layout):
         return {"op": op, "kind": "compute", "shape": shape, "layout": layout}
 
-    norm_grad = ([{"op": "norm weight grad", "kind": "collective", "where": "norm", "forward": None,
-                   "backward": "all_reduce", "payload_bytes": H * dtype_bytes, "forward_sent_bytes": 0.0,
-                   "backward_sent_bytes": all_reduce_bytes(H * dtype_bytes, tp)}] if sp else [])
-    flow = [compute("input x", x_shape, x_layout), compute("attn_norm", x_shape, x_layout), *norm_grad,
-            _collective(f, F_OP[sp], k, tp, "attention input"), compute("attention input", (B, T, H), "replicated"),
-            compute("q_proj", (B, T, nh * hd), "split heads"),
-            compute("k_proj, v_proj", (B, T, nkv * hd), "split heads"),
-            compute("attention (SDPA)", (B, T, nh * hd), "split heads"),
-            compute("o_proj", (B, T, H), "partial sums"), _collective(g, G_OP[sp], k, tp, "attention output"),
-            compute("x + attention", x_shape, x_layout), compute("mlp_norm", x_shape, x_layout), *norm_grad,
-            _collective(f, F_OP[sp], k, tp, "MLP input"), compute("MLP input", (B, T, H), "replicated"),
-            compute("gate_proj, up_proj", (B, T, F // tp), "split F"),
-            compute("silu(gate) * up", (B, T, F // tp), "split F"),
-            compute("down_proj", (B, T, H), "partial sums"), _collective(g, G_OP[sp], k, tp, "MLP output"),
-            compute("x + MLP", x_shape, x_layout)]
+    norm_grad = (
+        [
+            {
+                "op": "norm weight grad",
+                "kind": "collective",
+                "where": "norm",
+                "forward": None,
+                "backward": "all_reduce",
+                "payload_bytes": H * dtype_bytes,
+                "forward_sent_bytes": 0.0,
+                "backward_sent_bytes": all_reduce_bytes(H * dtype_bytes, tp),
+            }
+        ]
+        if sp
+        else []
+    )
+    flow = [
+        compute("input x", x_shape, x_layout),
+        compute("attn_norm", x_shape, x_layout),
+        *norm_grad,
+        _collective(f, F_OP[sp], k, tp, "attention input"),
+        compute("attention input", (B, T, H), "replicated"),
+        compute("q_proj", (B, T, nh * hd), "split heads"),
+        compute("k_proj, v_proj", (B, T, nkv * hd), "split heads"),
+        compute("attention (SDPA)", (B, T, nh * hd), "split heads"),
+        compute("o_proj", (B, T, H), "partial sums"),
+        _collective(g, G_OP[sp], k, tp, "attention output"),
+        compute("x + attention", x_shape, x_layout),
+        compute("mlp_norm", x_shape, x_layout),
+        *norm_grad,
+        _collective(f, F_OP[sp], k, tp, "MLP input"),
+        compute("MLP input", (B, T, H), "replicated"),
+        compute("gate_proj, up_proj", (B, T, F // tp), "split F"),
+        compute("silu(gate) * up", (B, T, F // tp), "split F"),
+        compute("down_proj", (B, T, H), "partial sums"),
+        _collective(g, G_OP[sp], k, tp, "MLP output"),
+        compute("x + MLP", x_shape, x_layout),
+    ]
     return flow
 
 
-def collectives(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: int = 1,
-                dtype_bytes: int = 4) -> list[dict]:
-    """Every collective of one training step (forward and backward) of the whole model, one entry per
-    call: ``where``, ``phase``, ``op`` ("all_reduce" | "all_gather" | "reduce_scatter"), ``payload_bytes``
-    (the full tensor K) and ``sent_bytes`` per rank."""
+def collectives(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    sp: bool = False,
+    batch: int = 1,
+    seq: int = 1,
+    dtype_bytes: int = 4,
+) -> list[dict]:
+    """Every collective of one training step (forward and backward) of the whole model, one entry
+    per call: ``where``, ``phase``, ``op`` ("all_reduce" | "all_gather" | "reduce_scatter"),
+    ``payload_bytes`` (the full tensor K) and ``sent_bytes`` per rank."""
     check(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
     k, n_tok = batch * seq * spec.hidden * dtype_bytes, batch * seq
     calls = []
 
     def add(where, phase, op, payload):
         if op is not None:
-            calls.append({"where": where, "phase": phase, "op": op, "payload_bytes": payload,
-                          "sent_bytes": BYTES_PER_RANK[op](payload, tp)})
+            calls.append(
+                {
+                    "where": where,
+                    "phase": phase,
+                    "op": op,
+                    "payload_bytes": payload,
+                    "sent_bytes": BYTES_PER_RANK[op](payload, tp),
+                }
+            )
 
     def region(where, ops):  # a collective pair at a region boundary: (forward op, backward op)
         add(where, "forward", ops[0], k)
@@ -145,7 +237,12 @@ def collectives(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, s
             region(f"layers.{i}.{part} input", F_OP[sp])
             region(f"layers.{i}.{part} output", G_OP[sp])
             if sp:
-                add(f"layers.{i}.{part}_norm weight", "backward", "all_reduce", spec.hidden * dtype_bytes)
+                add(
+                    f"layers.{i}.{part}_norm weight",
+                    "backward",
+                    "all_reduce",
+                    spec.hidden * dtype_bytes,
+                )
     if sp:
         add("norm weight", "backward", "all_reduce", spec.hidden * dtype_bytes)
     region("lm_head input", F_OP[sp])
@@ -158,77 +255,140 @@ def summarise(calls: list[dict]) -> dict:
     """{phase: {op: {"calls", "payload_bytes", "sent_bytes"}}} of a list of collectives."""
     out: dict = {}
     for c in calls:
-        entry = out.setdefault(c["phase"], {}).setdefault(c["op"], {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+        entry = out.setdefault(c["phase"], {}).setdefault(
+            c["op"], {"calls": 0, "payload_bytes": 0, "sent_bytes": 0.0}
+        )
         entry["calls"] += 1
         entry["payload_bytes"] += c["payload_bytes"]
         entry["sent_bytes"] += c["sent_bytes"]
     return out
 
 
-def comm_summary(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: int = 1,
-                 dtype_bytes: int = 4) -> dict:
-    """Collectives of one step summarised for one block (``block``, the layer-0 calls) and for the model
-    (``model``), plus ``sent_bytes_per_step``: what one rank sends in a forward and backward."""
+def comm_summary(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    sp: bool = False,
+    batch: int = 1,
+    seq: int = 1,
+    dtype_bytes: int = 4,
+) -> dict:
+    """Collectives of one step summarised for one block (``block``, the layer-0 calls) and for the
+    model (``model``), plus ``sent_bytes_per_step``: what one rank sends in a forward and
+    backward."""
     calls = collectives(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
     block = [c for c in calls if c["where"].startswith("layers.0.")]
-    return {"block": summarise(block), "model": summarise(calls),
-            "sent_bytes_per_step": sum(c["sent_bytes"] for c in calls)}
+    return {
+        "block": summarise(block),
+        "model": summarise(calls),
+        "sent_bytes_per_step": sum(c["sent_bytes"] for c in calls),
+    }
 
 
 def param_bytes_per_rank(spec: ModelSpec, *, tp: int, dtype_bytes: int = 4) -> dict:
-    """Parameter bytes one TP rank holds: 1/tp of every matrix (attention, MLP, embedding, head; a tied
-    head shares the embedding's shard) plus the replicated norm weights."""
+    """Parameter bytes one TP rank holds: 1/tp of every matrix (attention, MLP, embedding, head; a
+    tied head shares the embedding's shard) plus the replicated norm weights."""
     check(spec, tp=tp)
     c = param_counts(spec)
     sharded = c["embedding"] + c["head"] + spec.n_layers * (c["attention"] + c["mlp"])
     replicated = spec.n_layers * c["norms"] + c["final_norm"]
-    return {"sharded_params": sharded, "replicated_params": replicated, "params": sharded // tp + replicated,
-            "bytes": (sharded // tp + replicated) * dtype_bytes, "unsharded_bytes": c["total"] * dtype_bytes}
+    return {
+        "sharded_params": sharded,
+        "replicated_params": replicated,
+        "params": sharded // tp + replicated,
+        "bytes": (sharded // tp + replicated) * dtype_bytes,
+        "unsharded_bytes": c["total"] * dtype_bytes,
+    }
 
 
-def saved_activation_bytes(spec: ModelSpec, *, tp: int, sp: bool = False, batch: int = 1, seq: int = 1,
-                           dtype_bytes: int = 4) -> dict:
-    """Bytes one rank keeps for backward in one forward of ``solutions/tensor_parallel.py``, by tensor:
-    ``per_block`` and ``outside`` (name -> bytes), ``block_total``, ``total``. RMSNorm computes in fp32
-    (input and 1/rms kept in fp32), the attention kernel keeps its log-sum-exp in fp32, the loss's softmax
-    is fp32; token ids are int64 and the vocab masks bool."""
+def saved_activation_bytes(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    sp: bool = False,
+    batch: int = 1,
+    seq: int = 1,
+    dtype_bytes: int = 4,
+) -> dict:
+    """Bytes one rank keeps for backward in one forward of ``solutions/tensor_parallel.py``, by
+    tensor: ``per_block`` and ``outside`` (name -> bytes), ``block_total``, ``total``. RMSNorm
+    computes in fp32 (input and 1/rms kept in fp32), the attention kernel keeps its log-sum-exp in
+    fp32, the loss's softmax is fp32; token ids are int64 and the vocab masks bool."""
     check(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
     e, B, T, H, F, hd = dtype_bytes, batch, seq, spec.hidden, spec.ffn, spec.hd
     t_norm = T // tp if sp else T  # tokens in the norm region on one rank
     nh, nkv = spec.n_heads // tp, spec.kv_heads // tp
 
     def norm(prefix):
-        return {f"{prefix} input (fp32)": 4 * B * t_norm * H, f"{prefix} 1/rms": 4 * B * t_norm,
-                f"{prefix} normalised": e * B * t_norm * H}
+        return {
+            f"{prefix} input (fp32)": 4 * B * t_norm * H,
+            f"{prefix} 1/rms": 4 * B * t_norm,
+            f"{prefix} normalised": e * B * t_norm * H,
+        }
 
-    per_block = {**norm("attn_norm"), "attention input [B, T, H]": e * B * T * H,
-                 "q (rotated)": e * B * nh * T * hd, "k (rotated)": e * B * nkv * T * hd, "v": e * B * nkv * T * hd,
-                 "attention output": e * B * nh * T * hd, "log-sum-exp (fp32)": 4 * B * nh * T,
-                 **norm("mlp_norm"), "MLP input [B, T, H]": e * B * T * H,
-                 "gate, silu(gate), up, product": 4 * e * B * T * (F // tp)}
-    outside = {"token ids (int64)": 8 * B * T, "embedding mask (bool)": B * T, "rotary cos, sin (fp32)": 2 * 4 * T * hd,
-               **norm("final norm"), "lm_head input [B, T, H]": e * B * T * H,
-               "softmax [B*T, V/tp] (fp32)": 4 * B * T * (spec.vocab_size // tp), "targets (int64)": 8 * B * T,
-               "target mask (bool)": B * T}
+    per_block = {
+        **norm("attn_norm"),
+        "attention input [B, T, H]": e * B * T * H,
+        "q (rotated)": e * B * nh * T * hd,
+        "k (rotated)": e * B * nkv * T * hd,
+        "v": e * B * nkv * T * hd,
+        "attention output": e * B * nh * T * hd,
+        "log-sum-exp (fp32)": 4 * B * nh * T,
+        **norm("mlp_norm"),
+        "MLP input [B, T, H]": e * B * T * H,
+        "gate, silu(gate), up, product": 4 * e * B * T * (F // tp),
+    }
+    outside = {
+        "token ids (int64)": 8 * B * T,
+        "embedding mask (bool)": B * T,
+        "rotary cos, sin (fp32)": 2 * 4 * T * hd,
+        **norm("final norm"),
+        "lm_head input [B, T, H]": e * B * T * H,
+        "softmax [B*T, V/tp] (fp32)": 4 * B * T * (spec.vocab_size // tp),
+        "targets (int64)": 8 * B * T,
+        "target mask (bool)": B * T,
+    }
     block_total = sum(per_block.values())
-    return {"per_block": per_block, "outside": outside, "block_total": block_total,
-            "total": spec.n_layers * block_total + sum(outside.values())}
+    return {
+        "per_block": per_block,
+        "outside": outside,
+        "block_total": block_total,
+        "total": spec.n_layers * block_total + sum(outside.values()),
+    }
 
 
-def layer_comm_vs_compute(spec: ModelSpec, *, tp: int, seq: int, mbs: int = 1, dtype_bytes: int = 2,
-                          link_gbs: float, peak_tflops: float = 989.0, mfu: float = 0.5) -> dict:
-    """One layer's forward + backward on one TP rank: bytes sent (4 all-reduces of K = mbs·seq·H·e, SP
-    moves the same), seconds on a link of ``link_gbs`` GB/s, and compute seconds for its FLOPs
-    (6·P_layer + 12·H·seq per token, split tp ways) at ``mfu`` of ``peak_tflops``. TP's collectives sit
-    on the critical path between matmuls, so ``comm_s / compute_s`` is roughly the slowdown they add."""
+def layer_comm_vs_compute(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    seq: int,
+    mbs: int = 1,
+    dtype_bytes: int = 2,
+    link_gbs: float,
+    peak_tflops: float = 989.0,
+    mfu: float = 0.5,
+) -> dict:
+    """One layer's forward + backward on one TP rank: bytes sent (4 all-reduces of K = mbs·seq·H·e,
+    SP moves the same), seconds on a link of ``link_gbs`` GB/s, and compute seconds for its FLOPs
+    (6·P_layer + 12·H·seq per token, split tp ways) at ``mfu`` of ``peak_tflops``. TP's collectives
+    sit on the critical path between matmuls, so ``comm_s / compute_s`` is roughly the slowdown they
+    add."""
     check_positive(tp=tp, seq=seq, mbs=mbs, dtype_bytes=dtype_bytes)
     if link_gbs <= 0 or peak_tflops <= 0 or not 0 < mfu <= 1:
-        raise ValueError(f"link_gbs and peak_tflops must be > 0 and mfu in (0, 1]; "
-                         f"got {link_gbs}, {peak_tflops}, {mfu}")
+        raise ValueError(
+            f"link_gbs and peak_tflops must be > 0 and mfu in (0, 1]; "
+            f"got {link_gbs}, {peak_tflops}, {mfu}"
+        )
     k = mbs * seq * spec.hidden * dtype_bytes
     sent = 4 * all_reduce_bytes(k, tp)
     tokens = mbs * seq
     flops = (6 * param_counts(spec)["per_layer"] + 12 * spec.hidden * seq) * tokens / tp
     comm_s, compute_s = sent / (link_gbs * 1e9), flops / (peak_tflops * 1e12 * mfu)
-    return {"tp": tp, "sent_bytes": sent, "comm_s": comm_s, "flops": flops, "compute_s": compute_s,
-            "comm_over_compute": comm_s / compute_s}
+    return {
+        "tp": tp,
+        "sent_bytes": sent,
+        "comm_s": comm_s,
+        "flops": flops,
+        "compute_s": compute_s,
+        "comm_over_compute": comm_s / compute_s,
+    }

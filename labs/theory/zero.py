@@ -59,10 +59,14 @@ def _check(unit_numels, stage=0, dp=1) -> list[int]:
         raise ValueError(f"stage={stage!r} is not one of {STAGES}")
     check_positive(dp=dp)
     if stage > 0 and dp == 1:
-        raise ValueError(f"stage={stage} shards over data-parallel ranks but dp=1; use dp >= 2 or stage=0")
+        raise ValueError(
+            f"stage={stage} shards over data-parallel ranks but dp=1; use dp >= 2 or stage=0"
+        )
     units = list(unit_numels)
     if not units or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in units):
-        raise ValueError(f"unit_numels must be a non-empty list of integers >= 1, got {unit_numels!r}")
+        raise ValueError(
+            f"unit_numels must be a non-empty list of integers >= 1, got {unit_numels!r}"
+        )
     return units
 
 
@@ -79,12 +83,23 @@ def course_units(spec: ModelSpec | None = None) -> list[tuple[str, int]]:
     """(name, Ψ_u) for the course model's units: embedding, each block, final norm + head."""
     spec = spec or PRESETS["tiny"]  # the course model
     c = param_counts(spec)
-    return ([("embedding", c["embedding"])] + [(f"block {i}", c["per_layer"]) for i in range(spec.n_layers)]
-            + [("norm + head", c["final_norm"] + c["head"])])
+    return (
+        [("embedding", c["embedding"])]
+        + [(f"block {i}", c["per_layer"]) for i in range(spec.n_layers)]
+        + [("norm + head", c["final_norm"] + c["head"])]
+    )
 
 
-def held_bytes(unit_numels, *, stage: int, dp: int, offload: bool = False, frozen_numel: int = 0,
-               gradless_numel: int = 0, itemsize: int = BYTES) -> dict:
+def held_bytes(
+    unit_numels,
+    *,
+    stage: int,
+    dp: int,
+    offload: bool = False,
+    frozen_numel: int = 0,
+    gradless_numel: int = 0,
+    itemsize: int = BYTES,
+) -> dict:
     """Bytes a rank holds between steps (after the optimizer step, gradients still held).
 
     ``params``, ``grads``, ``optimizer`` and ``total`` are device bytes; ``host`` the bytes
@@ -93,24 +108,33 @@ def held_bytes(unit_numels, *, stage: int, dp: int, offload: bool = False, froze
     (optimizer included even when offloaded); ``padding`` the bytes of padding held in full
     flat buffers; ``frozen_numel`` parameters are replicated and never trained;
     ``gradless_numel`` trainable parameters never get a gradient (unused in forward), so in
-    stage 0 they hold neither a gradient nor AdamW state (inside a flat buffer they do). ``itemsize``:
-    bytes per element (8 for a float64 check run; the calculator's fp32 figures scale with it).
+    stage 0 they hold neither a gradient nor AdamW state (inside a flat buffer they do).
+    ``itemsize``: bytes per element (8 for a float64 check run; the calculator's fp32 figures scale
+    with it).
     """
     units = _check(unit_numels, stage, dp)
     if offload and stage == 0:
-        raise ValueError("offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank")
+        raise ValueError(
+            "offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank"
+        )
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
     for n in units:
         lay = flat_layout(n, dp)
-        calc = state_bytes(n, precision="fp32", optimizer="adamw", zero=stage, dp=dp, exact_shards=True)
+        calc = state_bytes(
+            n, precision="fp32", optimizer="adamw", zero=stage, dp=dp, exact_shards=True
+        )
         calc = {k: v * itemsize // BYTES for k, v in calc.items()}
         out["calculator"] += calc["total_bytes"]
         pad = lay["padding"] * itemsize
-        out["params"] += calc["param_bytes"] + (pad if stage in (1, 2) else 0)  # full flat parameter buffer
-        out["grads"] += calc["grad_bytes"] + (pad if stage == 1 else 0)        # full flat gradient buffer
+        out["params"] += calc["param_bytes"] + (
+            pad if stage in (1, 2) else 0
+        )  # full flat parameter buffer
+        out["grads"] += calc["grad_bytes"] + (pad if stage == 1 else 0)  # full flat gradient buffer
         out["padding"] += pad * ((stage in (1, 2)) + (stage == 1))
         if offload:
-            out["host"] += 4 * lay["shard"] * itemsize  # fp32 parameter shard, gradient shard, two moments
+            out["host"] += (
+                4 * lay["shard"] * itemsize
+            )  # fp32 parameter shard, gradient shard, two moments
         else:
             out["optimizer"] += calc["optimizer_bytes"]
     out["params"] += frozen_numel * itemsize
@@ -151,7 +175,8 @@ def comm_bytes(unit_numels, *, stage: int, dp: int, itemsize: int = BYTES) -> di
 
 
 def offload_bytes(unit_numels, *, dp: int, itemsize: int = BYTES) -> dict[str, int]:
-    """Bytes crossing the host link per step with ZeRO-Offload: gradient shards down, parameter shards up."""
+    """Bytes crossing the host link per step with ZeRO-Offload: gradient shards down, parameter
+    shards up."""
     shards = sum(flat_layout(n, dp)["shard"] for n in _check(unit_numels, 1, dp)) * itemsize
     return {"to_host": shards, "to_device": shards, "total": 2 * shards}
 
@@ -161,51 +186,90 @@ def stage_table(n_params: int, dp: int, precision: str = "bf16-mixed") -> list[d
     (the calculator's textbook figures; rows for stages 0-3)."""
     rows = []
     for stage in STAGES:
-        b = state_bytes(n_params, precision=precision, optimizer="adamw", zero=stage if dp > 1 else 0, dp=dp)
-        rows.append({"stage": stage, **{k: b[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
-                                                              "total_bytes")}})
+        b = state_bytes(
+            n_params, precision=precision, optimizer="adamw", zero=stage if dp > 1 else 0, dp=dp
+        )
+        rows.append(
+            {
+                "stage": stage,
+                **{
+                    k: b[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
+                },
+            }
+        )
     return rows
 
 
-def format_stage_table(n_params: int, dp: int, precision: str = "bf16-mixed", gpu_gib: float = 80.0) -> str:
+def format_stage_table(
+    n_params: int, dp: int, precision: str = "bf16-mixed", gpu_gib: float = 80.0
+) -> str:
     """``stage_table`` as text, in GB per rank, with whether the state alone fits in ``gpu_gib``."""
-    lines = [f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks ({gpu_gib:g} GiB GPUs)",
-             f"{'stage':<8}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}   state alone fits?"]
+    lines = [
+        f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks ({gpu_gib:g} GiB GPUs)",
+        f"{'stage':<8}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}   state alone fits?",
+    ]
     for r in stage_table(n_params, dp, precision):
         fits = "yes" if r["total_bytes"] <= gpu_gib * 2**30 else "no"
-        lines.append(f"ZeRO-{r['stage']:<3}" + "".join(f"{r[k] / 1e9:>9.1f}" for k in (
-            "param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")) + f"   {fits}")
+        lines.append(
+            f"ZeRO-{r['stage']:<3}"
+            + "".join(
+                f"{r[k] / 1e9:>9.1f}"
+                for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
+            )
+            + f"   {fits}"
+        )
     return "\n".join(lines)
 
 
-def offload_tradeoff(n_params: int, dp: int, *, stage: int = 3, link_gb_per_s: float = 25.0) -> dict:
+def offload_tradeoff(
+    n_params: int, dp: int, *, stage: int = 3, link_gb_per_s: float = 25.0
+) -> dict:
     """ZeRO-Offload in bf16-mixed training, per rank per step: device bytes freed (fp32 master
     and moments, 12 Ψ/N), bytes over the host link (bf16 gradient shard down, bf16 parameter
     shard up: 4 Ψ/N) and the seconds that takes at ``link_gb_per_s`` (PCIe 4 x16 ~25 GB/s
     each way in practice) if nothing overlaps it. The CPU's AdamW time comes on top."""
     b = state_bytes(n_params, precision="bf16-mixed", optimizer="adamw", zero=stage, dp=dp)
     moved = 2 * 2 * n_params / dp
-    return {"freed_device_bytes": b["optimizer_bytes"], "left_device_bytes": b["total_bytes"] - b["optimizer_bytes"],
-            "host_link_bytes": moved, "host_link_s": moved / (link_gb_per_s * 1e9)}
+    return {
+        "freed_device_bytes": b["optimizer_bytes"],
+        "left_device_bytes": b["total_bytes"] - b["optimizer_bytes"],
+        "host_link_bytes": moved,
+        "host_link_s": moved / (link_gb_per_s * 1e9),
+    }
 
 
 # --- the visualizer's model of one step ------------------------------------------------------
 # A state is "full", "shard", "prefetch" (full, being gathered ahead of use), "host" or "none".
 
+
 def _moment(label, collective, params, grads, optim):
-    return {"label": label, "collective": collective, "params": list(params), "grads": list(grads),
-            "optimizer": list(optim)}
+    return {
+        "label": label,
+        "collective": collective,
+        "params": list(params),
+        "grads": list(grads),
+        "optimizer": list(optim),
+    }
 
 
-def step_moments(stage: int, unit_numels, *, dp: int, prefetch: bool = True, offload: bool = False,
-                 names: list[str] | None = None) -> list[dict]:
+def step_moments(
+    stage: int,
+    unit_numels,
+    *,
+    dp: int,
+    prefetch: bool = True,
+    offload: bool = False,
+    names: list[str] | None = None,
+) -> list[dict]:
     """The moments of one training step, in order, each with every unit's parameter, gradient
     and optimizer state on a rank (all ranks alike; rank r's shard is the r-th of N), the
     collective running, and the rank's device ``bytes`` at that moment. The last moment is
     the end of the step: its bytes equal :func:`held_bytes`."""
     units = _check(unit_numels, stage, dp)
     if offload and stage == 0:
-        raise ValueError("offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank")
+        raise ValueError(
+            "offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank"
+        )
     u = len(units)
     names = names or [f"unit {k}" for k in range(u)]
     if len(names) != u:
@@ -221,8 +285,12 @@ def step_moments(stage: int, unit_numels, *, dp: int, prefetch: bool = True, off
             p[k] = "full"
             if prefetch and k + 1 < u:
                 p[k + 1] = "prefetch"
-        coll = f"all-gather {names[k]}" + (f", prefetch {names[k + 1]}" if prefetch and k + 1 < u else "") \
-            if stage == 3 else "none"
+        coll = (
+            f"all-gather {names[k]}"
+            + (f", prefetch {names[k + 1]}" if prefetch and k + 1 < u else "")
+            if stage == 3
+            else "none"
+        )
         frames.append(_moment(f"forward {names[k]}", coll, p, grads, opt))
     for k in reversed(range(u)):
         p = list(params)
@@ -232,23 +300,48 @@ def step_moments(stage: int, unit_numels, *, dp: int, prefetch: bool = True, off
                 p[k - 1] = "prefetch"
         grads = list(grads)
         grads[k] = "full"
-        coll = f"all-gather {names[k]}" + (f", prefetch {names[k - 1]}" if prefetch and k > 0 else "") \
-            if stage == 3 else "none"
+        coll = (
+            f"all-gather {names[k]}" + (f", prefetch {names[k - 1]}" if prefetch and k > 0 else "")
+            if stage == 3
+            else "none"
+        )
         frames.append(_moment(f"backward {names[k]}", coll, p, grads, opt))
-        if stage >= 2:  # the state right after: unit k's gradient sharded (stage 3: its parameters freed)
+        if (
+            stage >= 2
+        ):  # the state right after: unit k's gradient sharded (stage 3: its parameters freed)
             grads = list(grads)
             grads[k] = "shard"
             after = [s if s != "full" or stage < 3 else "shard" for s in p]
-            frames.append(_moment(f"reduce-scatter {names[k]}", f"reduce-scatter grads of {names[k]}",
-                                  after, grads, opt))
+            frames.append(
+                _moment(
+                    f"reduce-scatter {names[k]}",
+                    f"reduce-scatter grads of {names[k]}",
+                    after,
+                    grads,
+                    opt,
+                )
+            )
     if stage == 0:
         frames.append(_moment("all-reduce", "all-reduce every gradient", params, grads, opt))
     if stage == 1:
-        frames.append(_moment("reduce-scatter", "reduce-scatter every gradient (in place)", params, grads, opt))
-    frames.append(_moment("optimizer step", "copy grad shards to host, params back" if offload else "none",
-                          params, grads, opt))
+        frames.append(
+            _moment(
+                "reduce-scatter", "reduce-scatter every gradient (in place)", params, grads, opt
+            )
+        )
+    frames.append(
+        _moment(
+            "optimizer step",
+            "copy grad shards to host, params back" if offload else "none",
+            params,
+            grads,
+            opt,
+        )
+    )
     if stage in (1, 2):
-        frames.append(_moment("all-gather", "all-gather the updated parameter shards", params, grads, opt))
+        frames.append(
+            _moment("all-gather", "all-gather the updated parameter shards", params, grads, opt)
+        )
     for f in frames:
         f["bytes"] = _frame_bytes(f, units, stage, dp)
     return frames
@@ -262,7 +355,9 @@ def _frame_bytes(frame, units, stage, dp) -> dict[str, int]:
         lay = flat_layout(n, dp)
         shard, flat = lay["shard"], (lay["padded"] if stage >= 1 else n)
         p, g, o = frame["params"][k], frame["grads"][k], frame["optimizer"][k]
-        out["params"] += {"full": flat, "prefetch": flat, "shard": 0}[p] + (shard if stage == 3 else 0)
+        out["params"] += {"full": flat, "prefetch": flat, "shard": 0}[p] + (
+            shard if stage == 3 else 0
+        )
         if stage >= 2:
             out["grads"] += shard + (n if g == "full" else 0)
         else:

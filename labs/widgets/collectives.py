@@ -24,8 +24,14 @@ def _draw_state(ax, state, title, n):
     for r, row in enumerate(state):
         for i, (value, sources) in enumerate(row):
             colour = RANK_COLOURS(next(iter(sources)) % 10) if len(sources) == 1 else "0.8"
-            ax.add_patch(Rectangle((i, -r - 1), 0.95, 0.9, facecolor=colour, edgecolor="black", alpha=0.85))
-            label = str(value) if len(sources) == 1 else f"{value}\nΣ{''.join(str(s) for s in sorted(sources))}"
+            ax.add_patch(
+                Rectangle((i, -r - 1), 0.95, 0.9, facecolor=colour, edgecolor="black", alpha=0.85)
+            )
+            label = (
+                str(value)
+                if len(sources) == 1
+                else f"{value}\nΣ{''.join(str(s) for s in sorted(sources))}"
+            )
             ax.text(i + 0.47, -r - 0.55, label, ha="center", va="center", fontsize=8)
     ax.set_xlim(-0.1, width)
     ax.set_ylim(-n - 0.1, 0.1)
@@ -41,8 +47,11 @@ def draw_collective(op: str, world_size: int, root: int = 0):
     fig, (before, after) = plt.subplots(1, 2, figsize=(9, 0.6 + 0.55 * world_size))
     _draw_state(before, sim["before"], "before", world_size)
     _draw_state(after, sim["after"], "after", world_size)
-    fig.suptitle(f"{op}: {sim['description']}\nbytes sent per rank = {sim['chunks_sent_per_rank']:.3g} chunks "
-                 f"of a {sim['tensor_chunks']}-chunk tensor", fontsize=10)
+    fig.suptitle(
+        f"{op}: {sim['description']}\nbytes sent per rank = {sim['chunks_sent_per_rank']:.3g} chunks "
+        f"of a {sim['tensor_chunks']}-chunk tensor",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig, sim
 

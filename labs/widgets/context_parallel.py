@@ -22,26 +22,41 @@ RANK_COLOURS = plt.get_cmap("tab10")
 
 
 def step_rows(cp: int, step: int, *, causal: bool = True, zigzag: bool = True) -> list[dict]:
-    """One row per rank at ``step``: its query chunks, whose K/V it holds, blocks computed and masked."""
+    """One row per rank at ``step``: its query chunks, whose K/V it holds, blocks computed and
+    masked."""
     schedule = ring_schedule(cp, causal=causal, zigzag=zigzag)
     if not 0 <= step < cp:
-        raise ValueError(f"step={step} is outside 0..{cp - 1} (a ring of cp={cp} ranks has {cp} steps)")
-    return [{"rank": e["rank"], "q_chunks": e["q_chunks"], "kv_from": e["kv_from"], "kv_chunks": e["kv_chunks"],
-             "computed": sum(kind != "masked" for *_, kind in e["blocks"]),
-             "masked": sum(kind == "masked" for *_, kind in e["blocks"])} for e in schedule[step]]
+        raise ValueError(
+            f"step={step} is outside 0..{cp - 1} (a ring of cp={cp} ranks has {cp} steps)"
+        )
+    return [
+        {
+            "rank": e["rank"],
+            "q_chunks": e["q_chunks"],
+            "kv_from": e["kv_from"],
+            "kv_chunks": e["kv_chunks"],
+            "computed": sum(kind != "masked" for *_, kind in e["blocks"]),
+            "masked": sum(kind == "masked" for *_, kind in e["blocks"]),
+        }
+        for e in schedule[step]
+    ]
 
 
 def _draw_block(ax, a, b, kind, colour, current):
     x, y = b, -a - 1  # column = key chunk, row = query chunk (chunk 0 on top)
     if kind == "masked":
-        ax.add_patch(Rectangle((x, y), 1, 1, facecolor="0.88", edgecolor="0.6", hatch="///", lw=0.5))
+        ax.add_patch(
+            Rectangle((x, y), 1, 1, facecolor="0.88", edgecolor="0.6", hatch="///", lw=0.5)
+        )
         return
     alpha = 0.95 if current else 0.3
     if kind == "diagonal":  # keys up to the query: the lower-left triangle of the block
         ax.add_patch(Polygon([(x, y + 1), (x, y), (x + 1, y)], facecolor=colour, alpha=alpha, lw=0))
         ax.add_patch(Rectangle((x, y), 1, 1, fill=False, edgecolor="0.5", lw=0.5))
     else:
-        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colour, alpha=alpha, edgecolor="0.5", lw=0.5))
+        ax.add_patch(
+            Rectangle((x, y), 1, 1, facecolor=colour, alpha=alpha, edgecolor="0.5", lw=0.5)
+        )
     if current:
         ax.add_patch(Rectangle((x, y), 1, 1, fill=False, edgecolor="black", lw=2))
 
@@ -51,7 +66,9 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
     schedule = ring_schedule(cp, causal=causal, zigzag=zigzag)
     rows = step_rows(cp, step, causal=causal, zigzag=zigzag)
     n = 2 * cp
-    fig, (grid, bars) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    fig, (grid, bars) = plt.subplots(
+        1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1.3, 1]}
+    )
     owner = {c: e["rank"] for e in schedule[0] for c in e["q_chunks"]}  # chunk -> rank holding it
     for s in range(step + 1):
         for e in schedule[s]:
@@ -60,8 +77,12 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
     grid.set_xlim(0, n)
     grid.set_ylim(-n, 0)
     grid.set_aspect("equal")
-    grid.set_xticks([b + 0.5 for b in range(n)], [f"{b}\nr{owner[b]}" for b in range(n)], fontsize=8)
-    grid.set_yticks([-a - 0.5 for a in range(n)], [f"q{a} r{owner[a]}" for a in range(n)], fontsize=8)
+    grid.set_xticks(
+        [b + 0.5 for b in range(n)], [f"{b}\nr{owner[b]}" for b in range(n)], fontsize=8
+    )
+    grid.set_yticks(
+        [-a - 0.5 for a in range(n)], [f"q{a} r{owner[a]}" for a in range(n)], fontsize=8
+    )
     grid.set_xlabel("key/value chunk (and the rank that owns it)")
     grid.set_title(f"step {step}: rank r holds the K/V of rank (r−{step}) mod {cp}", fontsize=10)
 
@@ -70,13 +91,28 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
     ranks = range(cp)
     colours = [RANK_COLOURS(r % 10) for r in ranks]
     bars.bar(ranks, [w["full"] for w in now], color=colours, label="full blocks")
-    bars.bar(ranks, [w["diagonal"] for w in now], bottom=[w["full"] for w in now], color=colours, alpha=0.45,
-             hatch="..", label="diagonal (half masked)")
-    bars.bar(ranks, [w["computed"] for w in total], fill=False, linestyle="--", edgecolor="black",
-             label="whole ring")
+    bars.bar(
+        ranks,
+        [w["diagonal"] for w in now],
+        bottom=[w["full"] for w in now],
+        color=colours,
+        alpha=0.45,
+        hatch="..",
+        label="diagonal (half masked)",
+    )
+    bars.bar(
+        ranks,
+        [w["computed"] for w in total],
+        fill=False,
+        linestyle="--",
+        edgecolor="black",
+        label="whole ring",
+    )
     bars.set_xticks(list(ranks), [f"rank {r}" for r in ranks], fontsize=8)
     bars.set_ylabel("attention blocks computed")
-    bars.set_title(f"{LAYOUTS[zigzag]}, {'causal' if causal else 'no mask'}: work per rank", fontsize=10)
+    bars.set_title(
+        f"{LAYOUTS[zigzag]}, {'causal' if causal else 'no mask'}: work per rank", fontsize=10
+    )
     bars.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
     fig.tight_layout()
     return fig, rows
@@ -84,8 +120,11 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
 
 def _rows_html(rows) -> str:
     head = "<tr><th>rank</th><th>query chunks</th><th>holds K/V of</th><th>computes</th><th>skips (masked)</th></tr>"
-    body = "".join(f"<tr><td>{r['rank']}</td><td>{r['q_chunks']}</td><td>rank {r['kv_from']} {r['kv_chunks']}</td>"
-                   f"<td>{r['computed']}</td><td>{r['masked']}</td></tr>" for r in rows)
+    body = "".join(
+        f"<tr><td>{r['rank']}</td><td>{r['q_chunks']}</td><td>rank {r['kv_from']} {r['kv_chunks']}</td>"
+        f"<td>{r['computed']}</td><td>{r['masked']}</td></tr>"
+        for r in rows
+    )
     return f"<table>{head}{body}</table>"
 
 
@@ -106,8 +145,12 @@ def ring_stepper(cp: int = 4, causal: bool = True, zigzag: bool = True):
         step_box.max = play.max = cp_box.value - 1
         with out:
             out.clear_output(wait=True)
-            fig, rows = draw_ring_step(cp_box.value, min(step_box.value, cp_box.value - 1),
-                                       causal=causal_box.value, zigzag=zigzag_box.value)
+            fig, rows = draw_ring_step(
+                cp_box.value,
+                min(step_box.value, cp_box.value - 1),
+                causal=causal_box.value,
+                zigzag=zigzag_box.value,
+            )
             display(fig)
             plt.close(fig)
         table.value = _rows_html(rows)
@@ -122,14 +165,17 @@ def ring_stepper(cp: int = 4, causal: bool = True, zigzag: bool = True):
 
 def plot_work(checks: list[dict], ax=None):
     """Blocks computed per rank under a causal mask, measured (FLOPs / block FLOPs) as bars and the
-    stepper's count as markers, zig-zag beside contiguous. ``checks``: ``attention_check``'s rows."""
+    stepper's count as markers, zig-zag beside contiguous. ``checks``: ``attention_check``'s
+    rows."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 3.2))
     causal = [c for c in checks if c["causal"]]
     width = 0.8 / len(causal)
     for i, c in enumerate(causal):
         ranks = [r + (i - (len(causal) - 1) / 2) * width for r in range(c["cp"])]
-        ax.bar(ranks, c["blocks_measured_forward"], width, label=f"{c['layout']} (measured)", alpha=0.8)
+        ax.bar(
+            ranks, c["blocks_measured_forward"], width, label=f"{c['layout']} (measured)", alpha=0.8
+        )
         ax.plot(ranks, c["blocks_theory"], "k_", markersize=14, mew=2)
     ax.plot([], [], "k_", markersize=14, mew=2, label="stepper (theory)")
     ax.set_xticks(range(causal[0]["cp"]), [f"rank {r}" for r in range(causal[0]["cp"])])
@@ -141,14 +187,25 @@ def plot_work(checks: list[dict], ax=None):
 
 
 def plot_memory(rows: list[dict], ax=None):
-    """Bytes saved for backward per rank against the CP degree (``memory_scaling``'s rows), with 1/CP."""
+    """Bytes saved for backward per rank against the CP degree (``memory_scaling``'s rows), with
+    1/CP."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
     cps = [r["cp"] for r in rows]
-    for key, label in (("model_saved", "whole model (measured)"), ("attention_saved", "one attention call")):
+    for key, label in (
+        ("model_saved", "whole model (measured)"),
+        ("attention_saved", "one attention call"),
+    ):
         ax.plot(cps, [r[key] / 1e3 for r in rows], "o-", label=label)
         ax.plot(cps, [rows[0][key] * rows[0]["cp"] / cp / 1e3 for cp in cps], "k:", lw=1)
-    ax.plot(cps, [r["calculator"] / 1e3 for r in rows], "x", color="red", ms=9, label="memory calculator")
+    ax.plot(
+        cps,
+        [r["calculator"] / 1e3 for r in rows],
+        "x",
+        color="red",
+        ms=9,
+        label="memory calculator",
+    )
     ax.plot([], [], "k:", lw=1, label="∝ 1/CP")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -161,7 +218,8 @@ def plot_memory(rows: list[dict], ax=None):
 
 
 def plot_long_context(rows: list[dict], gpu_gb: float = 80.0, ax=None):
-    """Activation GB per rank against sequence length, one line per CP degree, and a GPU's memory."""
+    """Activation GB per rank against sequence length, one line per CP degree, and a GPU's
+    memory."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 3.5))
     seq = [r["seq_len"] for r in rows]

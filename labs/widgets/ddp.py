@@ -39,19 +39,42 @@ def draw_lanes(ax, spans: list[dict], *, title: str, scale: float = 1e3, unit: s
             y = 2 * i + lane_index
             labels.append((y, f"rank {rank} {lane}" if len(ranks) > 1 else lane))
             lane_spans = [s for s in mine if s["lane"] == lane]
-            # a real run's all-reduces can overlap (queued behind each other): then half height, staggered
-            stagger = lane == "comm" and any(a["start"] < b["end"] and b["start"] < a["end"]
-                                             for a in lane_spans for b in lane_spans if a is not b)
+            # a real run's all-reduces can overlap (queued behind each other): then half height,
+            # staggered
+            stagger = lane == "comm" and any(
+                a["start"] < b["end"] and b["start"] < a["end"]
+                for a in lane_spans
+                for b in lane_spans
+                if a is not b
+            )
             for s in lane_spans:
                 height, offset = (0.4, 0.2 * (1 - 2 * (s["bucket"] % 2))) if stagger else (0.8, 0.0)
-                ax.barh(y + offset, (s["end"] - s["start"]) * scale, left=s["start"] * scale, height=height,
-                        color=_colour(s), edgecolor="black", linewidth=0.3, alpha=0.9)
-        backward = [s for s in mine if s["lane"] == "compute" and s.get("kind", "backward") == "backward"]
+                ax.barh(
+                    y + offset,
+                    (s["end"] - s["start"]) * scale,
+                    left=s["start"] * scale,
+                    height=height,
+                    color=_colour(s),
+                    edgecolor="black",
+                    linewidth=0.3,
+                    alpha=0.9,
+                )
+        backward = [
+            s for s in mine if s["lane"] == "compute" and s.get("kind", "backward") == "backward"
+        ]
         compute_end = max((s["end"] for s in backward), default=0.0)
         comm_end = max((s["end"] for s in mine if s["lane"] == "comm"), default=0.0)
         if comm_end > compute_end:
-            ax.add_patch(Rectangle((compute_end * scale, 2 * i - 0.45), (comm_end - compute_end) * scale, 1.9,
-                                   color="tab:red", alpha=0.12, zorder=0))
+            ax.add_patch(
+                Rectangle(
+                    (compute_end * scale, 2 * i - 0.45),
+                    (comm_end - compute_end) * scale,
+                    1.9,
+                    color="tab:red",
+                    alpha=0.12,
+                    zorder=0,
+                )
+            )
     ax.set_yticks([y for y, _ in labels], [text for _, text in labels], fontsize=8)
     ax.set_ylim(2 * len(ranks) - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
@@ -60,33 +83,50 @@ def draw_lanes(ax, spans: list[dict], *, title: str, scale: float = 1e3, unit: s
 
 
 def simulated_title(sim: dict) -> str:
-    return (f"model: {sim['variant']}, {sim['params_m']:.3g}M params on {sim['ranks']} ranks, "
-            f"{sim['calls']} all-reduces; "
-            f"backward {sim['backward_s'] * 1e3:.1f} ms, comm {sim['comm_s'] * 1e3:.1f} ms, "
-            f"exposed {sim['exposed_s'] * 1e3:.1f} ms ({sim['hidden_fraction']:.0%} of comm hidden)")
+    return (
+        f"model: {sim['variant']}, {sim['params_m']:.3g}M params on {sim['ranks']} ranks, "
+        f"{sim['calls']} all-reduces; "
+        f"backward {sim['backward_s'] * 1e3:.1f} ms, comm {sim['comm_s'] * 1e3:.1f} ms, "
+        f"exposed {sim['exposed_s'] * 1e3:.1f} ms ({sim['hidden_fraction']:.0%} of comm hidden)"
+    )
 
 
 def measured_title(trace: dict) -> str:
     exposed = ", ".join(f"{r['exposed_s'] * 1e3:.1f}" for r in trace["per_rank"])
     backward = ", ".join(f"{r['backward_s'] * 1e3:.1f}" for r in trace["per_rank"])
-    return (f"measured: {trace['variant']} on {trace['nproc']} ranks (gloo), {trace['per_rank'][0]['all_reduces']} "
-            f"all-reduces; backward {backward} ms, exposed {exposed} ms per rank")
+    return (
+        f"measured: {trace['variant']} on {trace['nproc']} ranks (gloo), {trace['per_rank'][0]['all_reduces']} "
+        f"all-reduces; backward {backward} ms, exposed {exposed} ms per rank"
+    )
 
 
 def draw_overlap(sim: dict, measured: dict | None = None):
     """The simulated timeline, and below it the measured one when given; returns the figure."""
     rows = 1 + (measured is not None)
     heights = [1.0] + ([max(1.0, len(measured["per_rank"]))] if measured else [])
-    fig, axes = plt.subplots(rows, 1, figsize=(10, 1.6 + 1.3 * sum(heights)), gridspec_kw={"height_ratios": heights},
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows,
+        1,
+        figsize=(10, 1.6 + 1.3 * sum(heights)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     draw_lanes(axes[0][0], sim["spans"], title=simulated_title(sim))
     if measured is not None:
         draw_lanes(axes[1][0], measured["spans"], title=measured_title(measured))
-    fig.legend(handles=[Patch(color=BUCKET_COLOURS(0), label="bucket 0 (backward segment, its all-reduce)"),
-                        Patch(color=BUCKET_COLOURS(1), label="bucket 1 ..."),
-                        Patch(color="tab:red", alpha=0.5, label="exposed communication / wait"),
-                        Patch(color="0.85", label="forward"), Patch(color="0.55", label="optimizer")],
-               loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.legend(
+        handles=[
+            Patch(color=BUCKET_COLOURS(0), label="bucket 0 (backward segment, its all-reduce)"),
+            Patch(color=BUCKET_COLOURS(1), label="bucket 1 ..."),
+            Patch(color="tab:red", alpha=0.5, label="exposed communication / wait"),
+            Patch(color="0.85", label="forward"),
+            Patch(color="0.55", label="optimizer"),
+        ],
+        loc="lower center",
+        ncol=5,
+        fontsize=7,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
@@ -102,24 +142,38 @@ def overlap_widget(measured: dict | None = None, **defaults):
     log = dict(base=10, readout_format=".3g")
     controls = {
         "variant": w.Dropdown(options=VARIANTS, value=s["variant"], description="variant"),
-        "params_m": w.FloatLogSlider(value=s["params_m"], min=-1, max=5, description="params (M)", **log),
+        "params_m": w.FloatLogSlider(
+            value=s["params_m"], min=-1, max=5, description="params (M)", **log
+        ),
         "layers": w.IntSlider(value=s["layers"], min=1, max=128, description="layers"),
-        "bucket_mb": w.FloatLogSlider(value=s["bucket_mb"], min=-2, max=3, description="bucket MiB", **log),
-        "bytes_per_grad": w.Dropdown(options=[("bf16", 2), ("fp32", 4)], value=s["bytes_per_grad"],
-                                     description="gradients"),
-        "bandwidth_gbs": w.FloatLogSlider(value=s["bandwidth_gbs"], min=-2, max=3, description="GB/s", **log),
-        "latency_us": w.FloatLogSlider(value=s["latency_us"], min=0, max=4, description="latency µs", **log),
-        "tflops": w.FloatLogSlider(value=s["tflops"], min=-3, max=3.3, description="TFLOP/s", **log),
+        "bucket_mb": w.FloatLogSlider(
+            value=s["bucket_mb"], min=-2, max=3, description="bucket MiB", **log
+        ),
+        "bytes_per_grad": w.Dropdown(
+            options=[("bf16", 2), ("fp32", 4)], value=s["bytes_per_grad"], description="gradients"
+        ),
+        "bandwidth_gbs": w.FloatLogSlider(
+            value=s["bandwidth_gbs"], min=-2, max=3, description="GB/s", **log
+        ),
+        "latency_us": w.FloatLogSlider(
+            value=s["latency_us"], min=0, max=4, description="latency µs", **log
+        ),
+        "tflops": w.FloatLogSlider(
+            value=s["tflops"], min=-3, max=3.3, description="TFLOP/s", **log
+        ),
         "ranks": w.IntSlider(value=s["ranks"], min=2, max=1024, description="ranks"),
-        "tokens_per_rank": w.IntSlider(value=s["tokens_per_rank"], min=64, max=131072, step=64,
-                                       description="tokens/rank"),
+        "tokens_per_rank": w.IntSlider(
+            value=s["tokens_per_rank"], min=64, max=131072, step=64, description="tokens/rank"
+        ),
     }
     out = w.Output()
 
     def redraw(*_):
         with out:
             out.clear_output(wait=True)
-            fig = draw_overlap(simulate_ddp(**{**s, **{k: c.value for k, c in controls.items()}}), measured)
+            fig = draw_overlap(
+                simulate_ddp(**{**s, **{k: c.value for k, c in controls.items()}}), measured
+            )
             display(fig)
             plt.close(fig)
 

@@ -1,7 +1,8 @@
 """Memory calculator (notebook 01): what one GPU holds in a training run, and whether it fits.
 
     memory_calculator()                        # the widget: presets or free dimensions, every option,
-                                               # a stacked bar per rank, the GPU's memory, a verdict, a sweep
+                                               # a stacked bar per rank, the GPU's memory, a
+                                               verdict, a sweep
     draw_breakdown(result, 80.0)               # the stacked bar alone, as a matplotlib figure
     draw_sweep(sweep(spec, "seq", [...]), "seq", 80.0)   # memory against one parameter
 
@@ -15,21 +16,39 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from labs.theory.memory import GIB, OPTIMIZERS, PP_SCHEDULES, PRECISIONS
 from labs.theory.activations import RECOMPUTE
+from labs.theory.memory import GIB, OPTIMIZERS, PP_SCHEDULES, PRECISIONS
 from labs.theory.memory_report import DIMS, evaluate, spec_dims, sweep
 from labs.theory.presets import GPUS, PRESETS
 
-PARTS = (("param_bytes", "parameters", "tab:blue"), ("grad_bytes", "gradients", "tab:orange"),
-         ("optimizer_bytes", "optimizer state", "tab:green"), ("activation_bytes", "activations", "tab:red"))
-SWEEPS = {"seq": [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072], "mbs": [1, 2, 4, 8, 16],
-          "dp": [1, 2, 4, 8, 16, 32, 64], "zero": [0, 1, 2, 3], "tp": [1, 2, 4, 8, 16], "pp": [1, 2, 4, 8, 16],
-          "cp": [1, 2, 4, 8, 16, 32], "recompute": list(RECOMPUTE)}
+PARTS = (
+    ("param_bytes", "parameters", "tab:blue"),
+    ("grad_bytes", "gradients", "tab:orange"),
+    ("optimizer_bytes", "optimizer state", "tab:green"),
+    ("activation_bytes", "activations", "tab:red"),
+)
+SWEEPS = {
+    "seq": [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
+    "mbs": [1, 2, 4, 8, 16],
+    "dp": [1, 2, 4, 8, 16, 32, 64],
+    "zero": [0, 1, 2, 3],
+    "tp": [1, 2, 4, 8, 16],
+    "pp": [1, 2, 4, 8, 16],
+    "cp": [1, 2, 4, 8, 16, 32],
+    "recompute": list(RECOMPUTE),
+}
 
 
 def _gpu_line(ax, gpu_mem_gib: float, label: str) -> None:
     ax.axhline(gpu_mem_gib, color="black", linestyle="--", linewidth=1.2)
-    ax.text(ax.get_xlim()[1], gpu_mem_gib, f" {label}: {gpu_mem_gib:.1f} GiB", va="bottom", ha="right", fontsize=8)
+    ax.text(
+        ax.get_xlim()[1],
+        gpu_mem_gib,
+        f" {label}: {gpu_mem_gib:.1f} GiB",
+        va="bottom",
+        ha="right",
+        fontsize=8,
+    )
 
 
 def draw_breakdown(result: dict, gpu_mem_gib: float, *, gpu_label: str = "GPU", title: str = ""):
@@ -52,7 +71,9 @@ def draw_breakdown(result: dict, gpu_mem_gib: float, *, gpu_label: str = "GPU", 
     return fig
 
 
-def draw_sweep(rows: list[dict], param: str, gpu_mem_gib: float, *, gpu_label: str = "GPU", ax=None):
+def draw_sweep(
+    rows: list[dict], param: str, gpu_mem_gib: float, *, gpu_label: str = "GPU", ax=None
+):
     """Stacked bars of the per-rank breakdown for each value of ``param``; values the layout
     rejects are marked 'invalid'. Returns the axes."""
     if ax is None:
@@ -87,30 +108,55 @@ def memory_calculator(preset: str = "llama3-8b", **run):
         return widget
 
     style, layout = {"description_width": "initial"}, w.Layout(width="170px")
-    c = {"preset": w.Dropdown(options=[*PRESETS, "custom"], value=preset, description="model"),
-         "arch": w.Dropdown(options=["llama", "gpt"], value="llama", description="arch"),
-         "tied": w.Checkbox(value=False, description="tied head"),
-         **{d: w.IntText(description=d.replace("_", " "), style=style, layout=layout) for d in DIMS},
-         "seq": w.IntText(value=run.get("seq", 4096), description="seq", layout=layout),
-         "mbs": w.IntText(value=run.get("mbs", 1), description="mbs", layout=layout),
-         "precision": w.Dropdown(options=list(PRECISIONS), value=run.get("precision", "bf16-mixed"),
-                                 description="precision"),
-         "optimizer": w.Dropdown(options=list(OPTIMIZERS), value=run.get("optimizer", "adamw"), description="optimizer"),
-         "fp32_grad_accum": w.Checkbox(value=run.get("fp32_grad_accum", False), description="fp32 grad accumulation"),
-         "zero": w.Dropdown(options=[0, 1, 2, 3], value=run.get("zero", 0), description="ZeRO", layout=layout),
-         **{d: w.IntText(value=run.get(d, 1), description=d, layout=layout) for d in ("dp", "tp", "pp", "cp")},
-         "sp": w.Checkbox(value=run.get("sp", False), description="sequence parallel"),
-         "recompute": w.Dropdown(options=list(RECOMPUTE), value=run.get("recompute", "none"), description="recompute"),
-         "microbatches": w.IntText(value=run.get("microbatches") or 0, description="micro-batches (0: pp)",
-                                   style=style, layout=w.Layout(width="200px")),
-         "schedule": w.Dropdown(options=list(PP_SCHEDULES), value=run.get("schedule", "1f1b"), description="schedule"),
-         "gpu": w.Dropdown(options=[*GPUS, "custom"], value="H100 80GB", description="GPU"),
-         "gpu_mem": w.FloatText(value=GPUS["H100 80GB"][0], description="GiB", layout=layout),
-         "sweep": w.Dropdown(options=list(SWEEPS), value="seq", description="sweep")}
+    c = {
+        "preset": w.Dropdown(options=[*PRESETS, "custom"], value=preset, description="model"),
+        "arch": w.Dropdown(options=["llama", "gpt"], value="llama", description="arch"),
+        "tied": w.Checkbox(value=False, description="tied head"),
+        **{d: w.IntText(description=d.replace("_", " "), style=style, layout=layout) for d in DIMS},
+        "seq": w.IntText(value=run.get("seq", 4096), description="seq", layout=layout),
+        "mbs": w.IntText(value=run.get("mbs", 1), description="mbs", layout=layout),
+        "precision": w.Dropdown(
+            options=list(PRECISIONS),
+            value=run.get("precision", "bf16-mixed"),
+            description="precision",
+        ),
+        "optimizer": w.Dropdown(
+            options=list(OPTIMIZERS), value=run.get("optimizer", "adamw"), description="optimizer"
+        ),
+        "fp32_grad_accum": w.Checkbox(
+            value=run.get("fp32_grad_accum", False), description="fp32 grad accumulation"
+        ),
+        "zero": w.Dropdown(
+            options=[0, 1, 2, 3], value=run.get("zero", 0), description="ZeRO", layout=layout
+        ),
+        **{
+            d: w.IntText(value=run.get(d, 1), description=d, layout=layout)
+            for d in ("dp", "tp", "pp", "cp")
+        },
+        "sp": w.Checkbox(value=run.get("sp", False), description="sequence parallel"),
+        "recompute": w.Dropdown(
+            options=list(RECOMPUTE), value=run.get("recompute", "none"), description="recompute"
+        ),
+        "microbatches": w.IntText(
+            value=run.get("microbatches") or 0,
+            description="micro-batches (0: pp)",
+            style=style,
+            layout=w.Layout(width="200px"),
+        ),
+        "schedule": w.Dropdown(
+            options=list(PP_SCHEDULES), value=run.get("schedule", "1f1b"), description="schedule"
+        ),
+        "gpu": w.Dropdown(options=[*GPUS, "custom"], value="H100 80GB", description="GPU"),
+        "gpu_mem": w.FloatText(value=GPUS["H100 80GB"][0], description="GiB", layout=layout),
+        "sweep": w.Dropdown(options=list(SWEEPS), value="seq", description="sweep"),
+    }
     for name, widget in c.items():
         control(name, widget)
     verdict_box = w.HTML().add_class("labs-memory-verdict")
-    chart, sweep_chart = w.Output().add_class("labs-memory-chart"), w.Output().add_class("labs-memory-sweep-chart")
+    chart, sweep_chart = (
+        w.Output().add_class("labs-memory-chart"),
+        w.Output().add_class("labs-memory-sweep-chart"),
+    )
     busy = {"filling": False}
 
     def quietly(fn):  # set controls without redrawing after each one
@@ -133,36 +179,66 @@ def memory_calculator(preset: str = "llama3-8b", **run):
     def settings() -> dict:
         preset_name = None if c["preset"].value == "custom" else c["preset"].value
         dims = {d: c[d].value for d in DIMS}
-        run_now = {k: c[k].value for k in ("seq", "mbs", "precision", "optimizer", "fp32_grad_accum", "zero", "dp",
-                                           "tp", "pp", "cp", "sp", "recompute", "schedule")}
-        return dict(preset=preset_name, dims={**dims, "arch": c["arch"].value, "tied": c["tied"].value},
-                    microbatches=c["microbatches"].value or None, **run_now)
+        run_now = {
+            k: c[k].value
+            for k in (
+                "seq",
+                "mbs",
+                "precision",
+                "optimizer",
+                "fp32_grad_accum",
+                "zero",
+                "dp",
+                "tp",
+                "pp",
+                "cp",
+                "sp",
+                "recompute",
+                "schedule",
+            )
+        }
+        return dict(
+            preset=preset_name,
+            dims={**dims, "arch": c["arch"].value, "tied": c["tied"].value},
+            microbatches=c["microbatches"].value or None,
+            **run_now,
+        )
 
     def redraw(change=None):
         if busy["filling"]:
             return
         owner = change["owner"] if change is not None else None
         if owner in [c[d] for d in (*DIMS, "arch", "tied")]:
-            quietly(lambda: setattr(c["preset"], "value", "custom"))  # editing a dimension leaves the preset
+            quietly(
+                lambda: setattr(c["preset"], "value", "custom")
+            )  # editing a dimension leaves the preset
         if owner is c["gpu_mem"]:
             quietly(lambda: setattr(c["gpu"], "value", "custom"))
         gpu_mem, gpu_label = c["gpu_mem"].value, c["gpu"].value
-        state = evaluate(gpu_mem_gib=gpu_mem, **settings()) if gpu_mem > 0 else \
-            {"result": None, "verdict": "cannot compute: GPU memory must be > 0 GiB"}
+        state = (
+            evaluate(gpu_mem_gib=gpu_mem, **settings())
+            if gpu_mem > 0
+            else {"result": None, "verdict": "cannot compute: GPU memory must be > 0 GiB"}
+        )
         ok = state["result"] is not None and state["verdict"].startswith("fits")
         colour = "green" if ok else ("darkred" if state["result"] is not None else "gray")
         verdict_box.value = f"<b style='color:{colour}; font-size:1.1em'>{state['verdict']}</b>"
         with chart:
             chart.clear_output(wait=True)
             if state["result"] is not None:
-                fig = draw_breakdown(state["result"], gpu_mem, gpu_label=gpu_label, title=state["name"] or "")
+                fig = draw_breakdown(
+                    state["result"], gpu_mem, gpu_label=gpu_label, title=state["name"] or ""
+                )
                 display(fig)
                 plt.close(fig)
         with sweep_chart:
             sweep_chart.clear_output(wait=True)
             if state["result"] is not None:
                 kwargs = settings()
-                param, base = c["sweep"].value, {k: v for k, v in kwargs.items() if k not in ("preset", "dims")}
+                param, base = (
+                    c["sweep"].value,
+                    {k: v for k, v in kwargs.items() if k not in ("preset", "dims")},
+                )
                 rows = sweep(state["spec"], param, SWEEPS[param], **base)
                 fig, ax = plt.subplots(figsize=(7, 3.4))
                 draw_sweep(rows, param, gpu_mem, gpu_label=gpu_label, ax=ax)
@@ -178,9 +254,19 @@ def memory_calculator(preset: str = "llama3-8b", **run):
             widget.observe(redraw, "value")
     redraw()
     row = lambda *names: w.HBox([c[n] for n in names])  # noqa: E731
-    box = w.VBox([row("preset", "arch", "tied"), row(*DIMS),
-                  row("seq", "mbs", "precision", "optimizer", "fp32_grad_accum"),
-                  row("zero", "dp", "tp", "sp"), row("pp", "microbatches", "schedule", "cp", "recompute"),
-                  row("gpu", "gpu_mem"), verdict_box, chart, c["sweep"], sweep_chart])
+    box = w.VBox(
+        [
+            row("preset", "arch", "tied"),
+            row(*DIMS),
+            row("seq", "mbs", "precision", "optimizer", "fp32_grad_accum"),
+            row("zero", "dp", "tp", "sp"),
+            row("pp", "microbatches", "schedule", "cp", "recompute"),
+            row("gpu", "gpu_mem"),
+            verdict_box,
+            chart,
+            c["sweep"],
+            sweep_chart,
+        ]
+    )
     display(box)
     return box

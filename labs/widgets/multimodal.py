@@ -1,4 +1,5 @@
-"""Notebook 11's pictures: the data, the cost of each part, a pipeline's stages with the encoder, measured runs.
+"""Notebook 11's pictures: the data, the cost of each part, a pipeline's stages with the encoder,
+measured runs.
 
     show_samples(8)                                   # images and their captions
     parts_table(preset("llama3-8b"), ENCODERS["siglip-so400m"], text_tokens=1024)   # who has the parameters
@@ -6,9 +7,9 @@
     balance_explorer()                                # the same with sliders, and a "rebalance" button
     draw_measured(labs.experiments.multimodal_timeline.imbalance(...))              # measured charts per split
 
-Numbers come from ``labs.theory.multimodal`` and ``labs.experiments.multimodal``; this module only draws.
-Charts: rows are pipeline stages (ranks), time runs right, forwards plain, backwards hatched, colours are
-micro-batches, grey is idle; per-stage bars show the encoder's part in orange.
+Numbers come from ``labs.theory.multimodal`` and ``labs.experiments.multimodal``; this module only
+draws. Charts: rows are pipeline stages (ranks), time runs right, forwards plain, backwards hatched,
+colours are micro-batches, grey is idle; per-stage bars show the encoder's part in orange.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from labs.theory import multimodal as theory
-from labs.widgets.pipeline import draw_gantt
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.flops import flops_per_token
 from labs.theory.memory import param_count
+from labs.widgets.pipeline import draw_gantt
 
 ENCODER_COLOUR, DECODER_COLOUR = "tab:orange", "tab:blue"
 
@@ -27,28 +28,46 @@ ENCODER_COLOUR, DECODER_COLOUR = "tab:orange", "tab:blue"
 def show_samples(n: int = 8, *, seed: int = 0):
     """The first ``n`` samples of the data set, each image over its caption."""
     from labs.data.shapes import ByteTokenizer, ShapesDataset
+
     ds, tok = ShapesDataset(seed=seed), ByteTokenizer()
     fig, axes = plt.subplots(1, n, figsize=(1.4 * n, 1.9))
     for i, ax in enumerate(axes):
         image, caption = ds[i]
         ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
-        ax.set_title(tok.decode(caption).strip().removeprefix("a ").replace(" ", "\n", 1), fontsize=8)
+        ax.set_title(
+            tok.decode(caption).strip().removeprefix("a ").replace(" ", "\n", 1), fontsize=8
+        )
         ax.axis("off")
     return fig
 
 
 def parts_table(spec, enc, *, text_tokens: int, mbs: int = 1) -> list[dict]:
-    """Per sample, encoder (+ projector) against decoder: parameters, tokens, training FLOPs, activations (bf16)."""
+    """Per sample, encoder (+ projector) against decoder: parameters, tokens, training FLOPs,
+    activations (bf16)."""
     seq = enc.tokens + text_tokens
     ef = theory.encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
     enc_params = theory.encoder_param_counts(enc, text_hidden=spec.hidden)["total"]
-    dec_acts = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=2, layers=spec.n_layers)["total"]
-    rows = [{"part": "encoder + projector", "params": enc_params, "tokens": enc.tokens,
-             "train_flops": ef["forward"] + ef["backward"],
-             "activation_bytes": theory.encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden,
-                                                                 dtype_bytes=2)["total"]},
-            {"part": "decoder", "params": param_count(spec), "tokens": seq,
-             "train_flops": flops_per_token(spec, seq=seq) * seq * mbs, "activation_bytes": dec_acts}]
+    dec_acts = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=2, layers=spec.n_layers)[
+        "total"
+    ]
+    rows = [
+        {
+            "part": "encoder + projector",
+            "params": enc_params,
+            "tokens": enc.tokens,
+            "train_flops": ef["forward"] + ef["backward"],
+            "activation_bytes": theory.encoder_activation_bytes(
+                enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=2
+            )["total"],
+        },
+        {
+            "part": "decoder",
+            "params": param_count(spec),
+            "tokens": seq,
+            "train_flops": flops_per_token(spec, seq=seq) * seq * mbs,
+            "activation_bytes": dec_acts,
+        },
+    ]
     for key in ("params", "train_flops", "activation_bytes"):
         total = sum(r[key] for r in rows)
         for r in rows:
@@ -59,15 +78,25 @@ def parts_table(spec, enc, *, text_tokens: int, mbs: int = 1) -> list[dict]:
 def print_parts(rows: list[dict]) -> None:
     print(f"{'part':20} {'params':>14} {'tokens':>7} {'train FLOPs':>12} {'activations MiB':>16}")
     for r in rows:
-        print(f"{r['part']:20} {r['params']:>14,} {r['tokens']:>7} {r['train_flops']:>12.3g} "
-              f"{r['activation_bytes'] / 2 ** 20:>16,.2f}   ({r['params_share']:.1%} of the parameters, "
-              f"{r['train_flops_share']:.1%} of the FLOPs, {r['activation_bytes_share']:.1%} of the activations)")
+        print(
+            f"{r['part']:20} {r['params']:>14,} {r['tokens']:>7} {r['train_flops']:>12.3g} "
+            f"{r['activation_bytes'] / 2**20:>16,.2f}   ({r['params_share']:.1%} of the parameters, "
+            f"{r['train_flops_share']:.1%} of the FLOPs, {r['activation_bytes_share']:.1%} of the activations)"
+        )
 
 
 def _gantt(ax, events: list[dict], stages: int, title: str) -> None:
     """1F1B events (dicts) as notebook 05 draws them, stage 0 named as the encoder's."""
-    draw_gantt(ax, events, stages, 1, title, t0=min(e["start"] for e in events), labels=False,
-               row_names=["stage 0 (encoder)"] + [f"stage {s}" for s in range(1, stages)])
+    draw_gantt(
+        ax,
+        events,
+        stages,
+        1,
+        title,
+        t0=min(e["start"] for e in events),
+        labels=False,
+        row_names=["stage 0 (encoder)"] + [f"stage {s}" for s in range(1, stages)],
+    )
 
 
 def _stage_bars(ax, totals, encoder_part: float, title: str, unit: str) -> None:
@@ -82,30 +111,48 @@ def _stage_bars(ax, totals, encoder_part: float, title: str, unit: str) -> None:
 
 
 def draw_balance(spec, enc, *, split, text_tokens: int, mbs: int, microbatches: int, tp: int = 1):
-    """Per-stage forward + backward FLOPs of one micro-batch (the encoder's part in orange) and the 1F1B chart
-    they give. Returns (figure, ``pipeline_balance``'s result)."""
-    r = theory.pipeline_balance(spec, enc, split=split, text_tokens=text_tokens, mbs=mbs, microbatches=microbatches,
-                                tp=tp)
+    """Per-stage forward + backward FLOPs of one micro-batch (the encoder's part in orange) and the
+    1F1B chart they give. Returns (figure, ``pipeline_balance``'s result)."""
+    r = theory.pipeline_balance(
+        spec, enc, split=split, text_tokens=text_tokens, mbs=mbs, microbatches=microbatches, tp=tp
+    )
     ef = theory.encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
-    fig, (bars, chart) = plt.subplots(1, 2, figsize=(11, 0.9 + 0.5 * len(split)), gridspec_kw={"width_ratios": [1, 4]})
-    _stage_bars(bars, [t / 1e6 for t in r["stage_time"]], (ef["forward"] + ef["backward"]) / 1e6,
-                f"split {tuple(split)}", "MFLOP per micro-batch")
-    _gantt(chart, r["events"], len(split),
-           f"1F1B, M={microbatches}: bubble {r['bubble_fraction']:.1%} (equal stages: "
-           f"{r['balanced_bubble_fraction']:.1%}); slowest stage {r['imbalance']:.2f}x the mean")
+    fig, (bars, chart) = plt.subplots(
+        1, 2, figsize=(11, 0.9 + 0.5 * len(split)), gridspec_kw={"width_ratios": [1, 4]}
+    )
+    _stage_bars(
+        bars,
+        [t / 1e6 for t in r["stage_time"]],
+        (ef["forward"] + ef["backward"]) / 1e6,
+        f"split {tuple(split)}",
+        "MFLOP per micro-batch",
+    )
+    _gantt(
+        chart,
+        r["events"],
+        len(split),
+        f"1F1B, M={microbatches}: bubble {r['bubble_fraction']:.1%} (equal stages: "
+        f"{r['balanced_bubble_fraction']:.1%}); slowest stage {r['imbalance']:.2f}x the mean",
+    )
     chart.set_xlabel("FLOPs (time at a constant FLOP rate)")
     fig.tight_layout()
     return fig, r
 
 
-def balance_explorer(*, spec=None, enc=None, text_tokens: int = 24, mbs: int = 4, microbatches: int = 4):
-    """Sliders: encoder layers, width and patches, pipeline stages, micro-batches, decoder layers on each stage;
-    the "rebalance" button applies ``balanced_split``. Defaults: the lab's ``timing`` model."""
+def balance_explorer(
+    *, spec=None, enc=None, text_tokens: int = 24, mbs: int = 4, microbatches: int = 4
+):
+    """Sliders: encoder layers, width and patches, pipeline stages, micro-batches, decoder layers on
+    each stage; the "rebalance" button applies ``balanced_split``. Defaults: the lab's ``timing``
+    model."""
     import dataclasses
+
     import ipywidgets as w
     from IPython.display import display
+
     if spec is None or enc is None:
         from labs.experiments.multimodal import SIZES, specs
+
         spec, enc = specs(SIZES["timing"])
     layers = w.IntSlider(value=enc.n_layers, min=1, max=24, description="enc layers")
     width = w.IntSlider(value=enc.hidden, min=32, max=512, step=32, description="enc width")
@@ -117,8 +164,13 @@ def balance_explorer(*, spec=None, enc=None, text_tokens: int = 24, mbs: int = 4
     out = w.Output()
 
     def current():
-        e = dataclasses.replace(enc, n_layers=layers.value, hidden=width.value, tokens=patches.value,
-                                n_heads=4 if width.value % 4 == 0 else 1)
+        e = dataclasses.replace(
+            enc,
+            n_layers=layers.value,
+            hidden=width.value,
+            tokens=patches.value,
+            n_heads=4 if width.value % 4 == 0 else 1,
+        )
         return e, tuple(int(x) for x in split.value.replace(" ", "").split(",") if x)
 
     def redraw(*_):
@@ -126,7 +178,9 @@ def balance_explorer(*, spec=None, enc=None, text_tokens: int = 24, mbs: int = 4
             out.clear_output(wait=True)
             try:
                 e, s = current()
-                fig, _ = draw_balance(spec, e, split=s, text_tokens=text_tokens, mbs=mbs, microbatches=micro.value)
+                fig, _ = draw_balance(
+                    spec, e, split=s, text_tokens=text_tokens, mbs=mbs, microbatches=micro.value
+                )
             except ValueError as err:
                 print(f"invalid: {err}")
                 return
@@ -138,7 +192,9 @@ def balance_explorer(*, spec=None, enc=None, text_tokens: int = 24, mbs: int = 4
 
     def rebalance(_):
         e, _ = current()
-        split.value = str(theory.balanced_split(spec, e, stages=stages.value, text_tokens=text_tokens, mbs=mbs))[1:-1]
+        split.value = str(
+            theory.balanced_split(spec, e, stages=stages.value, text_tokens=text_tokens, mbs=mbs)
+        )[1:-1]
 
     stages.observe(on_stages, "value")
     for control in (layers, width, patches, micro, split):
@@ -151,11 +207,16 @@ def balance_explorer(*, spec=None, enc=None, text_tokens: int = 24, mbs: int = 4
 
 
 def draw_measured(result: dict):
-    """For each split of ``labs.experiments.multimodal_timeline.imbalance``: each stage's measured time per
-    micro-batch (stage 0, the encoder's, in orange) and the chart of the median step."""
+    """For each split of ``labs.experiments.multimodal_timeline.imbalance``: each stage's measured
+    time per micro-batch (stage 0, the encoder's, in orange) and the chart of the median step."""
     rows = result["rows"]
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, (0.9 + 0.5 * result["nproc"]) * len(rows)), squeeze=False,
-                             gridspec_kw={"width_ratios": [1, 4]})
+    fig, axes = plt.subplots(
+        len(rows),
+        2,
+        figsize=(11, (0.9 + 0.5 * result["nproc"]) * len(rows)),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [1, 4]},
+    )
     for (bars, chart), row in zip(axes, rows):
         ms = [t * 1e3 for t in row["stage_time"]]
         bars.bar(range(len(ms)), ms, color=[ENCODER_COLOUR] + [DECODER_COLOUR] * (len(ms) - 1))
@@ -163,51 +224,76 @@ def draw_measured(result: dict):
         bars.set_xticks(range(len(ms)), [f"s{s}" for s in range(len(ms))])
         bars.set_ylabel("ms per micro-batch (F+B)")
         bars.set_title(f"split {row['split']}", fontsize=9)
-        _gantt(chart, row["events"], result["nproc"],
-               f"measured: bubble {row['measured_bubble']:.1%}, stage 0 idle {row['stage_idle'][0]:.0%}; "
-               f"on paper with these times {row['simulated_bubble']:.1%}; from FLOPs {row['flops_bubble']:.1%}")
+        _gantt(
+            chart,
+            row["events"],
+            result["nproc"],
+            f"measured: bubble {row['measured_bubble']:.1%}, stage 0 idle {row['stage_idle'][0]:.0%}; "
+            f"on paper with these times {row['simulated_bubble']:.1%}; from FLOPs {row['flops_bubble']:.1%}",
+        )
         chart.set_xlabel("seconds")
     fig.tight_layout()
     return fig
 
 
 def measured_table(result: dict) -> None:
-    """``imbalance``'s result as a table: per split, per-stage time, imbalance, bubble measured / on paper / FLOPs."""
-    print(f"{'split':>10} {'stage ms (F+B per micro-batch)':>31} {'slowest/mean':>13} {'step ms':>8} "
-          f"{'bubble: measured':>17} {'on paper':>9} {'FLOPs':>6} {'stage 0 idle':>13}")
+    """``imbalance``'s result as a table: per split, per-stage time, imbalance, bubble measured / on
+    paper / FLOPs."""
+    print(
+        f"{'split':>10} {'stage ms (F+B per micro-batch)':>31} {'slowest/mean':>13} {'step ms':>8} "
+        f"{'bubble: measured':>17} {'on paper':>9} {'FLOPs':>6} {'stage 0 idle':>13}"
+    )
     for r in result["rows"]:
         stage_ms = " ".join(f"{t * 1e3:6.1f}" for t in r["stage_time"])
-        print(f"{str(r['split']):>10} {stage_ms:>31} {r['imbalance']:>13.2f} {r['timed_step_s'] * 1e3:>8.1f} "
-              f"{r['measured_bubble']:>17.1%} {r['simulated_bubble']:>9.1%} {r['flops_bubble']:>6.1%} "
-              f"{r['stage_idle'][0]:>13.0%}")
+        print(
+            f"{str(r['split']):>10} {stage_ms:>31} {r['imbalance']:>13.2f} {r['timed_step_s'] * 1e3:>8.1f} "
+            f"{r['measured_bubble']:>17.1%} {r['simulated_bubble']:>9.1%} {r['flops_bubble']:>6.1%} "
+            f"{r['stage_idle'][0]:>13.0%}"
+        )
     print(f"(equal stages would give (P-1)/(M+P-1) = {result['uniform_bubble']:.1%})")
 
 
 def print_tp_or_replicate(encoders: dict, *, text_hidden: int, tps=(2, 8), mbs: int = 1) -> None:
     """``theory.encoder_tp_or_replicate`` for each named encoder and TP degree, one line each."""
-    print(f"{'encoder':16} {'tp':>3} {'split it: bytes/GPU':>20} {'all-reduces':>12} {'time':>9}   "
-          f"{'replicate it: extra GFLOP':>26} {'time':>9}   cheaper")
+    print(
+        f"{'encoder':16} {'tp':>3} {'split it: bytes/GPU':>20} {'all-reduces':>12} {'time':>9}   "
+        f"{'replicate it: extra GFLOP':>26} {'time':>9}   cheaper"
+    )
     for name, enc in encoders.items():
         for tp in tps:
             r = theory.encoder_tp_or_replicate(enc, tp=tp, mbs=mbs, text_hidden=text_hidden)
             best = "replicate" if r["replicate_extra_seconds"] < r["tp_seconds"] else "split"
-            print(f"{name:16} {tp:>3} {r['tp_bytes'] / 1e6:>17.2f} MB {r['collectives']:>12} "
-                  f"{r['tp_seconds'] * 1e3:>6.3f} ms   {r['replicate_extra_flops'] / 1e9:>26.2f} "
-                  f"{r['replicate_extra_seconds'] * 1e3:>6.3f} ms   {best}")
+            print(
+                f"{name:16} {tp:>3} {r['tp_bytes'] / 1e6:>17.2f} MB {r['collectives']:>12} "
+                f"{r['tp_seconds'] * 1e3:>6.3f} ms   {r['replicate_extra_flops'] / 1e9:>26.2f} "
+                f"{r['replicate_extra_seconds'] * 1e3:>6.3f} ms   {best}"
+            )
 
 
 def print_memory(mem: dict) -> None:
-    """``theory.memory_per_rank_with_encoder`` per stage: GiB with the encoder, without, and the difference."""
-    gib = 2 ** 30
-    print(f"{'stage':>5} {'layers':>6} {'with encoder':>13} {'decoder alone':>14} {'encoder adds':>13}  (GiB)")
+    """``theory.memory_per_rank_with_encoder`` per stage: GiB with the encoder, without, and the
+    difference."""
+    gib = 2**30
+    print(
+        f"{'stage':>5} {'layers':>6} {'with encoder':>13} {'decoder alone':>14} {'encoder adds':>13}  (GiB)"
+    )
     for row, alone in zip(mem["stages"], mem["decoder_only_bytes"]):
-        print(f"{row['stage']:>5} {row['layers']:>6} {row['total_bytes'] / gib:>13.2f} {alone / gib:>14.2f} "
-              f"{row['encoder_bytes'] / gib:>13.2f}")
-    print(f"busiest stage {mem['stage']}: {mem['total_bytes'] / gib:.2f} GiB; "
-          f"spread between stages {mem['imbalance_bytes'] / gib:.2f} GiB")
+        print(
+            f"{row['stage']:>5} {row['layers']:>6} {row['total_bytes'] / gib:>13.2f} {alone / gib:>14.2f} "
+            f"{row['encoder_bytes'] / gib:>13.2f}"
+        )
+    print(
+        f"busiest stage {mem['stage']}: {mem['total_bytes'] / gib:.2f} GiB; "
+        f"spread between stages {mem['imbalance_bytes'] / gib:.2f} GiB"
+    )
 
 
 def print_plan(plan: dict, *, model: str = "custom", encoder: str = "custom") -> None:
     """``labs.theory.multimodal_plan.plan_with_encoder``'s result as its command line prints it."""
     from labs.theory import multimodal_plan
-    print(multimodal_plan.format_result(multimodal_plan.plan_summary(plan, model=model, encoder=encoder)))
+
+    print(
+        multimodal_plan.format_result(
+            multimodal_plan.plan_summary(plan, model=model, encoder=encoder)
+        )
+    )

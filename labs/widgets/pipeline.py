@@ -23,18 +23,37 @@ MB_COLOURS = plt.get_cmap("tab20")
 MAX_MEASURED_RANKS = 4  # a measured overlay starts this many processes at most (a laptop's worth)
 
 
-def draw_gantt(ax, events: list[dict], stages: int, virtual: int, title: str, scale: float = 1.0, t0: float = 0.0,
-               labels: bool = True, row_names: list[str] | None = None) -> None:
-    """Draw ``events`` (dicts with rank, name, microbatch, chunk, start, end) on ``ax``, one row per rank over a
-    grey idle background, from time ``t0``; later chunks of an interleaved rank are paler."""
+def draw_gantt(
+    ax,
+    events: list[dict],
+    stages: int,
+    virtual: int,
+    title: str,
+    scale: float = 1.0,
+    t0: float = 0.0,
+    labels: bool = True,
+    row_names: list[str] | None = None,
+) -> None:
+    """Draw ``events`` (dicts with rank, name, microbatch, chunk, start, end) on ``ax``, one row per
+    rank over a grey idle background, from time ``t0``; later chunks of an interleaved rank are
+    paler."""
     end = max(e["end"] for e in events)
     smallest_label = (end - t0) / 45 if labels else float("inf")  # narrower bars stay unlabelled
     for r in range(stages):  # the whole row in grey first: whatever stays grey is idle
         ax.barh(r, (end - t0) * scale, left=0, height=0.8, color="0.88", edgecolor="none")
     for e in events:
         left, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
-        ax.barh(e["rank"], width, left=left, height=0.8, color=MB_COLOURS(e["microbatch"] % 20), edgecolor="black",
-                linewidth=0.4, hatch="//" if e["name"] == "B" else None, alpha=1.0 - 0.5 * e["chunk"] / virtual)
+        ax.barh(
+            e["rank"],
+            width,
+            left=left,
+            height=0.8,
+            color=MB_COLOURS(e["microbatch"] % 20),
+            edgecolor="black",
+            linewidth=0.4,
+            hatch="//" if e["name"] == "B" else None,
+            alpha=1.0 - 0.5 * e["chunk"] / virtual,
+        )
         if e["end"] - e["start"] >= smallest_label:
             label = f"{e['name']}{e['microbatch']}" + (f".{e['chunk']}" if virtual > 1 else "")
             ax.text(left + width / 2, e["rank"], label, ha="center", va="center", fontsize=7)
@@ -43,8 +62,15 @@ def draw_gantt(ax, events: list[dict], stages: int, virtual: int, title: str, sc
     ax.set_title(title, fontsize=9, loc="left")
 
 
-def draw_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 1, t_f: float = 1.0,
-                  t_b: float = 2.0, measured: dict | None = None):
+def draw_schedule(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    virtual: int = 1,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    measured: dict | None = None,
+):
     """The schedule's chart on paper (and, with ``measured``, the chart of a real run below it,
     its times rescaled so that a forward lasts ``t_f``), plus the activations each stage holds.
     Returns (figure, ``theory.figures(...)``); raises ValueError for an invalid schedule."""
@@ -52,17 +78,30 @@ def draw_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 
     t_b_sim = 0.0 if schedule == "naive" else t_b
     sim = theory.simulate(schedule, stages, microbatches, virtual, t_f, t_b_sim)
     rows = 2 if measured else 1
-    fig, axes = plt.subplots(rows, 2, figsize=(11, 0.9 + (0.45 * stages + 0.6) * rows), squeeze=False,
-                             gridspec_kw={"width_ratios": [5, 1]})
-    draw_gantt(axes[0][0], sim["events"], stages, virtual,
-           f"{schedule}, P={stages}, M={microbatches}" + (f", V={virtual}" if schedule == "interleaved" else "")
-           + f" (paper): bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)")
+    fig, axes = plt.subplots(
+        rows,
+        2,
+        figsize=(11, 0.9 + (0.45 * stages + 0.6) * rows),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [5, 1]},
+    )
+    draw_gantt(
+        axes[0][0],
+        sim["events"],
+        stages,
+        virtual,
+        f"{schedule}, P={stages}, M={microbatches}"
+        + (f", V={virtual}" if schedule == "interleaved" else "")
+        + f" (paper): bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)",
+    )
     held = result["activation_microbatches_per_stage"]
     ax = axes[0][1]
     ax.set_title("activations held\n(micro-batches of a stage)", fontsize=8)
     if schedule == "naive":  # inference keeps nothing for a backward
         ax.axis("off")
-        ax.text(0.5, 0.5, "inference:\nnothing kept\nfor backward", ha="center", va="center", fontsize=8)
+        ax.text(
+            0.5, 0.5, "inference:\nnothing kept\nfor backward", ha="center", va="center", fontsize=8
+        )
     else:
         ax.barh(range(stages), held, color="tab:purple")
         ax.set_ylim(stages - 0.5, -0.5)
@@ -72,13 +111,24 @@ def draw_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 
         ax.set_xlim(0, max(held) * 1.35)
     if measured:
         _draw_measured(axes[1], measured, stages, virtual, t_f)
-        axes[1][0].set_xlim(axes[0][0].get_xlim()[0], max(axes[0][0].get_xlim()[1], axes[1][0].get_xlim()[1]))
+        axes[1][0].set_xlim(
+            axes[0][0].get_xlim()[0], max(axes[0][0].get_xlim()[1], axes[1][0].get_xlim()[1])
+        )
         axes[0][0].set_xlim(axes[1][0].get_xlim())
-    axes[-1][0].set_xlabel("time (units of t_f)" if not measured else "time (units of t_f; measured: rescaled)")
+    axes[-1][0].set_xlabel(
+        "time (units of t_f)" if not measured else "time (units of t_f; measured: rescaled)"
+    )
     mbs = sorted({e["microbatch"] for e in sim["events"]})[:10]
-    axes[0][0].legend(handles=[Patch(color=MB_COLOURS(i % 20), label=f"mb {i}") for i in mbs]
-                      + [Patch(facecolor="white", edgecolor="black", hatch="//", label="backward"),
-                         Patch(color="0.88", label="idle")], fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[0][0].legend(
+        handles=[Patch(color=MB_COLOURS(i % 20), label=f"mb {i}") for i in mbs]
+        + [
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="backward"),
+            Patch(color="0.88", label="idle"),
+        ],
+        fontsize=6,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
     fig.tight_layout()
     return fig, result
 
@@ -87,11 +137,18 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
     events = summary["timeline"]
     t0 = min(e["start"] for e in events)
     scale = t_f / summary["measured_t_forward_s"] if summary.get("measured_t_forward_s") else 1.0
-    draw_gantt(axes[0], events, stages, virtual,
-           f"measured on {summary['nproc']} ranks ({summary['backend']}, forwards padded to "
-           f"{summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\nwith the measured "
-           f"{summary['measured_delay_s'] * 1e3:.1f} ms mean delay per operation the schedule predicts "
-           f"{summary['delay_bubble_fraction']:.1%}", scale=scale, t0=t0)
+    draw_gantt(
+        axes[0],
+        events,
+        stages,
+        virtual,
+        f"measured on {summary['nproc']} ranks ({summary['backend']}, forwards padded to "
+        f"{summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\nwith the measured "
+        f"{summary['measured_delay_s'] * 1e3:.1f} ms mean delay per operation the schedule predicts "
+        f"{summary['delay_bubble_fraction']:.1%}",
+        scale=scale,
+        t0=t0,
+    )
     held = summary.get("microbatches_held")
     ax = axes[1]
     if not held:
@@ -106,29 +163,59 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
     ax.set_yticks([])
 
 
-def measure(schedule: str, stages: int, microbatches: int, virtual: int, t_f: float, t_b: float,
-            op_time: float = 0.02) -> dict:
-    """A real run of the schedule (one step, operations padded to ``op_time``, backward t_b/t_f as long)."""
+def measure(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    virtual: int,
+    t_f: float,
+    t_b: float,
+    op_time: float = 0.02,
+) -> dict:
+    """A real run of the schedule (one step, operations padded to ``op_time``, backward t_b/t_f as
+    long)."""
     from labs.experiments.pp import run
+
     if stages > MAX_MEASURED_RANKS:
-        raise ValueError(f"stages={stages}: a measured run here starts at most {MAX_MEASURED_RANKS} processes")
+        raise ValueError(
+            f"stages={stages}: a measured run here starts at most {MAX_MEASURED_RANKS} processes"
+        )
     batch = microbatches * -(-16 // microbatches)  # >= 16 sequences, a multiple of M
-    return run(nproc=stages, steps=1, schedule=schedule, microbatches=microbatches, virtual=virtual,
-               layers=max(8, stages * virtual), batch_size=batch, op_time=op_time,
-               backward_ratio=0.0 if schedule == "naive" else t_b / t_f)
+    return run(
+        nproc=stages,
+        steps=1,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual=virtual,
+        layers=max(8, stages * virtual),
+        batch_size=batch,
+        op_time=op_time,
+        backward_ratio=0.0 if schedule == "naive" else t_b / t_f,
+    )
 
 
-def bubble_calculator(schedule: str = "1f1b", stages: int = 4, microbatches: int = 8, virtual: int = 1,
-                      measured: dict | None = None):
+def bubble_calculator(
+    schedule: str = "1f1b",
+    stages: int = 4,
+    microbatches: int = 8,
+    virtual: int = 1,
+    measured: dict | None = None,
+):
     """The interactive widget. ``measured``: a summary of ``labs.experiments.pp.run`` to overlay;
     with the switch on and other settings, the widget measures a run itself (P <= 4)."""
     import ipywidgets as w
     from IPython.display import display
 
     if measured:
-        schedule, stages, microbatches, virtual = (measured["schedule"], measured["nproc"],
-                                                   measured["microbatches"], measured["virtual"])
-    sched = w.Dropdown(options=[s for s in theory.SCHEDULES if s != "afab"], value=schedule, description="schedule")
+        schedule, stages, microbatches, virtual = (
+            measured["schedule"],
+            measured["nproc"],
+            measured["microbatches"],
+            measured["virtual"],
+        )
+    sched = w.Dropdown(
+        options=[s for s in theory.SCHEDULES if s != "afab"], value=schedule, description="schedule"
+    )
     p = w.IntSlider(value=stages, min=1, max=8, description="stages P")
     m = w.IntSlider(value=microbatches, min=1, max=32, description="micro-batches M")
     v = w.IntSlider(value=virtual, min=1, max=4, description="virtual V")
@@ -136,8 +223,19 @@ def bubble_calculator(schedule: str = "1f1b", stages: int = 4, microbatches: int
     tb = w.FloatSlider(value=2.0, min=0.0, max=8.0, step=0.25, description="t_b")
     overlay = w.Checkbox(value=bool(measured), description="overlay a measured run")
     out = w.Output()
-    cache = {(measured["schedule"], measured["nproc"], measured["microbatches"], measured["virtual"], 2.0): measured} \
-        if measured else {}  # measured runs by (schedule, P, M, V, t_b/t_f); a lab run pads backward to 2 t_f
+    cache = (
+        {
+            (
+                measured["schedule"],
+                measured["nproc"],
+                measured["microbatches"],
+                measured["virtual"],
+                2.0,
+            ): measured
+        }
+        if measured
+        else {}
+    )  # measured runs by (schedule, P, M, V, t_b/t_f); a lab run pads backward to 2 t_f
 
     def redraw(*_):
         v.disabled = sched.value != "interleaved"
@@ -148,7 +246,9 @@ def bubble_calculator(schedule: str = "1f1b", stages: int = 4, microbatches: int
                 theory.check_schedule(*key)
                 run, note = None, ""
                 if overlay.value and p.value > MAX_MEASURED_RANKS:
-                    note = f"(no measured run: this machine runs at most {MAX_MEASURED_RANKS} ranks)"
+                    note = (
+                        f"(no measured run: this machine runs at most {MAX_MEASURED_RANKS} ranks)"
+                    )
                 elif overlay.value:
                     run_key = key + (0.0 if sched.value == "naive" else tb.value / tf.value,)
                     if run_key not in cache:
@@ -172,30 +272,52 @@ def bubble_calculator(schedule: str = "1f1b", stages: int = 4, microbatches: int
     return box
 
 
-def plot_bubble_vs_microbatches(stages: int = 4, virtual: int = 2, max_microbatches: int = 32,
-                                measured: list[dict] = (), ax=None):
+def plot_bubble_vs_microbatches(
+    stages: int = 4,
+    virtual: int = 2,
+    max_microbatches: int = 32,
+    measured: list[dict] = (),
+    ax=None,
+):
     """The bubble fraction against M for GPipe/1F1B and interleaved (lines, from the formula), the
     rule of thumb M = 4P (dashed), and measured runs (points; hollow: the schedule's prediction
     with the measured delay per operation)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     ms = range(1, max_microbatches + 1)
-    ax.plot(ms, [theory.bubble_fraction("1f1b", stages, m) for m in ms], label="GPipe / 1F1B: (P-1)/(M+P-1)")
+    ax.plot(
+        ms,
+        [theory.bubble_fraction("1f1b", stages, m) for m in ms],
+        label="GPipe / 1F1B: (P-1)/(M+P-1)",
+    )
     inter = [m for m in ms if m % stages == 0]
-    ax.plot(inter, [theory.bubble_fraction("interleaved", stages, m, virtual) for m in inter], "o-", ms=3,
-            label=f"interleaved, V={virtual}: (P-1)/(VM+P-1)")
+    ax.plot(
+        inter,
+        [theory.bubble_fraction("interleaved", stages, m, virtual) for m in inter],
+        "o-",
+        ms=3,
+        label=f"interleaved, V={virtual}: (P-1)/(VM+P-1)",
+    )
     ax.axvline(4 * stages, color="0.5", ls="--", lw=1)
     ax.text(4 * stages, 0.9, " M = 4P", color="0.4", fontsize=8)
     for s in measured:
         colour = "tab:orange" if s["schedule"] == "interleaved" else "tab:blue"
         ax.plot(s["microbatches"], s["bubble_fraction"], "s", color=colour, ms=7)
         ax.plot(s["microbatches"], s["delay_bubble_fraction"], "s", mfc="none", color=colour, ms=9)
-        ax.annotate(s["schedule"], (s["microbatches"], s["bubble_fraction"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
+        ax.annotate(
+            s["schedule"],
+            (s["microbatches"], s["bubble_fraction"]),
+            textcoords="offset points",
+            xytext=(5, 4),
+            fontsize=7,
+        )
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("bubble fraction of the step")
-    ax.set_title(f"P = {stages} stages" + (": squares measured, hollow = with the measured delays" if measured
-                                           else ""), fontsize=9)
+    ax.set_title(
+        f"P = {stages} stages"
+        + (": squares measured, hollow = with the measured delays" if measured else ""),
+        fontsize=9,
+    )
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -211,17 +333,31 @@ def plot_activations(*summaries: dict, ax=None):
     for i, s in enumerate(summaries):
         ranks = range(s["nproc"])
         mib = [b / 2**20 for b in s["activation_bytes_held"]]
-        bars = ax.bar([r + i * width for r in ranks], mib, width,
-                      label=f"{s['schedule']} (M={s['microbatches']}" + (f", V={s['virtual']})" if s["virtual"] > 1
-                                                                         else ")"))
+        bars = ax.bar(
+            [r + i * width for r in ranks],
+            mib,
+            width,
+            label=f"{s['schedule']} (M={s['microbatches']}"
+            + (f", V={s['virtual']})" if s["virtual"] > 1 else ")"),
+        )
         for bar, held in zip(bars, s["microbatches_held"]):
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), str(held), ha="center", va="bottom",
-                    fontsize=7)
-    ax.set_xticks([r + 0.4 - width / 2 for r in range(summaries[0]["nproc"])],
-                  [f"rank {r}" for r in range(summaries[0]["nproc"])])
+            ax.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height(),
+                str(held),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.set_xticks(
+        [r + 0.4 - width / 2 for r in range(summaries[0]["nproc"])],
+        [f"rank {r}" for r in range(summaries[0]["nproc"])],
+    )
     ax.set_ylabel("peak activations (MiB)")
-    ax.set_title("activations held at the peak (numbers: micro-batches, chunk micro-batches if interleaved)",
-                 fontsize=9)
+    ax.set_title(
+        "activations held at the peak (numbers: micro-batches, chunk micro-batches if interleaved)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     return ax
 
@@ -231,16 +367,29 @@ def placements(*, layers: int = 8, stages: int = 4, fractions=(1.0, 0.5, 0.3)) -
     ``fraction`` of the model's parameters, next to the balanced split. Prints a table."""
     from labs.experiments.pp import layer_costs
     from labs.models.transformer import ModelConfig
+
     costs, first, last = layer_costs(ModelConfig(n_layer=layers))
     total = sum(costs) + first + last
-    rows = [{"placement": f"fill, {f:.0%} of the model per device",
-             "plan": theory.fill_plan(costs, stages, capacity=int(f * total), first_extra=first, last_extra=last)}
-            for f in fractions]
-    rows.append({"placement": "balanced by parameters",
-                 "plan": theory.balanced_plan(costs, stages, first_extra=first, last_extra=last)})
+    rows = [
+        {
+            "placement": f"fill, {f:.0%} of the model per device",
+            "plan": theory.fill_plan(
+                costs, stages, capacity=int(f * total), first_extra=first, last_extra=last
+            ),
+        }
+        for f in fractions
+    ]
+    rows.append(
+        {
+            "placement": "balanced by parameters",
+            "plan": theory.balanced_plan(costs, stages, first_extra=first, last_extra=last),
+        }
+    )
     for row in rows:
         row["params_per_device"] = theory.plan_costs(costs, row["plan"], first, last)
-        print(f"{row['placement']:<34} layers per device {row['plan']}  parameters {row['params_per_device']}")
+        print(
+            f"{row['placement']:<34} layers per device {row['plan']}  parameters {row['params_per_device']}"
+        )
     return rows
 
 
@@ -248,20 +397,31 @@ def compare(*summaries: dict) -> list[dict]:
     """A table with one row per run of ``labs.experiments.pp.run``: correctness, the bubble
     (measured, predicted with the measured delays, formula), micro-batches held, step times."""
     import torch
+
     from labs.train import TOLERANCES
+
     rows = []
     for s in summaries:
         v = f" V={s['virtual']}" if s["schedule"] == "interleaved" else ""
-        rows.append({"run": f"{s['schedule']} P={s['nproc']} M={s['microbatches']}{v}",
-                     "matches reference": s["matches_reference"] and s.get("grads_match_reference", True),
-                     "bubble measured": f"{s['bubble_fraction']:.3f}",
-                     "bubble with delays": f"{s['delay_bubble_fraction']:.3f}",
-                     "bubble formula": f"{s['theory_bubble_fraction']:.3f}",
-                     "micro-batches held": s.get("microbatches_held", "-"),
-                     "step time (s)": f"{s['step_time_s']:.3f}",
-                     "torch step time (s)": "-" if s["torch_step_time_s"] is None else f"{s['torch_step_time_s']:.3f}",
-                     "torch same losses": "-" if "torch_losses" not in s else
-                     s["torch_max_abs_loss_diff"] <= TOLERANCES[torch.float32] * s["reference_loss"]})
+        rows.append(
+            {
+                "run": f"{s['schedule']} P={s['nproc']} M={s['microbatches']}{v}",
+                "matches reference": s["matches_reference"]
+                and s.get("grads_match_reference", True),
+                "bubble measured": f"{s['bubble_fraction']:.3f}",
+                "bubble with delays": f"{s['delay_bubble_fraction']:.3f}",
+                "bubble formula": f"{s['theory_bubble_fraction']:.3f}",
+                "micro-batches held": s.get("microbatches_held", "-"),
+                "step time (s)": f"{s['step_time_s']:.3f}",
+                "torch step time (s)": "-"
+                if s["torch_step_time_s"] is None
+                else f"{s['torch_step_time_s']:.3f}",
+                "torch same losses": "-"
+                if "torch_losses" not in s
+                else s["torch_max_abs_loss_diff"]
+                <= TOLERANCES[torch.float32] * s["reference_loss"],
+            }
+        )
     keys = list(rows[0])
     widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))

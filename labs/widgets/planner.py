@@ -8,7 +8,8 @@
 Every number comes from ``labs.theory.planner`` (``plan``, ``summary``, ``format_result``) and the
 rank grid from ``labs.theory.dims``; this module only draws. Controls carry the CSS classes
 ``labs-planner-<name>`` (preset, seq, gpus, gpus-per-node, gpu, ...), the plan text
-``labs-planner-result`` and the chart ``labs-planner-chart``, so a browser test can drive the widget.
+``labs-planner-result`` and the chart ``labs-planner-chart``, so a browser test can drive the
+widget.
 """
 
 from __future__ import annotations
@@ -24,15 +25,22 @@ from labs.theory.planner import ASSUMPTIONS, plan
 from labs.theory.presets import GPUS, PRESETS, preset
 
 AXIS_COLOURS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "cp": "tab:purple"}
-PARTS = (("param", "parameters", "tab:blue"), ("grad", "gradients", "tab:orange"),
-         ("optimizer", "optimizer state", "tab:green"), ("activation", "activations", "tab:red"))
+PARTS = (
+    ("param", "parameters", "tab:blue"),
+    ("grad", "gradients", "tab:orange"),
+    ("optimizer", "optimizer state", "tab:green"),
+    ("activation", "activations", "tab:red"),
+)
 
 
 def mesh_table(dims: ParallelDims) -> list[dict]:
-    """One row per rank: its (dp, pp, cp, tp) coordinates and the index of its group along each axis."""
+    """One row per rank: its (dp, pp, cp, tp) coordinates and the index of its group along each
+    axis."""
     rows = []
     for rank in range(dims.world_size):
-        groups = {axis: next(i for i, g in enumerate(dims.groups(axis)) if rank in g) for axis in AXES}
+        groups = {
+            axis: next(i for i, g in enumerate(dims.groups(axis)) if rank in g) for axis in AXES
+        }
         rows.append({"rank": rank, **dims.coords(rank), "groups": groups})
     return rows
 
@@ -49,16 +57,46 @@ def draw_mesh(dims: ParallelDims, *, gpus_per_node: int | None = None):
         y = len(axes) - 1 - row
         for r in table:
             g = r["groups"][axis]
-            ax.add_patch(plt.Rectangle((r["rank"] + 0.08, y + 0.12), 0.84, 0.76, color=cmap(g % 20), alpha=0.85))
+            ax.add_patch(
+                plt.Rectangle(
+                    (r["rank"] + 0.08, y + 0.12), 0.84, 0.76, color=cmap(g % 20), alpha=0.85
+                )
+            )
             ax.text(r["rank"] + 0.5, y + 0.5, f"{axis}{g}", ha="center", va="center", fontsize=8)
-        ax.text(-0.2, y + 0.5, f"{axis.upper()} groups (size {dims.degrees[axis]})", ha="right", va="center",
-                fontsize=9, color=AXIS_COLOURS[axis])
+        ax.text(
+            -0.2,
+            y + 0.5,
+            f"{axis.upper()} groups (size {dims.degrees[axis]})",
+            ha="right",
+            va="center",
+            fontsize=9,
+            color=AXIS_COLOURS[axis],
+        )
     for start in range(0, dims.world_size, node):
-        ax.add_patch(plt.Rectangle((start + 0.02, -0.05), min(node, dims.world_size - start) - 0.04, len(axes) + 0.1,
-                                   fill=False, edgecolor="0.5", linestyle="--"))
-        ax.text(start + min(node, dims.world_size - start) / 2, len(axes) + 0.15, f"node {start // node}",
-                ha="center", va="bottom", fontsize=8, color="0.4")
-    ax.set_xticks([r + 0.5 for r in range(dims.world_size)], [f"rank {r}" for r in range(dims.world_size)], fontsize=8)
+        ax.add_patch(
+            plt.Rectangle(
+                (start + 0.02, -0.05),
+                min(node, dims.world_size - start) - 0.04,
+                len(axes) + 0.1,
+                fill=False,
+                edgecolor="0.5",
+                linestyle="--",
+            )
+        )
+        ax.text(
+            start + min(node, dims.world_size - start) / 2,
+            len(axes) + 0.15,
+            f"node {start // node}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="0.4",
+        )
+    ax.set_xticks(
+        [r + 0.5 for r in range(dims.world_size)],
+        [f"rank {r}" for r in range(dims.world_size)],
+        fontsize=8,
+    )
     ax.set_yticks([])
     ax.set_xlim(-0.1, dims.world_size + 0.1)
     ax.set_ylim(-0.2, len(axes) + 0.6)
@@ -74,14 +112,30 @@ def draw_plan(s: dict):
     """Three panels for a plan's ``summary``: memory per GPU by part against the budget and the GPU,
     bytes sent per GPU per step along each axis (inside a node or between nodes), and the step's
     time (compute, bubble, exposed communication). Returns the figure."""
-    fig, (mem, comm, time) = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1.3, 1.1, 1.3]})
+    fig, (mem, comm, time) = plt.subplots(
+        1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1.3, 1.1, 1.3]}
+    )
     bottom = 0.0
     for key, label, colour in PARTS:
-        mem.bar([0], [s["memory_gib"][key]], bottom=bottom, color=colour, width=0.5,
-                label=f"{label} {s['memory_gib'][key]:.1f}")
+        mem.bar(
+            [0],
+            [s["memory_gib"][key]],
+            bottom=bottom,
+            color=colour,
+            width=0.5,
+            label=f"{label} {s['memory_gib'][key]:.1f}",
+        )
         bottom += s["memory_gib"][key]
-    mem.axhline(s["cluster"]["gpu_mem_gib"], color="black", linestyle="--", linewidth=1.2, label="GPU memory")
-    mem.axhline(s["budget_gib"], color="0.5", linestyle=":", linewidth=1.2, label="budget (less headroom)")
+    mem.axhline(
+        s["cluster"]["gpu_mem_gib"],
+        color="black",
+        linestyle="--",
+        linewidth=1.2,
+        label="GPU memory",
+    )
+    mem.axhline(
+        s["budget_gib"], color="0.5", linestyle=":", linewidth=1.2, label="budget (less headroom)"
+    )
     mem.set_xticks([0], [f"DP{s['dp']} TP{s['tp']} PP{s['pp']} CP{s['cp']}"], fontsize=8)
     mem.set_ylabel("GiB per GPU")
     mem.set_xlim(-0.5, 1.6)
@@ -92,25 +146,39 @@ def draw_plan(s: dict):
     colours = [AXIS_COLOURS[a] if s["intra_node"][a] else "0.55" for a in axes]
     bars = comm.bar(axes, gb, color=colours)
     for bar, a in zip(bars, axes):
-        comm.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{s['comm_seconds'][a]:.2g} s\n"
-                  f"{'intra' if s['intra_node'][a] else 'inter'}", ha="center", va="bottom", fontsize=7)
+        comm.text(
+            bar.get_x() + bar.get_width() / 2,
+            bar.get_height(),
+            f"{s['comm_seconds'][a]:.2g} s\n{'intra' if s['intra_node'][a] else 'inter'}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     comm.set_ylabel("GB sent per GPU per step")
     comm.set_yscale("log")
     comm.set_ylim(max(min([g for g in gb if g > 0] + [1.0]) / 10, 1e-6), max(gb + [1e-6]) * 20)
     comm.set_title("communication (grey: between nodes)", fontsize=9)
-    pieces = (("compute", s["compute_s"], "tab:blue"), ("bubble", s["bubble_s"], "tab:orange"),
-              ("exposed comm", s["exposed_comm_s"], "tab:red"))
+    pieces = (
+        ("compute", s["compute_s"], "tab:blue"),
+        ("bubble", s["bubble_s"], "tab:orange"),
+        ("exposed comm", s["exposed_comm_s"], "tab:red"),
+    )
     left = 0.0
     for label, seconds, colour in pieces:
         time.barh([0], [seconds], left=left, color=colour, label=f"{label} {seconds:.3g} s")
         left += seconds
     time.set_yticks([])
     time.set_xlabel("seconds per step")
-    time.set_title(f"scaling efficiency {s['scaling_efficiency']:.0%}, MFU {s['mfu']:.0%}", fontsize=9)
+    time.set_title(
+        f"scaling efficiency {s['scaling_efficiency']:.0%}, MFU {s['mfu']:.0%}", fontsize=9
+    )
     time.set_ylim(-0.5, 1.6)
     time.legend(fontsize=7, loc="upper center", ncol=2)
-    fig.suptitle(f"{s['model']} on {s['world_size']} GPUs: global batch {s['global_batch']}, "
-                 f"{s['microbatches']} micro-batch(es) per DP rank", fontsize=10)
+    fig.suptitle(
+        f"{s['model']} on {s['world_size']} GPUs: global batch {s['global_batch']}, "
+        f"{s['microbatches']} micro-batch(es) per DP rank",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -122,8 +190,11 @@ def draw_scaling(rows: list[dict], *, title: str = ""):
     rows = [r for r in rows if "error" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.2))
     x = range(len(rows))
-    parts = (("compute", "compute_s", "tab:blue"), ("bubble", "bubble_s", "tab:orange"),
-             ("exposed communication", "exposed_comm_s", "tab:red"))
+    parts = (
+        ("compute", "compute_s", "tab:blue"),
+        ("bubble", "bubble_s", "tab:orange"),
+        ("exposed communication", "exposed_comm_s", "tab:red"),
+    )
     bottom = [0.0] * len(rows)
     for label, key, colour in parts:
         share = [100 * r[key] / r["step_time_s"] for r in rows]
@@ -131,7 +202,11 @@ def draw_scaling(rows: list[dict], *, title: str = ""):
         bottom = [b + v for b, v in zip(bottom, share)]
     for i, r in enumerate(rows):
         ax.text(i, 101, f"{r['scaling_efficiency']:.0%}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), [f"{r['gpus']}\nDP{r['dp']} TP{r['tp']}\nPP{r['pp']} CP{r['cp']}" for r in rows], fontsize=7)
+    ax.set_xticks(
+        list(x),
+        [f"{r['gpus']}\nDP{r['dp']} TP{r['tp']}\nPP{r['pp']} CP{r['cp']}" for r in rows],
+        fontsize=7,
+    )
     ax.set_ylabel("% of the step")
     ax.set_ylim(0, 115)
     ax.legend(fontsize=7, loc="lower left")
@@ -140,27 +215,48 @@ def draw_scaling(rows: list[dict], *, title: str = ""):
     return fig
 
 
-def planner_widget(model: str = "llama3-70b", *, seq: int = 32768, gpus: int = 512, gpus_per_node: int = 8,
-                   gpu: str = "H100 80GB", global_batch: int = 0, recompute: str = "none"):
+def planner_widget(
+    model: str = "llama3-70b",
+    *,
+    seq: int = 32768,
+    gpus: int = 512,
+    gpus_per_node: int = 8,
+    gpu: str = "H100 80GB",
+    global_batch: int = 0,
+    recompute: str = "none",
+):
     """The interactive planner: model, sequence, batch, cluster and the main assumptions; shows the
-    plan (text), its chart, the rejected layouts and an export. Displays itself and returns the box."""
+    plan (text), its chart, the rejected layouts and an export. Displays itself and returns the
+    box."""
     import ipywidgets as w
     from IPython.display import display
 
     narrow = w.Layout(width="190px")
     style = {"description_width": "initial"}
-    c = {"preset": w.Dropdown(options=list(PRESETS), value=model, description="model"),
-         "seq": w.IntText(value=seq, description="seq", layout=narrow),
-         "global_batch": w.IntText(value=global_batch, description="global batch (0: ~4M tokens)", style=style,
-                                   layout=w.Layout(width="260px")),
-         "gpus": w.IntText(value=gpus, description="GPUs", layout=narrow),
-         "gpus_per_node": w.IntText(value=gpus_per_node, description="per node", layout=narrow),
-         "gpu": w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
-         "intra": w.FloatText(value=450.0, description="intra GB/s", layout=narrow, style=style),
-         "inter": w.FloatText(value=50.0, description="inter GB/s", layout=narrow, style=style),
-         "recompute": w.Dropdown(options=["none", "selective", "full"], value=recompute, description="recompute"),
-         "headroom": w.FloatSlider(value=ASSUMPTIONS["headroom"], min=0.0, max=0.5, step=0.05, description="headroom"),
-         "export": w.Dropdown(options=["torchrun", "accelerate", "deepspeed"], value="torchrun", description="export")}
+    c = {
+        "preset": w.Dropdown(options=list(PRESETS), value=model, description="model"),
+        "seq": w.IntText(value=seq, description="seq", layout=narrow),
+        "global_batch": w.IntText(
+            value=global_batch,
+            description="global batch (0: ~4M tokens)",
+            style=style,
+            layout=w.Layout(width="260px"),
+        ),
+        "gpus": w.IntText(value=gpus, description="GPUs", layout=narrow),
+        "gpus_per_node": w.IntText(value=gpus_per_node, description="per node", layout=narrow),
+        "gpu": w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
+        "intra": w.FloatText(value=450.0, description="intra GB/s", layout=narrow, style=style),
+        "inter": w.FloatText(value=50.0, description="inter GB/s", layout=narrow, style=style),
+        "recompute": w.Dropdown(
+            options=["none", "selective", "full"], value=recompute, description="recompute"
+        ),
+        "headroom": w.FloatSlider(
+            value=ASSUMPTIONS["headroom"], min=0.0, max=0.5, step=0.05, description="headroom"
+        ),
+        "export": w.Dropdown(
+            options=["torchrun", "accelerate", "deepspeed"], value="torchrun", description="export"
+        ),
+    }
     for name, widget in c.items():
         widget.add_class(f"labs-planner-{name.replace('_', '-')}")
     result = w.HTML().add_class("labs-planner-result")
@@ -170,11 +266,19 @@ def planner_widget(model: str = "llama3-70b", *, seq: int = 32768, gpus: int = 5
     def redraw(*_):
         try:
             mem, peak = GPUS[c["gpu"].value]
-            p = plan(preset(c["preset"].value), seq=c["seq"].value, gpus=c["gpus"].value,
-                     gpus_per_node=c["gpus_per_node"].value, gpu_mem_gib=mem, peak_tflops=peak,
-                     intra_gbps=c["intra"].value, inter_gbps=c["inter"].value,
-                     global_batch=c["global_batch"].value or None, recompute=c["recompute"].value,
-                     headroom=c["headroom"].value)
+            p = plan(
+                preset(c["preset"].value),
+                seq=c["seq"].value,
+                gpus=c["gpus"].value,
+                gpus_per_node=c["gpus_per_node"].value,
+                gpu_mem_gib=mem,
+                peak_tflops=peak,
+                intra_gbps=c["intra"].value,
+                inter_gbps=c["inter"].value,
+                global_batch=c["global_batch"].value or None,
+                recompute=c["recompute"].value,
+                headroom=c["headroom"].value,
+            )
         except ValueError as e:
             result.value = f"<b style='color:darkred'>cannot plan: {e}</b>"
             exported.value = ""
@@ -198,8 +302,16 @@ def planner_widget(model: str = "llama3-70b", *, seq: int = 32768, gpus: int = 5
         widget.observe(redraw, "value")
     redraw()
     row = lambda *names: w.HBox([c[n] for n in names])  # noqa: E731
-    box = w.VBox([row("preset", "seq", "global_batch"), row("gpus", "gpus_per_node", "gpu"),
-                  row("intra", "inter", "recompute", "headroom"), chart, result, c["export"], exported])
+    box = w.VBox(
+        [
+            row("preset", "seq", "global_batch"),
+            row("gpus", "gpus_per_node", "gpu"),
+            row("intra", "inter", "recompute", "headroom"),
+            chart,
+            result,
+            c["export"],
+            exported,
+        ]
+    )
     display(box)
     return box
-

@@ -29,12 +29,28 @@ def _cell(ax, x, y, state, rank, n, colour):
     for i in range(n):
         filled = state in ("full", "prefetch") or (state in ("shard", "host") and i == rank)
         hatch = {"prefetch": "///", "host": "..."}.get(state) if filled else None
-        ax.add_patch(Rectangle((x + i * w, y), w, 0.22, facecolor=colour if filled and not hatch else "white",
-                               edgecolor=colour if filled else "0.75", hatch=hatch, linewidth=0.8))
+        ax.add_patch(
+            Rectangle(
+                (x + i * w, y),
+                w,
+                0.22,
+                facecolor=colour if filled and not hatch else "white",
+                edgecolor=colour if filled else "0.75",
+                hatch=hatch,
+                linewidth=0.8,
+            )
+        )
 
 
-def draw_moment(stage: int, dp: int, moment: int, *, units: list[tuple[str, int]] | None = None,
-                prefetch: bool = True, offload: bool = False):
+def draw_moment(
+    stage: int,
+    dp: int,
+    moment: int,
+    *,
+    units: list[tuple[str, int]] | None = None,
+    prefetch: bool = True,
+    offload: bool = False,
+):
     """Every rank's holdings at ``moment`` of one step; returns (figure, frames)."""
     units = units or course_units()
     names, numels = [n for n, _ in units], [k for _, k in units]
@@ -54,8 +70,12 @@ def draw_moment(stage: int, dp: int, moment: int, *, units: list[tuple[str, int]
     grid.set_yticks([-r - 0.5 for r in range(dp)], [f"rank {r}" for r in range(dp)])
     for side in ("right", "bottom", "left"):
         grid.spines[side].set_visible(False)
-    grid.set_title(f"ZeRO-{stage}, moment {moment + 1}/{len(frames)}: {frame['label']}\n"
-                   f"collective: {frame['collective']}", fontsize=10, pad=22)
+    grid.set_title(
+        f"ZeRO-{stage}, moment {moment + 1}/{len(frames)}: {frame['label']}\n"
+        f"collective: {frame['collective']}",
+        fontsize=10,
+        pad=22,
+    )
     _draw_bytes(bars, frame, held_bytes(numels, stage=stage, dp=dp, offload=offload), dp)
     fig.tight_layout()
     return fig, frames
@@ -67,10 +87,18 @@ def _draw_bytes(ax, frame, held, dp):
         v = frame["bytes"][kind] / 1e3
         ax.barh(range(dp), [v] * dp, left=left, color=COLOURS[kind], label=label)
         left = [x + v for x in left]
-    ax.axvline(held["total"] / 1e3, color="black", linestyle="--", label="calculator (between steps)")
+    ax.axvline(
+        held["total"] / 1e3, color="black", linestyle="--", label="calculator (between steps)"
+    )
     if frame["bytes"]["host"]:
-        ax.text(0.98, 0.02, f"host: {frame['bytes']['host'] / 1e3:.0f} kB per rank", transform=ax.transAxes,
-                ha="right", fontsize=8)
+        ax.text(
+            0.98,
+            0.02,
+            f"host: {frame['bytes']['host'] / 1e3:.0f} kB per rank",
+            transform=ax.transAxes,
+            ha="right",
+            fontsize=8,
+        )
     ax.set_yticks(range(dp), [f"rank {r}" for r in range(dp)])
     ax.invert_yaxis()
     ax.set_xlabel("device kB held now")
@@ -91,15 +119,26 @@ def zero_visualizer(stage: int = 3, dp: int = 4, *, units: list[tuple[str, int]]
 
     def frames_now():
         numels = [k for _, k in (units or course_units())]
-        return step_moments(stage_box.value, numels, dp=dp_box.value, prefetch=prefetch_box.value,
-                            offload=offload_box.value and stage_box.value > 0)
+        return step_moments(
+            stage_box.value,
+            numels,
+            dp=dp_box.value,
+            prefetch=prefetch_box.value,
+            offload=offload_box.value and stage_box.value > 0,
+        )
 
     def redraw(*_):
         moment_box.max = len(frames_now()) - 1
         with out:
             out.clear_output(wait=True)
-            fig, _ = draw_moment(stage_box.value, dp_box.value, moment_box.value, units=units,
-                                 prefetch=prefetch_box.value, offload=offload_box.value and stage_box.value > 0)
+            fig, _ = draw_moment(
+                stage_box.value,
+                dp_box.value,
+                moment_box.value,
+                units=units,
+                prefetch=prefetch_box.value,
+                offload=offload_box.value and stage_box.value > 0,
+            )
             display(fig)
             plt.close(fig)
 
