@@ -204,7 +204,8 @@ def ratio(measured, theory) -> float | None:
     """measured / theory, rank by rank; the rank farthest from 1 (None when either is missing)."""
     if measured is None or theory is None:
         return None
-    m, t = _per_rank(measured), _per_rank(theory)
+    m = _per_rank(measured)
+    t = _per_rank(theory)
     t = t * len(m) if len(t) == 1 else t
     ratios = [a / b if b else (1.0 if a == b else float("inf")) for a, b in zip(m, t)]
     return max(ratios, key=lambda r: abs(r - 1)) if ratios else None
@@ -216,8 +217,10 @@ def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
     ms = lambda t: None if t is None else 1e3 * t  # noqa: E731
     most = lambda v: None if v is None else max(_per_rank(v))  # noqa: E731
     diff_key = next((k for k in DIFF_KEYS if s.get(k) is not None), None)
-    ours, theirs = s.get("step_time_s"), s.get("torch_step_time_s")
-    bubble, theory_bubble = s.get("bubble_fraction"), s.get("theory_bubble_fraction")
+    ours = s.get("step_time_s")
+    theirs = s.get("torch_step_time_s")
+    bubble = s.get("bubble_fraction")
+    theory_bubble = s.get("theory_bubble_fraction")
     if not entry.bubble:
         bubble = theory_bubble = None
     matches = s.get(entry.check)
@@ -254,7 +257,8 @@ def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
 def note_for(s: dict, entry: Entry) -> str:
     """The configuration's note, and why ours is slower than torch's when it is by more than
     ``SLOWER``."""
-    ours, theirs = s.get("step_time_s"), s.get("torch_step_time_s")
+    ours = s.get("step_time_s")
+    theirs = s.get("torch_step_time_s")
     parts = [entry.note]
     if ours and theirs and ours > SLOWER * theirs:
         why = EXPLANATIONS.get(

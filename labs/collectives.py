@@ -31,7 +31,8 @@ NOTEBOOK = "00_setup_and_collectives.ipynb"
 def ring_neighbours(group=None) -> tuple[int, int, int, int]:
     """(my position in the group, N, global rank of the next rank, global rank of the previous
     rank)."""
-    me, n = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    n = dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
     prv = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     return me, n, nxt, prv

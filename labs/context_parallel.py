@@ -38,7 +38,9 @@ from labs.runtime.impl import exercise
 from labs.theory.dims import check_divides
 
 NOTEBOOK = "06_context_parallel.ipynb"
-KV_TAG, DKV_TAG = 1, 2  # K/V and their gradients can be in flight at once: distinct message tags
+# K/V and their gradients can be in flight at once: distinct message tags
+KV_TAG = 1
+DKV_TAG = 2
 
 
 def _wait(works: list) -> None:
@@ -129,7 +131,8 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: fl
     p = torch.exp(s - lse[..., None])
     dv = p.transpose(-2, -1) @ dout  # [B, nh, Tk, hd]
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))  # [B, nh, Tq, Tk]
-    dq, dk = ds @ k * scale, ds.transpose(-2, -1) @ q * scale
+    dq = ds @ k * scale
+    dk = ds.transpose(-2, -1) @ q * scale
     return (
         dq,
         dk.view(b, nkv, g, tk, hd).sum(2),
@@ -220,14 +223,15 @@ class ContextParallelAttention(Attention):
 
     def __init__(self, attn: Attention, group, *, zigzag: bool = True):
         nn.Module.__init__(self)  # no fresh projections: ``attn``'s own are taken below
-        self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-        )
-        self.group, self.zigzag = group, zigzag
+        self.n_head = attn.n_head
+        self.n_kv_head = attn.n_kv_head
+        self.head_dim = attn.head_dim
+        self.q_proj = attn.q_proj
+        self.k_proj = attn.k_proj
+        self.v_proj = attn.v_proj
+        self.o_proj = attn.o_proj
+        self.group = group
+        self.zigzag = zigzag
 
     def forward(self, x, cos, sin):
         """x: [B, T/cp, H], this rank's tokens; cos, sin: [T/cp, hd] for *their* positions.
@@ -249,7 +253,8 @@ def apply_context_parallel(model: nn.Module, group, *, zigzag: bool = True) -> n
 
 def shard_inputs(idx: torch.Tensor, targets: torch.Tensor, group, *, zigzag: bool = True):
     """This rank's (tokens [B, T/cp], targets [B, T/cp], positions [T/cp]) of a global batch."""
-    me, cp = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    cp = dist.get_world_size(group)
     positions = torch.arange(idx.shape[1], device=idx.device)
     return tuple(
         split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=-1) for t in (idx, targets, positions)

@@ -72,7 +72,8 @@ class _DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group):
         super().__init__()
-        self.module, self.group = module, group
+        self.module = module
+        self.group = group
         self.world_size = dist.get_world_size(group)
         self.require_backward_grad_sync = True  # False inside no_sync(): hooks must not communicate
         # Unique trainable parameters in registration order (a tied weight once).
@@ -226,7 +227,8 @@ def rank_data(
     a step, in rank order, are then exactly the single-process global batch
     (``labs.train.data_for``).
     """
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     check_positive(grad_accum=grad_accum)
     check_divides(cfg.batch_size, "batch_size", n * grad_accum, "dp*grad_accum")
     raise NotImplementedError(

@@ -156,12 +156,15 @@ class MoELayer(nn.Module):
         self, cfg: ModelConfig, moe: MoEConfig, *, groups: int = 1, experts: range | None = None
     ):
         super().__init__()
-        self.cfg, self.moe, self.groups = cfg, moe, groups
+        self.cfg = cfg
+        self.moe = moe
+        self.groups = groups
         self.router = nn.Linear(cfg.n_embd, moe.n_experts, bias=False)
         self.experts = nn.ModuleDict(
             {str(e): MLP(cfg) for e in (range(moe.n_experts) if experts is None else experts)}
         )
-        self.aux_loss, self.routing = None, None
+        self.aux_loss = None
+        self.routing = None
 
     def capacity(self, tokens: int) -> int | None:
         """Pairs one expert accepts from a group of ``tokens`` tokens (None: no limit)."""
@@ -241,7 +244,9 @@ class ExpertParallelMoE(MoELayer):
         local = moe.n_experts // ep
         first = dist.get_rank(group) * local
         super().__init__(cfg, moe, groups=1, experts=range(first, first + local))
-        self.group, self.ep, self.local = group, ep, local
+        self.group = group
+        self.ep = ep
+        self.local = local
         for p in self.experts.parameters():
             p.expert_parallel = True  # averaged over the expert-DP group only (allreduce_gradients)
 

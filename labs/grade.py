@@ -221,7 +221,8 @@ def _graded_copy(template: Path, submission: Path, dst: Path, notebook: str | No
 
 
 def grade_tests(res: Result, lab: Lab, expected: list[str], ctx: dict) -> None:
-    work, results = ctx["private"] / "work", ctx["private"] / f"{res.student}-{lab.name}.jsonl"
+    work = ctx["private"] / "work"
+    results = ctx["private"] / f"{res.student}-{lab.name}.jsonl"
     _graded_copy(ctx["template"], ctx["submission"], work)
     env = _env(
         work,
@@ -292,12 +293,11 @@ def _changed_cells(mine: Path, released: Path) -> int:
 def grade_notebook(res: Result, lab: Lab, ctx: dict) -> None:
     mine = ctx["submission"] / "notebooks" / lab.notebook
     if not mine.is_file() or mine.is_symlink():
-        res.notebook_executed, res.notebook_detail = (
-            "no",
-            f"missing: the submission has no notebooks/{lab.notebook}",
-        )
+        res.notebook_executed = "no"
+        res.notebook_detail = f"missing: the submission has no notebooks/{lab.notebook}"
         return
-    work, result = ctx["private"] / "work", ctx["private"] / "notebook.json"
+    work = ctx["private"] / "work"
+    result = ctx["private"] / "notebook.json"
     result.unlink(missing_ok=True)
     _graded_copy(ctx["template"], ctx["submission"], work, lab.notebook)
     res.cells_changed = _changed_cells(mine, ctx["template"] / "notebooks" / lab.notebook)
@@ -487,7 +487,8 @@ def main(argv=None) -> int:
         "--conceal-hidden", action="store_true", help="feedback hides hidden tests' names"
     )
     args = parser.parse_args(argv)
-    submissions, report = args.submissions.resolve(), args.out.resolve()
+    submissions = args.submissions.resolve()
+    report = args.out.resolve()
     default_hidden = ROOT / "hidden_tests" if (ROOT / "hidden_tests").is_dir() else None
     hidden = None if args.no_hidden else (args.hidden_tests or default_hidden)
     hidden = hidden.resolve() if hidden else None

@@ -94,10 +94,9 @@ def attention_mask(valid: torch.Tensor, start: int, t: int) -> torch.Tensor:
     all would give NaN)."""
     slots = torch.arange(start + t, device=valid.device)
     causal = slots[None, :] <= slots[start:, None]  # [t, start+t]
-    keys, queries = (
-        valid[:, None, : start + t],
-        valid[:, start : start + t, None],
-    )  # [B, 1, S], [B, t, 1]
+    # [B, 1, S], [B, t, 1]
+    keys = valid[:, None, : start + t]
+    queries = valid[:, start : start + t, None]
     return (causal & (keys | ~queries))[:, None]  # [B, 1, t, start+t]
 
 
@@ -268,7 +267,8 @@ def generate_placed(
     the first and the last stage, None on the others."""
     idx, valid = left_pad(prompts, new_tokens=new_tokens, device=next(stage.parameters()).device)
     cache = _new_cache(stage, len(prompts), valid.shape[1])
-    p2p, dtype = exercise("pipeline_parallel").p2p, next(stage.parameters()).dtype
+    p2p = exercise("pipeline_parallel").p2p
+    dtype = next(stage.parameters()).dtype
     B, t = idx.shape
     raise NotImplementedError(
         "exercise generate_placed is not written yet: "

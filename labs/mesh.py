@@ -108,7 +108,8 @@ def build_mesh(dims: ParallelDims) -> Mesh:
         raise ValueError(
             f"the mesh has {dims.world_size} ranks but the job has {dist.get_world_size()}"
         )
-    ranks, groups = {}, {}
+    ranks = {}
+    groups = {}
     raise NotImplementedError(
         "exercise build_mesh is not written yet: "
         "see its docstring and notebooks/08_composing_4d.ipynb"
@@ -211,7 +212,8 @@ def train_step(c: Composed, x: torch.Tensor, y: torch.Tensor) -> float | None:
     positions; no PP: ``loss = module(tokens, targets, positions)[1]``, ``loss.backward()``; PP: M
     micro-batches (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches,
     pipe=pipe)``. Then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
-    mesh, d = c.mesh, c.mesh.dims
+    mesh = c.mesh
+    d = c.mesh.dims
     x, y = x.to(rank_device()), y.to(rank_device())
     raise NotImplementedError(
         "exercise train_step is not written yet: "

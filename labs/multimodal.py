@@ -72,18 +72,17 @@ class EncoderStage(nn.Module):
     images come through :meth:`load` (the first stage reads its own data, as Megatron's does), one
     micro-batch per call."""
 
-    first, last = True, False
+    first = True
+    last = False
 
     def __init__(self, model: MultimodalModel, layer_ids):
         super().__init__()
         self.cfg = (
             model.decoder.cfg
         )  # the schedule reads cfg.n_embd: the activation it sends is [b, L, H]
-        self.encoder, self.projector, self.tok_emb = (
-            model.encoder,
-            model.projector,
-            model.decoder.tok_emb,
-        )
+        self.encoder = model.encoder
+        self.projector = model.projector
+        self.tok_emb = model.decoder.tok_emb
         self.layers = nn.ModuleDict({str(i): model.decoder.layers[i] for i in layer_ids})
         self.inbox: deque = deque()
 
@@ -176,7 +175,9 @@ class DataParallelTrainer:
     ):
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
-        self.zero, self.optimizer, self.sharded = zero, None, None
+        self.zero = zero
+        self.optimizer = None
+        self.sharded = None
         raise NotImplementedError(
             "exercise DataParallelTrainer.__init__ is not written yet: "
             "see its docstring and notebooks/11_multimodal.ipynb"

@@ -76,7 +76,9 @@ class StageModule(nn.Module):
 
     def __init__(self, model: Transformer, layer_ids, *, first: bool, last: bool):
         super().__init__()
-        self.cfg, self.first, self.last = model.cfg, first, last
+        self.cfg = model.cfg
+        self.first = first
+        self.last = last
         self.tok_emb = model.tok_emb if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)

@@ -180,8 +180,10 @@ class ColumnParallelLinear(nn.Module):
         copy_input=True,
     ):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.gather_output, self.copy_input = gather_output, copy_input
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.gather_output = gather_output
+        self.copy_input = copy_input
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
     def forward(self, x):
@@ -199,7 +201,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, *, group, sequence_parallel=False):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
     def forward(self, x):
@@ -216,7 +219,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, full: nn.Embedding, *, group, sequence_parallel=False):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
     def forward(self, idx):
@@ -262,13 +266,12 @@ class ParallelBlock(Block):
 
     def __init__(self, full: Block, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = (
-            full.attn_norm,
-            full.attn,
-            full.mlp_norm,
-            full.mlp,
-        )
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.attn_norm = full.attn_norm
+        self.attn = full.attn
+        self.mlp_norm = full.mlp_norm
+        self.mlp = full.mlp
+        self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x, cos, sin):
         raise NotImplementedError(
@@ -284,7 +287,9 @@ class TensorParallelTransformer(Transformer):
 
     def __init__(self, cfg: ModelConfig, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
-        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        self.cfg = cfg
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList()
 
     def forward(self, idx, targets=None, positions=None):
@@ -314,10 +319,9 @@ def apply_tensor_parallel(
     column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
     nkv, H, F, V."""
     group = group if group is not None else dist.group.WORLD
-    full, tp = (
-        copy.deepcopy(course_model_from(model)),
-        dist.get_world_size(group),
-    )  # HF names -> course's
+    # HF names -> course's
+    full = copy.deepcopy(course_model_from(model))
+    tp = dist.get_world_size(group)
     cfg = full.cfg
     ParallelDims(tp=tp).check_model(
         n_head=cfg.n_head,

@@ -286,7 +286,8 @@ def throughput_worker(run: Throughput) -> dict:
     from labs.runtime.launcher import report_progress
     from labs.train import TrainConfig
 
-    device, rank = rank_device(), dist.get_rank()
+    device = rank_device()
+    rank = dist.get_rank()
     cfg = ModelConfig(**run.model)
     torch.manual_seed(run.seed)  # the same (default) initialisation on every rank and in every mode
     with torch.device(device):
@@ -303,7 +304,9 @@ def throughput_worker(run: Throughput) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
     for batch in tokens.to(device):
-        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # [B, T] each
+        # [B, T] each
+        x = batch[:, :-1].contiguous()
+        y = batch[:, 1:].contiguous()
         synchronize(device)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.bf16), ctx():
@@ -349,7 +352,8 @@ def measure_throughput(
         if left < 20:
             rows.append({**row, "status": "skipped", "note": "time budget spent"})
             continue
-        per_rank, mbs = None, micro_batch
+        per_rank = None
+        mbs = micro_batch
         while per_rank is None:
             run = Throughput(mode=mode, model=cfg, micro_batch=mbs, steps=steps)
             try:
@@ -476,7 +480,8 @@ def run_notebooks(paths, *, jobs, deadline, log) -> list[dict]:
 def markdown(report: dict) -> str:
     from labs.bench_report import fmt, name
 
-    env, t = report["environment"], report["throughput"]
+    env = report["environment"]
+    t = report["throughput"]
     gpus = (
         f"{env['gpus']} x {', '.join(sorted(set(env['gpu_names'])))}" if env["gpus"] else "no GPU"
     )
@@ -619,7 +624,9 @@ def parse_args(argv):
     )
     args = p.parse_args(argv)
     if args.cpu_smoke:
-        args.backend, args.tiny, args.steps = "gloo", True, 2
+        args.backend = "gloo"
+        args.tiny = True
+        args.steps = 2
         args.labs, args.notebooks = args.labs or ["collectives"], args.notebooks or ["none"]
     for name in (
         "ranks",

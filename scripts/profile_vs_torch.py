@@ -50,10 +50,12 @@ def profiled(fn, top: int):
         import torch.distributed as dist
         from torch.profiler import ProfilerActivity, profile
 
-        wall0, cpu0 = time.perf_counter(), time.process_time()
+        wall0 = time.perf_counter()
+        cpu0 = time.process_time()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = fn(*args)
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        wall = time.perf_counter() - wall0
+        cpu = time.process_time() - cpu0
         averages = prof.key_averages()
         events = [e for e in averages if "ProfilerStep" not in e.key]
         total = sum(e.self_cpu_time_total for e in events) or 1.0

@@ -29,7 +29,8 @@ NOTEBOOK = "00_setup_and_collectives.ipynb"
 def ring_neighbours(group=None) -> tuple[int, int, int, int]:
     """(my position in the group, N, global rank of the next rank, global rank of the previous
     rank)."""
-    me, n = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    n = dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
     prv = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
     return me, n, nxt, prv
@@ -72,7 +73,8 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group=None) -> int:
     ### BEGIN SOLUTION
     me, n, nxt, prv = ring_neighbours(group)
     for s in range(n - 1):
-        send_idx, recv_idx = (me - s) % n, (me - s - 1) % n
+        send_idx = (me - s) % n
+        recv_idx = (me - s - 1) % n
         incoming = torch.empty_like(chunks[recv_idx])
         exchange(chunks[send_idx].contiguous(), incoming, nxt, prv, group)
         chunks[recv_idx] += incoming
@@ -86,7 +88,8 @@ def ring_all_gather(chunks: list[torch.Tensor], group=None) -> None:
     ### BEGIN SOLUTION
     me, n, nxt, prv = ring_neighbours(group)
     for s in range(n - 1):
-        send_idx, recv_idx = (me + 1 - s) % n, (me - s) % n
+        send_idx = (me + 1 - s) % n
+        recv_idx = (me - s) % n
         incoming = torch.empty_like(chunks[recv_idx])
         exchange(chunks[send_idx].contiguous(), incoming, nxt, prv, group)
         chunks[recv_idx].copy_(incoming)

@@ -72,7 +72,8 @@ class _DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group):
         super().__init__()
-        self.module, self.group = module, group
+        self.module = module
+        self.group = group
         self.world_size = dist.get_world_size(group)
         self.require_backward_grad_sync = True  # False inside no_sync(): hooks must not communicate
         # Unique trainable parameters in registration order (a tied weight once).
@@ -265,7 +266,8 @@ def rank_data(
     a step, in rank order, are then exactly the single-process global batch
     (``labs.train.data_for``).
     """
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     check_positive(grad_accum=grad_accum)
     check_divides(cfg.batch_size, "batch_size", n * grad_accum, "dp*grad_accum")
     ### BEGIN SOLUTION
@@ -294,7 +296,8 @@ def train_step(model: _DataParallel, optimizer: torch.optim.Optimizer, micro_bat
     """
     ### BEGIN SOLUTION
     optimizer.zero_grad(set_to_none=True)
-    k, total = len(micro_batches), 0.0
+    k = len(micro_batches)
+    total = 0.0
     for i, (x, y) in enumerate(micro_batches):
         with model.no_sync() if i < k - 1 else contextlib.nullcontext():
             _, loss = model(x, y)

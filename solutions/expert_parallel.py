@@ -172,12 +172,15 @@ class MoELayer(nn.Module):
         self, cfg: ModelConfig, moe: MoEConfig, *, groups: int = 1, experts: range | None = None
     ):
         super().__init__()
-        self.cfg, self.moe, self.groups = cfg, moe, groups
+        self.cfg = cfg
+        self.moe = moe
+        self.groups = groups
         self.router = nn.Linear(cfg.n_embd, moe.n_experts, bias=False)
         self.experts = nn.ModuleDict(
             {str(e): MLP(cfg) for e in (range(moe.n_experts) if experts is None else experts)}
         )
-        self.aux_loss, self.routing = None, None
+        self.aux_loss = None
+        self.routing = None
 
     def capacity(self, tokens: int) -> int | None:
         """Pairs one expert accepts from a group of ``tokens`` tokens (None: no limit)."""
@@ -222,7 +225,9 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, rows, send: list[int], recv: list[int], group):
         """rows: [sum(send), H] -> [sum(recv), H], in source-rank order."""
         ### BEGIN SOLUTION
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+        ctx.send = send
+        ctx.recv = recv
+        ctx.group = group
         out = rows.new_empty(sum(recv), rows.shape[-1])  # [sum(recv), H]
         dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
         return out
@@ -261,7 +266,9 @@ class ExpertParallelMoE(MoELayer):
         local = moe.n_experts // ep
         first = dist.get_rank(group) * local
         super().__init__(cfg, moe, groups=1, experts=range(first, first + local))
-        self.group, self.ep, self.local = group, ep, local
+        self.group = group
+        self.ep = ep
+        self.local = local
         for p in self.experts.parameters():
             p.expert_parallel = True  # averaged over the expert-DP group only (allreduce_gradients)
 
@@ -292,7 +299,8 @@ class ExpertParallelMoE(MoELayer):
         rows = tokens[order // self.moe.top_k]  # [M, H] by destination
         send = counts.view(self.ep, self.local)  # [ep, E/ep]
         recv = exchange_counts(send, self.group)  # [ep, E/ep]
-        to_ranks, from_ranks = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
+        to_ranks = send.sum(dim=1).tolist()
+        from_ranks = recv.sum(dim=1).tolist()
         received = AllToAll.apply(
             rows, to_ranks, from_ranks, self.group
         )  # [M_in, H] by (source, expert)

@@ -109,13 +109,15 @@ def build_mesh(dims: ParallelDims) -> Mesh:
         raise ValueError(
             f"the mesh has {dims.world_size} ranks but the job has {dist.get_world_size()}"
         )
-    ranks, groups = {}, {}
+    ranks = {}
+    groups = {}
     ### BEGIN SOLUTION
     for name, axes in GROUPS.items():
         for members in group_ranks(dims, axes):
             group = dist.new_group(members) if len(members) > 1 else None
             if rank in members:
-                ranks[name], groups[name] = members, group
+                ranks[name] = members
+                groups[name] = group
     ### END SOLUTION
     return Mesh(dims, rank, dims.coords(rank), ranks, groups)
 
@@ -199,7 +201,8 @@ def compose(
     g = mesh.groups
     model = build_model(model_cfg, seed=cfg.seed, device=rank_device())  # the GPU under NCCL
     ### BEGIN SOLUTION
-    module, pipe = model, None
+    module = model
+    pipe = None
     if d.tp > 1:
         tp_lab = exercise("tensor_parallel")
         module = tp_lab.apply_tensor_parallel(model, group=g["tp"], sequence_parallel=d.pp == 1)
@@ -236,7 +239,8 @@ def train_step(c: Composed, x: torch.Tensor, y: torch.Tensor) -> float | None:
     positions; no PP: ``loss = module(tokens, targets, positions)[1]``, ``loss.backward()``; PP: M
     micro-batches (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches,
     pipe=pipe)``. Then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
-    mesh, d = c.mesh, c.mesh.dims
+    mesh = c.mesh
+    d = c.mesh.dims
     x, y = x.to(rank_device()), y.to(rank_device())
     ### BEGIN SOLUTION
     x, y = x.chunk(d.dp)[mesh.coords["dp"]], y.chunk(d.dp)[mesh.coords["dp"]]  # [B/dp, T]

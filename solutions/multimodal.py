@@ -70,18 +70,17 @@ class EncoderStage(nn.Module):
     images come through :meth:`load` (the first stage reads its own data, as Megatron's does), one
     micro-batch per call."""
 
-    first, last = True, False
+    first = True
+    last = False
 
     def __init__(self, model: MultimodalModel, layer_ids):
         super().__init__()
         self.cfg = (
             model.decoder.cfg
         )  # the schedule reads cfg.n_embd: the activation it sends is [b, L, H]
-        self.encoder, self.projector, self.tok_emb = (
-            model.encoder,
-            model.projector,
-            model.decoder.tok_emb,
-        )
+        self.encoder = model.encoder
+        self.projector = model.projector
+        self.tok_emb = model.decoder.tok_emb
         self.layers = nn.ModuleDict({str(i): model.decoder.layers[i] for i in layer_ids})
         self.inbox: deque = deque()
 
@@ -147,7 +146,9 @@ def train_step_pp(
     check_divides(tokens.shape[0], "batch_size", microbatches, "microbatches")
     ### BEGIN SOLUTION
     optimizer.zero_grad(set_to_none=True)
-    tokens_mb, targets_mb = tokens.chunk(microbatches), targets.chunk(microbatches)  # M x [B/M, L]
+    # M x [B/M, L]
+    tokens_mb = tokens.chunk(microbatches)
+    targets_mb = targets.chunk(microbatches)
     if stage.first:
         stage.load(images.chunk(microbatches), tokens_mb)
     loss = exercise("pipeline_parallel").train_step_1f1b(
@@ -187,7 +188,9 @@ class DataParallelTrainer:
     ):
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
-        self.zero, self.optimizer, self.sharded = zero, None, None
+        self.zero = zero
+        self.optimizer = None
+        self.sharded = None
         ### BEGIN SOLUTION
         if zero == 0:
             self.model = exercise("ddp").BucketedDDP(model, bucket_mb=bucket_mb, group=group)
@@ -231,7 +234,8 @@ class TensorParallelMultimodal(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         ### BEGIN SOLUTION
-        self.encoder, self.projector = copy.deepcopy(model.encoder), copy.deepcopy(model.projector)
+        self.encoder = copy.deepcopy(model.encoder)
+        self.projector = copy.deepcopy(model.projector)
         self.decoder = exercise("tensor_parallel").apply_tensor_parallel(model.decoder, group=group)
         ### END SOLUTION
 

@@ -74,7 +74,9 @@ class StageModule(nn.Module):
 
     def __init__(self, model: Transformer, layer_ids, *, first: bool, last: bool):
         super().__init__()
-        self.cfg, self.first, self.last = model.cfg, first, last
+        self.cfg = model.cfg
+        self.first = first
+        self.last = last
         self.tok_emb = model.tok_emb if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
@@ -295,7 +297,9 @@ def train_step_interleaved(
     Spans carry ``chunk=c``. Returns the loss where the last virtual stage is, else None."""
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     ### BEGIN SOLUTION
-    P, V, M = pipe.size, len(chunks), len(microbatches)
+    P = pipe.size
+    V = len(chunks)
+    M = len(microbatches)
     shape, warmup = (
         (*microbatches[0][0].shape, chunks[0].cfg.n_embd),
         interleaved_warmup(P, M, pipe.rank, V),
@@ -312,7 +316,8 @@ def train_step_interleaved(
 
     def forward(k):
         mb, c = interleaved_op(k, P, V, True)
-        stage, vs = chunks[c], c * P + pipe.rank
+        stage = chunks[c]
+        vs = c * P + pipe.rank
         inp = microbatches[mb][0] if stage.first else recv("F", mb, vs, pipe.prev)
         with _span(timeline, "F", mb, c):
             out = forward_step(stage, inp, microbatches[mb][1], n_microbatches=M)
@@ -324,7 +329,8 @@ def train_step_interleaved(
 
     def backward(k):
         mb, c = interleaved_op(k, P, V, False)
-        stage, vs = chunks[c], c * P + pipe.rank
+        stage = chunks[c]
+        vs = c * P + pipe.rank
         grad = None if stage.last else recv("B", mb, vs, pipe.next)
         with _span(timeline, "B", mb, c):
             in_grad = backward_step(*held.pop((mb, c)), grad)

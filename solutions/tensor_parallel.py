@@ -177,8 +177,10 @@ class ColumnParallelLinear(nn.Module):
         copy_input=True,
     ):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.gather_output, self.copy_input = gather_output, copy_input
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.gather_output = gather_output
+        self.copy_input = copy_input
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
     def forward(self, x):
@@ -198,7 +200,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, *, group, sequence_parallel=False):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
     def forward(self, x):
@@ -215,12 +218,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, full: nn.Embedding, *, group, sequence_parallel=False):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
     def forward(self, idx):
         ### BEGIN SOLUTION
-        start, per_rank = dist.get_rank(self.group) * self.weight.shape[0], self.weight.shape[0]
+        start = dist.get_rank(self.group) * self.weight.shape[0]
+        per_rank = self.weight.shape[0]
         elsewhere = (idx < start) | (idx >= start + per_rank)  # [B, T]: ids another rank holds
         x = F.embedding((idx - start).masked_fill(elsewhere, 0), self.weight)  # [B, T, H]
         return exit_parallel_region(
@@ -237,7 +242,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group):
         ### BEGIN SOLUTION
-        start, per_rank = dist.get_rank(group) * logits.shape[-1], logits.shape[-1]
+        start = dist.get_rank(group) * logits.shape[-1]
+        per_rank = logits.shape[-1]
         logits_max = logits.max(dim=-1).values  # [N]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max[:, None]  # [N, V/tp]; softmax does not change under a shift
@@ -285,13 +291,12 @@ class ParallelBlock(Block):
 
     def __init__(self, full: Block, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = (
-            full.attn_norm,
-            full.attn,
-            full.mlp_norm,
-            full.mlp,
-        )
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.attn_norm = full.attn_norm
+        self.attn = full.attn
+        self.mlp_norm = full.mlp_norm
+        self.mlp = full.mlp
+        self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x, cos, sin):
         ### BEGIN SOLUTION
@@ -311,7 +316,9 @@ class TensorParallelTransformer(Transformer):
 
     def __init__(self, cfg: ModelConfig, *, group, sequence_parallel=False):
         nn.Module.__init__(self)
-        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        self.cfg = cfg
+        self.group = group
+        self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList()
 
     def forward(self, idx, targets=None, positions=None):
@@ -341,10 +348,9 @@ def apply_tensor_parallel(
     column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
     nkv, H, F, V."""
     group = group if group is not None else dist.group.WORLD
-    full, tp = (
-        copy.deepcopy(course_model_from(model)),
-        dist.get_world_size(group),
-    )  # HF names -> course's
+    # HF names -> course's
+    full = copy.deepcopy(course_model_from(model))
+    tp = dist.get_world_size(group)
     cfg = full.cfg
     ParallelDims(tp=tp).check_model(
         n_head=cfg.n_head,
@@ -355,10 +361,8 @@ def apply_tensor_parallel(
     )
     kw = dict(group=group, sequence_parallel=sequence_parallel)
     ### BEGIN SOLUTION
-    column, row = (
-        partial(ColumnParallelLinear, copy_input=False, **kw),
-        partial(RowParallelLinear, **kw),
-    )
+    column = partial(ColumnParallelLinear, copy_input=False, **kw)
+    row = partial(RowParallelLinear, **kw)
     norm = partial(sequence_parallel_norm, **kw)
     plan = {
         "attn_norm": norm,
@@ -377,7 +381,8 @@ def apply_tensor_parallel(
         block = ParallelBlock(full_block, **kw)
         for name, make in plan.items():
             block.set_submodule(name, make(block.get_submodule(name)))
-        block.attn.n_head, block.attn.n_kv_head = cfg.n_head // tp, cfg.n_kv_head // tp
+        block.attn.n_head = cfg.n_head // tp
+        block.attn.n_kv_head = cfg.n_kv_head // tp
         tp_model.layers.append(block)
     tp_model.norm = norm(full.norm)
     tp_model.lm_head = ColumnParallelLinear(full.lm_head, **kw)  # logits [B, T, V/tp]

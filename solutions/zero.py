@@ -81,8 +81,11 @@ class _Sharded:
     """What every stage shares: units, the sharded optimizer, the gradient reduction."""
 
     def __init__(self, model: nn.Module, units, cfg: TrainConfig, zero: ZeroConfig, group):
-        self.model, self.zero, self.group = model, zero, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.model = model
+        self.zero = zero
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         units = units if units is not None else [("model", [model])]
         self.modules, seen, self.units = [modules for _, modules in units], set(), []
         for name, modules in units:  # a parameter shared by two units (tied) belongs to the first
@@ -209,7 +212,8 @@ class Zero3(_Sharded):
             u.shard_grad = torch.zeros_like(u.shard_param)
             u.bind(full)
             u.release()
-            first, last = self.modules[k][0], self.modules[k][-1]
+            first = self.modules[k][0]
+            last = self.modules[k][-1]
             first.register_forward_pre_hook(lambda m, args, k=k: self.pre_forward(k))
             last.register_forward_hook(lambda m, args, out, k=k: self._after_forward(k, out))
 

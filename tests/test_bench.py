@@ -49,7 +49,8 @@ def test_bench_writes_table_csv_and_figure(tmp_path):
         assert tuple(reader.fieldnames) == bench.COLUMNS
         rows = {r["lab"]: r for r in reader}
     assert set(rows) == {"collectives", "memory"}
-    ring, memory = rows["collectives"], rows["memory"]
+    ring = rows["collectives"]
+    memory = rows["memory"]
     assert ring["status"] == memory["status"] == "ok"
     assert ring["nproc"] == "2" and ring["backend"] == "gloo" and ring["impl"] == "solutions"
     # measured against the theory and the reference, by the labs' own checks

@@ -20,7 +20,8 @@ def ring_vs_torch(shape, dtype):
         if not dtype.is_floating_point
         else torch.randn(shape, generator=g)
     ).to(dtype)
-    ours, theirs = x.clone(), x.clone()
+    ours = x.clone()
+    theirs = x.clone()
     with CommLedger() as ledger:
         out = ring.ring_all_reduce(ours)
     dist.all_reduce(theirs)

@@ -98,11 +98,10 @@ def test_zigzag_split_and_unsplit(exercise):
 def test_merge_rule_equals_attention_over_all_keys(exercise):
     cpm = exercise("context_parallel")
     g = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(2, 4, 6, 8, generator=g) * 30,
-        torch.randn(2, 2, 10, 8, generator=g),
-        torch.randn(2, 2, 10, 8, generator=g),
-    )  # large logits: a naive exp(lse) would overflow
+    # large logits: a naive exp(lse) would overflow
+    q = torch.randn(2, 4, 6, 8, generator=g) * 30
+    k = torch.randn(2, 2, 10, 8, generator=g)
+    v = torch.randn(2, 2, 10, 8, generator=g)
     whole = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     parts = [
         cpm.attention_block(q, k[:, :, s], v[:, :, s], causal=False, scale=8**-0.5)
@@ -124,7 +123,8 @@ def subgroup_worker(shape):
     cpm = exercise("context_parallel")
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     group = groups[dist.get_rank() % 2]
-    me, cp = dist.get_rank(group), dist.get_world_size(group)
+    me = dist.get_rank(group)
+    cp = dist.get_world_size(group)
     q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, dim=2) for t in lab.make_qkv(shape))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out = cpm.ring_attention(q, k, v, group, causal=True, zigzag=True)
@@ -157,7 +157,8 @@ def event_worker(shape):
 
         return wrapper
 
-    me, cp = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
+    cp = dist.get_world_size()
     q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, dim=2) for t in lab.make_qkv(shape))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     with (

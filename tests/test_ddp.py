@@ -1,9 +1,9 @@
 """Exercise 02: naive, overlapped and bucketed DDP equal single-process training, send 2(N-1)/N G
 bytes per rank per step in the predicted number of calls, and match torch's DDP.
 
-Parameters after 5 AdamW steps are compared in fp32 on 2 ranks and in float64 on 4: in fp32
-on 4 ranks they differ by ~6e-5 for *any* DDP, torch's included (see labs.experiments.ddp.run),
-while losses and the step-1 gradients match in fp32 on both.
+Losses and step-1 gradients match in fp32 within 1e-5. Parameters after 5 AdamW steps are
+compared in fp32 within labs.train.PARAM_TOLERANCES (AdamW magnifies the rounding of a split
+sum, for *any* DDP, torch's included) and tightly in float64 on 4 ranks.
 """
 
 import functools
@@ -23,6 +23,7 @@ from labs.runtime import exercise
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import (
+    PARAM_TOLERANCES,
     TOLERANCES,
     TrainConfig,
     assert_close_tensors,
@@ -71,7 +72,7 @@ def check_against_reference(nproc, variant, *, params=True, **job_options):
 @pytest.mark.parametrize("nproc", [2, 4])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_losses_and_gradients_match_the_reference_in_fp32(variant, nproc):
-    check_against_reference(nproc, variant, params=nproc == 2)
+    check_against_reference(nproc, variant)
 
 
 @pytest.mark.exercise
@@ -324,7 +325,8 @@ def test_cli_vs_torch_ddp(capsys):
         summary["step_time_s"] / summary["torch_step_time_s"]
     )
     # torch's DDP trained the same model on the same data: it lands on the same numbers
-    assert summary["torch_max_rel_loss_diff"] <= TOL and summary["torch_max_param_rel_diff"] <= TOL
+    assert summary["torch_max_rel_loss_diff"] <= TOL
+    assert summary["torch_max_param_rel_diff"] <= PARAM_TOLERANCES[torch.float32]
 
 
 # --- harness: no learner code --------------------------------------------------------------

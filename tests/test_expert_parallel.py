@@ -136,10 +136,8 @@ def test_active_parameters_are_those_one_token_touches():
     gradient are its attention, norms, router and k experts: the theory's active count per layer.
     (A one-token sequence attends only to itself, so the softmax is 1 and q_proj, k_proj get no
     gradient although the token uses them: they are counted in by name.)"""
-    cfg, moe = (
-        ModelConfig(n_layer=2),
-        MoEConfig(n_experts=8, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0),
-    )
+    cfg = ModelConfig(n_layer=2)
+    moe = MoEConfig(n_experts=8, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
     model = build_moe_model(cfg, moe, seed=1)
     model(torch.tensor([[65]]), torch.tensor([[66]]))[1].backward()
     per_layer = moe_param_counts(MoESpec(experiment.model_spec(cfg, moe).dense, 8, 2))[

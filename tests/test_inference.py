@@ -92,7 +92,8 @@ def test_bad_options_are_value_errors_before_any_rank_starts(options, message):
 def test_cache_write_is_in_place_and_returns_views():
     cache = exercise("inference").KVCache(n_layer=2, batch=2, max_len=8, n_kv_head=2, head_dim=4)
     assert cache.nbytes == 2 * 2 * 2 * 8 * 2 * 4 * 4
-    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    k = torch.randn(2, 2, 3, 4)
+    v = torch.randn(2, 2, 3, 4)
     keys, values = cache.write(1, 2, k, v)
     assert keys.shape == values.shape == (2, 2, 5, 4)
     assert torch.equal(keys[:, :, 2:], k) and torch.equal(values[:, :, 2:], v)
@@ -103,7 +104,8 @@ def test_cache_write_is_in_place_and_returns_views():
 
 @pytest.mark.exercise
 def test_cached_attention_equals_the_models_attention(model):
-    inference, attn = exercise("inference"), model.layers[0].attn
+    inference = exercise("inference")
+    attn = model.layers[0].attn
     x = torch.randn(2, 6, CFG.n_embd, generator=torch.Generator().manual_seed(0))
     cache = inference.KVCache.for_blocks(list(model.layers), batch=2, max_len=6)
     valid = torch.ones(2, 6, dtype=torch.bool)
@@ -163,7 +165,8 @@ def greedy_case(vocab: int) -> dict:
     full[0, [10, vocab - 1]] = 9.0  # tie between rank 0 and the last rank: the lower id wins
     full[1, vocab - 3] = 9.0
     full[2] = 1.0  # all equal: id 0
-    n, r = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
+    r = dist.get_rank()
     mine = full.chunk(n, dim=-1)[r]
     with CommLedger() as ledger:
         got = exercise("inference").greedy(mine, dist.group.WORLD)

@@ -173,7 +173,8 @@ def test_two_launches_at_once_do_not_collide():
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, message):
-    fn, nprocs = kwargs.pop("fn"), kwargs.pop("nprocs")
+    fn = kwargs.pop("fn")
+    nprocs = kwargs.pop("nprocs")
     with pytest.raises(ValueError, match=message):
         launch(fn, nprocs, **kwargs)
 

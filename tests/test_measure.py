@@ -20,7 +20,8 @@ from labs.train import TrainConfig, make_optimizer
 
 
 def issue_collectives():
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
+    rank = dist.get_rank()
     x = torch.ones(1024)  # 4096 bytes
     with CommLedger() as ledger, CommDebugMode() as debug:
         with ledger.phase("one"):

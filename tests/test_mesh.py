@@ -70,7 +70,8 @@ def test_dp2_tp2_cp2_with_zero3_matches_the_reference():
 def test_a_gradient_off_by_a_constant_factor_is_caught(monkeypatch):
     """AdamW divides each gradient by its own size: a gradient twice too large trains to the same
     losses, so the losses alone cannot see it. The gradient check does."""
-    mesh_lab, compose = lab(), lab().compose
+    mesh_lab = lab()
+    compose = lab().compose
 
     def doubled(*args, **kwargs):
         c = compose(*args, **kwargs)

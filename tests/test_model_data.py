@@ -68,7 +68,8 @@ def test_ranks_see_disjoint_data_and_the_global_batch_is_the_same_for_any_world_
 def test_epochs_reshuffle_with_set_epoch():
     windows = len(TokenWindows(512))
     batches = rank_batches(steps=2 * (windows // 4), batch_size=4, seq_len=512)
-    first, second = batches[: windows // 4], batches[windows // 4 :]
+    first = batches[: windows // 4]
+    second = batches[windows // 4 :]
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(first, second))
 
 

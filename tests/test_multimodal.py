@@ -132,10 +132,8 @@ def test_encoder_is_siglip_bit_for_bit():
     model = build_multimodal(MultimodalConfig())
     images = data_for(model.cfg, TrainConfig(steps=1, batch_size=4))[0][0]
     with torch.no_grad():
-        ours, theirs = (
-            model.encoder(images),
-            to_hf_siglip(model.encoder)(pixel_values=images).last_hidden_state,
-        )
+        ours = model.encoder(images)
+        theirs = to_hf_siglip(model.encoder)(pixel_values=images).last_hidden_state
     assert torch.equal(ours, theirs)
 
 

@@ -310,7 +310,8 @@ def test_plan_drawing_and_the_widget_headless(seed):
     def find(css_class):
         return find_widget(box, css_class)
 
-    result, exported = find("labs-planner-result"), find("labs-planner-export-text")
+    result = find("labs-planner-result")
+    exported = find("labs-planner-export-text")
     assert "DP=4 TP=8 PP=4 CP=4" in result.value and "--tp 8 --pp 4 --cp 4" in exported.value
     find("labs-planner-export").value = "accelerate"
     assert "cannot export: pp=4" in exported.value

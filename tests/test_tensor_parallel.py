@@ -106,7 +106,8 @@ def test_tied_embeddings_share_one_vocab_shard():
 @pytest.mark.exercise
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallelism_saves_activation_memory(tp):
-    without, with_sp = summary(tp, False, "course"), summary(tp, True, "course")
+    without = summary(tp, False, "course")
+    with_sp = summary(tp, True, "course")
     saved = with_sp["saved_activation_bytes"][0]
     assert saved < without["saved_activation_bytes"][0]
     # what SP saves is exactly the norm region (residual inputs, 1/rms, normalised x) cut from T to
@@ -140,8 +141,10 @@ def test_sequence_parallelism_saves_activation_memory(tp):
 
 def block_collectives(sp: bool) -> dict:
     """One parallel block's forward and backward under the ledger."""
-    tp, cfg = exercise("tensor_parallel"), ModelConfig()
-    n, r = dist.get_world_size(), dist.get_rank()
+    tp = exercise("tensor_parallel")
+    cfg = ModelConfig()
+    n = dist.get_world_size()
+    r = dist.get_rank()
     block = tp.apply_tensor_parallel(build_model(cfg, 0), sequence_parallel=sp).layers[0]
     x = torch.randn(8, 32, cfg.n_embd, generator=torch.Generator().manual_seed(0))
     x = (x.chunk(n, 1)[r] if sp else x).requires_grad_()
@@ -181,7 +184,8 @@ def test_one_block_sends_what_the_formulas_say(tp, sp):
             }
         else:  # 2 all-gathers + 2 reduce-scatters each way: the same bytes as the 2 all-reduces
             for phase in ("forward", "backward"):
-                ag, rs = measured[phase]["all_gather"], measured[phase]["reduce_scatter"]
+                ag = measured[phase]["all_gather"]
+                rs = measured[phase]["reduce_scatter"]
                 assert (
                     ag["calls"] == rs["calls"] == 2
                     and ag["payload_bytes"] == rs["payload_bytes"] == 2 * k
@@ -194,7 +198,8 @@ def test_one_block_sends_what_the_formulas_say(tp, sp):
 
 def saved_shapes(sp: bool) -> dict:
     """Shapes of everything the TP model saves for backward, and the logits it returns."""
-    tp, cfg = exercise("tensor_parallel"), ModelConfig()
+    tp = exercise("tensor_parallel")
+    cfg = ModelConfig()
     model = tp.apply_tensor_parallel(build_model(cfg, 0), sequence_parallel=sp)
     idx = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
     shapes = []

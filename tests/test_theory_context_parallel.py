@@ -103,7 +103,8 @@ def test_activation_formula_is_the_playbooks_at_cp1_and_divides_by_cp_with_flash
 
 def test_above_the_threshold_a_ring_step_computes_longer_than_it_sends():
     kw = dict(n_head=32, n_kv_head=8, head_dim=128, itemsize=2)
-    flops, bw = 400e12, 50e9
+    flops = 400e12
+    bw = 50e9
     s = cpt.tokens_to_hide_comm(flops_per_s=flops, bytes_per_s=bw, **kw)
     compute = (
         cpt.block_flops(batch=1, n_head=32, chunk=s / 2, head_dim=128) * 2 / flops

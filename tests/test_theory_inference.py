@@ -79,7 +79,11 @@ def test_weights_per_rank_add_up_to_the_built_model():
 
 
 def test_collectives_and_messages_per_forward():
-    B, t, N, L, H = 4, 3, 4, 4, 64
+    B = 4
+    t = 3
+    N = 4
+    L = 4
+    H = 64
     tp = inf.forward_comm(TINY4, mode="tp", degree=N, batch=B, tokens=t, dtype_bytes=4)
     assert len(tp) == N and tp[0]["all_reduce"]["calls"] == 2 * L + 1
     assert tp[0]["all_reduce"]["sent_bytes"] == (2 * L + 1) * all_reduce_bytes(B * t * H * 4, N)

@@ -213,10 +213,13 @@ def test_fp32_state_equals_torch_optimizer_state(optimizer, make):
 def test_exact_shards_equal_a_padded_flat_buffer_split(zero):
     """A ZeRO rank's tensors built the flat-buffer way (pad to a multiple of N, take 1/N) and
     measured."""
-    n_params, dp = count_params(build_model(ModelConfig())), 3
+    n_params = count_params(build_model(ModelConfig()))
+    dp = 3
     flat = torch.zeros(math.ceil(n_params / dp) * dp)  # the padded flat buffer every rank cuts
-    shard, full = flat.chunk(dp)[dp - 1].clone(), torch.zeros(n_params)
-    params, grads = (shard if zero == 3 else full).clone(), (shard if zero >= 2 else full).clone()
+    shard = flat.chunk(dp)[dp - 1].clone()
+    full = torch.zeros(n_params)
+    params = (shard if zero == 3 else full).clone()
+    grads = (shard if zero >= 2 else full).clone()
     stepped = (
         (shard if zero >= 1 else full).clone().requires_grad_()
     )  # what this rank's optimizer updates
@@ -232,9 +235,12 @@ def test_exact_shards_equal_a_padded_flat_buffer_split(zero):
 
 
 def test_zero_stages_follow_the_playbook_and_use_the_stage_params():
-    spec, psi = PRESETS["llama3-8b"], param_count(PRESETS["llama3-8b"])
+    spec = PRESETS["llama3-8b"]
+    psi = param_count(PRESETS["llama3-8b"])
     rows = [memory_per_rank(spec, seq=4096, mbs=1, zero=z, dp=8) for z in range(4)]
-    k, n = 12, 8  # bf16-mixed: 2 + 2 + 12 bytes per parameter
+    # bf16-mixed: 2 + 2 + 12 bytes per parameter
+    k = 12
+    n = 8
     assert [
         r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows
     ] == pytest.approx(
@@ -258,7 +264,9 @@ def test_zero_stages_follow_the_playbook_and_use_the_stage_params():
 def test_gpt_path_is_the_playbooks_formula_with_the_attention_term_split(tp, sp):
     if sp and tp == 1:
         return
-    spec, seq, mbs = PRESETS["gpt2-small"], 2048, 2
+    spec = PRESETS["gpt2-small"]
+    seq = 2048
+    mbs = 2
     ours = terms_bytes(layer_terms(spec, seq=seq, dtype_bytes=2), seq=seq, mbs=mbs, tp=tp, sp=sp)
     assert ours == pytest.approx(
         playbook_layer_bytes(seq=seq, mbs=mbs, hidden=768, heads=12, tp=tp, sp=sp)
@@ -275,7 +283,9 @@ def test_gpt_path_is_the_playbooks_formula_with_the_attention_term_split(tp, sp)
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_llama_activations_split_as_documented(recompute):
-    spec, seq, mbs = PRESETS["llama3-8b"], 4096, 2
+    spec = PRESETS["llama3-8b"]
+    seq = 4096
+    mbs = 2
     terms = layer_terms(spec, seq=seq, dtype_bytes=2, recompute=recompute)
     one = terms_bytes(terms, seq=seq, mbs=mbs)
     by_split = {
@@ -308,7 +318,8 @@ def test_recomputation_orders_memory(name):
 
 @pytest.mark.parametrize("schedule, m", [("afab", 8), ("1f1b", 8), ("1f1b", 2), ("gpipe", 3)])
 def test_pipeline_stages_hold_their_in_flight_microbatches(schedule, m):
-    spec, pp = PRESETS["llama3-8b"], 4
+    spec = PRESETS["llama3-8b"]
+    pp = 4
     r = memory_per_rank(
         spec, seq=2048, mbs=1, pp=pp, microbatches=m, schedule=schedule, recompute="full"
     )
@@ -342,7 +353,8 @@ def test_context_parallel_splits_activations_not_state():
     spec = PRESETS["llama3-8b"]
     one, four = (memory_per_rank(spec, seq=8192, mbs=1, cp=c) for c in (1, 4))
     assert four["param_bytes"] == one["param_bytes"]
-    parts1, parts4 = one["activations_per_microbatch"], four["activations_per_microbatch"]
+    parts1 = one["activations_per_microbatch"]
+    parts4 = four["activations_per_microbatch"]
     for part in ("layers", "embedding", "rotary", "final_norm"):
         assert parts4[part] == parts1[part] / 4
     assert parts4["loss"] == pytest.approx(
@@ -363,7 +375,9 @@ def test_training_flops_equal_flop_counter(cfg, recompute):
 
     from labs.experiments.memory import course_spec, forward_loss
 
-    model, B, T = build_model(cfg), 2, 48
+    model = build_model(cfg)
+    B = 2
+    T = 48
     x = torch.randint(0, cfg.vocab_size, (B, T))
     with (
         sdpa_kernel(SDPBackend.MATH),
@@ -589,7 +603,8 @@ def test_drawings_and_the_widget_headless():
     verdict = find("labs-memory-verdict")
     find("labs-memory-chart")
     assert "does not fit" in verdict.value  # Llama-3 8B, no sharding, on an H100
-    find("labs-memory-dp").value, find("labs-memory-zero").value = 8, 3
+    find("labs-memory-dp").value = 8
+    find("labs-memory-zero").value = 3
     assert "fits" in verdict.value and "does not fit" not in verdict.value
     find("labs-memory-preset").value = "llama3-70b"
     find("labs-memory-gpu").value = "H200 141GB"

@@ -56,7 +56,8 @@ def test_counts_equal_the_course_moe_model(n_experts, top_k, ep):
     from labs.models import ModelConfig, count_params
     from labs.models.moe import MoEConfig, build_moe_model
 
-    cfg, moe = ModelConfig(n_layer=3), MoEConfig(n_experts=n_experts, top_k=top_k)
+    cfg = ModelConfig(n_layer=3)
+    moe = MoEConfig(n_experts=n_experts, top_k=top_k)
     model = build_moe_model(cfg, moe)
     counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
     assert counts["total"] == count_params(model)
@@ -121,7 +122,10 @@ def test_all_to_all_bytes_from_rows():
 def test_expected_bytes_are_the_mean_of_uniform_routing():
     """Simulated uniform routing, no drops: the average dispatch bytes approach
     N·k·(ep-1)/ep·h·b."""
-    tokens, k, ep, h = 512, 2, 4, 16
+    tokens = 512
+    k = 2
+    ep = 4
+    h = 16
     counts = theory.synthetic_routing(
         tokens=tokens, n_experts=8, top_k=k, ranks=ep, skew=0.0, seed=1
     )

@@ -133,7 +133,8 @@ def test_the_slowest_stage_sets_the_pace():
 
 
 def brute_force(spec, enc, stages, **kw):
-    n, best = spec.n_layers, None
+    n = spec.n_layers
+    best = None
     for cut in itertools.combinations_with_replacement(range(n + 1), stages - 1):
         split = tuple(b - a for a, b in zip((0,) + cut, cut + (n,)))
         worst = max(
@@ -189,7 +190,8 @@ def test_rebalancing_the_course_pipeline():
     "pp, zero, dp, tp", [(1, 0, 1, 1), (2, 1, 2, 1), (4, 3, 4, 2), (4, 0, 1, 4)]
 )
 def test_memory_with_encoder_adds_to_the_calculator(pp, zero, dp, tp):
-    spec, enc = preset("llama3-8b"), theory.ENCODERS["siglip-so400m"]
+    spec = preset("llama3-8b")
+    enc = theory.ENCODERS["siglip-so400m"]
     kw = dict(mbs=1, zero=zero, dp=dp, tp=tp, pp=pp, microbatches=8)
     mem = theory.memory_per_rank_with_encoder(spec, enc, text_tokens=1000, **kw)
     calc = memory_per_rank(spec, seq=enc.tokens + 1000, **kw)
@@ -216,7 +218,8 @@ def test_memory_with_encoder_adds_to_the_calculator(pp, zero, dp, tp):
 
 
 def test_memory_with_encoder_rejects_bad_input():
-    spec, enc = preset("llama3-8b"), theory.EncoderSpec()
+    spec = preset("llama3-8b")
+    enc = theory.EncoderSpec()
     with pytest.raises(ValueError, match="split=.* pp=2"):
         theory.memory_per_rank_with_encoder(
             spec, enc, text_tokens=10, mbs=1, pp=2, split=(1, 2, 29)
@@ -232,7 +235,8 @@ def test_memory_with_encoder_rejects_bad_input():
 
 
 def test_planner_with_an_encoder():
-    spec, enc = preset("llama3-8b"), theory.ENCODERS["siglip-so400m"]
+    spec = preset("llama3-8b")
+    enc = theory.ENCODERS["siglip-so400m"]
     r = multimodal_plan.plan_with_encoder(
         spec,
         enc,

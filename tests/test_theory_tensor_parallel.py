@@ -27,7 +27,9 @@ def test_course_spec_is_the_course_model():
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_per_block_collectives_are_megatrons(tp):
-    B, T, e = 4, 64, 2
+    B = 4
+    T = 64
+    e = 2
     k = B * T * SPEC.hidden * e
     ring = 2 * (tp - 1) / tp * k
     plain = (
@@ -45,7 +47,8 @@ def test_per_block_collectives_are_megatrons(tp):
     sp = theory.comm_summary(spec, tp=tp, sp=True, batch=B, seq=T, dtype_bytes=e)["block"]
     no_sp = theory.comm_summary(spec, tp=tp, sp=False, batch=B, seq=T, dtype_bytes=e)["block"]
     for phase in ("forward", "backward"):
-        ag, rs = sp[phase]["all_gather"], sp[phase]["reduce_scatter"]
+        ag = sp[phase]["all_gather"]
+        rs = sp[phase]["reduce_scatter"]
         assert (
             ag["calls"] == rs["calls"] == 2 and ag["payload_bytes"] == rs["payload_bytes"] == 2 * k
         )
@@ -60,8 +63,11 @@ def test_per_block_collectives_are_megatrons(tp):
 
 
 def test_model_collectives_are_the_blocks_plus_embedding_head_and_loss():
-    B, T, tp = 8, 32, 4
-    k, n_tok = B * T * SPEC.hidden * 4, B * T
+    B = 8
+    T = 32
+    tp = 4
+    k = B * T * SPEC.hidden * 4
+    n_tok = B * T
     model = theory.comm_summary(SPEC, tp=tp, batch=B, seq=T)["model"]
     assert (
         model["forward"]["all_reduce"]["calls"] == 2 * SPEC.n_layers + 1 + 2

@@ -52,7 +52,9 @@ def test_held_bytes_is_the_calculator_when_n_divides_every_unit(stage, dp):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_held_bytes_with_padding_and_offload(stage):
-    dp, shard = 4, math.ceil(8009 / 4)  # 2003 elements, 3 of padding
+    # 2003 elements, 3 of padding
+    dp = 4
+    shard = math.ceil(8009 / 4)
     held = zero.held_bytes(AWKWARD, stage=stage, dp=dp, frozen_numel=600)
     calc = state_bytes(8009, zero=stage, dp=dp, exact_shards=True)
     assert held["optimizer"] == 8 * shard

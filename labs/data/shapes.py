@@ -68,7 +68,8 @@ def render(
     y, x = torch.meshgrid(
         torch.arange(image_size), torch.arange(image_size), indexing="ij"
     )  # [S, S] each
-    dy, dx = (y - cy).abs(), (x - cx).abs()
+    dy = (y - cy).abs()
+    dx = (x - cx).abs()
     if shape == "square":
         mask = (dy <= half) & (dx <= half)
     elif shape == "circle":
@@ -94,7 +95,9 @@ class ShapesDataset(Dataset):
             raise ValueError(
                 f"image_size={image_size} is too small for the large shapes; use image_size >= 14"
             )
-        self.n, self.seed, self.image_size = n, seed, image_size
+        self.n = n
+        self.seed = seed
+        self.image_size = image_size
         self.tokenizer = ByteTokenizer()
 
     def __len__(self) -> int:
@@ -104,7 +107,9 @@ class ShapesDataset(Dataset):
         """The attributes of sample i (what its caption says and where the shape is)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
-        size, colour, shape = pick(tuple(SIZES)), pick(tuple(COLOURS)), pick(SHAPES)
+        size = pick(tuple(SIZES))
+        colour = pick(tuple(COLOURS))
+        shape = pick(SHAPES)
         half = pick(SIZES[size])
         cy, cx = (int(c) for c in torch.randint(half, self.image_size - half, (2,), generator=g))
         return {

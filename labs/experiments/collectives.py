@@ -40,16 +40,19 @@ def whoami() -> dict:
 
 def ring_worker(numel: int, steps: int, vs_torch: bool, seed: int) -> dict:
     ring = exercise("collectives")
-    rank, device = dist.get_rank(), rank_device()
+    rank = dist.get_rank()
+    device = rank_device()
     g = torch.Generator().manual_seed(seed + rank)
     ints = torch.randint(-1000, 1000, (numel,), generator=g).to(device)
     floats = torch.randn(numel, generator=g).to(device)
 
-    ours_int, torch_int = ints.clone(), ints.clone()
+    ours_int = ints.clone()
+    torch_int = ints.clone()
     ring.ring_all_reduce(ours_int)
     dist.all_reduce(torch_int)
 
-    ours_float, torch_float = floats.clone(), floats.clone()
+    ours_float = floats.clone()
+    torch_float = floats.clone()
     with CommLedger() as ledger:
         ring.ring_all_reduce(ours_float)
     dist.all_reduce(torch_float)
@@ -128,7 +131,8 @@ def run(
 
 
 def bandwidth_worker(sizes: list[int], repeats: int, ours: bool) -> list[dict]:
-    ring, device = exercise("collectives"), rank_device()
+    ring = exercise("collectives")
+    device = rank_device()
     rows = []
     for numel in sizes:
         x = torch.ones(numel, device=device)

@@ -90,7 +90,9 @@ def make_qkv(shape: AttnShape):
     """The global q [B, nh, T, hd], k, v [B, nkv, T, hd] and upstream gradient dout, from the
     seed."""
     g = torch.Generator().manual_seed(shape.seed)
-    b, t, hd = shape.batch, shape.seq_len, shape.head_dim
+    b = shape.batch
+    t = shape.seq_len
+    hd = shape.head_dim
     return (
         torch.randn(b, shape.n_head, t, hd, generator=g),
         torch.randn(b, shape.n_kv_head, t, hd, generator=g),
@@ -121,7 +123,8 @@ class MatmulFlops(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.MATMULS and args[0].dim() >= 2 and args[1].dim() >= 2:
-            a, b = args[0], args[1]
+            a = args[0]
+            b = args[1]
             batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]).numel()
             self.flops += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
         return func(*args, **(kwargs or {}))
@@ -131,7 +134,8 @@ class MatmulFlops(TorchFunctionMode):
 def _counting_blocks(module, name: str):
     """Patch ``module.name`` (a block kernel taking (dout, q, k, ...)) to add up query × key
     positions per call, in ``counter["area"]``."""
-    counter, kernel = {"area": 0}, getattr(module, name)
+    counter = {"area": 0}
+    kernel = getattr(module, name)
 
     def counted(dout, q, k, *args, **kwargs):
         counter["area"] += q.shape[-2] * k.shape[-2]
@@ -142,8 +146,10 @@ def _counting_blocks(module, name: str):
 
 
 def attention_worker(shape: AttnShape, cases) -> list[dict]:
-    cpm, group = exercise("context_parallel"), dist.group.WORLD
-    me, cp = dist.get_rank(), dist.get_world_size()
+    cpm = exercise("context_parallel")
+    group = dist.group.WORLD
+    me = dist.get_rank()
+    cp = dist.get_world_size()
     results = []
     for causal, zigzag in cases:
         q, k, v, dout = (
@@ -229,7 +235,8 @@ def attention_check(
 
 
 def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict:
-    cpm, group = exercise("context_parallel"), dist.group.WORLD
+    cpm = exercise("context_parallel")
+    group = dist.group.WORLD
     model = cpm.apply_context_parallel(build_model(model_cfg, seed=cfg.seed), group, zigzag=zigzag)
     optimizer = make_optimizer(model.parameters(), cfg)
     losses, times, grads = [], [], {}
@@ -308,7 +315,8 @@ def run(
             "skipped: the course model is causal; --no-causal checks attention only"
         )
         return summary
-    model_cfg, cfg = ModelConfig(), TrainConfig(steps=steps, seq_len=seq)
+    model_cfg = ModelConfig()
+    cfg = TrainConfig(steps=steps, seq_len=seq)
     per_rank = launch(
         train_worker,
         nproc,
@@ -380,7 +388,8 @@ def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int,
 
 
 def memory_worker(model_cfg: ModelConfig, shape: AttnShape, batch: int, seq: int) -> dict:
-    cpm, group = exercise("context_parallel"), dist.group.WORLD
+    cpm = exercise("context_parallel")
+    group = dist.group.WORLD
     model = cpm.apply_context_parallel(build_model(model_cfg), group)
     x = torch.randint(
         0, model_cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)
@@ -431,7 +440,9 @@ def merge_example() -> dict:
     cpm = exercise("context_parallel")
     scores = torch.tensor([1.0, 2.0, 0.5, 3.0])
     values = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, -1.0]])
-    q, k = scores.view(1, 1, 1, 4), torch.eye(4).view(1, 1, 4, 4)  # q·k_j = scores[j]
+    # q·k_j = scores[j]
+    q = scores.view(1, 1, 1, 4)
+    k = torch.eye(4).view(1, 1, 4, 4)
     v = values.view(1, 1, 4, 2)
     a = cpm.attention_block(q, k[:, :, :2], v[:, :, :2], causal=False, scale=1.0)  # keys 0, 1
     b = cpm.attention_block(q, k[:, :, 2:], v[:, :, 2:], causal=False, scale=1.0)  # keys 2, 3

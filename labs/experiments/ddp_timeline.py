@@ -38,10 +38,12 @@ def trace_all_reduces(timeline: Timeline):
     """Every ``dist.all_reduce`` issued inside the block becomes an "all_reduce" event on
     ``timeline``: from launch to completion (for ``async_op=True``, when the work's future
     completes, in the communication thread, not when someone waits for it)."""
-    original, counter = c10d.all_reduce, itertools.count()
+    original = c10d.all_reduce
+    counter = itertools.count()
 
     def traced(tensor, *args, **kwargs):
-        index, start = next(counter), timeline.now()
+        index = next(counter)
+        start = timeline.now()
         work = original(tensor, *args, **kwargs)
         meta = {"bucket": index, "bytes": tensor.numel() * tensor.element_size()}
 

@@ -77,7 +77,8 @@ def out_of_memory_rank(n_params: int, budget_bytes: int):
     resource.setrlimit(
         resource.RLIMIT_AS, (_address_space_bytes() + budget_bytes, resource.RLIM_INFINITY)
     )
-    params, grads = torch.zeros(n_params), torch.zeros(n_params)
+    params = torch.zeros(n_params)
+    grads = torch.zeros(n_params)
     moments = torch.zeros(2 * n_params)
     return params.numel() + grads.numel() + moments.numel()
 
@@ -110,7 +111,8 @@ def oom_prediction(n_params: int, budget_bytes: int) -> dict:
     }
 
 
-OOM_PARAMS, OOM_BUDGET = 16 << 20, 128 << 20
+OOM_PARAMS = 16 << 20
+OOM_BUDGET = 128 << 20
 SCENARIOS = (
     "skipped_collective",
     "wrong_shape",
@@ -156,9 +158,11 @@ def diagnose(name: str, timeout: float = 5.0) -> dict:
     t0 = time.perf_counter()
     try:
         reproduce(name, timeout=timeout)
-        error, text = None, "no error"
+        error = None
+        text = "no error"
     except (RankError, RankDied, LaunchTimeout) as e:
-        error, text = type(e).__name__, str(e)
+        error = type(e).__name__
+        text = str(e)
     seconds = time.perf_counter() - t0
     first = text.splitlines()[0]
     detail = next(

@@ -49,7 +49,8 @@ from labs.theory import inference as theory
 from labs.theory.dims import ParallelDims, check_positive
 from labs.theory.memory import layers_on_stage
 
-MODES, MODELS = theory.MODES, tp_lab.MODELS
+MODES = theory.MODES
+MODELS = tp_lab.MODELS
 CONFIG = ModelConfig(
     n_layer=4
 )  # 4 layers: one per stage on 4 ranks; 4 kv heads: one per TP rank on 4
@@ -125,7 +126,9 @@ def hf_generate_tokens(hf, prompts, new_tokens: int) -> torch.Tensor:
 def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
     """Median time of one message of ``numel`` floats: an all-reduce (TP), or a hop of a pass around
     the ring of ranks (placement: the ring's time / N)."""
-    x, n, rank = torch.zeros(numel, device=rank_device()), dist.get_world_size(), dist.get_rank()
+    x = torch.zeros(numel, device=rank_device())
+    n = dist.get_world_size()
+    rank = dist.get_rank()
 
     def message():
         if n > 1 and mode == "tp":
@@ -161,8 +164,10 @@ def _timed(generate) -> dict:
 def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden: int) -> dict:
     """One rank: build its part (``mode``: "tp", "placement" or "single"), generate once under the
     ledger, then ``steps`` timed generations."""
-    inference, device = exercise("inference"), rank_device()
-    rank, n = dist.get_rank(), dist.get_world_size()
+    inference = exercise("inference")
+    device = rank_device()
+    rank = dist.get_rank()
+    n = dist.get_world_size()
     model = model.to(device)
     if mode == "tp":
         part = exercise("tensor_parallel").apply_tensor_parallel(
@@ -172,7 +177,8 @@ def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden:
             inference.generate, part, prompts, new_tokens=new_tokens, group=dist.group.WORLD
         )
     elif mode == "placement":
-        pp, full = exercise("pipeline_parallel"), course_model_from(model)
+        pp = exercise("pipeline_parallel")
+        full = course_model_from(model)
         part = pp.build_stage(full, plan=stage_plan(full.cfg.n_layer, n), stage=rank)
         generate = partial(
             inference.generate_placed, part, prompts, new_tokens=new_tokens, pipe=pp.pipe_group()
@@ -251,7 +257,8 @@ def mode_summary(
     single: dict | None = None,
 ) -> dict:
     """The checks of one mode's run, beside the theory and the single-rank baseline."""
-    batch, t0 = len(prompts), max(len(p) for p in prompts)
+    batch = len(prompts)
+    t0 = max(len(p) for p in prompts)
     holders = [r["tokens"] for r in per_rank if r["tokens"] is not None]
     s = {
         "mode": mode,
@@ -370,15 +377,11 @@ def run(
     full = full_model(cfg, model, seed)
     with one_thread():
         if model == "course":
-            reference, reference_name = (
-                no_cache_tokens(full, batch, new_tokens),
-                "no cache, each prompt alone",
-            )
+            reference = no_cache_tokens(full, batch, new_tokens)
+            reference_name = "no cache, each prompt alone"
         else:
-            reference, reference_name = (
-                hf_generate_tokens(full, batch, new_tokens),
-                "transformers generate",
-            )
+            reference = hf_generate_tokens(full, batch, new_tokens)
+            reference_name = "transformers generate"
     job = partial(launch, infer_worker, backend=backend, timeout=timeout, progress=steps)
     single = mode_summary(
         job(1, full, batch, new_tokens, "single", steps, cfg.n_embd, desc="1 rank"),
@@ -459,20 +462,16 @@ def single_process_check(*, prompts: int = 4, new_tokens: int = 16, seed: int = 
     ``transformers``' ``generate`` on the same weights; the cache's bytes against the theory."""
     from labs.models.hf import to_hf_llama
 
-    inference, model, batch = (
-        exercise("inference"),
-        full_model(CONFIG, "course", seed),
-        make_prompts(prompts, seed),
-    )
+    inference = exercise("inference")
+    model = full_model(CONFIG, "course", seed)
+    batch = make_prompts(prompts, seed)
     with one_thread():
         ours = inference.generate(model, batch, new_tokens=new_tokens)
         alone = torch.cat(
             [inference.generate(model, [p], new_tokens=new_tokens).tokens for p in batch]
         )
-        no_cache, hf = (
-            no_cache_tokens(model, batch, new_tokens),
-            hf_generate_tokens(to_hf_llama(model), batch, new_tokens),
-        )
+        no_cache = no_cache_tokens(model, batch, new_tokens)
+        hf = hf_generate_tokens(to_hf_llama(model), batch, new_tokens)
     seq = max(len(p) for p in batch) + new_tokens
     return {
         "prompts": [bytes(p).decode(errors="replace") for p in batch],
@@ -502,7 +501,8 @@ def comm_report(summary: dict) -> str:
     for mode, s in _modes(summary).items():
         for rank in range(summary["nproc"]):
             for phase in ("prefill", "decode"):
-                got, want = s[f"comm_{phase}"][rank], s[f"theory_comm_{phase}"][rank]
+                got = s[f"comm_{phase}"][rank]
+                want = s[f"theory_comm_{phase}"][rank]
                 for op in sorted(set(got) | set(want)):
                     lines.append(
                         f"{mode:<10}{rank:>5} {phase:<8}{op:<11}"

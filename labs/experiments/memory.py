@@ -84,7 +84,10 @@ class SaveMatmuls:
     (norms, rotary, SwiGLU's pointwise ops). Counts the bytes it keeps, by ``region``."""
 
     def __init__(self):
-        self.bytes, self.by_region, self.region, self._seen = 0, {}, "other", set()
+        self.bytes = 0
+        self.by_region = {}
+        self.region = "other"
+        self._seen = set()
 
     def __call__(self, ctx, op, *args, **kwargs):
         if op not in KEEP_OPS:
@@ -126,7 +129,8 @@ def forward_loss(
     """The course model's forward and loss (``Transformer.forward``, block by block) with
     recomputation and measurement regions. The rotary tables are cast to the model's dtype,
     as ``transformers``' Llama does, so a bf16 copy of the model runs end to end."""
-    cfg, dtype = model.cfg, model.tok_emb.weight.dtype
+    cfg = model.cfg
+    dtype = model.tok_emb.weight.dtype
     region = meter.region if meter is not None else (lambda name: contextlib.nullcontext())
     cos, sin = rotary_cos_sin(
         torch.arange(idx.shape[1], device=idx.device), cfg.head_dim, cfg.rope_theta
@@ -163,7 +167,9 @@ def measure_rank(
     fp32_grad_accum: bool = False,
 ) -> dict:
     """Train on this rank's share of the data; count bytes at the last step."""
-    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    device = rank_device()
     model = build_model(model_cfg, seed=train_cfg.seed, device=device)
     master = None
     if precision == "bf16-mixed":  # the fp32 weights become the master copy; a bf16 copy computes
@@ -308,7 +314,8 @@ def run(
         desc="steps",
     )
     reference = train_reference(model_cfg, train_cfg, dp=nproc).losses
-    spec, b = course_spec(model_cfg), train_cfg.per_rank_batch(nproc)
+    spec = course_spec(model_cfg)
+    b = train_cfg.per_rank_batch(nproc)
     act_tol = ACTIVATION_TOLERANCE[per_rank[0][0]["device"]]
     rows = []
     for i, (precision, recompute) in enumerate(configs):
@@ -394,7 +401,8 @@ def comparison_rows(summary: dict) -> list[dict]:
     for r in summary["rows"]:
         row = {"precision": r["precision"], "recompute": r["recompute"]}
         for k in BYTE_KEYS:
-            row[f"{k}_measured"], row[f"{k}_predicted"] = r["measured"][k], r["predicted"][k]
+            row[f"{k}_measured"] = r["measured"][k]
+            row[f"{k}_predicted"] = r["predicted"][k]
         row["playbook_activation_bytes"] = r["playbook_activation_bytes"]
         row["step_time_ms"] = 1e3 * r["step_time_s"]
         out.append(row)
@@ -453,7 +461,8 @@ def format_regions(summary: dict, precision: str = "bf16-mixed") -> str:
 def format_recompute(summary: dict) -> str:
     """What recomputation buys (activation bytes saved vs none, measured and predicted) and what it
     costs (extra FLOPs per step, ``labs.theory.flops``; the FLOP counter test checks them)."""
-    spec, seq = course_spec(ModelConfig(**summary["model"])), summary["seq_len"]
+    spec = course_spec(ModelConfig(**summary["model"]))
+    seq = summary["seq_len"]
     lines = [
         f"{'precision':<11}{'recompute':<10}{'activations':>12}{'saved: measured':>17}{'predicted':>11}"
         f"{'extra FLOPs':>13}"

@@ -79,13 +79,11 @@ class GradProbe:
     step's peak, with the gradients complete, just before the optimizer runs."""
 
     def __init__(self, inner, module):
-        self.inner, self.module, self.shards, self.grads, self.held = (
-            inner,
-            module,
-            None,
-            None,
-            None,
-        )
+        self.inner = inner
+        self.module = module
+        self.shards = None
+        self.grads = None
+        self.held = None
 
     def step(self):
         units = getattr(self.inner, "units", None)
@@ -116,7 +114,8 @@ class GradProbe:
     def gathered(self, group) -> dict[str, torch.Tensor]:
         if self.grads is not None:
             return self.grads
-        names, out = {p: n for n, p in self.module.named_parameters()}, {}
+        names = {p: n for n, p in self.module.named_parameters()}
+        out = {}
         for u, shard in zip(self.inner.units, self.shards):
             flat = torch.empty(u.padded, dtype=shard.dtype, device=shard.device)
             dist.all_gather_single(flat, shard, group=group)
@@ -192,10 +191,13 @@ def theory_bytes(
 ) -> dict:
     """Bytes rank ``r`` should send per step along each axis, from each lab's own theory."""
     spec = course_spec(model_cfg)
-    b, T, m = cfg.batch_size // dims.dp, cfg.seq_len, r["microbatches"]
+    b = cfg.batch_size // dims.dp
+    T = cfg.seq_len
+    m = r["microbatches"]
     out = dict.fromkeys(AXIS_NAMES, 0.0)
     p = r["coords"]["pp"]
-    first, last = p == 0, p == dims.pp - 1
+    first = p == 0
+    last = p == dims.pp - 1
     if (
         dims.tp > 1 and dims.pp == 1
     ):  # every collective of the tensor-parallel model, SP, T/cp tokens
@@ -289,7 +291,8 @@ def run(
     check_positive(steps=steps, layers=layers)
     lab = exercise("mesh")
     dims = lab.check_mesh(world_size=nproc, gpus_per_node=gpus_per_node, dp=dp, tp=tp, pp=pp, cp=cp)
-    model_cfg, cfg = model_config(layers), TrainConfig(steps=steps, batch_size=8, seq_len=32)
+    model_cfg = model_config(layers)
+    cfg = TrainConfig(steps=steps, batch_size=8, seq_len=32)
     lab.check_composition(
         lab.Mesh(dims, 0),
         model_cfg,

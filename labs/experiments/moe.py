@@ -62,7 +62,8 @@ def check_options(*, nproc: int, ep: int, moe: MoEConfig) -> ParallelDims:
 def make_groups(ep: int):
     """(this rank's EP group, this rank's expert-DP group). Every rank creates every group, in
     order."""
-    rank, mine = dist.get_rank(), {}
+    rank = dist.get_rank()
+    mine = {}
     for kind, groups in theory.ep_rank_groups(dist.get_world_size(), ep).items():
         for ranks in groups:
             group = dist.new_group(ranks)
@@ -74,7 +75,8 @@ def make_groups(ep: int):
 def routing_counts(layer, n_experts: int) -> dict:
     """Pairs per expert from a layer's last routing, before (``chosen``) and after (``kept``)
     dropping."""
-    chosen, keep = layer.routing["chosen"], layer.routing["keep"]
+    chosen = layer.routing["chosen"]
+    keep = layer.routing["keep"]
     return {
         "chosen": torch.bincount(chosen.flatten(), minlength=n_experts).tolist(),
         "kept": torch.bincount(chosen[keep], minlength=n_experts).tolist(),
@@ -131,7 +133,8 @@ def routing_table(
         )
         layer(x)
         _, _, weights, _ = exercise("expert_parallel").route(x[0], layer.router, top_k)
-    chosen, keep = layer.routing["chosen"].tolist(), layer.routing["keep"].tolist()
+    chosen = layer.routing["chosen"].tolist()
+    keep = layer.routing["keep"].tolist()
     lines = [
         f"capacity {layer.capacity(tokens)} pairs per expert (cf={capacity_factor}, k={top_k}, E={experts}, "
         f"N={tokens})",
@@ -156,7 +159,8 @@ def mixtral_check(*, n_experts: int = 4, tokens: int = 30, seed: int = 0) -> dic
         load_balancing_loss_func,
     )
 
-    xp, cfg = exercise("expert_parallel"), LAYER_CFG
+    xp = exercise("expert_parallel")
+    cfg = LAYER_CFG
     layer = init_weights(xp.MoELayer(cfg, MoEConfig(n_experts=n_experts, top_k=2)), seed)
     block = MixtralSparseMoeBlock(
         MixtralConfig(
@@ -176,7 +180,8 @@ def mixtral_check(*, n_experts: int = 4, tokens: int = 30, seed: int = 0) -> dic
             )
             block.experts.down_proj[int(e)].copy_(expert.down_proj.weight)
         x = torch.randn(1, tokens, cfg.n_embd, generator=torch.Generator().manual_seed(seed + 1))
-        ours, theirs = layer(x), block(x)
+        ours = layer(x)
+        theirs = block(x)
         logits = layer.router(x[0])
         aux = 2 * xp.load_balancing_loss(logits.softmax(-1), layer.routing["chosen"])
         hf_aux = load_balancing_loss_func((logits,), n_experts, 2)
@@ -202,7 +207,9 @@ def _layer_inputs(cfg, world, tokens_per_rank, seed):
 def layer_worker(
     cfg: ModelConfig, moe: MoEConfig, ep: int, tokens_per_rank: int, seed: int
 ) -> dict:
-    xp, rank, world = exercise("expert_parallel"), dist.get_rank(), dist.get_world_size()
+    xp = exercise("expert_parallel")
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     ep_group, expert_dp = make_groups(ep)
     device = rank_device()
     layer = xp.ExpertParallelMoE.from_full(
@@ -362,7 +369,9 @@ def bytes_table(result: dict) -> str:
 # --- training the course model with MoE layers
 # ------------------------------------------------------------------------
 def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) -> dict:
-    xp, rank, world = exercise("expert_parallel"), dist.get_rank(), dist.get_world_size()
+    xp = exercise("expert_parallel")
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     ep_group, expert_dp = make_groups(ep)
     device = rank_device()
     model = build_moe_model(cfg, moe, seed=train.seed, device=device)
@@ -454,7 +463,8 @@ def run(
         z_loss_coef=z_loss_coef,
     )
     check_options(nproc=nproc, ep=ep, moe=moe)
-    cfg, train = ModelConfig(), TrainConfig(steps=steps, seed=seed)
+    cfg = ModelConfig()
+    train = TrainConfig(steps=steps, seed=seed)
     tokens = (
         train.per_rank_batch(nproc) * train.seq_len
     )  # (a batch that does not split is an error here)
@@ -492,7 +502,8 @@ def run(
     # Bytes: all-to-alls against the routing decisions, gradient all-reduces and state against the
     # theory.
     a2a = _bytes_vs_theory(per_rank, [r["counts"] for r in per_rank], ep, experts, cfg.n_embd)
-    counts, r0 = theory.moe_param_counts(model_spec(cfg, moe), ep=ep), per_rank[0]
+    counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
+    r0 = per_rank[0]
     summary.update(
         a2a,
         **{
@@ -545,7 +556,8 @@ def balance_run(
     group), the share of pairs dropped, the loss and the pairs per expert
     (``counts[step][layer][group][e]``). Returns {coef: {"imbalance", "dropped_share", "loss",
     "counts", "capacity"}}."""
-    cfg, train = ModelConfig(), TrainConfig(steps=steps, seed=seed)
+    cfg = ModelConfig()
+    train = TrainConfig(steps=steps, seed=seed)
     with one_thread():
         return {
             coef: _balance_curve(

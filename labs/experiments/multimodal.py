@@ -69,7 +69,8 @@ SIZES = {
 
 def specs(cfg: MultimodalConfig) -> tuple[ModelSpec, theory.EncoderSpec]:
     """The theory's description of the decoder and of the encoder."""
-    d, v = cfg.decoder, cfg.vision
+    d = cfg.decoder
+    v = cfg.vision
     return (
         course_spec(d),
         theory.EncoderSpec(
@@ -111,7 +112,8 @@ def pp_worker(
     """One pipeline stage per split in ``splits`` (each its own model, optimizer and data), trained
     with the splits' steps interleaved (so every split meets the same machine load); the last
     ``timed`` steps of each are recorded on a timeline. Returns one result per split."""
-    mm, pp = exercise("multimodal"), exercise("pipeline_parallel")
+    mm = exercise("multimodal")
+    pp = exercise("pipeline_parallel")
     pipe = pp.pipe_group()
     batches = _on(pipe.device, data_for(cfg, train))
     runs = []
@@ -145,10 +147,8 @@ def pp_worker(
                 )
             run["step_times"].append(time.perf_counter() - t0)
             if step == 0:
-                run["sent"], run["grads"] = (
-                    ledger.sent_bytes(),
-                    _grads(run["stage"], reference_name),
-                )
+                run["sent"] = ledger.sent_bytes()
+                run["grads"] = _grads(run["stage"], reference_name)
             if loss is not None:
                 run["losses"].append(float(loss))
             if timeline is not None:
@@ -167,7 +167,8 @@ def dp_worker(
     vs_torch)."""
     from labs.experiments.zero import held_bytes
 
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    n = dist.get_world_size()
     device = rank_device()
     batches = shapes.rank_batches(
         steps=train.steps,
@@ -368,7 +369,8 @@ def run(
     "timing"; ``timed_steps``: record the pipeline's timeline on the last so many steps."""
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not one of {tuple(SIZES)}")
-    cfg, train = SIZES[size], TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
+    cfg = SIZES[size]
+    train = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
     split = check_args(
         cfg, nproc=nproc, mode=mode, split=split, microbatches=microbatches, zero=zero, train=train
     )
@@ -439,7 +441,8 @@ def fill_pp(
     """The pipeline's losses (last stage), gradients (by name, each on its stage), bytes and state
     vs theory."""
     spec, enc = specs(cfg)
-    B, nproc = s["batch_size"], len(runs)
+    B = s["batch_size"]
+    nproc = len(runs)
     grads = {n: g for r in runs for n, g in r["grads"].items()}
     s["max_rel_grad_diff"], s["worst_grad"] = _worst(
         ((n, g, ref.grads[n]) for n, g in grads.items()), ref.grads
@@ -475,10 +478,8 @@ def dp_units(cfg: MultimodalConfig) -> list[int]:
     """Trainable parameters of each ZeRO unit (``model_units``: encoder, projector, embedding,
     blocks, norm + head)."""
     spec, enc = specs(cfg)
-    counts, c = (
-        theory.encoder_param_counts(enc, text_hidden=spec.hidden),
-        param_counts_per_rank(spec),
-    )
+    counts = theory.encoder_param_counts(enc, text_hidden=spec.hidden)
+    c = param_counts_per_rank(spec)
     return (
         [counts["encoder"], counts["projector"], c["embedding"]]
         + [c["per_layer"]] * spec.n_layers
@@ -496,7 +497,8 @@ def fill_dp(
     vs_torch: bool,
 ) -> None:
     """The ranks' mean loss, every rank's gradients (DDP), bytes sent and state held vs theory."""
-    nproc, units = len(per_rank), dp_units(cfg)
+    nproc = len(per_rank)
+    units = dp_units(cfg)
     grads = [
         (f"{n} (rank {i})", g, ref.grads[n])
         for i, r in enumerate(per_rank)
@@ -532,7 +534,8 @@ def fill_tp(s: dict, per_rank: list[dict], ref: ReferenceResult, cfg: Multimodal
     calls = theory.tp_collectives(
         spec, tp=nproc, batch=s["batch_size"], n_prefix=cfg.n_prefix, caption_len=cfg.caption_len
     )
-    s["comm"], s["theory_comm"] = summarise(per_rank[0]["comm"]), summarise(calls)
+    s["comm"] = summarise(per_rank[0]["comm"])
+    s["theory_comm"] = summarise(calls)
     s["comm_matches_theory"] = all(summarise(r["comm"]) == s["theory_comm"] for r in per_rank)
     s["comm_bytes_per_rank"] = [sum(c["sent_bytes"] for c in r["comm"]) for r in per_rank]
     s["theory_comm_bytes_per_rank"] = sum(c["sent_bytes"] for c in calls)

@@ -67,7 +67,8 @@ def measure_timelines(
         mbs=batch_size // microbatches,
         microbatches=microbatches,
     )
-    total, P = sum(t_f) + sum(t_b), len(runs)
+    total = sum(t_f) + sum(t_b)
+    P = len(runs)
     idle = [[1 - busy_time(ev, r) / span for r in range(P)] for ev, span in zip(steps, spans)]
     bubbles = [idle_fraction(ev, names=("F", "B")) for ev in steps]
     return {
@@ -129,7 +130,8 @@ def imbalance(
     would give."""
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not one of {tuple(SIZES)}")
-    cfg, train = SIZES[size], TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
+    cfg = SIZES[size]
+    train = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
     if steps < 2:
         raise ValueError(f"steps={steps}: the first step is a warm-up, use steps >= 2")
     splits = [

@@ -86,7 +86,9 @@ class MeasuredTimeline(Timeline):
         self.live: dict[tuple, int] = defaultdict(
             int
         )  # (micro-batch, chunk) -> saved tensors alive
-        self.peak_held, self.bytes, self.peak_bytes = 0, 0, 0
+        self.peak_held = 0
+        self.bytes = 0
+        self.peak_bytes = 0
         self._tag = None
 
     @contextmanager
@@ -107,7 +109,9 @@ class MeasuredTimeline(Timeline):
     def _pack(self, t):
         if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self._params:
             return t  # weights are state, not activations
-        held, tag, nbytes = _Held(t), self._tag, t.numel() * t.element_size()
+        held = _Held(t)
+        tag = self._tag
+        nbytes = t.numel() * t.element_size()
         self.live[tag] += 1
         self.bytes += nbytes
         self.peak_held = max(self.peak_held, sum(1 for n in self.live.values() if n))
@@ -296,7 +300,8 @@ def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) 
         loss_fn=loss_fn,
     )
     optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)
-    has_first, has_last = chunks[0].first, chunks[-1].last
+    has_first = chunks[0].first
+    has_last = chunks[-1].last
     losses, times = [], []
     for x, y in data_for(cfg):
         x, y, mb_losses = x.to(pipe.device), y.to(pipe.device), []
@@ -456,7 +461,8 @@ def summarize(
 ) -> dict:
     """The lab summary from the ranks' results and the reference ``ref`` (None for naive, whose
     reference is the unsplit model's forward): reference, theory and torch side by side."""
-    P, last = len(per_rank), per_rank[-1]
+    P = len(per_rank)
+    last = per_rank[-1]
     timeline = _one_clock(per_rank, "events")  # every rank's measured operations on one clock
     summary = new_summary(
         "pp",
@@ -479,7 +485,8 @@ def summarize(
                 last["logits"], model(data_for(cfg)[0][0])
             )
     else:
-        reference, grads = ref.losses, {n: g for r in per_rank for n, g in r["grads"].items()}
+        reference = ref.losses
+        grads = {n: g for r in per_rank for n, g in r["grads"].items()}
         missing = sorted(set(ref.grads) - set(grads))
         summary["max_grad_rel_diff"] = max(
             max_rel_diff(grads[n], g) for n, g in ref.grads.items() if n in grads

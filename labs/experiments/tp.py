@@ -267,7 +267,8 @@ def worst_difference(
 ) -> tuple[float, str]:
     """Largest relative difference to ``reference`` of the assembled tensors, replicated ones
     checked on every rank; returns (difference, "name (rank r)")."""
-    full, dims = assemble(per_rank, key), per_rank[0]["partition_dims"]
+    full = assemble(per_rank, key)
+    dims = per_rank[0]["partition_dims"]
     worst = (0.0, "")
     for name, tensor in full.items():
         ref = reference[reference_name(name, model)]
@@ -329,7 +330,8 @@ def run(
         desc=f"tp={nproc}{' +sp' if sp else ''}",
     )
 
-    spec, tol = course_spec(cfg), TOLERANCES[torch.float32]
+    spec = course_spec(cfg)
+    tol = TOLERANCES[torch.float32]
     s = new_summary(
         "tp",
         nproc=nproc,
@@ -362,7 +364,8 @@ def run(
 
     size = dict(tp=nproc, sp=sp, batch=batch_size, seq=seq_len, dtype_bytes=4)
     expected = theory.comm_summary(spec, **size)
-    s["comm"], s["theory_comm"] = measured_comm(per_rank[0]["comm"]), expected["model"]
+    s["comm"] = measured_comm(per_rank[0]["comm"])
+    s["theory_comm"] = expected["model"]
     s["comm_matches_theory"] = all(measured_comm(r["comm"]) == expected["model"] for r in per_rank)
     s["comm_bytes_per_rank"] = [sum(c[3] for c in r["comm"]) for r in per_rank]
     s["theory_comm_bytes_per_rank"] = expected["sent_bytes_per_step"]
@@ -404,7 +407,8 @@ def comm_table(summary: dict) -> str:
     table."""
     lines = [f"{'phase':9} {'op':15}{COMM_HEADER}"]
     for phase in ("forward", "backward"):
-        measured, expected = summary["comm"].get(phase, {}), summary["theory_comm"].get(phase, {})
+        measured = summary["comm"].get(phase, {})
+        expected = summary["theory_comm"].get(phase, {})
         for op in sorted(set(measured) | set(expected)):
             lines.append(
                 f"{phase:9} {op:15}" + comm_row(measured.get(op, {}), expected.get(op, {}))

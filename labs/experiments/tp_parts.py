@@ -28,10 +28,9 @@ def split_matmul_demo(*, tp: int = 2, seed: int = 0) -> dict:
     A_r, summed): the shapes each of ``tp`` ranks would hold and the largest difference from the
     whole product."""
     g = torch.Generator().manual_seed(seed)
-    x, a = (
-        torch.randn(4, 6 * tp, generator=g),
-        torch.randn(6 * tp, 8 * tp, generator=g),
-    )  # X [B·T, H], A [H, F]
+    # X [B·T, H], A [H, F]
+    x = torch.randn(4, 6 * tp, generator=g)
+    a = torch.randn(6 * tp, 8 * tp, generator=g)
     y = x @ a
     columns = [x @ a_r for a_r in a.chunk(tp, dim=1)]  # rank r: X A_r, [B·T, F/tp]
     rows = [
@@ -64,8 +63,11 @@ def _inputs(shape, n, salt):
 def _check_op(op, x_shape, g_shape, expected_out, expected_grad, salt):
     """Apply ``op`` to this rank's input, backpropagate this rank's upstream gradient, compare both
     results."""
-    n, r, device = dist.get_world_size(), dist.get_rank(), rank_device()
-    xs, gs = _inputs(x_shape, n, salt), _inputs(g_shape, n, salt + 50)
+    n = dist.get_world_size()
+    r = dist.get_rank()
+    device = rank_device()
+    xs = _inputs(x_shape, n, salt)
+    gs = _inputs(g_shape, n, salt + 50)
     x = xs[r].to(device).requires_grad_()
     out = op.apply(x, dist.group.WORLD)
     out.backward(gs[r].to(device))
@@ -78,7 +80,9 @@ def _check_op(op, x_shape, g_shape, expected_out, expected_grad, salt):
 def operators_worker() -> dict:
     tp = exercise("tensor_parallel")
     n = dist.get_world_size()
-    B, T, H = 2, 4 * n, 8 * n
+    B = 2
+    T = 4 * n
+    H = 8 * n
     chunk = lambda t, dim, r, n: t.chunk(n, dim)[r]  # noqa: E731
     cases = {  # name: (input shape, upstream grad shape, expected output, expected input gradient)
         "CopyToModelParallelRegion": (
@@ -141,18 +145,21 @@ def _compare(parallel, full, inp, *, local_in=None, local_out=None, call=None) -
     replicated)."""
     keep = lambda t: t  # noqa: E731
     local_in, local_out, call = local_in or keep, local_out or keep, call or (lambda m, x: m(x))
-    n, r = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
+    r = dist.get_rank()
     grad = inp.is_floating_point()
     full.zero_grad(set_to_none=True)
     xf = inp.detach().clone().requires_grad_(grad)
     xp = local_in(inp).detach().clone().requires_grad_(grad)
-    yf, yp = call(full, xf), call(parallel, xp)
+    yf = call(full, xf)
+    yp = call(parallel, xp)
     yf.square().sum().backward()
     yp.square().sum().backward()
     backward = [max_rel_diff(xp.grad, local_in(xf.grad))] if grad else []
     full_params = dict(full.named_parameters())
     for name, p in parallel.named_parameters():
-        dim, ref = getattr(p, "partition_dim", None), full_params[name].grad
+        dim = getattr(p, "partition_dim", None)
+        ref = full_params[name].grad
         backward.append(max_rel_diff(p.grad, ref if dim is None else ref.chunk(n, dim)[r]))
     return {"forward": max_rel_diff(yp.detach(), local_out(yf.detach())), "backward": max(backward)}
 
@@ -160,19 +167,28 @@ def _compare(parallel, full, inp, *, local_in=None, local_out=None, call=None) -
 def layers_worker(sp: bool, seed: int) -> dict:
     """Each layer of the lab against the same layer of the full model, on this rank."""
     tp = exercise("tensor_parallel")
-    group, n, r, device = dist.group.WORLD, dist.get_world_size(), dist.get_rank(), rank_device()
-    cfg, B, T = ModelConfig(), 2, 8
+    group = dist.group.WORLD
+    n = dist.get_world_size()
+    r = dist.get_rank()
+    device = rank_device()
+    cfg = ModelConfig()
+    B = 2
+    T = 8
     full = build_model(cfg, seed, device=device)
-    attn, mlp = full.layers[0].attn, full.layers[0].mlp
+    attn = full.layers[0].attn
+    mlp = full.layers[0].mlp
     g = torch.Generator().manual_seed(seed + 1)
     x, h = (torch.randn(B, T, d, generator=g).to(device) for d in (cfg.n_embd, cfg.ffn_hidden))
     idx, targets = (
         torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2)
     )
-    last, seq = (
-        (lambda t: t.chunk(n, -1)[r]),
-        (lambda t: t.chunk(n, 1)[r]),
-    )  # this rank's slice of a full tensor
+
+    def last(t):  # this rank's slice of the last dim
+        return t.chunk(n, -1)[r]
+
+    def seq(t):  # this rank's slice of the sequence
+        return t.chunk(n, 1)[r]
+
     out = {
         "ColumnParallelLinear": _compare(
             tp.ColumnParallelLinear(attn.q_proj, group=group), attn.q_proj, x, local_out=last

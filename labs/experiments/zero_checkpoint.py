@@ -88,7 +88,8 @@ def checkpoint_demo(
     out["params_resumed_single"] = {n: p.detach().clone() for n, p in single.named_parameters()}
     for tag in [f"on_{n}" for n in sorted({load_nproc, save_nproc})] + ["single"]:
         losses = out[f"resumed_{tag}" if tag != "single" else "single_process"]
-        loaded, final = out[f"params_loaded_{tag}"], out[f"params_resumed_{tag}"]
+        loaded = out[f"params_loaded_{tag}"]
+        final = out[f"params_resumed_{tag}"]
         out[f"load_{tag}_exact"] = all(
             torch.equal(loaded[n], p) for n, p in out["saved_params"].items()
         )

@@ -75,7 +75,8 @@ def feedback_page(
 ) -> str:
     """The Markdown page a student gets: the score per lab, then every failed check with its
     message."""
-    passed, total = sum(r.tests_passed for r in results), sum(r.tests_total for r in results)
+    passed = sum(r.tests_passed for r in results)
+    total = sum(r.tests_total for r in results)
     ran = sum(r.notebook_executed == "yes" for r in results)
     notebooks = sum(r.notebook_executed != "-" for r in results)
     lines = [

@@ -246,7 +246,8 @@ class CommLedger:
     def _record_all_to_all(self, a, n):
         """Exact bytes: the rows of ``input`` bound for other ranks, and those arriving from
         them."""
-        output, inp = a["output"], a["input"]
+        output = a["output"]
+        inp = a["input"]
         me = dist.get_rank(a.get("group"))
         row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)
         row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)

@@ -28,7 +28,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def _unique_bytes(tensors) -> int:
-    seen, total = set(), 0
+    seen = set()
+    total = 0
     for t in tensors:
         if t is None:
             continue
@@ -140,7 +141,8 @@ class SavedActivations:
 
 class _Region:
     def __init__(self, meter: SavedActivations, name: str):
-        self.meter, self.name = meter, name
+        self.meter = meter
+        self.name = name
 
     def __enter__(self):
         self.previous, self.meter._region = self.meter._region, self.name

@@ -78,7 +78,8 @@ def idle_fraction(events: list[Event], names: tuple[str, ...] | None = None) -> 
     if not work:
         return 0.0
     ranks = sorted({e.rank for e in work})
-    t0, t1 = min(e.start for e in work), max(e.end for e in work)
+    t0 = min(e.start for e in work)
+    t1 = max(e.end for e in work)
     busy = sum(e.duration for e in work)
     return 1.0 - busy / (len(ranks) * (t1 - t0))
 

@@ -139,10 +139,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.fc1, self.fc2 = (
-            nn.Linear(cfg.n_embd, cfg.mlp_hidden),
-            nn.Linear(cfg.mlp_hidden, cfg.n_embd),
-        )
+        self.fc1 = nn.Linear(cfg.n_embd, cfg.mlp_hidden)
+        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.n_embd)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # [B, P, F_enc] -> [B, P, E]
@@ -183,7 +181,8 @@ class Projector(nn.Module):
 
     def __init__(self, vision_embd: int, text_embd: int):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(vision_embd, text_embd), nn.Linear(text_embd, text_embd)
+        self.fc1 = nn.Linear(vision_embd, text_embd)
+        self.fc2 = nn.Linear(text_embd, text_embd)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))  # [B, P, E] -> [B, P, H]
@@ -284,7 +283,8 @@ def train_reference(
 @torch.no_grad()
 def describe(model: MultimodalModel, images: torch.Tensor) -> list[str]:
     """Greedy captions for ``images`` [B, C, S, S] (what the model says it sees)."""
-    cfg, tok = model.cfg, shapes.ByteTokenizer()
+    cfg = model.cfg
+    tok = shapes.ByteTokenizer()
     tokens = torch.full((images.shape[0], cfg.n_prefix), shapes.IMAGE_TOKEN, dtype=torch.long)
     prefix = model.projector(model.encoder(images))
     for _ in range(cfg.caption_len):

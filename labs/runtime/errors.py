@@ -26,12 +26,10 @@ class RankError(RuntimeError):
         others: str = "",
         stderr_tail: str = "",
     ):
-        self.rank, self.exc_type, self.message, self.rank_traceback = (
-            rank,
-            exc_type,
-            message,
-            rank_traceback,
-        )
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.rank_traceback = rank_traceback
         text = f"rank {rank} raised {exc_type}: {message}"
         if others:
             text += f"\n({others})"
@@ -45,7 +43,8 @@ class RankDied(RuntimeError):
     (``exit_code``)."""
 
     def __init__(self, rank: int, exit_code: int | None, text: str, stderr_tail: str = ""):
-        self.rank, self.exit_code = rank, exit_code
+        self.rank = rank
+        self.exit_code = exit_code
         self.signal_name = (
             _signal_name(-exit_code) if exit_code is not None and exit_code < 0 else None
         )

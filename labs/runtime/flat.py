@@ -49,11 +49,13 @@ class FlatBuffer:
     def __init__(self, name: str, params: list[torch.nn.Parameter], rank: int, world: int):
         if not params:
             raise ValueError(f"unit {name!r} has no trainable parameters")
-        self.name, self.params = name, params
+        self.name = name
+        self.params = params
         self.numel = sum(p.numel() for p in params)
         self.shard = math.ceil(self.numel / world)
         self.padded = self.shard * world
-        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+        self.lo = rank * self.shard
+        self.hi = (rank + 1) * self.shard
         self.full = self.full_grad = self.shard_grad = self.shard_param = self.host = None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -98,7 +100,8 @@ class GradReadiness:
     ``got_grad``: the parameters that received a gradient since the last ``reset``."""
 
     def __init__(self, units: list[FlatBuffer], on_complete):
-        self.units, self.on_complete = units, on_complete
+        self.units = units
+        self.on_complete = on_complete
         self.reset()
         for k, u in enumerate(units):
             for p in u.params:

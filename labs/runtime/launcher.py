@@ -207,7 +207,9 @@ def _replay_stderr(paths) -> None:
 def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
     """Wait for every rank's result; raise on the first failure or on timeout."""
     n = len(procs)
-    results, errors, deaths = [None] * n, {}, {}
+    results = [None] * n
+    errors = {}
+    deaths = {}
     done: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(done) < n:

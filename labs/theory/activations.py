@@ -76,7 +76,10 @@ def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") ->
     """What one layer saves for backward, per token (see the module docstring)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
-    e, h, nh, F = dtype_bytes, spec.hidden, spec.n_heads, spec.ffn
+    e = dtype_bytes
+    h = spec.hidden
+    nh = spec.n_heads
+    F = spec.ffn
     if recompute == "full":  # torch.utils.checkpoint keeps the block's input
         return [Term("block_input", e * h, "sp")]
     if spec.arch == "gpt":  # the playbook's formula, term by term (Korthikanti et al. 2022, §4.1)
@@ -97,7 +100,9 @@ def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") ->
         ):  # softmax output, its dropout mask, dropout output: a·s values per token
             terms.append(Term("attn_scores", (2 * e + 1) * nh * seq, "tp"))
         return terms
-    q, kv = nh * spec.hd, spec.kv_heads * spec.hd  # query width, key/value width
+    # query width, key/value width
+    q = nh * spec.hd
+    kv = spec.kv_heads * spec.hd
     if (
         recompute == "selective"
     ):  # outputs of every matmul and of the attention kernel, plus the block input

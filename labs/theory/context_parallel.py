@@ -73,7 +73,8 @@ def ring_schedule(cp: int, *, causal: bool = True, zigzag: bool = True) -> list[
         step = []
         for r in range(cp):
             src = (r - s) % cp
-            q_ids, k_ids = chunk_ids(r, cp, zigzag), chunk_ids(src, cp, zigzag)
+            q_ids = chunk_ids(r, cp, zigzag)
+            k_ids = chunk_ids(src, cp, zigzag)
             blocks = [(a, b, block_kind(a, b, causal)) for a in q_ids for b in k_ids]
             step.append(
                 {"rank": r, "kv_from": src, "q_chunks": q_ids, "kv_chunks": k_ids, "blocks": blocks}

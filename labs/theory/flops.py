@@ -34,7 +34,9 @@ from labs.theory.dims import check_positive
 def matmul_params(spec) -> int:
     """Weights that take part in a matmul: q, k, v, o and the MLP matrices of every layer, and the
     head."""
-    h, F, L = spec.hidden, spec.ffn, spec.n_layers
+    h = spec.hidden
+    F = spec.ffn
+    L = spec.n_layers
     if spec.arch == "gpt":
         per_layer = 4 * h * h + 2 * h * F
     else:

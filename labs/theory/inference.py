@@ -44,10 +44,9 @@ HBM_TBS = {
     "H200 141GB": 4.8,
     "RTX 4090 24GB": 1.008,
 }
-NVLINK_GBS, NVLINK_LATENCY_US = (
-    450.0,
-    5.0,
-)  # H100 NVLink 4, one direction; a small NCCL message's latency
+# H100 NVLink 4, one direction; a small NCCL message's latency
+NVLINK_GBS = 450.0
+NVLINK_LATENCY_US = 5.0
 
 
 def check(spec: ModelSpec, *, mode: str, degree: int) -> None:
@@ -126,7 +125,8 @@ def forward_comm(
     check_positive(batch=batch, tokens=tokens, dtype_bytes=dtype_bytes)
     if degree == 1:
         return [{}]
-    act, ids = batch * tokens * spec.hidden * dtype_bytes, batch * 8
+    act = batch * tokens * spec.hidden * dtype_bytes
+    ids = batch * 8
     if mode == "tp":
         pairs = degree * batch * 2 * 8
         row = {
@@ -163,7 +163,11 @@ def weight_bytes_per_rank(
     embedding, the last the final norm and the head (``labs.theory.memory.stage_params``)."""
     check(spec, mode=mode, degree=degree)
     if mode == "tp":
-        h, hd, F, V, L = spec.hidden, spec.hd, spec.ffn, spec.vocab_size, spec.n_layers
+        h = spec.hidden
+        hd = spec.hd
+        F = spec.ffn
+        V = spec.vocab_size
+        L = spec.n_layers
         head = 0 if spec.tied_embeddings else V * h
         kv = kv_heads_per_rank(spec, tp=degree)
         layer = 2 * h * spec.n_heads * hd // degree + 2 * h * kv * hd + 3 * h * F // degree + 2 * h

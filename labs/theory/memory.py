@@ -121,17 +121,23 @@ def param_counts(spec: ModelSpec) -> dict[str, int]:
     GPT:   the playbook's N = h·V + L(12h² + 13h) + 2h when F = 4h, plus the learned
            positions (max_positions·h), which the playbook leaves out.
     """
-    h, V, L = spec.hidden, spec.vocab_size, spec.n_layers
+    h = spec.hidden
+    V = spec.vocab_size
+    L = spec.n_layers
     if spec.arch == "llama":
         q_o = 2 * h * spec.n_heads * spec.hd
         k_v = 2 * h * spec.kv_heads * spec.hd
-        attention, mlp, norms = q_o + k_v, 3 * h * spec.ffn, 2 * h
-        embedding, final_norm = V * h, h
+        attention = q_o + k_v
+        mlp = 3 * h * spec.ffn
+        norms = 2 * h
+        embedding = V * h
+        final_norm = h
     else:  # gpt: qkv and output projections with biases, up/down with biases, 2 LayerNorms (w + b)
         attention = (h * 3 * h + 3 * h) + (h * h + h)
         mlp = (h * spec.ffn + spec.ffn) + (spec.ffn * h + h)
         norms = 2 * 2 * h
-        embedding, final_norm = V * h + spec.max_positions * h, 2 * h
+        embedding = V * h + spec.max_positions * h
+        final_norm = 2 * h
     per_layer = attention + mlp + norms
     head = 0 if spec.tied_embeddings else V * h
     total = embedding + L * per_layer + final_norm + head
@@ -209,16 +215,23 @@ GIB = 2**30
 
 def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
     """``param_counts`` for one tensor-parallel rank (``tp`` must divide heads, kv-heads and F)."""
-    h, V, F = spec.hidden, math.ceil(spec.vocab_size / tp), spec.ffn
+    h = spec.hidden
+    V = math.ceil(spec.vocab_size / tp)
+    F = spec.ffn
     if spec.arch == "llama":
         attention = (2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd) // tp
-        mlp, norms, embedding, final_norm = 3 * h * F // tp, 2 * h, V * h, h
+        mlp = 3 * h * F // tp
+        norms = 2 * h
+        embedding = V * h
+        final_norm = h
     # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases
     # replicated)
     else:
         attention = (4 * h * h + 3 * h) // tp + h
         mlp = (2 * h * F + F) // tp + h
-        norms, embedding, final_norm = 4 * h, V * h + spec.max_positions * h, 2 * h
+        norms = 4 * h
+        embedding = V * h + spec.max_positions * h
+        final_norm = 2 * h
     per_layer = attention + mlp + norms
     head = 0 if spec.tied_embeddings else V * h
     total = embedding + spec.n_layers * per_layer + final_norm + head

@@ -105,14 +105,13 @@ def moe_param_counts(spec: MoESpec, ep: int = 1) -> dict[str, int]:
     check_positive(ep=ep)
     check_divides(spec.n_experts, "n_experts", ep, "ep")
     dense = param_counts(spec.dense)  # one MLP per layer: the size of one expert
-    expert, router = dense["mlp"], spec.dense.hidden * spec.n_experts
+    expert = dense["mlp"]
+    router = spec.dense.hidden * spec.n_experts
     shared = dense["attention"] + dense["norms"] + router
     outside = dense["embedding"] + dense["final_norm"] + dense["head"]
     L = spec.dense.n_layers
-    per_layer_total, per_layer_active = (
-        shared + spec.n_experts * expert,
-        shared + spec.top_k * expert,
-    )
+    per_layer_total = shared + spec.n_experts * expert
+    per_layer_active = shared + spec.top_k * expert
     return {
         "expert": expert,
         "router": router,
@@ -164,7 +163,8 @@ def ep_rank_groups(world_size: int, ep: int) -> dict[str, list[list[int]]]:
 def rows_between_ranks(kept_per_expert: list[list[int]]) -> list[list[int]]:
     """rows[s][d]: kept pairs rank s sends to rank d, from each EP rank's kept pairs per expert
     (``kept_per_expert[s][e]``; experts are placed in contiguous blocks of E/ep per rank)."""
-    ep, n_experts = len(kept_per_expert), len(kept_per_expert[0])
+    ep = len(kept_per_expert)
+    n_experts = len(kept_per_expert[0])
     check_divides(n_experts, "n_experts", ep, "ep")
     per = n_experts // ep
     return [[sum(row[d * per : (d + 1) * per]) for d in range(ep)] for row in kept_per_expert]
@@ -232,7 +232,8 @@ def capacity_sweep(
     counts: list[list[int]], tokens: int, top_k: int, factors: list[float]
 ) -> list[dict]:
     """Share of pairs dropped at each capacity factor, for per-group counts ``counts[g][e]``."""
-    n_experts, pairs = len(counts[0]), sum(map(sum, counts))
+    n_experts = len(counts[0])
+    pairs = sum(map(sum, counts))
     out = []
     for cf in factors:
         c = expert_capacity(tokens, top_k, n_experts, cf)

@@ -108,7 +108,9 @@ def encoder_spec(name_or_spec) -> EncoderSpec:
 def encoder_param_counts(enc: EncoderSpec, *, text_hidden: int) -> dict[str, int]:
     """Exact parameter counts: ``patch_embedding``, ``position_embedding``, ``per_layer``,
     ``layers``, ``post_layernorm``, ``encoder`` (their sum), ``projector`` and ``total``."""
-    E, F, H = enc.hidden, enc.ffn_hidden, text_hidden
+    E = enc.hidden
+    F = enc.ffn_hidden
+    H = text_hidden
     per_layer = 4 * (E * E + E) + (E * F + F) + (F * E + E) + 2 * 2 * E
     out = {
         "patch_embedding": enc.patch_dim * E + E,
@@ -131,7 +133,9 @@ def encoder_activation_bytes(
     """Bytes the encoder and projector save for backward for one micro-batch of ``mbs`` samples
     (module docstring)."""
     check_positive(mbs=mbs, text_hidden=text_hidden)
-    e, E, P = dtype_bytes, enc.hidden, mbs * enc.tokens
+    e = dtype_bytes
+    E = enc.hidden
+    P = mbs * enc.tokens
     per_layer = P * (e * (8 * E + 2 * enc.ffn_hidden) + 16 + 4 * enc.n_heads)
     out = {
         "images": P * enc.patch_dim * e,
@@ -148,7 +152,10 @@ def encoder_flops(enc: EncoderSpec, *, mbs: int, text_hidden: int) -> dict:
     """FLOPs of one micro-batch through encoder and projector: ``forward``, ``backward``, and the
     attention's share of the forward (``attention_forward``, the P x P products)."""
     check_positive(mbs=mbs, text_hidden=text_hidden)
-    E, F, P, H = enc.hidden, enc.ffn_hidden, enc.tokens, text_hidden
+    E = enc.hidden
+    F = enc.ffn_hidden
+    P = enc.tokens
+    H = text_hidden
     patch = 2 * P * enc.patch_dim * E
     attention = enc.n_layers * 4 * P * P * E
     forward = (
@@ -217,14 +224,13 @@ def stage_costs(
     split = check_split(split, n_layers=spec.n_layers)
     seq = enc.tokens + text_tokens
     dec = decoder_flops(spec, seq=seq, mbs=mbs)
-    ef, ep = (
-        encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden),
-        encoder_param_counts(enc, text_hidden=spec.hidden),
-    )
+    ef = encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
+    ep = encoder_param_counts(enc, text_hidden=spec.hidden)
     ea = encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=dtype_bytes)
     out = []
     for s, layers in enumerate(split):
-        first, last = s == 0, s == len(split) - 1
+        first = s == 0
+        last = s == len(split) - 1
         fwd = layers * dec["per_layer"] / tp + (dec["head"] / tp if last else 0)
         bwd = 2 * fwd
         params = layers_params(spec, layers=layers, first=first, last=last, pp=len(split), tp=tp)
@@ -298,7 +304,8 @@ def pipeline_balance(
     t_f = [c["forward_flops"] / flops_per_s for c in costs]
     t_b = [c["backward_flops"] / flops_per_s for c in costs]
     sim = simulate_stages(t_f, t_b, microbatches)
-    times, P = [f + b for f, b in zip(t_f, t_b)], len(costs)
+    times = [f + b for f, b in zip(t_f, t_b)]
+    P = len(costs)
     return {
         "split": tuple(split),
         "stages": costs,
@@ -393,7 +400,8 @@ def memory_per_rank_with_encoder(
     ``decoder_bytes`` and ``encoder_bytes`` of its total, ``total_bytes``), the busiest stage's
     figures at the top level and ``decoder_only_bytes`` (the calculator's stage totals without the
     encoder, for comparison)."""
-    seq, m = enc.tokens + text_tokens, microbatches or pp
+    seq = enc.tokens + text_tokens
+    m = microbatches or pp
     base = memory_per_rank(
         spec,
         seq=seq,
@@ -430,7 +438,8 @@ def memory_per_rank_with_encoder(
     ]
     stages = []
     for s, layers in enumerate(split):
-        first, last = s == 0, s == pp - 1
+        first = s == 0
+        last = s == pp - 1
         dec = layers_params(spec, layers=layers, first=first, last=last, pp=pp, tp=tp)
         held = in_flight_microbatches(schedule, pp, m, s) if pp > 1 else 1
         act = stage_activation_bytes(

@@ -143,7 +143,8 @@ def schedule_ops(
                 ops += [("F", warmup + i, 0), ("B", i, 0)]
             ops += [("B", i, 0) for i in range(M - warmup, M)]  # cool-down
         else:
-            total, warmup = virtual * M, interleaved_warmup(stages, M, r, virtual)
+            total = virtual * M
+            warmup = interleaved_warmup(stages, M, r, virtual)
             fwd = [("F", *interleaved_op(k, stages, virtual, True)) for k in range(total)]
             bwd = [("B", *interleaved_op(k, stages, virtual, False)) for k in range(total)]
             ops = fwd[:warmup]
@@ -323,7 +324,8 @@ def fill_plan(
     check_positive(stages=stages, capacity=capacity)
     plan = _fill(layer_costs, stages, capacity, first_extra, last_extra)
     if plan is None:
-        lo, hi = 1, sum(layer_costs) + first_extra + last_extra
+        lo = 1
+        hi = sum(layer_costs) + first_extra + last_extra
         while lo < hi:  # the smallest capacity that fits: filling is monotone in capacity
             mid = (lo + hi) // 2
             lo, hi = (
@@ -339,7 +341,8 @@ def fill_plan(
 
 
 def _fill(layer_costs, stages, capacity, first_extra, last_extra):
-    plan, used = [0] * stages, [0] * stages
+    plan = [0] * stages
+    used = [0] * stages
     used[0] += first_extra
     used[-1] += last_extra
     if max(used) > capacity:

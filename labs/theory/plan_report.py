@@ -154,7 +154,8 @@ def summary(p: dict, *, model: str = "custom") -> dict:
 def format_result(r: dict) -> str:
     if "export" in r:
         return r["export"]
-    c, m = r["cluster"], r["memory_gib"]
+    c = r["cluster"]
+    m = r["memory_gib"]
     lines = [
         f"plan        DP={r['dp']} TP={r['tp']} PP={r['pp']} CP={r['cp']}  (ZeRO-{r['zero']}"
         f"{', SP' if r['sp'] else ''}) on {c['gpus']} GPUs in nodes of {c['gpus_per_node']}",

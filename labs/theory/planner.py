@@ -121,12 +121,16 @@ def comm_per_step(
     """Bytes one GPU sends per step along each axis of ``layout`` (dp, tp, pp, cp, zero): see the
     docstring."""
     dp, tp, pp, cp, zero = (layout[k] for k in ("dp", "tp", "pp", "cp", "zero"))
-    e, m, full = PRECISIONS[precision]["param"], microbatches, recompute == "full"
+    e = PRECISIONS[precision]["param"]
+    m = microbatches
+    full = recompute == "full"
     act = mbs * (seq // cp) * spec.hidden * e  # K_a: [mbs, T/cp, H]
     kv = (
         2 * mbs * seq * (spec.kv_heads // tp) * spec.hd * e
     )  # K and V of the whole sequence: [mbs, T, nkv/tp, hd]
-    n, grads, weights = dp * cp, params * PRECISIONS[precision]["grad"], params * e
+    n = dp * cp
+    grads = params * PRECISIONS[precision]["grad"]
+    weights = params * e
     if zero == 0:
         data = all_reduce_bytes(grads, n)
     elif zero in (1, 2):
@@ -143,7 +147,10 @@ def comm_per_step(
 
 def _spans(layout: dict) -> dict[str, int]:
     """How many consecutive ranks each axis's group covers in the (dp, pp, cp, tp) grid."""
-    tp, cp, pp, dp = layout["tp"], layout["cp"], layout["pp"], layout["dp"]
+    tp = layout["tp"]
+    cp = layout["cp"]
+    pp = layout["pp"]
+    dp = layout["dp"]
     return {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": tp * cp * pp * dp}
 
 
@@ -379,7 +386,8 @@ def plan(
 def _smallest_replica(spec, cluster, kw) -> tuple[dict | None, list]:
     """Search replicas by size (tp·pp·cp with pp·cp > 1): the fastest of the smallest that fit, and
     every other layout tried (up to 4x that size) as (layout, result or None, error or None)."""
-    G, node = cluster.gpus, cluster.node
+    G = cluster.gpus
+    node = cluster.node
     triples = sorted(
         (tp * pp * cp, tp, pp, cp)
         for tp in divisors(node)

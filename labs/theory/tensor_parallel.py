@@ -83,13 +83,11 @@ def weight_shards(spec: ModelSpec, *, tp: int) -> list[dict]:
     ``nn.Linear.weight``, [out, in]), how they split (``column``: dim 0, ``row``: dim 1, ``vocab``:
     dim 0, ``replicated``) and each rank's shape."""
     check(spec, tp=tp)
-    h, q, kv, F, V = (
-        spec.hidden,
-        spec.n_heads * spec.hd,
-        spec.kv_heads * spec.hd,
-        spec.ffn,
-        spec.vocab_size,
-    )
+    h = spec.hidden
+    q = spec.n_heads * spec.hd
+    kv = spec.kv_heads * spec.hd
+    F = spec.ffn
+    V = spec.vocab_size
     rows = [
         ("tok_emb", (V, h), "vocab"),
         ("attn_norm", (h,), "replicated"),
@@ -149,11 +147,17 @@ def block_flow(
     the collectives (kind "collective") with their forward and backward ops, payload K and bytes
     sent per rank."""
     check(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-    B, T, H, hd, F = batch, seq, spec.hidden, spec.hd, spec.ffn
-    nh, nkv = spec.n_heads // tp, spec.kv_heads // tp
+    B = batch
+    T = seq
+    H = spec.hidden
+    hd = spec.hd
+    F = spec.ffn
+    nh = spec.n_heads // tp
+    nkv = spec.kv_heads // tp
     k = B * T * H * dtype_bytes
     x_shape, x_layout = ((B, T // tp, H), "split T") if sp else ((B, T, H), "replicated")
-    f, g = ("all-gather T" if sp else "f", "reduce-scatter T" if sp else "g")
+    f = "all-gather T" if sp else "f"
+    g = "reduce-scatter T" if sp else "g"
 
     def compute(op, shape, layout):
         return {"op": op, "kind": "compute", "shape": shape, "layout": layout}
@@ -212,7 +216,8 @@ def collectives(
     per call: ``where``, ``phase``, ``op`` ("all_reduce" | "all_gather" | "reduce_scatter"),
     ``payload_bytes`` (the full tensor K) and ``sent_bytes`` per rank."""
     check(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-    k, n_tok = batch * seq * spec.hidden * dtype_bytes, batch * seq
+    k = batch * seq * spec.hidden * dtype_bytes
+    n_tok = batch * seq
     calls = []
 
     def add(where, phase, op, payload):
@@ -315,9 +320,15 @@ def saved_activation_bytes(
     computes in fp32 (input and 1/rms kept in fp32), the attention kernel keeps its log-sum-exp in
     fp32, the loss's softmax is fp32; token ids are int64 and the vocab masks bool."""
     check(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-    e, B, T, H, F, hd = dtype_bytes, batch, seq, spec.hidden, spec.ffn, spec.hd
+    e = dtype_bytes
+    B = batch
+    T = seq
+    H = spec.hidden
+    F = spec.ffn
+    hd = spec.hd
     t_norm = T // tp if sp else T  # tokens in the norm region on one rank
-    nh, nkv = spec.n_heads // tp, spec.kv_heads // tp
+    nh = spec.n_heads // tp
+    nkv = spec.kv_heads // tp
 
     def norm(prefix):
         return {
@@ -383,7 +394,8 @@ def layer_comm_vs_compute(
     sent = 4 * all_reduce_bytes(k, tp)
     tokens = mbs * seq
     flops = (6 * param_counts(spec)["per_layer"] + 12 * spec.hidden * seq) * tokens / tp
-    comm_s, compute_s = sent / (link_gbs * 1e9), flops / (peak_tflops * 1e12 * mfu)
+    comm_s = sent / (link_gbs * 1e9)
+    compute_s = flops / (peak_tflops * 1e12 * mfu)
     return {
         "tp": tp,
         "sent_bytes": sent,

@@ -277,7 +277,8 @@ def step_moments(
     opt = ["host" if offload else ("full" if stage == 0 else "shard")] * u
     rest_p = "shard" if stage == 3 else "full"
     rest_g = {0: "full", 1: "full"}.get(stage, "shard")
-    params, grads = [rest_p] * u, [rest_g] * u
+    params = [rest_p] * u
+    grads = [rest_g] * u
     frames = []
     for k in range(u):
         p = list(params)
@@ -353,8 +354,11 @@ def _frame_bytes(frame, units, stage, dp) -> dict[str, int]:
     out = dict.fromkeys(KINDS + ("host",), 0)
     for k, n in enumerate(units):
         lay = flat_layout(n, dp)
-        shard, flat = lay["shard"], (lay["padded"] if stage >= 1 else n)
-        p, g, o = frame["params"][k], frame["grads"][k], frame["optimizer"][k]
+        shard = lay["shard"]
+        flat = lay["padded"] if stage >= 1 else n
+        p = frame["params"][k]
+        g = frame["grads"][k]
+        o = frame["optimizer"][k]
         out["params"] += {"full": flat, "prefetch": flat, "shard": 0}[p] + (
             shard if stage == 3 else 0
         )

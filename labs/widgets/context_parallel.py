@@ -43,7 +43,9 @@ def step_rows(cp: int, step: int, *, causal: bool = True, zigzag: bool = True) -
 
 
 def _draw_block(ax, a, b, kind, colour, current):
-    x, y = b, -a - 1  # column = key chunk, row = query chunk (chunk 0 on top)
+    # column = key chunk, row = query chunk (chunk 0 on top)
+    x = b
+    y = -a - 1
     if kind == "masked":
         ax.add_patch(
             Rectangle((x, y), 1, 1, facecolor="0.88", edgecolor="0.6", hatch="///", lw=0.5)
@@ -139,7 +141,8 @@ def ring_stepper(cp: int = 4, causal: bool = True, zigzag: bool = True):
     step_box = w.IntSlider(value=0, min=0, max=cp - 1, description="ring step")
     play = w.Play(value=0, min=0, max=cp - 1, interval=1200)
     w.jslink((play, "value"), (step_box, "value"))
-    table, out = w.HTML(), w.Output()
+    table = w.HTML()
+    out = w.Output()
 
     def redraw(*_):
         step_box.max = play.max = cp_box.value - 1

@@ -107,7 +107,8 @@ def memory_calculator(preset: str = "llama3-8b", **run):
         widget.add_class(f"labs-memory-{name.replace('_', '-')}")
         return widget
 
-    style, layout = {"description_width": "initial"}, w.Layout(width="170px")
+    style = {"description_width": "initial"}
+    layout = w.Layout(width="170px")
     c = {
         "preset": w.Dropdown(options=[*PRESETS, "custom"], value=preset, description="model"),
         "arch": w.Dropdown(options=["llama", "gpt"], value="llama", description="arch"),
@@ -153,10 +154,8 @@ def memory_calculator(preset: str = "llama3-8b", **run):
     for name, widget in c.items():
         control(name, widget)
     verdict_box = w.HTML().add_class("labs-memory-verdict")
-    chart, sweep_chart = (
-        w.Output().add_class("labs-memory-chart"),
-        w.Output().add_class("labs-memory-sweep-chart"),
-    )
+    chart = w.Output().add_class("labs-memory-chart")
+    sweep_chart = w.Output().add_class("labs-memory-sweep-chart")
     busy = {"filling": False}
 
     def quietly(fn):  # set controls without redrawing after each one
@@ -214,7 +213,8 @@ def memory_calculator(preset: str = "llama3-8b", **run):
             )  # editing a dimension leaves the preset
         if owner is c["gpu_mem"]:
             quietly(lambda: setattr(c["gpu"], "value", "custom"))
-        gpu_mem, gpu_label = c["gpu_mem"].value, c["gpu"].value
+        gpu_mem = c["gpu_mem"].value
+        gpu_label = c["gpu"].value
         state = (
             evaluate(gpu_mem_gib=gpu_mem, **settings())
             if gpu_mem > 0
@@ -235,10 +235,8 @@ def memory_calculator(preset: str = "llama3-8b", **run):
             sweep_chart.clear_output(wait=True)
             if state["result"] is not None:
                 kwargs = settings()
-                param, base = (
-                    c["sweep"].value,
-                    {k: v for k, v in kwargs.items() if k not in ("preset", "dims")},
-                )
+                param = c["sweep"].value
+                base = {k: v for k, v in kwargs.items() if k not in ("preset", "dims")}
                 rows = sweep(state["spec"], param, SWEEPS[param], **base)
                 fig, ax = plt.subplots(figsize=(7, 3.4))
                 draw_sweep(rows, param, gpu_mem, gpu_label=gpu_label, ax=ax)

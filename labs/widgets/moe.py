@@ -199,7 +199,8 @@ def routing_visualizer(**initial):
     }
     for name, box in boxes.items():
         box.value = settings[name]
-    out, text = w.Output(), w.HTML()
+    out = w.Output()
+    text = w.HTML()
 
     def redraw(*_):
         if (

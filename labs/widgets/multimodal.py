@@ -22,14 +22,16 @@ from labs.theory.flops import flops_per_token
 from labs.theory.memory import param_count
 from labs.widgets.pipeline import draw_gantt
 
-ENCODER_COLOUR, DECODER_COLOUR = "tab:orange", "tab:blue"
+ENCODER_COLOUR = "tab:orange"
+DECODER_COLOUR = "tab:blue"
 
 
 def show_samples(n: int = 8, *, seed: int = 0):
     """The first ``n`` samples of the data set, each image over its caption."""
     from labs.data.shapes import ByteTokenizer, ShapesDataset
 
-    ds, tok = ShapesDataset(seed=seed), ByteTokenizer()
+    ds = ShapesDataset(seed=seed)
+    tok = ByteTokenizer()
     fig, axes = plt.subplots(1, n, figsize=(1.4 * n, 1.9))
     for i, ax in enumerate(axes):
         image, caption = ds[i]

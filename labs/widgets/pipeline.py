@@ -42,7 +42,8 @@ def draw_gantt(
     for r in range(stages):  # the whole row in grey first: whatever stays grey is idle
         ax.barh(r, (end - t0) * scale, left=0, height=0.8, color="0.88", edgecolor="none")
     for e in events:
-        left, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+        left = (e["start"] - t0) * scale
+        width = (e["end"] - e["start"]) * scale
         ax.barh(
             e["rank"],
             width,
@@ -207,12 +208,10 @@ def bubble_calculator(
     from IPython.display import display
 
     if measured:
-        schedule, stages, microbatches, virtual = (
-            measured["schedule"],
-            measured["nproc"],
-            measured["microbatches"],
-            measured["virtual"],
-        )
+        schedule = measured["schedule"]
+        stages = measured["nproc"]
+        microbatches = measured["microbatches"]
+        virtual = measured["virtual"]
     sched = w.Dropdown(
         options=[s for s in theory.SCHEDULES if s != "afab"], value=schedule, description="schedule"
     )
@@ -244,7 +243,8 @@ def bubble_calculator(
             out.clear_output(wait=True)
             try:
                 theory.check_schedule(*key)
-                run, note = None, ""
+                run = None
+                note = ""
                 if overlay.value and p.value > MAX_MEASURED_RANKS:
                     note = (
                         f"(no measured run: this machine runs at most {MAX_MEASURED_RANKS} ranks)"

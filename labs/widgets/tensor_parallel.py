@@ -40,7 +40,8 @@ def _draw_weights(ax, spec, tp):
     x = 0.0
     for w in shards:
         rows, cols = w["shape"] if len(w["shape"]) == 2 else (w["shape"][0], max(1, scale // 16))
-        h, wd = 3.0 * rows / scale, 3.0 * cols / scale
+        h = 3.0 * rows / scale
+        wd = 3.0 * cols / scale
         for r in range(tp if w["dim"] is not None else 1):
             colour = RANK_COLOURS(r % 10) if w["dim"] is not None else "0.75"
             if w["dim"] == 0:  # rows of the weight (output features), rank 0 on top

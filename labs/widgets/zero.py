@@ -53,7 +53,8 @@ def draw_moment(
 ):
     """Every rank's holdings at ``moment`` of one step; returns (figure, frames)."""
     units = units or course_units()
-    names, numels = [n for n, _ in units], [k for _, k in units]
+    names = [n for n, _ in units]
+    numels = [k for _, k in units]
     frames = step_moments(stage, numels, dp=dp, prefetch=prefetch, offload=offload, names=names)
     if not 0 <= moment < len(frames):
         raise ValueError(f"moment={moment} is outside 0..{len(frames) - 1} for stage {stage}")
