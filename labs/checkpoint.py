@@ -1,9 +1,9 @@
-"""Sharded checkpoints of a ZeRO model: save on N ranks, load on M ranks or in one process (notebook
-03).
+"""Sharded ZeRO checkpoints (notebook 03): save on N ranks, load on M ranks or in one process.
 
     save(z, path)                        # every rank of the ZeRO wrapper ``z`` writes its shards
     load(z, path)                        # any number of ranks: each reads the pieces it now owns
-    optimizer = load_full(path, model, cfg)   # one process, no torch.distributed: a plain model + AdamW
+    optimizer = load_full(path, model, cfg)   # one process, no torch.distributed:
+                                              # a plain model + AdamW
 
 A ZeRO rank owns the slice [r·S_u, (r+1)·S_u) of each unit's flat buffer of Ψ_u elements
 (padding left out). Written as a ``DTensor`` of global shape [Ψ_u] with placement
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,33 +32,57 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from labs.runtime.flat import FlatBuffer
 from labs.train import TrainConfig, make_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def layout(z) -> str:
+class ZeroOptions(Protocol):
+    """The options of a ZeRO wrapper a checkpoint reads (the exercise's ``ZeroConfig``)."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def offload(self) -> bool: ...
+
+
+class ShardedModel(Protocol):
+    """What a checkpoint reads and fills of a ZeRO wrapper (``zero.shard_model``'s result):
+    the model, its units (one flat buffer each, this rank owning ``[lo, hi)``) and the AdamW
+    that updates the units' shards."""
+
+    model: torch.nn.Module
+    units: list[FlatBuffer]
+    optimizer: torch.optim.Optimizer
+    group: dist.ProcessGroup | None
+    zero: ZeroOptions
+
+
+def layout(z: ShardedModel) -> str:
     """The units' parameter names and shapes, as JSON: what a checkpoint must match to load."""
     names = {p: n for n, p in z.model.named_parameters()}
     return json.dumps([[u.name, [[names[p], list(p.shape)] for p in u.params]] for u in z.units])
 
 
-def _frozen(model) -> dict[str, torch.Tensor]:
+def _frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"frozen.{n}": p.detach() for n, p in model.named_parameters() if not p.requires_grad}
 
 
-def _restore_frozen(model, sd: dict) -> None:
-    """Copy the checkpoint's ``frozen.<name>`` entries of ``sd`` back into ``model`` (under
-    no_grad)."""
+def _restore_frozen(model: torch.nn.Module, sd: dict) -> None:
+    """Copy the checkpoint's ``frozen.<name>`` entries of ``sd`` back into ``model``
+    (call under no_grad)."""
     params = dict(model.named_parameters())
     for key, value in sd.items():
         if key.startswith("frozen."):
             params[key[len("frozen.") :]].copy_(value)
 
 
-def _sharded(z, local_of) -> dict:
-    """One DTensor [Ψ_u] per unit and tensor kind, with ``local_of(u, kind)`` as this rank's
-    piece."""
+def _sharded(
+    z: ShardedModel, local_of: Callable[[FlatBuffer, str], torch.Tensor]
+) -> dict[str, DTensor]:
+    """One DTensor [Ψ_u] per unit and tensor kind; ``local_of(u, kind)`` is this rank's piece."""
     mesh = DeviceMesh.from_group(z.group or dist.group.WORLD, z.units[0].shard_param.device.type)
     out = {}
     for k, u in enumerate(z.units):
@@ -67,24 +93,24 @@ def _sharded(z, local_of) -> dict:
     return out
 
 
-def _owned(u) -> slice:
+def _owned(u: FlatBuffer) -> slice:
     """This rank's elements of the unpadded [Ψ_u] (empty past the end)."""
     return slice(0, max(0, min(u.hi, u.numel) - u.lo))
 
 
-def _opt_param(z, u):
+def _opt_param(z: ShardedModel, u: FlatBuffer) -> torch.Tensor:
     return u.host if z.zero.offload else u.shard_param
 
 
-def _step(z) -> torch.Tensor:
+def _step(z: ShardedModel) -> torch.Tensor:
     states = [z.optimizer.state.get(_opt_param(z, u), {}) for u in z.units]
     return torch.tensor(float(max((s["step"] for s in states if "step" in s), default=0.0)))
 
 
-def save(z, path) -> None:
+def save(z: ShardedModel, path: str | Path) -> None:
     """Write ``z``'s model and optimizer state to the folder ``path`` (call on every rank)."""
 
-    def local(u, kind):
+    def local(u: FlatBuffer, kind: str) -> torch.Tensor:
         if kind == "param":
             return u.shard_param.detach()[_owned(u)]
         state = z.optimizer.state.get(_opt_param(z, u), {})
@@ -98,7 +124,7 @@ def save(z, path) -> None:
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
 
 
-def _check_exists(path) -> Path:
+def _check_exists(path: str | Path) -> Path:
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: {path / '.metadata'} does not exist")
@@ -107,15 +133,12 @@ def _check_exists(path) -> Path:
 
 def _read(sd: dict, path: Path, no_dist: bool) -> None:
     try:
-        with (
-            warnings.catch_warnings()
-        ):  # no_dist=True: DCP warns it will read in a single process; we asked it to
+        # no_dist=True: DCP warns it will read in a single process; we asked it to
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=str(path), no_dist=no_dist)
-    except (
-        Exception,
-        dcp.CheckpointException,
-    ) as e:  # DCP gathers the ranks' errors (a BaseException)
+    # DCP gathers the ranks' errors (a BaseException)
+    except (Exception, dcp.CheckpointException) as e:
         reason = str(e).strip().splitlines()
         raise ValueError(
             f"checkpoint at {path} is corrupted or incomplete: {type(e).__name__}: "
@@ -138,14 +161,14 @@ def _check_layout(path: Path, expected: str) -> None:
         )
 
 
-def load(z, path) -> None:
+def load(z: ShardedModel, path: str | Path) -> None:
     """Fill ``z``'s shards and AdamW state from the checkpoint at ``path`` (call on every rank;
     any rank count). The model's full parameters follow at the next gather (stage 3) or now."""
     path = _check_exists(path)
     _check_layout(path, layout(z))
     pieces = {}
 
-    def local(u, kind):
+    def local(u: FlatBuffer, kind: str) -> torch.Tensor:
         pieces[(u, kind)] = torch.zeros(
             _owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device
         )
@@ -172,7 +195,7 @@ def load(z, path) -> None:
         _restore_frozen(z.model, sd)
 
 
-def load_full(path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def load_full(path: str | Path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """Load the checkpoint into a plain single-process ``model`` (no process group needed);
     returns the AdamW optimizer (``labs.train.make_optimizer``) holding the saved state."""
     path = _check_exists(path)

@@ -71,7 +71,8 @@ def make_stub(source: str, name: str) -> str:
     """The learner version of one solution module's source."""
     owners = _enclosing_functions(source)
     notebook = _notebook(source)
-    out, inside = [HEADER.format(name=name)], False
+    out = [HEADER.format(name=name)]
+    inside = False
     for lineno, line in enumerate(source.splitlines(keepends=True), start=1):
         stripped = line.strip()
         if stripped == BEGIN:
@@ -120,8 +121,7 @@ def ruff_format(source: str, path: Path) -> str:
 
 
 def expected_stubs(names: list[str] | None = None) -> dict[Path, str]:
-    """labs/<name>.py -> generated text, for the exercise modules in solutions/ (all, or
-    ``names``)."""
+    """labs/<name>.py -> generated text, for every exercise in solutions/ (or only ``names``)."""
     paths = [SOLUTIONS / f"{n}.py" for n in names] if names else sorted(SOLUTIONS.glob("*.py"))
     for path in paths:
         if not path.exists():

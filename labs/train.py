@@ -13,6 +13,7 @@ the tolerance in ``TOLERANCES`` where a parallel sum changes the order of additi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,7 @@ class TrainConfig:
     seed: int = 0  # model initialisation
     data_seed: int = 0  # order of the data
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -72,7 +73,7 @@ class TrainConfig:
         return self.batch_size // dp
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(params: Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW as every lab uses it. ``foreach=False``: the plain per-parameter loop, which
     works on any mix of tensors (DTensor included) and gives the same numbers everywhere."""
     return torch.optim.AdamW(
@@ -104,7 +105,7 @@ def train_reference(
     *,
     dp: int = 1,
     model: torch.nn.Module | None = None,
-    batches: list[tuple] | None = None,
+    batches: list[tuple[torch.Tensor, ...]] | None = None,
     return_grads: bool = False,
 ) -> ReferenceResult:
     """Train single-process for ``cfg.steps`` steps; the global batches are laid out as ``dp``
@@ -117,7 +118,15 @@ def train_reference(
         )
 
 
-def _train_reference(model_cfg, cfg, *, dp, model, batches, return_grads) -> ReferenceResult:
+def _train_reference(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    *,
+    dp: int,
+    model: torch.nn.Module | None,
+    batches: list[tuple[torch.Tensor, ...]] | None,
+    return_grads: bool,
+) -> ReferenceResult:
     torch.manual_seed(cfg.seed)
     model = model if model is not None else build_model(model_cfg, seed=cfg.seed)
     optimizer = make_optimizer(model.parameters(), cfg)
@@ -144,7 +153,7 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / scale
 
 
-def compare_losses(losses: list[float], reference: list[float]) -> dict:
+def compare_losses(losses: list[float], reference: list[float]) -> dict[str, float]:
     """Step-by-step comparison: max absolute and relative difference."""
     if len(losses) != len(reference):
         raise ValueError(f"{len(losses)} losses vs {len(reference)} reference losses")
@@ -156,10 +165,10 @@ def compare_losses(losses: list[float], reference: list[float]) -> dict:
 
 
 def assert_close_tensors(
-    actual: dict,
-    expected: dict,
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
     *,
-    dtype=torch.float32,
+    dtype: torch.dtype = torch.float32,
     what: str = "parameter",
     step: int | None = None,
     rank: int | None = None,

@@ -38,9 +38,8 @@ def execute(path: Path, timeout: int = 600) -> float:
             store_widget_state=True,
         ).execute()
     finally:
-        nbformat.write(
-            nb, path
-        )  # on failure too: the outputs up to the failing cell show what went wrong
+        # on failure too: the outputs up to the failing cell show what went wrong
+        nbformat.write(nb, path)
     return time.perf_counter() - t0
 
 

@@ -19,8 +19,7 @@ def alive(pid: int) -> bool:
 
 
 def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python <args>`` from the repository root with LABS_IMPL from ``env`` or this
-    process."""
+    """Run ``python <args>`` from the repository root, LABS_IMPL from ``env`` or this process."""
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, *args],
@@ -33,8 +32,9 @@ def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.
 
 
 def junit_outcomes(path) -> dict[str, str]:
-    """classname::name -> "passed", "failure", "error" or "skipped", from a pytest ``--junitxml``
-    report."""
+    """classname::name -> "passed", "failure", "error" or "skipped".
+
+    Read from a pytest ``--junitxml`` report."""
     import xml.etree.ElementTree as ET
 
     outcomes = {}
@@ -45,8 +45,7 @@ def junit_outcomes(path) -> dict[str, str]:
 
 
 def json_lines(stdout: str) -> list[dict]:
-    """The JSON objects a run printed, one per line (under torchrun, only rank 0 prints its
-    summary)."""
+    """The JSON objects a run printed, one per line (under torchrun, rank 0's summary only)."""
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
@@ -59,8 +58,9 @@ def run_json(*args, **kw) -> dict:
 
 
 def find_widget(root, css_class: str):
-    """The widget under ``root`` (an ipywidgets container) that carries ``css_class``; fails the
-    test if none."""
+    """The widget under ``root`` (an ipywidgets container) that carries ``css_class``.
+
+    Fails the test if there is none."""
     stack = [root]
     while stack:
         widget = stack.pop()

@@ -170,9 +170,8 @@ def jupyter_lab(tmp_path):
         time.sleep(0.5)  # the file is written in one go, but give it a moment
         yield f"http://127.0.0.1:{json.loads(info_file.read_text())['port']}", served
     finally:
-        started = descendants(
-            server.pid
-        )  # the kernel and its ranks, which SIGTERM should shut down
+        # the kernel and its ranks, which SIGTERM should shut down
+        started = descendants(server.pid)
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=30)
@@ -187,11 +186,16 @@ def jupyter_lab(tmp_path):
         log.close()
 
 
-CELL_STATES = """() => Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell')).map(cell => {
-    const prompt = cell.querySelector('.jp-InputPrompt').textContent.trim();
-    const errors = Array.from(cell.querySelectorAll('[data-mime-type="application/vnd.jupyter.stderr"]'));
-    return prompt + ' ' + errors.map(e => e.textContent.trim().split('\\n').slice(-3).join(' / ')).join(' | ');
-})"""
+CELL_STATES = """() => {
+    const cells = document.querySelectorAll('.jp-Notebook .jp-CodeCell');
+    const stderr = '[data-mime-type="application/vnd.jupyter.stderr"]';
+    return Array.from(cells).map(cell => {
+        const prompt = cell.querySelector('.jp-InputPrompt').textContent.trim();
+        const errors = Array.from(cell.querySelectorAll(stderr));
+        const lastLines = errors.map(e => e.textContent.trim().split('\\n').slice(-3).join(' / '));
+        return prompt + ' ' + lastLines.join(' | ');
+    });
+}"""
 
 
 def _run_all(page) -> None:
@@ -199,9 +203,8 @@ def _run_all(page) -> None:
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.click("li[data-command='runmenu:run-all']")
     try:
-        page.wait_for_function(
-            ALL_PROMPTS_NUMBERED, timeout=300_000
-        )  # a failing cell stops Run All
+        # a failing cell stops Run All
+        page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=300_000)
     except Exception as exc:  # noqa: BLE001 - say which cell stopped it
         states = "\n".join(page.evaluate(CELL_STATES))
         raise AssertionError(

@@ -43,9 +43,8 @@ def test_integer_all_reduce_is_exact(nproc):
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize(
-    "shape", [(1000,), (7, 13), (3,)]
-)  # 3 elements on 4 ranks: one empty chunk
+# 3 elements on 4 ranks: one empty chunk
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (3,)])
 def test_float_all_reduce_matches_within_rounding(nproc, shape):
     for r in launch(ring_vs_torch, nproc, shape, torch.float32):
         torch.testing.assert_close(r["ours"], r["theirs"], rtol=1e-6, atol=1e-6)
@@ -61,9 +60,8 @@ def test_bytes_sent_per_rank_equal_the_ring_formula(nproc):
 
 def non_contiguous_case():
     ring = exercise("collectives")
-    x = torch.arange(24.0).view(4, 6).t() * (
-        dist.get_rank() + 1
-    )  # a transposed, non-contiguous view
+    # a transposed, non-contiguous view
+    x = torch.arange(24.0).view(4, 6).t() * (dist.get_rank() + 1)
     expected = x.clone()
     dist.all_reduce(expected)
     ring.ring_all_reduce(x)

@@ -158,8 +158,7 @@ def bucket_names(model_name, caps):
     "model_name, caps", [("awkward", list(BUCKETS.values())), ("course", [0.02, 0.1, 0.3, 25])]
 )
 def test_buckets_follow_the_backward_order(model_name, caps):
-    """Bucket contents, by name, are the theory's layout over the trainable parameters in reverse
-    order."""
+    """Bucket contents, by name, are the theory's layout of the trainable parameters, reversed."""
     model = lab.build(lab.Job(variants=(), model=model_name))
     order = [n for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
     sizes = lab.backward_order_bytes(model)
@@ -191,10 +190,8 @@ def no_sync_is_local(variant):
     model = lab.build(lab.Job(variants=(variant,)))
     wrapped = lab.wrap(variant, model)
     x, y = data_for(TrainConfig(steps=1), dist.get_world_size())[0]
-    x, y = (
-        x.chunk(dist.get_world_size())[dist.get_rank()],
-        y.chunk(dist.get_world_size())[dist.get_rank()],
-    )
+    x = x.chunk(dist.get_world_size())[dist.get_rank()]
+    y = y.chunk(dist.get_world_size())[dist.get_rank()]
     with CommLedger() as ledger, wrapped.no_sync():
         wrapped(x, y)[1].backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -248,9 +245,8 @@ def test_rank_data_is_disjoint_and_forms_the_global_batch(nproc, grad_accum):
         assert all(mx.shape == (8 // (nproc * grad_accum), cfg.seq_len) for mx, _ in micro), (
             f"step {step}"
         )
-        assert torch.equal(torch.cat([mx for mx, _ in micro]), x) and torch.equal(
-            torch.cat([my for _, my in micro]), y
-        )
+        assert torch.equal(torch.cat([mx for mx, _ in micro]), x)
+        assert torch.equal(torch.cat([my for _, my in micro]), y)
         rows = [tuple(row.tolist()) for mx, _ in micro for row in mx]
         assert len(set(rows)) == len(rows), f"step {step}: ranks share samples"
 
@@ -301,8 +297,9 @@ def test_measured_timeline_shows_when_all_reduces_run(variant):
 
 @pytest.mark.exercise
 def test_cli_vs_torch_ddp(capsys):
-    """``python -m labs.run ddp --vs-torch --json`` (its main(), in this process: no second torch
-    import)."""
+    """``python -m labs.run ddp --vs-torch --json``.
+
+    Its main() runs in this process, so torch is not imported a second time."""
     assert (
         cli(
             ["ddp", "--nproc", "2", "--steps", "4", "--variant", "bucketed", "--vs-torch", "--json"]

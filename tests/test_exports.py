@@ -15,24 +15,21 @@ from labs.theory import exports
 from labs.theory.planner import plan
 from labs.theory.presets import preset
 
-SEED = plan(
-    preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80
-)  # 8 x 4 x 4, DP 4
-LONG = plan(
-    preset("llama3-8b"), seq=131072, gpus=64, gpus_per_node=8, gpu_mem_gib=80
-)  # FSDP + TP 8 + CP 2
-TP_ONLY = plan(
-    preset("llama3-70b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80
-)  # FSDP + TP 4
+# 8 x 4 x 4, DP 4
+SEED = plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)
+# FSDP + TP 8 + CP 2
+LONG = plan(preset("llama3-8b"), seq=131072, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+# FSDP + TP 4
+TP_ONLY = plan(preset("llama3-70b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+# PP, DP 2
 PIPE = plan(
     preset("llama3-70b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80, global_batch=4
-)  # PP, DP 2
+)
 SHELL = {"$NODE_RANK": "3", "$MASTER_ADDR": "10.0.0.1", "$MASTER_PORT": "29400", "$JOB_ID": "job7"}
 
 
 def torchrun_config(command: str):
-    """What torchrun itself makes of ``command`` once each node's shell has filled in the
-    variables."""
+    """What torchrun makes of ``command`` once each node's shell has filled in the variables."""
     from torch.distributed.run import config_from_args, get_args_parser
 
     for var, value in SHELL.items():
@@ -97,14 +94,12 @@ def load_accelerate(tmp_path, monkeypatch, text: str):
 
     prefixes = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_")
     for key in [k for k in os.environ if k.startswith(prefixes)]:
-        monkeypatch.delenv(
-            key
-        )  # start from a clean environment: launch copies os.environ into the ranks'
+        # start from a clean environment: launch copies os.environ into the ranks'
+        monkeypatch.delenv(key)
     path = tmp_path / "accelerate.yaml"
     path.write_text(text)
-    config = ClusterConfig.from_yaml_file(
-        str(path)
-    )  # rejects unknown top-level keys and bad enum values
+    # rejects unknown top-level keys and bad enum values
+    config = ClusterConfig.from_yaml_file(str(path))
     parser = launch_command_parser()
     options = {a.dest for a in parser._actions}
     unknown = [
@@ -150,9 +145,8 @@ def test_accelerate_yaml_for_fsdp_and_tp_on_one_node(tmp_path, monkeypatch):
         tmp_path, monkeypatch, exports.accelerate_config(single)
     )
     assert (args.num_machines, args.num_processes, args.rdzv_backend) == (1, 8, "static")
-    assert (
-        fsdp.reshard_after_forward is False
-    )  # ZeRO-2: FSDP2 keeps the gathered weights after forward
+    # ZeRO-2: FSDP2 keeps the gathered weights after forward
+    assert fsdp.reshard_after_forward is False
     assert (parallel.dp_shard_size, parallel.tp_size, parallel.total_size) == (4, 2, 8)
     plain = {"dp": 8, "tp": 1, "pp": 1, "cp": 1}
     config, args, fsdp, parallel = load_accelerate(

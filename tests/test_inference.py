@@ -22,8 +22,9 @@ NEW = 12
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One intra-op thread in this process, as each rank has: on a busy 2-core machine a second one
-    costs 10x."""
+    """One intra-op thread in this process, as each rank has.
+
+    On a busy 2-core machine a second one costs 10x."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -54,17 +55,16 @@ def test_left_padding_positions_and_mask():
     assert valid.tolist() == [[True] * 5, [False, False, True, True, True]]
     mask = inference.attention_mask(valid, 0, 3)[:, 0]  # [B, t, S]
     assert mask[0].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    # pads read pads; the real token reads itself
     assert mask[1].tolist() == [
         [1, 0, 0],
         [1, 1, 0],
         [0, 0, 1],
-    ]  # pads read pads; the real token reads itself
-    assert inference.attention_mask(valid, 3, 1)[1, 0].tolist() == [
-        [0, 0, 1, 1]
-    ]  # decode: never a pad
-    cos, _ = inference.rope_for(
-        valid, 2, 2, CFG, torch.float32
-    )  # slots 2, 3: positions 2, 3 and 0, 1
+    ]
+    # decode: never a pad
+    assert inference.attention_mask(valid, 3, 1)[1, 0].tolist() == [[0, 0, 1, 1]]
+    # slots 2, 3: positions 2, 3 and 0, 1
+    cos, _ = inference.rope_for(valid, 2, 2, CFG, torch.float32)
     expected, _ = rotary_cos_sin(torch.tensor([2, 3, 0, 1]), CFG.head_dim, CFG.rope_theta)
     assert torch.equal(cos[:, 0].reshape(4, -1), expected)
 
@@ -137,9 +137,8 @@ def test_generate_equals_recompute_without_cache_each_prompt_alone(model, refere
     inference = exercise("inference")
     out = inference.generate(model, PROMPTS, new_tokens=NEW)
     assert torch.equal(out.tokens, reference), (out.tokens, reference)
-    alone = inference.generate(
-        model, PROMPTS[2:3], new_tokens=NEW
-    )  # the longest: no padding at all
+    # the longest: no padding at all
+    alone = inference.generate(model, PROMPTS[2:3], new_tokens=NEW)
     assert torch.equal(alone.tokens[0], reference[2])
     spec = infer.course_spec(CFG)
     assert out.cache.nbytes == theory.kv_cache_bytes_per_rank(
@@ -159,8 +158,9 @@ def test_generate_equals_transformers_generate(model):
 
 
 def greedy_case(vocab: int) -> dict:
-    """Logits [3, V] split over the ranks: a tie across two ranks, a maximum on the last rank, all
-    equal."""
+    """Logits [3, V] split over the ranks.
+
+    Rows: a tie across two ranks, a maximum on the last rank, all equal."""
     full = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     full[0, [10, vocab - 1]] = 9.0  # tie between rank 0 and the last rank: the lower id wins
     full[1, vocab - 3] = 9.0
@@ -199,9 +199,8 @@ def test_both_modes_on_two_ranks_match_and_equal_the_theory():
     # layers
     assert s["tp"]["kv_cache_bytes_per_rank"] == [s["single_kv_cache_bytes"] // 2] * 2
     assert s["tp"]["comm_decode"][0]["all_reduce"]["calls"] == 2 * CFG.n_layer + 1
-    assert (
-        s["placement"]["comm_decode"][0]["send"]["payload_bytes"] == 4 * CFG.n_embd * 4
-    )  # [B, 1, H] fp32
+    # [B, 1, H] fp32
+    assert s["placement"]["comm_decode"][0]["send"]["payload_bytes"] == 4 * CFG.n_embd * 4
     rows = [r.replace(",", "").split() for r in infer.comm_report(s).splitlines()[1:]]
     assert rows and all(r[4:7] == r[7:10] for r in rows)  # measured calls, payload, sent = theory's
 

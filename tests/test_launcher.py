@@ -197,7 +197,8 @@ def test_spawn_refuses_functions_it_cannot_import():
 
 @pytest.mark.slow
 def test_spawn_path_runs_an_importable_function():
-    """The fallback for macOS, Windows and CUDA-initialised parents: slower (each rank imports
-    torch)."""
+    """The fallback for macOS, Windows and CUDA-initialised parents.
+
+    Slower: each rank imports torch."""
     results = launch(rank_and_sum, 2, 0.0, start_method="spawn", timeout=180)
     assert [r["sum"] for r in results] == [1.0, 1.0]

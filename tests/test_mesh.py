@@ -52,9 +52,8 @@ def test_dp2_tp2_pp2_matches_the_reference():
     assert s["groups"]["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert s["zero"] == 1 and s["microbatches"] == 4
     by_axis = s["comm_bytes_by_axis"]
-    assert all(
-        b["cp"] == 0 and b["pp"] == 2 * 32 * 32 * 4 * 4 // 2 for b in by_axis
-    )  # one direction: [4, 32, 32] fp32
+    # one direction: [4, 32, 32] fp32
+    assert all(b["cp"] == 0 and b["pp"] == 2 * 32 * 32 * 4 * 4 // 2 for b in by_axis)
     assert by_axis[2]["tp"] > by_axis[0]["tp"]  # the last stage also gathers the logits
 
 
@@ -143,7 +142,8 @@ def test_cli_bad_mesh_exits_2_with_one_line():
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: tp=2 cannot be placed on nodes of gpus_per_node=1: a TP group must sit inside one node; use tp in {1}"
+        "error: tp=2 cannot be placed on nodes of gpus_per_node=1: "
+        "a TP group must sit inside one node; use tp in {1}"
     ]
 
 
@@ -225,8 +225,7 @@ def test_which_parallelism_table_reads_the_measurements():
 @pytest.mark.exercise
 @pytest.mark.slow
 def test_the_exported_torchrun_command_runs_the_lab():
-    """The planner's single-node export, run for real: torchrun starts 2 workers, each joins the
-    job."""
+    """The planner's single-node export, run for real: torchrun starts 2 workers that join."""
     import shlex
 
     from labs.theory.exports import torchrun_command

@@ -131,9 +131,8 @@ def test_pipeline_on_a_sub_group():
 @pytest.mark.exercise
 def test_naive_placement_matches_the_full_model():
     s = lab.run(nproc=4, steps=2, schedule="naive", op_time=0.01)
-    assert (
-        s["max_logits_rel_diff"] == 0.0 and s["matches_reference"]
-    )  # the same arithmetic, cut in four
+    # the same arithmetic, cut in four
+    assert s["max_logits_rel_diff"] == 0.0 and s["matches_reference"]
     assert s["comm_matches_theory"] and s["order_matches_schedule"]
     assert s["theory_bubble_fraction"] == 0.75
     assert s["bubble_fraction"] > 0.6  # one stage computes at a time

@@ -33,9 +33,8 @@ def test_seed_example_70b_32k_on_512_gpus(seed):
     assert seed["zero"] == 1 and seed["sp"] and seed["fits"]
     assert seed["global_batch"] == 128 and seed["microbatches"] == 32  # 4M tokens / 32K; 128 / dp=4
     assert seed["bubble"] == bubble_fraction("1f1b", 4, 32)
-    assert (
-        0 < seed["mfu"] < seed["scaling_efficiency"] * 0.6 + 1e-12
-    )  # MFU <= efficiency x matmul efficiency
+    # MFU <= efficiency x matmul efficiency
+    assert 0 < seed["mfu"] < seed["scaling_efficiency"] * 0.6 + 1e-12
     assert len(seed["rule"]) == 5 and seed["rule"][-1].startswith("PP/CP")
 
 
@@ -84,9 +83,8 @@ def test_seed_rejections_say_why(seed):
     by_name = {r["name"]: r for r in seed["rejected"]}
     assert "global_batch=128" in by_name["DP=512 (ZeRO-3)"]["reason"]
     assert "needs 125.6 GiB per GPU > 72.0 GiB" in by_name["DP=64 TP=8 (ZeRO-3)"]["reason"]
-    assert (
-        "fits only by sharding" in by_name["DP=16 TP=8 CP=4 (ZeRO-3)"]["reason"]
-    )  # FSDP + TP + CP
+    # FSDP + TP + CP
+    assert "fits only by sharding" in by_name["DP=16 TP=8 CP=4 (ZeRO-3)"]["reason"]
     assert "a replica needs 94.5 GiB" in by_name["DP=8 TP=8 PP=4 CP=2 (ZeRO-1)"]["reason"]
     assert "leaves DP=2" in by_name["DP=2 TP=8 PP=8 CP=4 (ZeRO-1)"]["reason"]
 
@@ -128,13 +126,11 @@ def test_a_model_that_cannot_be_data_parallel_over_every_gpu_gets_pp():
 
 
 def test_assumptions_change_the_plan():
-    assert (
-        plan(L70, **SEED, recompute="full")["pp"] == 1
-    )  # recomputation frees the activations: FSDP + TP
+    # recomputation frees the activations: FSDP + TP
+    assert plan(L70, **SEED, recompute="full")["pp"] == 1
     no_headroom = plan(L70, **SEED, headroom=0.0)
-    assert (
-        no_headroom["tp"] * no_headroom["pp"] * no_headroom["cp"] == 128
-    )  # same size, the faster one
+    # same size, the faster one
+    assert no_headroom["tp"] * no_headroom["pp"] * no_headroom["cp"] == 128
 
 
 def test_comm_agrees_with_each_labs_theory():
@@ -160,9 +156,8 @@ def test_comm_agrees_with_each_labs_theory():
     )
     kv = kv_bytes(batch=2, seq_len=32, n_kv_head=4, head_dim=8)
     assert got["cp"] == pytest.approx(ring_bytes_per_rank(cp=4, kv=kv)["total"])
-    assert got["dp"] == pytest.approx(
-        comm_bytes([1024], stage=1, dp=8)["total"]
-    )  # over dp x cp ranks
+    # over dp x cp ranks
+    assert got["dp"] == pytest.approx(comm_bytes([1024], stage=1, dp=8)["total"])
     assert got["pp"] == 2 * (32 // 4) * 64 * 4  # one boundary activation [2, 32/4, 64] fp32 forward
 
 
@@ -291,9 +286,8 @@ def test_plan_drawing_and_the_widget_headless(seed):
     s = summary(seed, model="llama3-70b")
     fig = draw_plan(s)
     mem, comm, time = fig.axes
-    assert len(mem.patches) == 4 and sum(p.get_height() for p in mem.patches) == pytest.approx(
-        s["memory_gib"]["total"]
-    )
+    assert len(mem.patches) == 4
+    assert sum(p.get_height() for p in mem.patches) == pytest.approx(s["memory_gib"]["total"])
     assert [p.get_height() * 1e9 for p in comm.patches] == pytest.approx(
         [s["comm_bytes"][a] for a in ("tp", "cp", "pp", "dp")]
     )
@@ -302,9 +296,8 @@ def test_plan_drawing_and_the_widget_headless(seed):
 
     rows = scaling(L70, [128, 512], seq=32768, gpus_per_node=8, gpu_mem_gib=80, global_batch=128)
     bars = draw_scaling(rows).axes[0].patches
-    assert len(bars) == 6 and sum(b.get_height() for b in bars) == pytest.approx(
-        200
-    )  # two bars of 100% each
+    # two bars of 100% each
+    assert len(bars) == 6 and sum(b.get_height() for b in bars) == pytest.approx(200)
     box = planner_widget()
 
     def find(css_class):

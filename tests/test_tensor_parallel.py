@@ -18,9 +18,8 @@ from labs.theory import tensor_parallel as theory
 from labs.train import TOLERANCES
 from tests.helpers import run_json
 
-TOL = TOLERANCES[
-    torch.float32
-]  # 1e-5: fp32, a sum over ranks adds in another order than one process
+# 1e-5: fp32, a sum over ranks adds in another order than one process
+TOL = TOLERANCES[torch.float32]
 CASES = [(tp, sp, model) for model in experiment.MODELS for tp in (2, 4) for sp in (False, True)]
 
 
@@ -38,9 +37,8 @@ def case_id(case):
 @pytest.mark.exercise
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_conjugate_operators_forward_and_backward(nproc):
-    for name, diff in check_operators(
-        nproc=nproc
-    ).items():  # float64: only rounding of the sums remains
+    # float64: only rounding of the sums remains
+    for name, diff in check_operators(nproc=nproc).items():
         assert diff["forward"] < 1e-12 and diff["backward"] < 1e-12, (name, diff)
 
 
@@ -76,20 +74,16 @@ def test_training_matches_the_reference_losses(case):
 def test_collectives_and_bytes_per_rank_match_the_theory(case):
     tp, sp, _ = case
     s = summary(*case)
-    assert s["comm_matches_theory"], (
-        s["comm"],
-        s["theory_comm"],
-    )  # every rank: calls, payload, bytes sent
+    # every rank: calls, payload, bytes sent
+    assert s["comm_matches_theory"], (s["comm"], s["theory_comm"])
     assert s["comm_bytes_per_rank"] == [s["theory_comm_bytes_per_rank"]] * tp
     assert s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * tp
-    assert (
-        s["param_bytes_per_rank"][0] == experiment.memory_vs_calculator(s)["params"]["calculator"]
-    )  # notebook 01
+    calculator = experiment.memory_vs_calculator(s)["params"]["calculator"]  # notebook 01
+    assert s["param_bytes_per_rank"][0] == calculator
     assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * tp
     assert s["saved_activation_bytes"] == [s["theory_saved_activation_bytes"]] * tp
-    rows = [
-        r.replace(",", "").split() for r in experiment.comm_table(s).splitlines()[1:]
-    ]  # notebook 04's table
+    # notebook 04's table
+    rows = [r.replace(",", "").split() for r in experiment.comm_table(s).splitlines()[1:]]
     assert len(rows) == sum(len(ops) for ops in s["comm"].values())  # one row per phase and op
     assert all(r[2:5] == r[5:8] for r in rows)  # measured calls, payload, sent = theory's
 
@@ -98,9 +92,8 @@ def test_collectives_and_bytes_per_rank_match_the_theory(case):
 def test_tied_embeddings_share_one_vocab_shard():
     s = experiment.run(nproc=2, steps=2, sp=True, model_cfg=ModelConfig(tie_embeddings=True))
     assert s["matches_reference"] and s["max_rel_grad_diff"] <= TOL and s["comm_matches_theory"]
-    assert (
-        s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * 2
-    )  # the head adds no second shard
+    # the head adds no second shard
+    assert s["param_bytes_per_rank"] == [s["theory_param_bytes_per_rank"]] * 2
 
 
 @pytest.mark.exercise
@@ -191,9 +184,8 @@ def test_one_block_sends_what_the_formulas_say(tp, sp):
                     and ag["payload_bytes"] == rs["payload_bytes"] == 2 * k
                 )
                 assert ag["sent_bytes"] + rs["sent_bytes"] == 2 * 2 * (tp - 1) / tp * k
-            assert (
-                measured["backward"]["all_reduce"]["payload_bytes"] == 2 * 64 * 4
-            )  # the two norm weights
+            # the two norm weights
+            assert measured["backward"]["all_reduce"]["payload_bytes"] == 2 * 64 * 4
 
 
 def saved_shapes(sp: bool) -> dict:
@@ -217,7 +209,8 @@ def saved_shapes(sp: bool) -> dict:
 @pytest.mark.exercise
 @pytest.mark.parametrize("sp", [False, True])
 def test_vocab_parallel_loss_never_materialises_the_full_logits(sp):
-    tp, (B, T, V) = 4, (4, 32, 256)
+    tp = 4
+    B, T, V = 4, 32, 256
     for r in launch(saved_shapes, tp, sp):
         assert r["logits"] == (B, T, V // tp)
         assert r["saved"], "nothing was saved for backward"
@@ -228,8 +221,9 @@ def test_vocab_parallel_loss_never_materialises_the_full_logits(sp):
 
 
 def apply_under_ledger(config: dict) -> tuple[str, int]:
-    """apply_tensor_parallel on a model the degree may not divide: the error, and the collectives
-    issued."""
+    """apply_tensor_parallel on a model the degree may not divide.
+
+    Checks the error, and the collectives issued."""
     with CommLedger() as ledger:
         try:
             exercise("tensor_parallel").apply_tensor_parallel(build_model(ModelConfig(**config), 0))

@@ -12,9 +12,9 @@ from tests.helpers import assert_torch_free, run_cli
 def test_ring_formulas():
     assert comm.all_reduce_bytes(1000, 4) == 1500
     assert comm.reduce_scatter_bytes(1000, 4) == comm.all_gather_bytes(1000, 4) == 750
-    assert comm.all_reduce_bytes(1000, 4) == comm.reduce_scatter_bytes(
-        1000, 4
-    ) + comm.all_gather_bytes(1000, 4)
+    # an all-reduce is a reduce-scatter followed by an all-gather
+    halves = comm.reduce_scatter_bytes(1000, 4) + comm.all_gather_bytes(1000, 4)
+    assert comm.all_reduce_bytes(1000, 4) == halves
     assert comm.all_reduce_bytes(1000, 1) == 0
     assert comm.ring_steps("all_reduce", 8) == 14
 

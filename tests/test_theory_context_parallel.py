@@ -30,9 +30,8 @@ def test_the_ring_visits_every_block_once_and_each_rank_holds_a_different_kv(cp,
     pairs = [(a, b) for step in schedule for e in step for a, b, _ in e["blocks"]]
     assert sorted(pairs) == [(a, b) for a in range(2 * cp) for b in range(2 * cp)]
     for s, step in enumerate(schedule):
-        assert sorted(e["kv_from"] for e in step) == list(
-            range(cp)
-        )  # a permutation: nothing held twice
+        # a permutation: nothing held twice
+        assert sorted(e["kv_from"] for e in step) == list(range(cp))
         assert all(e["kv_from"] == (e["rank"] - s) % cp for e in step)
 
 
@@ -106,9 +105,8 @@ def test_above_the_threshold_a_ring_step_computes_longer_than_it_sends():
     flops = 400e12
     bw = 50e9
     s = cpt.tokens_to_hide_comm(flops_per_s=flops, bytes_per_s=bw, **kw)
-    compute = (
-        cpt.block_flops(batch=1, n_head=32, chunk=s / 2, head_dim=128) * 2 / flops
-    )  # zig-zag: 2 full c x c
+    # zig-zag: 2 full c x c
+    compute = cpt.block_flops(batch=1, n_head=32, chunk=s / 2, head_dim=128) * 2 / flops
     transfer = cpt.kv_bytes(batch=1, seq_len=int(s), n_kv_head=8, head_dim=128, itemsize=2) / bw
     assert compute == pytest.approx(transfer)
     assert (
@@ -145,7 +143,8 @@ def test_cli_result():
 
 def test_theory_and_stepper_never_import_torch():
     assert_torch_free(
-        "import labs.theory.context_parallel, labs.widgets.context_parallel as w\nw.draw_ring_step(3, 1)"
+        "import labs.theory.context_parallel, labs.widgets.context_parallel as w\n"
+        "w.draw_ring_step(3, 1)"
     )
 
 

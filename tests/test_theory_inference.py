@@ -14,9 +14,8 @@ from labs.theory.memory import GIB, ModelSpec
 from labs.theory.presets import GPUS, PRESETS
 from tests.helpers import assert_torch_free
 
-TINY4 = ModelSpec(
-    vocab_size=256, hidden=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128
-)  # infer.CONFIG
+# infer.CONFIG's model
+TINY4 = ModelSpec(vocab_size=256, hidden=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128)
 
 
 def test_kv_cache_per_position_for_llama3():
@@ -156,9 +155,8 @@ def test_cache_capacity_by_hand():
     expected = int((0.9 * GPUS["H100 80GB"][0] * GIB - weights) // (128 * 1024))
     assert inf.cache_capacity(spec)["tokens"] == expected
     assert inf.cache_capacity(PRESETS["llama3-70b"])["tokens"] == 0  # the weights alone do not fit
-    assert (
-        inf.cache_capacity(spec, tp=2)["tokens"] > 2 * expected
-    )  # half the weights and half the cache per rank
+    # half the weights and half the cache per rank
+    assert inf.cache_capacity(spec, tp=2)["tokens"] > 2 * expected
 
 
 def test_cli_and_readable_result():

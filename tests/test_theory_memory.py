@@ -93,9 +93,8 @@ HF_CONFIGS = {  # the published dimensions, written out independently of the pre
         head_dim=64,
         tie_word_embeddings=True,
     ),
-    "gpt2-small": lambda: __import__(
-        "transformers"
-    ).GPT2Config(),  # 12 layers, 768 wide, 50257 tokens, tied
+    # 12 layers, 768 wide, 50257 tokens, tied
+    "gpt2-small": lambda: __import__("transformers").GPT2Config(),
     "tiny": lambda: llama_config(ModelConfig()),
 }
 
@@ -113,17 +112,9 @@ def test_tiny_preset_is_the_course_model():
 
 
 def megatron_shard_numel(name: str, shape, tp: int) -> int:
-    """Rank 0's share of one real parameter, cut as Megatron cuts it (ceil rows for the
-    vocabulary)."""
-    column = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "gate_proj",
-        "up_proj",
-        "c_attn",
-        "c_fc",
-    )  # output dim split
+    """Rank 0's share of one real parameter, cut as Megatron cuts it (vocabulary: ceil rows)."""
+    # output dim split
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
     row = ("o_proj", "down_proj", "attn.c_proj.weight", "mlp.c_proj.weight")  # input dim split
     numel = math.prod(shape)
     if any(k in name for k in ("tok_emb", "lm_head", "wte")):
@@ -138,9 +129,8 @@ def megatron_shard_numel(name: str, shape, tp: int) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_params_match_megatron_split_of_real_models(tp):
-    course = build_model(
-        ModelConfig(vocab_size=250)
-    )  # 250 rows: the vocab split is uneven for tp=4
+    # 250 rows: the vocab split is uneven for tp=4
+    course = build_model(ModelConfig(vocab_size=250))
     spec = dataclasses.replace(TINY, vocab_size=250)
     assert param_counts_per_rank(spec, tp=tp)["total"] == sum(
         megatron_shard_numel(n, p.shape, tp) for n, p in course.named_parameters()
@@ -164,9 +154,8 @@ def test_pipeline_stages_hold_every_layer_once(pp):
     model = build_model(ModelConfig(n_layer=7))
     assert sum(layers_on_stage(7, pp, s) for s in range(pp)) == 7
     start = 0
-    for s in range(
-        pp
-    ):  # stage s: its blocks, plus the embedding (first) or final norm and head (last)
+    # stage s: its blocks, plus the embedding (first) or final norm and head (last)
+    for s in range(pp):
         layers = model.layers[start : start + layers_on_stage(7, pp, s)]
         start += len(layers)
         modules = (
@@ -211,8 +200,9 @@ def test_fp32_state_equals_torch_optimizer_state(optimizer, make):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_exact_shards_equal_a_padded_flat_buffer_split(zero):
-    """A ZeRO rank's tensors built the flat-buffer way (pad to a multiple of N, take 1/N) and
-    measured."""
+    """A ZeRO rank's tensors, built the flat-buffer way and measured.
+
+    The flat-buffer way: pad to a multiple of N, take 1/N."""
     n_params = count_params(build_model(ModelConfig()))
     dp = 3
     flat = torch.zeros(math.ceil(n_params / dp) * dp)  # the padded flat buffer every rank cuts
@@ -220,9 +210,8 @@ def test_exact_shards_equal_a_padded_flat_buffer_split(zero):
     full = torch.zeros(n_params)
     params = (shard if zero == 3 else full).clone()
     grads = (shard if zero >= 2 else full).clone()
-    stepped = (
-        (shard if zero >= 1 else full).clone().requires_grad_()
-    )  # what this rank's optimizer updates
+    # what this rank's optimizer updates
+    stepped = (shard if zero >= 1 else full).clone().requires_grad_()
     stepped.grad = torch.zeros_like(stepped)
     opt = torch.optim.AdamW([stepped], foreach=False)
     opt.step()
@@ -340,9 +329,8 @@ def test_pipeline_stages_hold_their_in_flight_microbatches(schedule, m):
             state["total_bytes"] + in_flight_microbatches(schedule, pp, m, s) * per_mb["total"]
         )
     assert r["stage_total_bytes"] == pytest.approx(per_stage)
-    assert r["total_bytes"] == max(per_stage) and r["in_flight"] == in_flight_microbatches(
-        schedule, pp, m, r["stage"]
-    )
+    assert r["total_bytes"] == max(per_stage)
+    assert r["in_flight"] == in_flight_microbatches(schedule, pp, m, r["stage"])
     first = stage_activation_bytes(
         spec, seq=2048, mbs=1, dtype_bytes=2, layers=8, first=True, last=False
     )
@@ -357,9 +345,8 @@ def test_context_parallel_splits_activations_not_state():
     parts4 = four["activations_per_microbatch"]
     for part in ("layers", "embedding", "rotary", "final_norm"):
         assert parts4[part] == parts1[part] / 4
-    assert parts4["loss"] == pytest.approx(
-        (parts1["loss"] - 4) / 4 + 4
-    )  # the loss weight is one scalar
+    # the loss weight is one scalar
+    assert parts4["loss"] == pytest.approx((parts1["loss"] - 4) / 4 + 4)
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -379,10 +366,8 @@ def test_training_flops_equal_flop_counter(cfg, recompute):
     B = 2
     T = 48
     x = torch.randint(0, cfg.vocab_size, (B, T))
-    with (
-        sdpa_kernel(SDPBackend.MATH),
-        FlopCounterMode(display=False) as counter,
-    ):  # math SDPA: real matmuls
+    # math SDPA: real matmuls
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         forward_loss(model, x, x, recompute=recompute).backward()
     spec = course_spec(cfg)
     assert counter.get_total_flops() == training_flops(
@@ -476,9 +461,8 @@ def test_cli_json_has_the_per_rank_figures():
         "fp32",
         "--json",
     )
-    assert json.loads(free.stdout)["params"] == param_count(TINY) and "fits" not in json.loads(
-        free.stdout
-    )
+    assert json.loads(free.stdout)["params"] == param_count(TINY)
+    assert "fits" not in json.loads(free.stdout)
     table = memory_cli(
         "--preset", "llama3-70b", "--tp", "8", "--sp", "--pp", "2", "--gpu-mem", "24"
     )
@@ -530,9 +514,8 @@ def test_evaluate_gives_the_verdict_or_the_error():
     big = evaluate(
         preset="llama3-70b", gpu_mem_gib=GPUS["H100 80GB"][0], seq=4096, mbs=1, zero=3, dp=8
     )
-    assert big["verdict"].startswith("does not fit") and not fits(
-        big["result"]["total_bytes"], 79.6
-    )
+    assert big["verdict"].startswith("does not fit")
+    assert not fits(big["result"]["total_bytes"], 79.6)
     bad = evaluate(preset="llama3-8b", gpu_mem_gib=80, seq=4096, mbs=1, tp=5)
     assert bad["result"] is None and "tp=5" in bad["verdict"]
     custom = evaluate(

@@ -11,8 +11,7 @@ from tests.helpers import assert_torch_free
 
 
 def test_mixtral_8x7b_has_47b_parameters_and_13b_active():
-    """The published figures (Mixtral of Experts, 2024): 46.7 B parameters, 12.9 B active per
-    token."""
+    """The published figures (Mixtral of Experts, 2024): 46.7 B parameters, 12.9 B active."""
     counts = theory.moe_param_counts(theory.MIXTRAL_8X7B)
     assert round(counts["total"] / 1e9, 1) == 46.7
     assert round(counts["active"] / 1e9, 1) == 12.9
@@ -50,8 +49,7 @@ def test_mixtral_count_equals_transformers_mixtral_built_from_its_config():
 
 @pytest.mark.parametrize("n_experts, top_k, ep", [(8, 2, 1), (8, 2, 4), (4, 1, 2), (6, 3, 3)])
 def test_counts_equal_the_course_moe_model(n_experts, top_k, ep):
-    """Total = every parameter of the course model with MoE layers; per rank = what one EP rank
-    holds."""
+    """Total: every parameter of the course model with MoE layers. Per rank: one EP rank's."""
     from labs.experiments.moe import model_spec
     from labs.models import ModelConfig, count_params
     from labs.models.moe import MoEConfig, build_moe_model
@@ -166,8 +164,9 @@ def test_cli_function_and_no_torch():
 
 
 def test_widget_draws_headless():
-    """The visualizer's drawing agrees with the theory it draws; the real-run drawings take run
-    outputs."""
+    """The visualizer's drawing agrees with the theory it draws.
+
+    The real-run drawings take run outputs."""
     import matplotlib.pyplot as plt
 
     from labs.widgets import moe as widget

@@ -42,7 +42,8 @@ def batch(cfg, mbs):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_encoder_parameters_equal_the_model(name):
     cfg = CONFIGS[name]
-    model, (spec, enc) = build_multimodal(cfg), specs(cfg)
+    model = build_multimodal(cfg)
+    spec, enc = specs(cfg)
     counts = theory.encoder_param_counts(enc, text_hidden=spec.hidden)
     assert counts["encoder"] == count_params(model.encoder)
     assert counts["projector"] == count_params(model.projector)
@@ -52,7 +53,8 @@ def test_encoder_parameters_equal_the_model(name):
 @pytest.mark.parametrize("name, mbs", [("tiny", 2), ("other", 3)])
 def test_encoder_activations_equal_saved_tensors(name, mbs):
     cfg = CONFIGS[name]
-    model, (spec, enc) = build_multimodal(cfg), specs(cfg)
+    model = build_multimodal(cfg)
+    spec, enc = specs(cfg)
     images, tokens, targets = batch(cfg, mbs)
     with SavedActivations(exclude=model) as encoder_part:
         model.projector(model.encoder(images))
@@ -70,11 +72,11 @@ def test_encoder_activations_equal_saved_tensors(name, mbs):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_encoder_flops_equal_the_flop_counter(name):
     cfg = CONFIGS[name]
-    model, (spec, enc) = build_multimodal(cfg), specs(cfg)
+    model = build_multimodal(cfg)
+    spec, enc = specs(cfg)
     images = batch(cfg, 2)[0]
-    with sdpa_kernel(
-        SDPBackend.MATH
-    ):  # the math kernel's matmuls are counted (the CPU flash kernel's are not)
+    # the math kernel's matmuls are counted (the CPU flash kernel's are not)
+    with sdpa_kernel(SDPBackend.MATH):
         with FlopCounterMode(display=False) as forward:
             out = model.projector(model.encoder(images))
         with FlopCounterMode(display=False) as backward:
@@ -87,8 +89,10 @@ def test_encoder_flops_equal_the_flop_counter(name):
 @pytest.mark.parametrize("split", [(0, 2, 1, 1), (2, 0, 1, 1), (1, 3)])
 def test_stage_costs_equal_the_stage(split):
     cfg = SIZES["tiny"]
-    model, (spec, enc) = build_multimodal(cfg), specs(cfg)
-    mbs, (images, tokens, _) = 2, batch(cfg, 2)
+    model = build_multimodal(cfg)
+    spec, enc = specs(cfg)
+    mbs = 2
+    images, tokens, _ = batch(cfg, 2)
     costs = theory.stage_costs(spec, enc, split=split, text_tokens=cfg.caption_len, mbs=mbs)
     assert sum(c["params"] for c in costs) == count_params(model)
 
@@ -100,9 +104,13 @@ def test_stage_costs_equal_the_stage(split):
         stage0()
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
         stage0()
-    assert costs[0]["params"] == count_params(model.encoder) + count_params(
-        model.projector
-    ) + model.decoder.tok_emb.weight.numel() + split[0] * count_params(model.decoder.layers[0])
+    stage0_params = (
+        count_params(model.encoder)
+        + count_params(model.projector)
+        + model.decoder.tok_emb.weight.numel()
+        + split[0] * count_params(model.decoder.layers[0])
+    )
+    assert costs[0]["params"] == stage0_params
     assert flops.get_total_flops() == costs[0]["forward_flops"]
     assert saved.bytes == costs[0]["activation_bytes"]
 
@@ -180,9 +188,8 @@ def test_rebalancing_the_course_pipeline():
         fixed["step_time"] < alone["step_time"]
         and fixed["bubble_fraction"] < alone["bubble_fraction"]
     )
-    assert (
-        fixed["bubble_fraction"] >= fixed["balanced_bubble_fraction"] - 1e-12
-    )  # equal stages are the floor
+    # equal stages are the floor
+    assert fixed["bubble_fraction"] >= fixed["balanced_bubble_fraction"] - 1e-12
     assert alone["step_time"] >= alone["ideal_step_time"]
 
 
@@ -204,13 +211,15 @@ def test_memory_with_encoder_adds_to_the_calculator(pp, zero, dp, tp):
         all(s["encoder_bytes"] == 0 for s in mem["stages"][1:])
         and mem["stages"][0]["encoder_bytes"] > 0
     )
-    acts = theory.encoder_activation_bytes(enc, mbs=1, text_hidden=spec.hidden, dtype_bytes=2)[
-        "total"
-    ]  # bf16
+    acts = theory.encoder_activation_bytes(
+        enc,
+        mbs=1,
+        text_hidden=spec.hidden,
+        dtype_bytes=2,  # bf16
+    )["total"]
     params = theory.encoder_param_counts(enc, text_hidden=spec.hidden)["total"]
-    state = state_bytes(params, precision="bf16-mixed", zero=zero, dp=dp)[
-        "total_bytes"
-    ]  # linear in Ψ
+    # linear in Ψ
+    state = state_bytes(params, precision="bf16-mixed", zero=zero, dp=dp)["total_bytes"]
     assert mem["stages"][0]["encoder_bytes"] == pytest.approx(
         state + mem["stages"][0]["in_flight"] * acts
     )
@@ -318,14 +327,11 @@ def test_rebalancing_from_measured_times():
     cfg = SIZES["timing"]
     spec, _ = specs(cfg)
     f = theory.decoder_flops(spec, seq=cfg.seq_len, mbs=1)
-    layer = (
-        1.0  # a fake measurement: every layer 1 s, the head (~0.16 s) in its FLOP ratio to a layer
-    )
+    # a fake measurement: every layer 1 s, the head (~0.16 s) in its FLOP ratio to a layer
+    layer = 1.0
     row = {"split": (0, 4), "stage_time": [4.5, 4 * layer + layer * f["head"] / f["per_layer"]]}
-    assert measured_split(row, cfg) == (
-        0,
-        4,
-    )  # the encoder (4.5 s) outweighs the other stage already
+    # the encoder (4.5 s) outweighs the other stage already
+    assert measured_split(row, cfg) == (0, 4)
     row["stage_time"][0] = 3.0
     assert measured_split(row, cfg) == (1, 3)  # 4 vs 3.16 beats 3 vs 4.16
     row["stage_time"][0] = 0.5

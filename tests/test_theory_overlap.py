@@ -42,8 +42,9 @@ def test_bucket_layout(sizes, cap, expected):
     ],
 )
 def test_bucket_layout_equals_torch_ddp_assignment(numels, cap_bytes):
-    """torch's DDP assigns buckets in C++ (``dist._compute_bucket_assignment_by_size``); same rule,
-    same result."""
+    """Our bucket layout is torch DDP's, which assigns buckets in C++.
+
+    torch's rule: ``dist._compute_bucket_assignment_by_size``; same rule, same result."""
     tensors = [torch.empty(n) for n in numels]
     torch_buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [cap_bytes])
     assert bucket_layout([4 * n for n in numels], cap_bytes) == [list(b) for b in torch_buckets]
@@ -77,16 +78,14 @@ def test_simulated_timeline_by_hand():
         (3.0, 4.0),
     ]
     assert naive["exposed_s"] == 2.0 and naive["hidden_fraction"] == 0.0
-    one_bucket = simulate_backward(
-        bucket_bytes=1000, **common
-    )  # ready only at the end: nothing to overlap with
+    # ready only at the end: nothing to overlap with
+    one_bucket = simulate_backward(bucket_bytes=1000, **common)
     assert one_bucket["calls"] == 1 and one_bucket["exposed_s"] == 2.0
     with_latency = simulate_backward(bucket_bytes=0, latency_s=0.5, **common)
     assert with_latency["exposed_s"] == 2.0  # comm 1.0-2.5, 2.5-4.0; backward ends at 2.0
     for sim in (overlapped, naive, one_bucket, with_latency):
-        assert sim["sent_bytes"] == all_reduce_bytes(
-            200, 2
-        )  # the variants differ in timing, not in bytes
+        # the variants differ in timing, not in bytes
+        assert sim["sent_bytes"] == all_reduce_bytes(200, 2)
         assert exposed_from_spans(sim["spans"]) == sim["exposed_s"]
 
 
@@ -106,9 +105,8 @@ def test_fast_network_hides_communication_and_slow_one_exposes_it():
     fast = simulate_ddp(bandwidth_gbs=1000.0, latency_us=0.0)
     slow = simulate_ddp(bandwidth_gbs=1.0)
     assert fast["exposed_s"] < 0.05 * fast["backward_s"] and fast["hidden_fraction"] > 0.9
-    assert (
-        slow["exposed_s"] > slow["comm_s"] - slow["backward_s"] - 1e-12
-    )  # at most backward's length is hidden
+    # at most backward's length is hidden
+    assert slow["exposed_s"] > slow["comm_s"] - slow["backward_s"] - 1e-12
     naive = simulate_ddp(variant="naive")
     assert naive["exposed_s"] == pytest.approx(naive["comm_s"])  # naive hides nothing
 
@@ -123,9 +121,8 @@ def test_bucketing_saves_latency():
 def test_uniform_model_totals():
     grads, compute = uniform_model(params=1e9, layers=16, tokens=1000, flops=1e15, bytes_per_grad=2)
     assert len(grads) == 64 and sum(grads) == pytest.approx(2e9)
-    assert sum(compute) == pytest.approx(
-        4 * 1e9 * 1000 / 1e15
-    )  # backward = 4 FLOPs per parameter per token
+    # backward = 4 FLOPs per parameter per token
+    assert sum(compute) == pytest.approx(4 * 1e9 * 1000 / 1e15)
 
 
 @pytest.mark.parametrize(

@@ -162,9 +162,8 @@ def test_fit_recovers_a_charts_times_and_delay():
         assert (fit["t_forward"], fit["t_backward"]) == (pytest.approx(1.5), pytest.approx(2.5))
         assert fit["t_delay"] == pytest.approx(0.2)
         assert fit["bubble_fraction"] == pytest.approx(sim["bubble_fraction"])
-        assert sim["bubble_fraction"] > th.bubble_fraction(
-            schedule, p, m, v
-        )  # delays only add idle time
+        # delays only add idle time
+        assert sim["bubble_fraction"] > th.bubble_fraction(schedule, p, m, v)
 
 
 def test_idle_share_equals_the_timelines_idle_fraction():
@@ -189,9 +188,8 @@ def test_bubble_cli():
         "8",
         "--json",
     )
-    assert r["bubble_fraction"] == pytest.approx(3 / 11) and r[
-        "simulated_bubble_fraction"
-    ] == pytest.approx(3 / 11)
+    assert r["bubble_fraction"] == pytest.approx(3 / 11)
+    assert r["simulated_bubble_fraction"] == pytest.approx(3 / 11)
     assert r["in_flight_microbatches"] == [4, 3, 2, 1] and r["rule_microbatches"] == 16
     r = run_json(
         "-m",
@@ -238,9 +236,8 @@ def test_bubble_calculator_draws_the_theory():
     fig, r = draw_schedule("1f1b", 4, 8)
     assert r == th.figures("1f1b", 4, 8)
     gantt = fig.axes[0]
-    assert (
-        len([b for b in gantt.patches if b.get_hatch() == "//"]) == 4 * 8
-    )  # one hatched bar per backward
+    # one hatched bar per backward
+    assert len([b for b in gantt.patches if b.get_hatch() == "//"]) == 4 * 8
     with pytest.raises(ValueError, match="virtual=2 only applies"):
         draw_schedule("1f1b", 4, 8, virtual=2)
     # a measured run drawn below: here a chart made on paper stands in for it
@@ -291,8 +288,7 @@ def test_pp_vs_tp_bytes():
     )
     # TP: 4 ring all-reduces of [B, T, H] per layer (2 forward, 2 backward), 2(N-1)/N each
     assert r["tp_bytes_per_rank"] == 80 * 4 * 2 * 7 / 8 * activation
-    assert r["tp_over_pp"] == pytest.approx(280) and r["tp_seconds"] == pytest.approx(
-        r["tp_bytes_per_rank"] / 50e9
-    )
+    assert r["tp_over_pp"] == pytest.approx(280)
+    assert r["tp_seconds"] == pytest.approx(r["tp_bytes_per_rank"] / 50e9)
     with pytest.raises(ValueError, match="degree must be an integer >= 1"):
         th.pp_vs_tp(layers=80, hidden=8192, seq_len=4096, batch=8, degree=0)

@@ -69,9 +69,8 @@ def test_model_collectives_are_the_blocks_plus_embedding_head_and_loss():
     k = B * T * SPEC.hidden * 4
     n_tok = B * T
     model = theory.comm_summary(SPEC, tp=tp, batch=B, seq=T)["model"]
-    assert (
-        model["forward"]["all_reduce"]["calls"] == 2 * SPEC.n_layers + 1 + 2
-    )  # blocks, tok_emb's g, the loss
+    # blocks, tok_emb's g, the loss
+    assert model["forward"]["all_reduce"]["calls"] == 2 * SPEC.n_layers + 1 + 2
     assert (
         model["forward"]["all_reduce"]["payload_bytes"]
         == (2 * SPEC.n_layers + 1) * k + 4 * n_tok + 8 * n_tok
@@ -107,15 +106,12 @@ def test_block_flow_shapes():
 
 def test_weight_shards():
     shards = {w["name"]: w for w in theory.weight_shards(SPEC, tp=4)}
-    assert shards["attn.q_proj"]["rank_shape"] == (16, 64) and shards["attn.k_proj"][
-        "rank_shape"
-    ] == (8, 64)
-    assert shards["attn.o_proj"]["rank_shape"] == (64, 16) and shards["mlp.down_proj"][
-        "rank_shape"
-    ] == (64, 32)
-    assert shards["tok_emb"]["rank_shape"] == (64, 64) and shards["attn_norm"]["rank_shape"] == (
-        64,
-    )
+    assert shards["attn.q_proj"]["rank_shape"] == (16, 64)
+    assert shards["attn.k_proj"]["rank_shape"] == (8, 64)
+    assert shards["attn.o_proj"]["rank_shape"] == (64, 16)
+    assert shards["mlp.down_proj"]["rank_shape"] == (64, 32)
+    assert shards["tok_emb"]["rank_shape"] == (64, 64)
+    assert shards["attn_norm"]["rank_shape"] == (64,)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -150,9 +146,8 @@ def test_tensor_parallelism_belongs_inside_a_node():
         for tp in (2, 4, 8, 16)
     }
     sent = [rows[tp]["nvlink"]["sent_bytes"] for tp in (2, 4, 8, 16)]
-    assert (
-        sent == sorted(sent) and sent[-1] < 2 * sent[0]
-    )  # 2(N-1)/N: bytes per rank barely grow with tp
+    # 2(N-1)/N: bytes per rank barely grow with tp
+    assert sent == sorted(sent) and sent[-1] < 2 * sent[0]
     assert rows[8]["nvlink"]["comm_over_compute"] < 0.25 < 1 < rows[8]["ib"]["comm_over_compute"]
     assert rows[8]["nvlink"]["sent_bytes"] == 4 * 2 * 7 / 8 * 4096 * 8192 * 2
 

@@ -58,9 +58,8 @@ def test_held_bytes_with_padding_and_offload(stage):
     held = zero.held_bytes(AWKWARD, stage=stage, dp=dp, frozen_numel=600)
     calc = state_bytes(8009, zero=stage, dp=dp, exact_shards=True)
     assert held["optimizer"] == 8 * shard
-    assert (
-        held["padding"] == {1: 2, 2: 1, 3: 0}[stage] * 3 * 4
-    )  # full flat params (1-2) and grads (1)
+    # full flat params (1-2) and grads (1)
+    assert held["padding"] == {1: 2, 2: 1, 3: 0}[stage] * 3 * 4
     assert held["total"] == calc["total_bytes"] + held["padding"] + 600 * 4
     off = zero.held_bytes(AWKWARD, stage=stage, dp=dp, offload=True, frozen_numel=600)
     assert off["optimizer"] == 0 and off["host"] == 16 * shard
@@ -99,12 +98,10 @@ def test_peak_param_bytes_formula():
     shards = sum(math.ceil(n / 4) for n in COURSE)
     full = [4 * math.ceil(n / 4) for n in COURSE]
     assert zero.peak_param_bytes(COURSE, dp=4, prefetch=False) == 4 * (shards + max(full))
-    assert zero.peak_param_bytes(COURSE, dp=4) == 4 * (
-        shards + 2 * COURSE[1]
-    )  # block 0 + prefetched block 1
-    assert zero.peak_param_bytes(AWKWARD, dp=4) == 4 * (
-        2003 + 4 * 2003
-    )  # one unit: nothing to prefetch
+    # block 0 + prefetched block 1
+    assert zero.peak_param_bytes(COURSE, dp=4) == 4 * (shards + 2 * COURSE[1])
+    # one unit: nothing to prefetch
+    assert zero.peak_param_bytes(AWKWARD, dp=4) == 4 * (2003 + 4 * 2003)
 
 
 @pytest.mark.parametrize("units", [COURSE, AWKWARD, [5, 7, 100, 3]])
@@ -140,9 +137,8 @@ def test_moments_agree_with_the_formulas(units, dp, stage, prefetch, offload):
 def test_stage_two_frees_each_units_gradient_during_backward():
     frames = zero.step_moments(2, COURSE, dp=4)
     peak_grads = max(f["bytes"]["grads"] for f in frames)
-    assert peak_grads == 4 * (
-        sum(math.ceil(n / 4) for n in COURSE) + max(COURSE)
-    )  # shards + one full unit
+    # shards + one full unit
+    assert peak_grads == 4 * (sum(math.ceil(n / 4) for n in COURSE) + max(COURSE))
 
 
 def test_memory_wall_table():
@@ -194,9 +190,8 @@ def test_visualizer_draws_every_moment_headless():
 
 def test_offload_tradeoff_and_stage_table_text():
     t = zero.offload_tradeoff(8_000_000_000, 8, link_gb_per_s=25.0)
-    assert (
-        t["freed_device_bytes"] == 12 * 1e9 and t["left_device_bytes"] == 4 * 1e9
-    )  # 12Ψ/N off, 2Ψ/N + 2Ψ/N left
+    # 12Ψ/N off, 2Ψ/N + 2Ψ/N left
+    assert t["freed_device_bytes"] == 12 * 1e9 and t["left_device_bytes"] == 4 * 1e9
     assert t["host_link_bytes"] == 4e9 and t["host_link_s"] == pytest.approx(0.16)
     text = zero.format_stage_table(8_000_000_000, dp=8, gpu_gib=80)
     assert [line.split()[-1] for line in text.splitlines()[2:]] == ["no", "yes", "yes", "yes"]

@@ -62,8 +62,8 @@ def test_course_model_matches_reference_and_theory(stage, nproc, dtype):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("nproc, dtype, offload", [(2, "float32", False), (4, "float64", True)])
 def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload):
-    """8,009 trainable elements (padded on 2 and 4 ranks), a tied weight, a frozen layer, an unused
-    parameter."""
+    """8,009 trainable elements (padded on 2 and 4 ranks), a tied weight, a frozen layer and an
+    unused parameter."""
     s = run(nproc=nproc, stage=stage, dtype=dtype, offload=offload, model="awkward", steps=5)
     check(s, stage=stage, nproc=nproc, calculator=False)
     if offload:
@@ -74,9 +74,8 @@ def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload)
 @pytest.mark.exercise
 def test_zero3_without_prefetch_holds_one_unit_at_a_time():
     s = run(nproc=2, stage=3, prefetch=False, steps=5)
-    check(
-        s, stage=3, nproc=2, calculator=True
-    )  # peak = shards + the largest unit, nothing prefetched
+    # peak = shards + the largest unit, nothing prefetched
+    check(s, stage=3, nproc=2, calculator=True)
     assert s["theory_peak_param_bytes"] == 4 * (sum(s["unit_numels"]) // 2 + max(s["unit_numels"]))
 
 
