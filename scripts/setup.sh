@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) with the pinned requirements and the course installed in editable mode.
-# Idempotent: reinstalls only when requirements.txt or pyproject.toml changed. Used by course.sh and test.sh.
+# Create .venv (Python 3.11) with the pinned requirements and the course installed in editable
+# mode. Idempotent: reinstalls only when requirements.txt or pyproject.toml changed.
+# Used by course.sh and test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
+  is_311='import sys; sys.exit(sys.version_info[:2] != (3, 11))'
   for candidate in python3.11 python3 python; do
-    if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-      PY="$candidate"; break
+    if command -v "$candidate" >/dev/null && "$candidate" -c "$is_311"; then
+      PY="$candidate"
+      break
     fi
   done
 fi
 if [ -z "$PY" ]; then
-  echo "error: the course needs Python 3.11 (set PYTHON=/path/to/python3.11, or use environment.yml with conda)" >&2
+  echo "error: the course needs Python 3.11" \
+    "(set PYTHON=/path/to/python3.11, or use environment.yml with conda)" >&2
   exit 1
 fi
 if [ ! -x .venv/bin/python ]; then
