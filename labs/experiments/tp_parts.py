@@ -84,7 +84,10 @@ def operators_worker() -> dict:
     B = 2
     T = 4 * n
     H = 8 * n
-    chunk = lambda t, dim, r, n: t.chunk(n, dim)[r]  # noqa: E731
+
+    def chunk(t, dim, r, n):  # rank r's part of t along dim
+        return t.chunk(n, dim)[r]
+
     cases = {  # name: (input shape, upstream grad shape, expected output, expected input gradient)
         "CopyToModelParallelRegion": (
             (B, T, H),

@@ -162,7 +162,8 @@ def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) 
         # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
         importlib.import_module("torch._dynamo")
     ctx = mp.get_context(method)
-    procs, conns = [], []
+    procs = []
+    conns = []
     bar = _progress_bar(progress, desc)
     # Rendezvous through a file in a fresh folder: nothing to collide with, no port to pick.
     with tempfile.TemporaryDirectory(prefix="labs-launch-") as folder:
