@@ -143,7 +143,8 @@ def test_cli_bad_mesh_exits_2_with_one_line():
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: tp=2 cannot be placed on nodes of gpus_per_node=1: a TP group must sit inside one node; use tp in {1}"
+        "error: tp=2 cannot be placed on nodes of gpus_per_node=1: a TP group must sit inside one"
+        " node; use tp in {1}"
     ]
 
 

@@ -60,7 +60,9 @@ class StepTimer:
         return step_time(self.times)
 
 
-def time_steps(fn: Callable[[], object], steps: int, *, device: torch.device | None = None) -> float:
+def time_steps(
+    fn: Callable[[], object], steps: int, *, device: torch.device | None = None
+) -> float:
     """Call ``fn()`` ``steps`` times, each timed as a step; the step time by the course's rule."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
