@@ -1,5 +1,7 @@
 """`python -m labs.run`: the summary contract, the stub message, and the torchrun worker mode."""
 
+import importlib
+import inspect
 import json
 import re
 import time
@@ -16,6 +18,7 @@ from labs.experiments.common import (
     to_json,
 )
 from labs.measure.timing import StepTimer, step_time, time_steps
+from labs.run import LABS
 from tests.helpers import TORCHRUN, json_lines, run_cli, run_json
 
 
@@ -60,6 +63,12 @@ def test_summary_reads_like_a_dict_and_writes_flat_json():
     assert out["max_param_rel_diff"] == out["max_rel_param_diff"] == 2e-7
     assert out["variants"]["naive"]["max_grad_rel_diff"] == 1e-7
     assert format_summary(s).splitlines()[0].split() == ["lab", "ddp"]
+
+
+@pytest.mark.parametrize("lab", sorted(LABS))
+def test_every_lab_returns_the_one_summary_type(lab):
+    run = importlib.import_module(LABS[lab]).run
+    assert inspect.signature(run).return_annotation in ("RunSummary", RunSummary), lab
 
 
 def test_metric_names_follow_one_pattern():
