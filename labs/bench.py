@@ -1,6 +1,6 @@
 """The course-wide benchmark: every lab beside PyTorch's own implementation and the theory.
 
-    python -m labs.bench                                  # every lab, 4 ranks, 5 steps -> out/bench/
+    python -m labs.bench                          # every lab, 4 ranks, 5 steps -> out/bench/
     python -m labs.bench --out docs/bench --impl solutions
     python -m labs.bench --labs zero tp --nproc 2 4 --steps 3
 
@@ -14,7 +14,7 @@ from the single-process reference, and the pipeline bubble measured / theory. Wr
 than ``SLOWER``: why, from profiling with ``scripts/profile_vs_torch.py``) and ``bench.png``. A lab
 whose module is not in this copy of the course is skipped with a note; a lab that fails is a row
 saying why, and the others still run. Exit status 0 when every row ran (or was skipped), 1
-otherwise.
+otherwise. What it writes, and its columns, is ``labs.bench_report``.
 """
 
 from __future__ import annotations
@@ -27,20 +27,18 @@ import inspect
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from labs.bench_report import SLOWER, hardware, write
 from labs.theory.dims import check_positive
-
-SLOWER = 1.2  # ours / torch above this gets an explanation (issue 13, item 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """How the bench runs one configuration of a lab, and what its ``torch_step_time_s`` times."""
 
-    options: dict | Callable[[int], dict] = dataclasses.field(
-        default_factory=dict
-    )  # or nproc -> options
+    # the lab's options, or a function nproc -> options
+    options: dict | Callable[[int], dict] = dataclasses.field(default_factory=dict)
     torch: str | None = None  # PyTorch's counterpart, or None where there is none
     like_for_like: bool = True  # False: torch's time is not of the same parallel job
     check: str = "matches_reference"  # the summary's verdict against the reference
@@ -79,9 +77,10 @@ BENCH: dict[str, list[Entry]] = {
         Entry(
             options={"schedule": "1f1b", "op_time": 0.02},
             vs_torch=False,
-            note="Each forward padded to 20 ms and each backward to 40 ms with sleeps (the lab's op_time), "
-            "as if every stage's compute were that long, so the bubble is measurable on CPU: compare "
-            "its bubble with the theory, not its time with torch's (unpadded, in the row above).",
+            note="Each forward padded to 20 ms and each backward to 40 ms with sleeps (the lab's "
+            "op_time), as if every stage's compute were that long, so the bubble is measurable on "
+            "CPU: compare its bubble with the theory, not its time with torch's (unpadded, in the "
+            "row above).",
         ),
     ],
     "cp": [Entry(torch="SDPA, one process (no CPU context_parallel)", like_for_like=False)],
@@ -100,44 +99,47 @@ BENCH: dict[str, list[Entry]] = {
         Entry(
             options={"mode": "dp", "bucket_mb": 25.0},
             torch="DistributedDataParallel",
-            note="25 MiB buckets, torch DDP's default, which the lab's torch run uses: at the lab's "
-            "default 0.1 MiB (bucketing made visible on a tiny model) ours makes 9 all-reduces "
-            "per step to torch's 1, each a gloo round trip, and was 1.5-1.9x slower (profiled).",
+            note="25 MiB buckets, torch DDP's default, which the lab's torch run uses: at the "
+            "lab's default 0.1 MiB (bucketing made visible on a tiny model) ours makes 9 "
+            "all-reduces per step to torch's 1, each a gloo round trip, and was 1.5-1.9x slower "
+            "(profiled).",
         ),
     ],
 }
 
 # Why ours is slower than torch's where it is (profiled with scripts/profile_vs_torch.py): text,
-# then
-# the run's own figures where the summary has them.
+# then the run's own figures where the summary has them.
 EXPLANATIONS = {
     "collectives": (
-        "Same bytes (ratio 1.000); the gap is latency. The ring is 2(N-1) dependent rounds of `batch_isend_irecv` "
-        "driven from Python: each round hands a chunk to gloo's threads, sleeps until the neighbour's chunk "
-        "arrives and adds it, so it costs a wake-up and a round trip whatever the chunk size; `dist.all_reduce` "
-        "runs its whole algorithm inside gloo's C++ threads. Profiled (scripts/profile_vs_torch.py, 64 Ki "
-        "floats): ranks spend about half their wall time waiting, ~70% of their CPU time in the c10d send/recv "
-        "calls and ~2% in the chunk adds. On 2 ranks (one per core) a round costs 0.4-0.8 ms and ours is "
-        "1.4-2.2x torch's; on 4 ranks sharing 2 cores a woken rank often waits for a core, up to a scheduler "
-        "tick (4 ms, CONFIG_HZ=250), 6 rounds in a row: across our runs a round cost 1-4 ms and ours was 2.7-8x "
-        "torch's. Nothing to fix in the lab: calling gloo's all-reduce instead would remove the exercise."
+        "Same bytes (ratio 1.000); the gap is latency. The ring is 2(N-1) dependent rounds of "
+        "`batch_isend_irecv` driven from Python: each round hands a chunk to gloo's threads, "
+        "sleeps until the neighbour's chunk arrives and adds it, so it costs a wake-up and a round "
+        "trip whatever the chunk size; `dist.all_reduce` runs its whole algorithm inside gloo's "
+        "C++ threads. Profiled (scripts/profile_vs_torch.py, 64 Ki floats): ranks spend about half "
+        "their wall time waiting, ~70% of their CPU time in the c10d send/recv calls and ~2% in "
+        "the chunk adds. On 2 ranks (one per core) a round costs 0.4-0.8 ms and ours is 1.4-2.2x "
+        "torch's; on 4 ranks sharing 2 cores a woken rank often waits for a core, up to a "
+        "scheduler tick (4 ms, CONFIG_HZ=250), 6 rounds in a row: across our runs a round cost 1-4 "
+        "ms and ours was 2.7-8x torch's. Nothing to fix in the lab: calling gloo's all-reduce "
+        "instead would remove the exercise."
     ),
     "cp": (
-        "Not like for like: torch's `context_parallel` has no CPU sharding rule, so torch's time is the "
-        "whole batch's forward + backward in one process (no optimizer step, no ring). Ours adds, per "
-        "layer, 2(N-1) K/V ring rounds each way and the gradient all-reduce, on ranks sharing 2 cores."
+        "Not like for like: torch's `context_parallel` has no CPU sharding rule, so torch's time "
+        "is the whole batch's forward + backward in one process (no optimizer step, no ring). Ours "
+        "adds, per layer, 2(N-1) K/V ring rounds each way and the gradient all-reduce, on ranks "
+        "sharing 2 cores."
     ),
     "infer": (
-        "Not like for like: transformers' `generate` runs in one process. Decoding is latency-bound: every "
-        "token of the tensor-parallel model waits for its collectives, each a gloo round trip between "
-        "processes sharing the cores, and this tiny model's compute per token is far shorter than that. "
-        "Tensor-parallel decoding pays off where a token's compute dwarfs the collectives' latency "
-        "(large models, NVLink)."
+        "Not like for like: transformers' `generate` runs in one process. Decoding is "
+        "latency-bound: every token of the tensor-parallel model waits for its collectives, each a "
+        "gloo round trip between processes sharing the cores, and this tiny model's compute per "
+        "token is far shorter than that. Tensor-parallel decoding pays off where a token's compute "
+        "dwarfs the collectives' latency (large models, NVLink)."
     ),
 }
 
 
-def _details(s: dict) -> str:
+def _details(s: Mapping) -> str:
     """The run's own figures behind an explanation, where its summary has them."""
     try:
         if s["lab"] == "collectives":
@@ -149,50 +151,23 @@ def _details(s: dict) -> str:
         if s["lab"] == "pp" and s.get("op_time_s"):
             return (
                 f" Here: measured {s['bubble_fraction']:.3f} against the formula's "
-                f"{s['theory_bubble_fraction']:.3f}, which assumes messages cost nothing; with the measured "
-                f"mean delay of {s['measured_delay_s'] * 1e3:.1f} ms per operation the schedule run on paper gives "
-                f"{s['delay_bubble_fraction']:.3f} (`labs.theory.pipeline.fit_timeline`)."
+                f"{s['theory_bubble_fraction']:.3f}, which assumes messages cost nothing; with the "
+                f"measured mean delay of {s['measured_delay_s'] * 1e3:.1f} ms per operation the "
+                f"schedule run on paper gives {s['delay_bubble_fraction']:.3f} "
+                "(`labs.theory.pipeline.fit_timeline`)."
             )
         if s["lab"] == "infer":
             return (
-                f" Here: on one rank ours makes {s['single_tokens_per_s']:.0f} tokens/s and transformers "
-                f"{s['torch_tokens_per_s']:.0f}; on {s['nproc']} ranks each token waits for "
-                f"{s['messages_per_token']} collectives of {s['message_s'] * 1e3:.2f} ms (measured), "
-                f"{s['latency_per_token_s'] * 1e3:.1f} ms per token in all."
+                f" Here: on one rank ours makes {s['single_tokens_per_s']:.0f} tokens/s and "
+                f"transformers {s['torch_tokens_per_s']:.0f}; on {s['nproc']} ranks each token "
+                f"waits for {s['messages_per_token']} collectives of {s['message_s'] * 1e3:.2f} ms "
+                f"(measured), {s['latency_per_token_s'] * 1e3:.1f} ms per token in all."
             )
     except (KeyError, TypeError, ZeroDivisionError):
         pass
     return ""
 
 
-COLUMNS = (
-    "lab",
-    "config",
-    "nproc",
-    "backend",
-    "impl",
-    "steps",
-    "status",
-    "ours_ms",
-    "torch_ms",
-    "torch_impl",
-    "same_job",
-    "ours_over_torch",
-    "comm_bytes",
-    "theory_comm_bytes",
-    "comm_ratio",
-    "state_bytes",
-    "theory_state_bytes",
-    "state_ratio",
-    "max_diff",
-    "diff_key",
-    "matches_reference",
-    "bubble",
-    "theory_bubble",
-    "bubble_ratio",
-    "wall_s",
-    "note",
-)
 DIFF_KEYS = ("max_rel_loss_diff", "max_rel_diff", "max_abs_loss_diff")
 
 
@@ -211,11 +186,18 @@ def ratio(measured, theory) -> float | None:
     return max(ratios, key=lambda r: abs(r - 1)) if ratios else None
 
 
-def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
-    """One bench row from a lab's summary (``labs.experiments.common.SUMMARY_KEYS`` and its own
-    keys)."""
-    ms = lambda t: None if t is None else 1e3 * t  # noqa: E731
-    most = lambda v: None if v is None else max(_per_rank(v))  # noqa: E731
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def _most(value) -> float | None:
+    """The largest of a per-rank figure (or the one figure)."""
+    return None if value is None else max(_per_rank(value))
+
+
+def row_from_summary(s: Mapping, entry: Entry, wall_s: float) -> dict:
+    """One bench row from a lab's summary (a ``labs.experiments.common.RunSummary``: the contract's
+    keys and its own)."""
     diff_key = next((k for k in DIFF_KEYS if s.get(k) is not None), None)
     ours = s.get("step_time_s")
     theirs = s.get("torch_step_time_s")
@@ -232,16 +214,16 @@ def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
         "impl": s.get("impl"),
         "steps": s["steps"],
         "status": "ok",
-        "ours_ms": ms(ours),
-        "torch_ms": ms(theirs),
+        "ours_ms": _ms(ours),
+        "torch_ms": _ms(theirs),
         "torch_impl": s.get("torch_impl") or (entry.torch if theirs is not None else None),
         "same_job": entry.like_for_like if theirs is not None else None,
         "ours_over_torch": ours / theirs if ours and theirs else None,
-        "comm_bytes": most(s.get("comm_bytes_per_rank")),
-        "theory_comm_bytes": most(s.get("theory_comm_bytes_per_rank")),
+        "comm_bytes": _most(s.get("comm_bytes_per_rank")),
+        "theory_comm_bytes": _most(s.get("theory_comm_bytes_per_rank")),
         "comm_ratio": ratio(s.get("comm_bytes_per_rank"), s.get("theory_comm_bytes_per_rank")),
-        "state_bytes": most(s.get("state_bytes_per_rank")),
-        "theory_state_bytes": most(s.get("theory_state_bytes_per_rank")),
+        "state_bytes": _most(s.get("state_bytes_per_rank")),
+        "theory_state_bytes": _most(s.get("theory_state_bytes_per_rank")),
         "state_ratio": ratio(s.get("state_bytes_per_rank"), s.get("theory_state_bytes_per_rank")),
         "max_diff": s.get(diff_key) if diff_key else None,
         "diff_key": diff_key,
@@ -254,7 +236,7 @@ def row_from_summary(s: dict, entry: Entry, wall_s: float) -> dict:
     }
 
 
-def note_for(s: dict, entry: Entry) -> str:
+def note_for(s: Mapping, entry: Entry) -> str:
     """The configuration's note, and why ours is slower than torch's when it is by more than
     ``SLOWER``."""
     ours = s.get("step_time_s")
@@ -271,7 +253,7 @@ def note_for(s: dict, entry: Entry) -> str:
     return " ".join(filter(None, parts))
 
 
-def merge_repeats(summaries: list[dict], entry: Entry) -> dict:
+def merge_repeats(summaries: list[Mapping], entry: Entry) -> dict:
     """One summary from repeated runs: the fastest step times (the least disturbed by other
     processes), the largest difference from the reference, the reference check of every run."""
     merged = dict(summaries[0])
@@ -334,7 +316,8 @@ def run_config(
             "status": "invalid",
             "note": f"{LABS[lab]}.run takes no option(s) {ignored}",
         }
-    t0, summaries = time.perf_counter(), []
+    t0 = time.perf_counter()
+    summaries = []
     try:
         for _ in range(repeats):
             summaries.append(
@@ -347,9 +330,8 @@ def run_config(
                     **options,
                 )
             )
-    except (
-        Exception
-    ) as e:  # RankError, LaunchTimeout, ValueError, NotImplementedError: the row says which
+    except Exception as e:
+        # RankError, LaunchTimeout, ValueError, NotImplementedError: the row says which
         message = getattr(e, "message", None) or (str(e).splitlines() or [""])[0]
         status = (
             "not written"
@@ -458,10 +440,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     # On a GPU machine, launch's backend choice calls torch.cuda.is_available(), which initialises
-    # CUDA
-    # here unless it may ask NVML, and forked NCCL ranks could then not initialise it.
+    # CUDA here unless it may ask NVML, and forked NCCL ranks could then not initialise it.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    from labs.bench_report import hardware, write
     from labs.runtime.impl import implementation, set_implementation
 
     if args.impl:

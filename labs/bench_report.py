@@ -8,7 +8,36 @@ import os
 import platform
 from pathlib import Path
 
-from labs.bench import COLUMNS, SLOWER
+SLOWER = 1.2  # ours / torch above this gets an explanation (issue 13, item 2)
+# A bench row's fields, in the order bench.csv writes them.
+COLUMNS = (
+    "lab",
+    "config",
+    "nproc",
+    "backend",
+    "impl",
+    "steps",
+    "status",
+    "ours_ms",
+    "torch_ms",
+    "torch_impl",
+    "same_job",
+    "ours_over_torch",
+    "comm_bytes",
+    "theory_comm_bytes",
+    "comm_ratio",
+    "state_bytes",
+    "theory_state_bytes",
+    "state_ratio",
+    "max_diff",
+    "diff_key",
+    "matches_reference",
+    "bubble",
+    "theory_bubble",
+    "bubble_ratio",
+    "wall_s",
+    "note",
+)
 
 
 def hardware() -> dict:
@@ -53,14 +82,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Machine: {hw['cpu']}, {hw['cores']} cores, {hw['gpus']} GPU(s); torch {hw['torch']}, "
         f"Python {hw['python']}. Implementation: `{meta['impl']}`. Command: `{meta['command']}`.",
         "",
-        f"Step time: each lab's median over its steps (max over ranks), the fastest of {meta.get('repeats', 1)} "
-        f"run(s); ranks beyond {hw['cores']} share the cores, so times include waiting for one. Ratios are "
-        "measured / theory (1.000: the formula's figure to the byte, on the rank farthest from it). Max diff: "
-        "the largest relative difference from the single-process reference (collectives: from "
-        "`dist.all_reduce`; infer: generated tokens, equal or not), ✓ within the lab's tolerance.",
+        "Step time: each lab's median over its steps after the first (warm-up) one, max over"
+        f" ranks, the fastest of {meta.get('repeats', 1)} run(s); ranks beyond {hw['cores']}"
+        " share the cores, so times include waiting for one. Ratios are measured / theory"
+        " (1.000: the formula's figure to the byte, on the rank farthest from it). Max diff: the"
+        " largest relative difference from the single-process reference (collectives: from"
+        " `dist.all_reduce`; infer: generated tokens, equal or not), ✓ within the lab's"
+        " tolerance.",
         "",
-        "| lab | ranks | ours (ms) | torch (ms) | torch's implementation | ours / torch | bytes sent / theory "
-        "| state bytes / theory | max diff vs reference | bubble (theory) |",
+        "| lab | ranks | ours (ms) | torch (ms) | torch's implementation | ours / torch "
+        "| bytes sent / theory | state bytes / theory | max diff vs reference | bubble (theory) |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     notes = []
@@ -72,10 +103,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         mark = {True: " ✓", False: " ✗", None: ""}[r["matches_reference"]]
         bubble = f"{r['bubble']:.3f} ({r['theory_bubble']:.3f})" if r["bubble"] is not None else ""
         lines.append(
-            f"| {name(r)} | {r['nproc']} | {fmt(r['ours_ms'], '.1f')} | {fmt(r['torch_ms'], '.1f')} "
-            f"| {r['torch_impl'] or '—'} | {fmt(r['ours_over_torch'], '.2f')} "
-            f"| {fmt(r['comm_ratio'], '.3f')} "
-            f"| {fmt(r['state_ratio'], '.3f')} | {fmt(r['max_diff'], '.1e')}{mark} | {bubble} |"
+            f"| {name(r)} | {r['nproc']} | {fmt(r['ours_ms'], '.1f')}"
+            f" | {fmt(r['torch_ms'], '.1f')} | {r['torch_impl'] or '—'}"
+            f" | {fmt(r['ours_over_torch'], '.2f')} | {fmt(r['comm_ratio'], '.3f')}"
+            f" | {fmt(r['state_ratio'], '.3f')} | {fmt(r['max_diff'], '.1e')}{mark} | {bubble} |"
         )
         if r["note"]:
             notes.append(f"- **{name(r)}** ({r['nproc']} ranks): {r['note']}")

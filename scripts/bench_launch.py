@@ -57,9 +57,16 @@ def with_spawn(nproc: int) -> list[int]:
 
 def with_torchrun(nproc: int) -> None:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    code = (
-        "import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
-        "t = torch.ones(1); dist.all_reduce(t); print(dist.get_rank()); dist.destroy_process_group()"
+    code = "\n".join(
+        [
+            "import torch",
+            "import torch.distributed as dist",
+            "dist.init_process_group('gloo')",
+            "t = torch.ones(1)",
+            "dist.all_reduce(t)",
+            "print(dist.get_rank())",
+            "dist.destroy_process_group()",
+        ]
     )
     with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
         script.write(code)
@@ -92,7 +99,8 @@ def main(argv=None) -> int:
     ]
     fork = rows[0][1]
     print(
-        f"{args.nproc} gloo ranks, trivial all-reduce, median of {args.repeats}, {os.cpu_count()} cores:"
+        f"{args.nproc} gloo ranks, trivial all-reduce, median of {args.repeats},"
+        f" {os.cpu_count()} cores:"
     )
     for name, seconds in rows:
         print(f"  {name:<30} {seconds:7.3f} s   ({seconds / fork:5.1f}x the fork launcher)")

@@ -1,7 +1,7 @@
 """The GPU (NCCL) validation path: every lab, the notebooks, and throughput at ~1B parameters.
 
-    python scripts/gpu_check.py                       # on a GPU machine: < 8 minutes on one H200
-    python scripts/gpu_check.py --cpu-smoke           # the same code, gloo on CPU, tiny sizes (CI runs it)
+    python scripts/gpu_check.py                 # on a GPU machine: < 8 minutes on one H200
+    python scripts/gpu_check.py --cpu-smoke     # the same code, gloo on CPU, tiny sizes (CI)
     python scripts/gpu_check.py --backend gloo --tiny --labs collectives zero --notebooks none
 
 Four phases, printed as they run and summed up in ``--out``/gpu_check.md and gpu_check.json:
@@ -110,7 +110,8 @@ def lab_plan(ranks: int, gpus: int, backend: str) -> list[tuple[int, str, str]]:
         (
             ranks,
             "gloo",
-            f"gloo, CPU tensors: {gpus} GPU(s) < {ranks} ranks and NCCL refuses two ranks on one GPU",
+            f"gloo, CPU tensors: {gpus} GPU(s) < {ranks} ranks"
+            " and NCCL refuses two ranks on one GPU",
         ),
         (gpus, "nccl", f"NCCL at world size {gpus}, one process per GPU: the CUDA code path"),
     ]
@@ -152,7 +153,8 @@ def check_labs(labs, plan, *, steps, timeout, vs_torch, deadline, log) -> list[d
                     ("ok" if row["passed"] else "FAIL") if row["status"] == "ok" else row["status"]
                 )
                 log(
-                    f"  {lab:<11} {row.get('config', ''):<30} x{nproc} {backend:<5} reference {verdict:<8}"
+                    f"  {lab:<11} {row.get('config', ''):<30} x{nproc} {backend:<5}"
+                    f" reference {verdict:<8}"
                     f" max diff {fmt(row.get('max_diff'), '.1e') or '-'}"
                     f"  bytes/theory {fmt(row.get('comm_ratio'), '.3f')}"
                     f"  state/theory {fmt(row.get('state_ratio'), '.3f')}"
@@ -267,7 +269,8 @@ def _wrap(mode: str, model, cfg):
 
         from labs.experiments.tp import torch_tensor_parallel
 
-        model, ctx = torch_tensor_parallel(model, sp=False), loss_parallel
+        model = torch_tensor_parallel(model, sp=False)
+        ctx = loss_parallel
     opt = make_optimizer(model.parameters(), cfg)
     sync = getattr(
         model, "finish_gradient_synchronization", lambda: None
@@ -281,8 +284,9 @@ def throughput_worker(run: Throughput) -> dict:
     import torch
     import torch.distributed as dist
 
+    from labs.measure.timing import StepTimer
     from labs.models.transformer import ModelConfig, Transformer, count_params
-    from labs.runtime.device import rank_device, synchronize
+    from labs.runtime.device import rank_device
     from labs.runtime.launcher import report_progress
     from labs.train import TrainConfig
 
@@ -302,24 +306,24 @@ def throughput_worker(run: Throughput) -> dict:
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
+    losses = []
+    timer = StepTimer(device)
     for batch in tokens.to(device):
         # [B, T] each
         x = batch[:, :-1].contiguous()
         y = batch[:, 1:].contiguous()
-        synchronize(device)
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.bf16), ctx():
-            _, loss = wrapped(x, y)
-            loss.backward()
-        finish_step()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
+        with timer.step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.bf16), ctx():
+                _, loss = wrapped(x, y)
+                loss.backward()
+            finish_step()
         losses.append((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).item())
         report_progress()
     return {
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "step_time_s": statistics.median(times[run.warmup :]),
+        # throughput after ``run.warmup`` steps (CUDA's autotuning and allocator settle in more
+        # than the one warm-up step of a lab's step time)
+        "step_time_s": statistics.median(timer.times[run.warmup :]),
         "losses": losses,
         "n_params": n_params,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
@@ -339,7 +343,8 @@ def measure_throughput(
     from labs.theory.flops import flops_per_token, mfu
 
     warm_imports(fsdp=True)  # imported once here rather than in every forked rank
-    per_token, rows = flops_per_token(spec_of(cfg), seq=cfg["seq_len"]), []
+    per_token = flops_per_token(spec_of(cfg), seq=cfg["seq_len"])
+    rows = []
     for mode in modes:
         row = {
             "mode": mode,
@@ -370,11 +375,11 @@ def measure_throughput(
                 message = f"{type(e).__name__}: {getattr(e, 'message', e)}"
                 if "out of memory" in message and mbs > 1 and deadline - time.monotonic() > 20:
                     log(
-                        f"  {MODE_NAMES[mode]:<26} out of memory at micro-batch {mbs}: trying {mbs // 2}"
+                        f"  {MODE_NAMES[mode]:<26} out of memory at micro-batch {mbs}:"
+                        f" trying {mbs // 2}"
                     )
-                    mbs //= (
-                        2  # the calculator's pick was too big for this mode: halve it and say so
-                    )
+                    # the calculator's pick was too big for this mode: halve it and say so
+                    mbs //= 2
                     continue
                 break
         if per_rank is None:
@@ -402,21 +407,19 @@ def measure_throughput(
             if predict_memory
             else None,
         )
+        peak_text = ""
+        if row["peak_memory_gib"]:
+            calculator = fmt(row["predicted_memory_gib"], ".1f")
+            peak_text = f"  peak {row['peak_memory_gib']:.1f} GiB (calculator {calculator})"
         log(
-            f"  {MODE_NAMES[mode]:<26} {row['tokens_per_s']:>12,.0f} tokens/s  step {t * 1e3:8.1f} ms"
-            f"  MFU {fmt(row['mfu'], '.1%') or 'n/a'}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}"
-            + (
-                f"  peak {row['peak_memory_gib']:.1f} GiB (calculator {fmt(row['predicted_memory_gib'], '.1f')})"
-                if row["peak_memory_gib"]
-                else ""
-            )
+            f"  {MODE_NAMES[mode]:<26} {row['tokens_per_s']:>12,.0f} tokens/s"
+            f"  step {t * 1e3:8.1f} ms  MFU {fmt(row['mfu'], '.1%') or 'n/a'}"
+            f"  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}{peak_text}"
         )
         rows.append(row)
     done = {r["mode"]: r for r in rows if r["status"] == "ok"}
-    for (
-        mode,
-        theirs,
-    ) in THEIRS.items():  # same weights, same tokens: ours and torch's losses must agree
+    # same weights, same tokens: ours and torch's losses must agree
+    for mode, theirs in THEIRS.items():
         if mode in done and theirs in done:
             done[mode]["max_rel_loss_diff_vs_torch"] = max(
                 abs(a - b) / abs(b) for a, b in zip(done[mode]["losses"], done[theirs]["losses"])
@@ -428,7 +431,9 @@ def measure_throughput(
 def run_notebooks(paths, *, jobs, deadline, log) -> list[dict]:
     """Validate each notebook with nbval in its own pytest process, ``jobs`` at a time."""
     env = dict(os.environ, LABS_IMPL="solutions", PYTHONHASHSEED="0")
-    pending, running, rows = list(paths), [], []
+    pending = list(paths)
+    running = []
+    rows = []
     while pending or running:
         while pending and len(running) < jobs and time.monotonic() < deadline - 30:
             path = pending.pop(0)
@@ -470,7 +475,8 @@ def run_notebooks(paths, *, jobs, deadline, log) -> list[dict]:
                 }
             )
             log(
-                f"  {Path(path).name:<36} {status:<9} {rows[-1]['wall_s']:6.1f} s  {rows[-1]['note'][:100]}"
+                f"  {Path(path).name:<36} {status:<9} {rows[-1]['wall_s']:6.1f} s"
+                f"  {rows[-1]['note'][:100]}"
             )
         time.sleep(0.2)
     return rows
@@ -489,8 +495,9 @@ def markdown(report: dict) -> str:
     lines = [
         f"# GPU check ({report['date']})",
         "",
-        f"Machine: {gpus}; {env['cpu']}, {env['cores']} CPU cores; torch {env['torch']}. Peak bf16 per device: "
-        f"{peak} ({env['peak_source']}). Command: `{report['command']}`.",
+        f"Machine: {gpus}; {env['cpu']}, {env['cores']} CPU cores; torch {env['torch']}."
+        f" Peak bf16 per device: {peak} ({env['peak_source']})."
+        f" Command: `{report['command']}`.",
         "",
         "## Where the labs ran",
         "",
@@ -500,8 +507,8 @@ def markdown(report: dict) -> str:
         "",
         "## Labs against the single-process reference",
         "",
-        "| lab | ranks | backend | reference | max diff | bytes / theory | state / theory | ours (ms) "
-        "| torch (ms) |",
+        "| lab | ranks | backend | reference | max diff | bytes / theory | state / theory "
+        "| ours (ms) | torch (ms) |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in report["labs"]:
@@ -511,9 +518,10 @@ def markdown(report: dict) -> str:
             else f"{r['status']}: {r['note'][:80]}"
         )
         lines.append(
-            f"| {name(r)} | {r['nproc']} | {r['backend']} | {verdict} | {fmt(r.get('max_diff'), '.1e')} "
-            f"| {fmt(r.get('comm_ratio'), '.3f')} | {fmt(r.get('state_ratio'), '.3f')} "
-            f"| {fmt(r.get('ours_ms'), '.1f')} | {fmt(r.get('torch_ms'), '.1f')} |"
+            f"| {name(r)} | {r['nproc']} | {r['backend']} | {verdict}"
+            f" | {fmt(r.get('max_diff'), '.1e')} | {fmt(r.get('comm_ratio'), '.3f')}"
+            f" | {fmt(r.get('state_ratio'), '.3f')} | {fmt(r.get('ours_ms'), '.1f')}"
+            f" | {fmt(r.get('torch_ms'), '.1f')} |"
         )
     alone = " A world of one: the collectives move nothing, so this shows each wrapper's overhead."
     alone = alone if t["world"] == 1 else ""
@@ -530,13 +538,12 @@ def markdown(report: dict) -> str:
     ]
     for r in t["rows"]:
         if r["status"] != "ok":
-            lines.append(
-                f"| {r['name']} | {r['micro_batch']} | {r['status']}: {r.get('note', '')[:80]} | | | | | | |"
-            )
+            why = f"{r['status']}: {r.get('note', '')[:80]}"
+            lines.append(f"| {r['name']} | {r['micro_batch']} | {why} | | | | | | |")
             continue
         lines.append(
-            f"| {r['name']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1e3:.1f} "
-            f"| {fmt(r['mfu'], '.1%')} "
+            f"| {r['name']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f}"
+            f" | {r['step_time_s'] * 1e3:.1f} | {fmt(r['mfu'], '.1%')} "
             f"| {fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['predicted_memory_gib'], '.1f')} "
             f"| {r['losses'][0]:.3f} → {r['losses'][-1]:.3f} "
             f"| {fmt(r.get('max_rel_loss_diff_vs_torch'), '.1e')} |"
@@ -627,7 +634,8 @@ def parse_args(argv):
         args.backend = "gloo"
         args.tiny = True
         args.steps = 2
-        args.labs, args.notebooks = args.labs or ["collectives"], args.notebooks or ["none"]
+        args.labs = args.labs or ["collectives"]
+        args.notebooks = args.notebooks or ["none"]
     for name in (
         "ranks",
         "world",
@@ -649,14 +657,16 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     # torch.cuda.is_available() (which launch's backend choice calls) initialises the CUDA driver
-    # through
-    # cudaGetDeviceCount unless told to ask NVML, and a forked rank then cannot initialise CUDA
-    # ("poisoned
-    # fork", see is_available's docstring). Ranks are forked from this process: ask NVML.
+    # through cudaGetDeviceCount unless told to ask NVML, and a forked rank then cannot initialise
+    # CUDA ("poisoned fork", see is_available's docstring). Ranks are forked from this process: ask
+    # NVML.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     start = time.monotonic()
     end = start + args.budget
-    log = lambda text: print(text, flush=True)  # noqa: E731
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
     from labs.bench_report import hardware
     from labs.run import LABS
     from labs.runtime.impl import set_implementation
@@ -674,7 +684,8 @@ def main(argv=None) -> int:
         "peak_source": source,
     }
     log(
-        f"GPU check: {len(names)} GPU(s) {sorted(set(names))}, {env['cores']} CPU cores, torch {env['torch']}"
+        f"GPU check: {len(names)} GPU(s) {sorted(set(names))}, {env['cores']} CPU cores,"
+        f" torch {env['torch']}"
     )
     log(f"peak bf16 per device: {f'{peak / 1e12:.4g} TFLOP/s' if peak else 'n/a'} ({source})")
     for nproc, backend, why in plan:
@@ -703,8 +714,8 @@ def main(argv=None) -> int:
     gpu_gib = None if args.tiny or not on_gpus else gpu_gib or 40.0
     mbs = args.micro_batch or pick_micro_batch(cfg, world=world, gpu_gib=gpu_gib)
     log(
-        f"\n[throughput] course model H={cfg['n_embd']}, {cfg['n_layer']} layers, seq {cfg['seq_len']}, "
-        f"micro-batch {mbs}, world size {world} on {backend}"
+        f"\n[throughput] course model H={cfg['n_embd']}, {cfg['n_layer']} layers,"
+        f" seq {cfg['seq_len']}, micro-batch {mbs}, world size {world} on {backend}"
         + (" (one GPU: a world of one)" if world == 1 else "")
     )
     trows = measure_throughput(
@@ -773,7 +784,8 @@ def main(argv=None) -> int:
     )
     log(
         f"wrote {out / 'gpu_check.md'} and gpu_check.json: {'PASSED' if ok else 'FAILED'}"
-        f"{f' ({skipped} skipped or not applicable)' if skipped else ''} in {report['wall_s']:.0f} s"
+        f"{f' ({skipped} skipped or not applicable)' if skipped else ''}"
+        f" in {report['wall_s']:.0f} s"
     )
     return 0 if ok else 1
 

@@ -82,16 +82,18 @@ def profiled(fn, top: int):
 def profile_lab(lab: str, *, nproc: int, steps: int, top: int, options: dict) -> list[dict]:
     """Run ``lab`` with its launches profiled; one record per launch: desc and per-rank digests."""
     from labs.run import LABS
+    from labs.runtime.launcher import RankResults
 
     module = importlib.import_module(LABS[lab])
-    original, launches = module.launch, []
+    original = module.launch
+    launches = []
 
     def launch(fn, nprocs, *args, **kw):
         results = original(profiled(fn, top), nprocs, *args, **kw)
-        launches.append(
-            {"desc": kw.get("desc", getattr(fn, "__name__", "?")), "ranks": [d for _, d in results]}
-        )
-        return [out for out, _ in results]
+        desc = kw.get("desc", getattr(fn, "__name__", "?"))
+        launches.append({"desc": desc, "ranks": [digest for _, digest in results]})
+        # the lab reads its ranks' results and the backend they used, as from launch itself
+        return RankResults([out for out, _ in results], backend=results.backend)
 
     module.launch = launch
     try:
@@ -111,8 +113,9 @@ def report(launches: list[dict]) -> str:
         lines.append(f"\n=== launch {launch['desc']!r}")
         for d in launch["ranks"]:
             lines.append(
-                f"  rank {d['rank']}: wall {d['wall_s']:.2f} s, own CPU {d['cpu_s']:.2f} s "
-                f"({d['cpu_s'] / d['wall_s']:.0%} of wall), self CPU in comm ops {d['comm_share']:.0%}"
+                f"  rank {d['rank']}: wall {d['wall_s']:.2f} s, own CPU {d['cpu_s']:.2f} s"
+                f" ({d['cpu_s'] / d['wall_s']:.0%} of wall),"
+                f" self CPU in comm ops {d['comm_share']:.0%}"
             )
         lines.append(launch["ranks"][0]["table"])
     return "\n".join(lines)

@@ -46,7 +46,7 @@ def test_bench_writes_table_csv_and_figure(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "bench.csv") as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == bench.COLUMNS
+        assert tuple(reader.fieldnames) == bench_report.COLUMNS
         rows = {r["lab"]: r for r in reader}
     assert set(rows) == {"collectives", "memory"}
     ring = rows["collectives"]

@@ -323,7 +323,7 @@ def test_cli_vs_torch_ddp(capsys):
     )
     # torch's DDP trained the same model on the same data: it lands on the same numbers
     assert summary["torch_max_rel_loss_diff"] <= TOL
-    assert summary["torch_max_param_rel_diff"] <= PARAM_TOLERANCES[torch.float32]
+    assert summary["torch_max_rel_param_diff"] <= PARAM_TOLERANCES[torch.float32]
 
 
 # --- harness: no learner code --------------------------------------------------------------

@@ -71,6 +71,8 @@ def test_results_come_back_in_rank_order():
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["world"] == 4 and r["sum"] == 6.5 for r in results)
     assert all(r["threads"] == 1 and r["backend"] == "gloo" for r in results)
+    # the backend the ranks' process group ran, as rank 0 read it, travels with the results
+    assert results.backend == results[0]["backend"]
 
 
 def test_single_rank_and_notebook_style_function():

@@ -1,8 +1,24 @@
 """`python -m labs.run`: the summary contract, the stub message, and the torchrun worker mode."""
 
-import pytest
+import importlib
+import inspect
+import json
+import re
+import time
 
-from labs.experiments.common import SUMMARY_KEYS
+import pytest
+import torch
+
+from labs.experiments.common import (
+    ALIASES,
+    SUMMARY_KEYS,
+    RunSummary,
+    format_summary,
+    new_summary,
+    to_json,
+)
+from labs.measure.timing import StepTimer, step_time, time_steps
+from labs.run import LABS
 from tests.helpers import TORCHRUN, json_lines, run_cli, run_json
 
 
@@ -25,6 +41,56 @@ def test_json_summary_has_every_required_key():
     assert summary["backend"] == "gloo"
     assert summary["exact_int"] and summary["bytes_match_theory"]
     assert summary["torch_step_time_s"] > 0
+
+
+def test_summary_reads_like_a_dict_and_writes_flat_json():
+    s = new_summary("ddp", nproc=2, backend="gloo", steps=3, variant="all")
+    s["step_time_s"] = 0.25  # a contract key: a field
+    s["max_rel_param_diff"] = 2e-7  # the lab's own: in details
+    s.update(variants={"naive": {"max_rel_grad_diff": 1e-7}})
+    assert isinstance(s, RunSummary) and s.step_time_s == 0.25 and s.loss is None
+    assert s.details == {"variant": "all", "max_rel_param_diff": 2e-7, "variants": s["variants"]}
+    assert "max_rel_param_diff" in s and "lab" in s and "nope" not in s and s.get("nope") is None
+    assert list(s) == [*SUMMARY_KEYS, "variant", "max_rel_param_diff", "variants"]
+    with pytest.raises(KeyError):
+        s["nope"]
+    with pytest.raises(TypeError, match="contract key"):
+        del s["lab"]
+    out = json.loads(to_json(s))
+    assert list(out)[: len(SUMMARY_KEYS)] == list(SUMMARY_KEYS)  # flat: the contract first
+    assert out["step_time_s"] == 0.25 and out["variant"] == "all" and "details" not in out
+    # an old metric name stays in the JSON as an alias, at every level
+    assert out["max_param_rel_diff"] == out["max_rel_param_diff"] == 2e-7
+    assert out["variants"]["naive"]["max_grad_rel_diff"] == 1e-7
+    assert format_summary(s).splitlines()[0].split() == ["lab", "ddp"]
+
+
+@pytest.mark.parametrize("lab", sorted(LABS))
+def test_every_lab_returns_the_one_summary_type(lab):
+    run = importlib.import_module(LABS[lab]).run
+    assert inspect.signature(run).return_annotation in ("RunSummary", RunSummary), lab
+
+
+def test_metric_names_follow_one_pattern():
+    for old, new in ALIASES.items():
+        assert re.fullmatch(r"(torch_)?max_(abs|rel)_[a-z_]+_diff", new), new
+        assert old != new
+
+
+def test_step_time_drops_the_warm_up_step():
+    assert step_time([10.0, 1.0, 3.0, 2.0]) == 2.0  # the median of the steps after the first
+    assert step_time([5.0]) == 5.0  # one step: nothing else to report
+    with pytest.raises(ValueError, match="times is empty"):
+        step_time([])
+    timer = StepTimer(torch.device("cpu"))
+    for seconds in (0.2, 0.0, 0.0):
+        with timer.step():
+            time.sleep(seconds)
+    assert len(timer.times) == 3 and timer.times[0] >= 0.2 > timer.step_time()
+    calls = []
+    assert time_steps(lambda: calls.append(1), 4) < 0.2 and len(calls) == 4
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        time_steps(lambda: None, 0)
 
 
 def test_unfilled_stub_gives_one_line_naming_the_function():

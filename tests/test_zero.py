@@ -21,7 +21,7 @@ from tests.helpers import run_cli, run_json
 def check(s, *, stage, nproc, calculator: bool):
     assert s["matches_reference"], (s["losses"], s["reference_losses"])
     assert s["params_match_reference"], (
-        f"{s['worst_param']}: max relative difference {s['max_param_rel_diff']:.2e}"
+        f"{s['worst_param']}: max relative difference {s['max_rel_param_diff']:.2e}"
     )
     assert s["memory_matches_theory"], (s["state_breakdown"], s["theory_breakdown"])
     assert s["bytes_match_theory"], (s["comm_bytes_per_rank"], s["theory_comm_bytes_per_rank"])

@@ -50,9 +50,9 @@ def test_resuming_gives_the_uninterrupted_losses(demo):
             tag,
             d[f"resume_{tag}_max_rel_loss_diff"],
         )
-        assert d[f"resume_{tag}_max_param_rel_diff"] <= TOL, (
+        assert d[f"resume_{tag}_max_rel_param_diff"] <= TOL, (
             tag,
-            d[f"resume_{tag}_max_param_rel_diff"],
+            d[f"resume_{tag}_max_rel_param_diff"],
         )
     assert len(d["single_process"]) == len(d["uninterrupted"]) == 3
 

@@ -1,6 +1,7 @@
 """Experiment 00: the hand-written ring all-reduce against ``dist.all_reduce`` and the ring formula.
 
-    summary = run(nproc=4)                # notebook 00, or: python -m labs.run collectives --nproc 4 --json
+    summary = run(nproc=4)                # notebook 00
+    python -m labs.run collectives --nproc 4 --json
     sweep = bandwidth_sweep(nproc=4)      # time vs message size, for the bandwidth plot
 
 Checks, on every rank:
@@ -14,11 +15,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labs.experiments.common import median_time, new_summary
+from labs.experiments.common import RunSummary, new_summary
 from labs.measure.ledger import CommLedger
+from labs.measure.timing import time_steps
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.launcher import launch, report_progress
 from labs.theory.comm import all_reduce_bytes
 
 DEFAULT_NUMEL = 1 << 16  # 65,536 elements: 256 KiB of fp32 per rank
@@ -61,15 +63,13 @@ def ring_worker(numel: int, steps: int, vs_torch: bool, seed: int) -> dict:
         ring.ring_all_reduce(floats.clone())
         report_progress()
 
-    step_time = median_time(ring_step, steps, warmup=0, device=device)
-    torch_time = (
-        median_time(lambda: dist.all_reduce(floats.clone()), steps, device=device)
-        if vs_torch
-        else None
-    )
+    def torch_step():
+        dist.all_reduce(floats.clone())
+
+    step_time = time_steps(ring_step, steps, device=device)
+    torch_time = time_steps(torch_step, steps, device=device) if vs_torch else None
     return {
         "rank": rank,
-        "backend": dist.get_backend(),
         "exact_int": torch.equal(ours_int, torch_int),
         "max_abs_diff": (ours_float - torch_float).abs().max().item(),
         "max_rel_diff": ((ours_float - torch_float).abs().max() / torch_float.abs().max()).item(),
@@ -90,7 +90,7 @@ def run(
     vs_torch: bool = False,
     timeout: float = 120.0,
     seed: int = 0,
-) -> dict:
+) -> RunSummary:
     """Run the ring all-reduce on ``nproc`` ranks and check it; returns the lab summary."""
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
@@ -109,14 +109,14 @@ def run(
         desc="ring all-reduce",
     )
     k = per_rank[0]["tensor_bytes"]
-    summary = new_summary("collectives", nproc=nproc, backend=per_rank[0]["backend"], steps=steps)
+    summary = new_summary("collectives", nproc=nproc, backend=per_rank.backend, steps=steps)
     summary.update(
         comm_bytes_per_rank=[r["sent_bytes"] for r in per_rank],
         theory_comm_bytes_per_rank=all_reduce_bytes(k, nproc),
         state_bytes_per_rank=[k] * nproc,
         theory_state_bytes_per_rank=k,
         step_time_s=max(r["step_time_s"] for r in per_rank),
-        torch_step_time_s=max(r["torch_step_time_s"] for r in per_rank) if vs_torch else None,
+        torch_step_time_s=(max(r["torch_step_time_s"] for r in per_rank) if vs_torch else None),
         tensor_bytes=k,
         sends_per_rank=per_rank[0]["sends"],
         exact_int=all(r["exact_int"] for r in per_rank),
@@ -136,13 +136,14 @@ def bandwidth_worker(sizes: list[int], repeats: int, ours: bool) -> list[dict]:
     rows = []
     for numel in sizes:
         x = torch.ones(numel, device=device)
+        # one warm-up call, then ``repeats`` timed ones (the step-time rule drops the warm-up)
         row = {
             "bytes": numel * 4,
-            "torch_s": median_time(lambda x=x: dist.all_reduce(x), repeats, device=device),
+            "torch_s": time_steps(lambda x=x: dist.all_reduce(x), repeats + 1, device=device),
         }
         if ours:
-            row["ours_s"] = median_time(
-                lambda x=x: ring.ring_all_reduce(x.clone()), repeats, device=device
+            row["ours_s"] = time_steps(
+                lambda x=x: ring.ring_all_reduce(x.clone()), repeats + 1, device=device
             )
         rows.append(row)
         report_progress()
@@ -177,12 +178,11 @@ def bandwidth_sweep(
         row = dict(size_row)
         for key in ("torch_s", "ours_s"):
             if key in size_row:
-                row[key] = max(
-                    r[i][key] for r in per_rank
-                )  # a collective ends when its slowest rank does
+                # a collective ends when its slowest rank does
+                row[key] = max(r[i][key] for r in per_rank)
                 row[key.replace("_s", "_busbw")] = all_reduce_bytes(row["bytes"], nproc) / row[key]
         rows.append(row)
-    return {"nproc": nproc, "backend": choose_backend(nproc, backend), "rows": rows}
+    return {"nproc": nproc, "backend": per_rank.backend, "rows": rows}
 
 
 def plot_bandwidth(sweep: dict, ax=None):

@@ -1,40 +1,116 @@
-"""What every experiment shares: the summary every lab reports, timing, and a readable printout.
+"""What every experiment shares: the summary every lab reports and a readable printout.
 
 An *experiment* (``labs.experiments.<lab>``) runs one lab on N ranks and checks it
 three ways: against the single-process reference, against the theory's figures and,
 where one exists, against PyTorch's own implementation. Each module exposes
 
-    run(*, nproc, steps, backend="auto", vs_torch=False, timeout=..., <lab options>) -> dict
+    run(*, nproc, steps, backend="auto", vs_torch=False, timeout=..., <lab options>) -> RunSummary
     add_arguments(parser)          # its own command-line options for ``python -m labs.run``
 
-and ``run`` returns a summary with at least ``SUMMARY_KEYS``.
+and ``run`` returns a :class:`RunSummary`: the ``labs.run --json`` contract's keys
+(``SUMMARY_KEYS``) as fields, the lab's own figures in ``details``. A summary reads like a dict
+(``summary["matches_reference"]``, ``"worst_grad" in summary``, ``summary.get(...)``), and
+``to_json`` writes it flat, the contract's keys first, as the README documents.
+
+Metric names follow the contract's pattern, ``max_<abs|rel>_<what>_diff`` (``max_rel_grad_diff``,
+``max_rel_param_diff``, ...). Names used before that rule are kept in the JSON as aliases
+(``ALIASES``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import statistics
-import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
 
-from labs.runtime.device import synchronize
 from labs.theory.memory import ModelSpec
 
-SUMMARY_KEYS = (
-    "lab",
-    "nproc",
-    "backend",
-    "impl",
-    "steps",
-    "loss",
-    "reference_loss",
-    "max_abs_loss_diff",
-    "comm_bytes_per_rank",
-    "theory_comm_bytes_per_rank",
-    "state_bytes_per_rank",
-    "theory_state_bytes_per_rank",
-    "step_time_s",
-    "torch_step_time_s",
-)
+# A summary's figure: one number, one per rank, or (``infer --mode both``) one per mode.
+Figure = float | list | dict | None
+
+
+@dataclasses.dataclass(eq=False)
+class RunSummary(MutableMapping):
+    """One lab run: the command-line contract's keys, then the lab's own figures in ``details``.
+
+    Bytes are per rank and per step; times are seconds per step by the course's rule
+    (``labs.measure.timing``: the median after the warm-up step, the slowest rank's).
+    """
+
+    lab: str
+    nproc: int
+    backend: str  # what the ranks' process group ran ("gloo" or "nccl"), reported by the ranks
+    impl: str  # whose exercise code ran: "solutions" or "labs"
+    steps: int
+    loss: float | None = None  # the last step's loss
+    reference_loss: float | None = None  # the single-process reference's, same step
+    max_abs_loss_diff: float | None = None  # over every step
+    comm_bytes_per_rank: Figure = None
+    theory_comm_bytes_per_rank: Figure = None
+    state_bytes_per_rank: Figure = None
+    theory_state_bytes_per_rank: Figure = None
+    step_time_s: Figure = None
+    torch_step_time_s: Figure = None  # PyTorch's own implementation (``vs_torch``), or None
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)  # the lab's own figures
+
+    # Mapping access: a contract key reads and writes its field, any other key the details.
+    def __getitem__(self, key: str) -> Any:
+        if key in _FIELDS:
+            return getattr(self, key)
+        return self.details[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in _FIELDS:
+            setattr(self, key, value)
+        else:
+            self.details[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key in _FIELDS:
+            raise TypeError(f"{key!r} is a contract key: set it to None rather than delete it")
+        del self.details[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from SUMMARY_KEYS
+        yield from self.details
+
+    def __len__(self) -> int:
+        return len(SUMMARY_KEYS) + len(self.details)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat dict ``--json`` writes: contract keys, the details' keys, then the aliases."""
+        return with_aliases(dict(self))
+
+
+SUMMARY_KEYS = tuple(f.name for f in dataclasses.fields(RunSummary) if f.name != "details")
+_FIELDS = frozenset(SUMMARY_KEYS)
+
+# Old metric name -> its name now. ``to_dict`` (and so ``--json``) writes both, at every level of
+# a summary (e.g. each DDP variant's row), so scripts that read the old names keep working.
+ALIASES = {
+    "max_grad_rel_diff": "max_rel_grad_diff",
+    "max_param_rel_diff": "max_rel_param_diff",
+    "torch_max_param_rel_diff": "torch_max_rel_param_diff",
+    "max_logits_rel_diff": "max_rel_logit_diff",
+    "max_output_rel_diff": "max_rel_output_diff",
+    "max_input_grad_rel_diff": "max_rel_input_grad_diff",
+    "router_grad_rel_diff": "max_rel_router_grad_diff",
+}
+
+
+def with_aliases(value: Any) -> Any:
+    """``value`` with every mapping in it (at any depth) a dict that also carries the old name
+    of each renamed key (``ALIASES``)."""
+    if isinstance(value, Mapping):
+        out = {key: with_aliases(item) for key, item in value.items()}
+        for old, new in ALIASES.items():
+            if new in out and old not in out:
+                out[old] = out[new]
+        return out
+    if isinstance(value, list | tuple):
+        return [with_aliases(item) for item in value]
+    return value
 
 
 def course_spec(cfg) -> ModelSpec:
@@ -51,17 +127,25 @@ def course_spec(cfg) -> ModelSpec:
     )
 
 
-def new_summary(lab: str, *, nproc: int, backend: str, steps: int, **extra) -> dict:
-    """A summary with every required key (None until the experiment fills it in)."""
+def new_summary(lab: str, *, nproc: int, backend: str, steps: int, **details) -> RunSummary:
+    """A summary of ``lab`` (contract figures None until the experiment fills them in).
+    ``backend``: the one the ranks reported (``launch(...).backend``); ``details``: the lab's
+    own figures."""
     from labs.runtime.impl import implementation
 
-    summary = dict.fromkeys(SUMMARY_KEYS)
-    summary.update(lab=lab, nproc=nproc, backend=backend, impl=implementation(), steps=steps)
-    summary.update(extra)
-    return summary
+    return RunSummary(
+        lab=lab,
+        nproc=nproc,
+        backend=backend,
+        impl=implementation(),
+        steps=steps,
+        details=dict(details),
+    )
 
 
-def fill_losses(summary: dict, losses: list[float], reference: list[float], dtype=None) -> dict:
+def fill_losses(
+    summary: MutableMapping, losses: list[float], reference: list[float], dtype=None
+) -> MutableMapping:
     """Record a run's losses beside the reference's: ``loss`` and ``reference_loss`` (last step),
     ``losses``, ``reference_losses``, ``max_abs_loss_diff``, ``max_rel_loss_diff`` and
     ``matches_reference`` (every step within the tolerance for ``dtype``, fp32 by default)."""
@@ -81,26 +165,6 @@ def fill_losses(summary: dict, losses: list[float], reference: list[float], dtyp
     return summary
 
 
-def median_step_time(times: list[float]) -> float:
-    """The median of a run's step times, leaving out the first (warm-up) step when there are
-    others."""
-    return statistics.median(times[1:] or times)
-
-
-def median_time(fn, repeats: int, warmup: int = 1, device=None) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
@@ -111,17 +175,24 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def format_summary(summary: dict) -> str:
-    """Two aligned columns, the required keys first."""
-    keys = [k for k in SUMMARY_KEYS if k in summary] + sorted(
-        k for k in summary if k not in SUMMARY_KEYS
-    )
+def format_summary(summary: RunSummary | Mapping[str, Any]) -> str:
+    """Two aligned columns, the contract's keys first, then the lab's own in alphabetical order
+    (a plain mapping, e.g. a summary with some keys left out, prints the same way)."""
+    contract = [k for k in SUMMARY_KEYS if k in summary]
+    own = sorted(k for k in summary if k not in _FIELDS)
+    keys = contract + own
     width = max(len(k) for k in keys)
     return "\n".join(f"{k:<{width}}  {_fmt(summary[k])}" for k in keys)
 
 
-def to_json(summary: dict) -> str:
-    return json.dumps(summary, default=float)
+def to_dict(summary: RunSummary | Mapping[str, Any]) -> dict[str, Any]:
+    """The flat dict of a summary, as ``--json`` writes it (contract keys, the lab's, aliases)."""
+    return with_aliases(dict(summary))
+
+
+def to_json(summary: RunSummary | Mapping[str, Any]) -> str:
+    """One JSON object: ``to_dict(summary)``."""
+    return json.dumps(to_dict(summary), default=float)
 
 
 COMM_HEADER = f"{'calls':>6}{'payload B':>11}{'sent B/rank':>13}   theory: calls, payload, sent"
@@ -130,6 +201,7 @@ COMM_HEADER = f"{'calls':>6}{'payload B':>11}{'sent B/rank':>13}   theory: calls
 def comm_row(measured: dict, theory: dict) -> str:
     """One op's measured ``calls``/``payload_bytes``/``sent_bytes`` beside the theory's, aligned
     under COMM_HEADER."""
-    m = [measured.get(k, 0) for k in ("calls", "payload_bytes", "sent_bytes")]
-    t = [theory.get(k, 0) for k in ("calls", "payload_bytes", "sent_bytes")]
+    keys = ("calls", "payload_bytes", "sent_bytes")
+    m = [measured.get(k, 0) for k in keys]
+    t = [theory.get(k, 0) for k in keys]
     return f"{m[0]:>6.10g}{m[1]:>11.10g}{m[2]:>13.10g}   {t[0]:.10g}, {t[1]:.10g}, {t[2]:.10g}"

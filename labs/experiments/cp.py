@@ -1,9 +1,10 @@
 """Experiment 06: ring attention against full attention, and the context-parallel model against the
 reference.
 
-    check = attention_check(nproc=4)             # out, dq, dk, dv vs SDPA; bytes, FLOPs, memory vs theory
-    summary = run(nproc=4)                       # python -m labs.run cp --nproc 4 --json
-    scaling = memory_scaling(cps=(1, 2, 4))      # saved activations per rank fall as 1/CP
+    check = attention_check(nproc=4)          # out, dq, dk, dv vs SDPA; bytes, FLOPs, memory
+    summary = run(nproc=4)                    # notebook 06
+    scaling = memory_scaling(cps=(1, 2, 4))   # saved activations per rank fall as 1/CP
+    python -m labs.run cp --nproc 4 --json
 
 Checks, for every case (causal or not, zig-zag or contiguous):
 * correctness: the ring's output and the gradients of q, k and v, reassembled from the ranks,
@@ -21,8 +22,6 @@ loss, and every gradient after step 1, equals ``labs.train.train_reference`` wit
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from unittest import mock
@@ -32,12 +31,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from labs.experiments.common import course_spec, fill_losses, median_time, new_summary
+from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
+from labs.measure.timing import StepTimer, time_steps
 from labs.models.transformer import ModelConfig, build_model, count_params
 from labs.runtime.device import one_thread
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.launcher import RankResults, launch, report_progress
 from labs.theory import context_parallel as theory
 from labs.theory import memory
 from labs.theory.comm import all_reduce_bytes
@@ -159,10 +159,9 @@ def attention_worker(shape: AttnShape, cases) -> list[dict]:
         with CommLedger() as ledger:
             with ledger.phase("forward"), SavedActivations() as saved, MatmulFlops() as fwd:
                 out = cpm.ring_attention(q, k, v, group, causal=causal, zigzag=zigzag)
+            # autograd runs backward without torch-function modes: count the kernel's calls instead
             with ledger.phase("backward"), _counting_blocks(cpm, "attention_block_backward") as bwd:
-                out.backward(
-                    dout
-                )  # autograd runs backward without torch-function modes: count calls instead
+                out.backward(dout)
         results.append(
             {
                 "out": out.detach(),
@@ -191,8 +190,14 @@ def attention_check(
     the max relative differences to full attention and, per rank, the measured and theory
     figures."""
     check_options(nproc, shape.seq_len)
-    cpm = exercise("context_parallel")
     per_rank = launch(attention_worker, nproc, shape, list(cases), backend=backend, timeout=timeout)
+    return attention_rows_of(per_rank, shape=shape, cases=cases)
+
+
+def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list[dict]:
+    """``attention_check``'s rows from the ranks' results of ``attention_worker``."""
+    cpm = exercise("context_parallel")
+    nproc = len(per_rank)
     chunk = shape.seq_len // (2 * nproc)
     block_flops = theory.block_flops(
         batch=shape.batch, n_head=shape.n_head, chunk=chunk, head_dim=shape.head_dim
@@ -239,41 +244,39 @@ def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict
     group = dist.group.WORLD
     model = cpm.apply_context_parallel(build_model(model_cfg, seed=cfg.seed), group, zigzag=zigzag)
     optimizer = make_optimizer(model.parameters(), cfg)
-    losses, times, grads = [], [], {}
+    losses = []
+    grads = {}
     ledger = CommLedger()
+    timer = StepTimer()
     for step, (x, y) in enumerate(data_for(cfg)):
-        t0 = time.perf_counter()
-        idx, targets, positions = cpm.shard_inputs(
-            x, y, group, zigzag=zigzag
-        )  # [B, T/cp] x2, [T/cp]
-        share = (
-            targets.numel() / y.numel()
-        )  # this rank's share of the tokens: its weight in the global mean
-        with ledger if step == 0 else nullcontext():
-            with ledger.phase("forward"), SavedActivations(exclude=model) as saved:
-                _, loss = model(idx, targets, positions)  # mean over this rank's tokens
-            with ledger.phase("backward"):
-                (loss * share).backward()
-            with ledger.phase("gradients"):
-                cpm.all_reduce_gradients(model, group)
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            first_saved = saved.bytes
-        optimizer.step()
-        if step == 0:
-            state = state_bytes(model, optimizer)["total"]
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        with timer.step():
+            # [B, T/cp] twice, [T/cp]
+            idx, targets, positions = cpm.shard_inputs(x, y, group, zigzag=zigzag)
+            # this rank's share of the tokens: its weight in the global mean
+            share = targets.numel() / y.numel()
+            with ledger if step == 0 else nullcontext():
+                with ledger.phase("forward"), SavedActivations(exclude=model) as saved:
+                    _, loss = model(idx, targets, positions)  # mean over this rank's tokens
+                with ledger.phase("backward"):
+                    (loss * share).backward()
+                with ledger.phase("gradients"):
+                    cpm.all_reduce_gradients(model, group)
+            if step == 0:
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                first_saved = saved.bytes
+            optimizer.step()
+            if step == 0:
+                state = state_bytes(model, optimizer)["total"]
+            optimizer.zero_grad(set_to_none=True)
         global_loss = loss.detach() * share
-        dist.all_reduce(
-            global_loss, group=group
-        )  # sum of token-weighted means = mean over all tokens
+        # the sum of token-weighted means is the mean over all tokens
+        dist.all_reduce(global_loss, group=group)
         losses.append(global_loss.item())
         report_progress()
     return {
         "losses": losses,
         "grads": grads,
-        "step_times": times,
+        "step_time_s": timer.step_time(),
         "saved_bytes": first_saved,
         "sent": {ph: ledger.sent_bytes(phase=ph) for ph in ("forward", "backward", "gradients")},
         "state": state,
@@ -290,19 +293,19 @@ def run(
     causal: bool = True,
     zigzag: bool = True,
     seq: int = 32,
-) -> dict:
+) -> RunSummary:
     """The lab summary: the attention check for (``causal``, ``zigzag``) and, for a causal mask,
     the context-parallel course model trained ``steps`` steps against the reference."""
     check_options(nproc, seq)
     check_positive(steps=steps)
     shape = AttnShape(seq_len=seq)
-    [check] = attention_check(
-        nproc=nproc, shape=shape, cases=[(causal, zigzag)], backend=backend, timeout=timeout
-    )
+    cases = [(causal, zigzag)]
+    attention = launch(attention_worker, nproc, shape, cases, backend=backend, timeout=timeout)
+    [check] = attention_rows_of(attention, shape=shape, cases=cases)
     summary = new_summary(
         "cp",
         nproc=nproc,
-        backend=choose_backend(nproc, backend),
+        backend=attention.backend,
         steps=steps,
         causal=causal,
         zigzag=zigzag,
@@ -357,21 +360,25 @@ def run(
             "gradients": grads_theory,
         },
         state_bytes_per_rank=[r["state"] for r in per_rank],
-        theory_state_bytes_per_rank=memory.state_bytes(n_params)[
-            "total_bytes"
-        ],  # fp32 + AdamW: 16 bytes/param
+        # fp32 + AdamW: 16 bytes per parameter
+        theory_state_bytes_per_rank=memory.state_bytes(n_params)["total_bytes"],
         saved_activation_bytes_per_rank=[r["saved_bytes"] for r in per_rank],
         theory_saved_activation_bytes=calculator_activation_bytes(
             model_cfg, seq=seq, batch=cfg.batch_size, cp=nproc
         ),
-        step_time_s=max(statistics.median(r["step_times"]) for r in per_rank),
+        step_time_s=max(r["step_time_s"] for r in per_rank),
     )
     if vs_torch:  # torch's context_parallel has no CPU rule: time torch SDPA on one process instead
         x, y = data_for(cfg)[0]
-        with (
-            one_thread()
-        ):  # as a rank computes; two spinning threads beside 4 ranks make it erratic
-            summary["torch_step_time_s"] = median_time(lambda: model(x, y)[1].backward(), 3)
+
+        def torch_step():
+            _, loss = model(x, y)
+            loss.backward()
+
+        # one thread, as a rank computes: two spinning threads beside 4 ranks make it erratic;
+        # a warm-up step and 3 timed ones
+        with one_thread():
+            summary["torch_step_time_s"] = time_steps(torch_step, 4)
     summary["bytes_match_theory"] = all(
         abs(b - summary["theory_comm_bytes_per_rank"]) < 1 for b in summary["comm_bytes_per_rank"]
     )
@@ -396,7 +403,8 @@ def memory_worker(model_cfg: ModelConfig, shape: AttnShape, batch: int, seq: int
     )
     idx, targets, positions = cpm.shard_inputs(x, x, group)
     with SavedActivations(exclude=model) as saved:
-        model(idx, targets, positions)[1].backward()
+        _, loss = model(idx, targets, positions)
+        loss.backward()
     return {
         "model": saved.bytes,
         "attention": attention_worker(shape, [(True, True)])[0]["saved_bytes"],
@@ -446,13 +454,15 @@ def merge_example() -> dict:
     v = values.view(1, 1, 4, 2)
     a = cpm.attention_block(q, k[:, :, :2], v[:, :, :2], causal=False, scale=1.0)  # keys 0, 1
     b = cpm.attention_block(q, k[:, :, 2:], v[:, :, 2:], causal=False, scale=1.0)  # keys 2, 3
-    out, lse = cpm.merge_partials(*a, *b)
+    out_a, lse_a = a
+    out_b, lse_b = b
+    out, lse = cpm.merge_partials(out_a, lse_a, out_b, lse_b)
     direct = torch.softmax(scores, 0) @ values
     return {
-        "lse_A": a[1].item(),
-        "lse_B": b[1].item(),
-        "out_A": a[0].flatten().tolist(),
-        "out_B": b[0].flatten().tolist(),
+        "lse_A": lse_a.item(),
+        "lse_B": lse_b.item(),
+        "out_A": out_a.flatten().tolist(),
+        "out_B": out_b.flatten().tolist(),
         "merged_lse": lse.item(),
         "logsumexp_all": scores.logsumexp(0).item(),
         "merged_out": out.flatten().tolist(),
@@ -492,8 +502,12 @@ def attention_rows(checks: list[dict]) -> list[dict]:
             "mask": "causal" if c["causal"] else "none",
             "layout": c["layout"],
             "max rel diff": max(c["max_rel_diff"].values()),
-            "fwd bytes/rank": f"{c['sent_forward'][0]:.0f} (theory {c['theory_sent_forward']:.0f})",
-            "bwd bytes/rank": f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})",
+            "fwd bytes/rank": (
+                f"{c['sent_forward'][0]:.0f} (theory {c['theory_sent_forward']:.0f})"
+            ),
+            "bwd bytes/rank": (
+                f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})"
+            ),
             "blocks/rank (FLOPs)": str([int(b) for b in c["blocks_measured_forward"]]),
             "theory": str(c["blocks_theory"]),
             "max/mean": round(c["imbalance"], 3),

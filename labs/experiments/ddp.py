@@ -1,9 +1,12 @@
 """Experiment 02: naive, overlapped and bucketed DDP against the reference, the ring formula and
 torch's DDP.
 
-    summary = run(nproc=4, variant="all")     # python -m labs.run ddp --nproc 4 --variant all --json
-    summary = run(nproc=4, vs_torch=True)     # + torch.nn.parallel.DistributedDataParallel side by side
-    print(report(summary)); plot_losses(summary); plot_comm(summary)
+    summary = run(nproc=4, variant="all")     # notebook 02
+    summary = run(nproc=4, vs_torch=True)     # + torch's DistributedDataParallel side by side
+    python -m labs.run ddp --nproc 4 --variant all --json
+
+The views of a summary (``report``, ``plot_losses``, ``plot_comm``) are in
+``labs.experiments.ddp_report``; the traced step's timeline in ``labs.experiments.ddp_timeline``.
 
 Checks, for every variant and every rank:
 * reference: each step's loss (mean over ranks) and the step-1 gradients equal single-process
@@ -15,8 +18,9 @@ Checks, for every variant and every rank:
   from ``labs.theory.overlap`` applied to the model's parameter sizes;
 * torch (``vs_torch``): torch's DDP (same bucket size) trains a fresh copy of the model on
   the same data, interleaved step by step with a fresh copy of ours (order alternating,
-  no ledger), and reports both median step times after one warm-up step, and the CPU time
-  a rank spends per step (all its threads), which waiting for other ranks does not inflate.
+  no ledger), and reports both step times (``labs.measure.timing``'s rule), and the CPU time
+  a rank spends per step after the first (all its threads), which waiting for other ranks
+  does not inflate.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from labs.data import TokenWindows
-from labs.experiments.common import fill_losses, median_step_time, new_summary
+from labs.experiments.common import RunSummary, fill_losses, new_summary
 from labs.measure import CommLedger
 from labs.measure.memory import state_bytes
+from labs.measure.timing import StepTimer
 from labs.models.toy import build_awkward
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.launcher import launch, report_progress
 from labs.theory import memory as memory_theory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
@@ -52,9 +57,8 @@ from labs.train import (
 
 MODELS = ("course", "awkward")
 DTYPES = ("float32", "float64")
-DEFAULT_BUCKET_MB = (
-    0.1  # the course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1)
-)
+# The course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1).
+DEFAULT_BUCKET_MB = 0.1
 
 
 @dataclass(frozen=True)
@@ -114,16 +118,13 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
             wrapped = wrap(variant, model, bucket_mb=job.bucket_mb, group=group)
         optimizer = make_optimizer(wrapped.parameters(), job.train)
         data = ddp.rank_data(job.train, group=group, grad_accum=job.grad_accum)
-        losses, times = [], []
+        losses = []
+        timer = StepTimer()
         for step, micro_batches in enumerate(data):
-            with ledger.phase(f"step {step}"):
-                t0 = time.perf_counter()
+            with ledger.phase(f"step {step}"), timer.step():
                 losses.append(ddp.train_step(wrapped, optimizer, micro_batches))
-                times.append(time.perf_counter() - t0)
-            if (
-                step == 0
-                # the synchronised gradients of step 1 (train_step zeroes them at the start of a step)
-            ):
+            if step == 0:
+                # the synchronised gradients of step 1 (train_step zeroes them at a step's start)
                 first_grads = {
                     n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
                 }
@@ -131,7 +132,7 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
     phases = [f"step {s}" for s in range(len(data))]
     return {
         "losses": losses,
-        "step_times": times,
+        "step_time_s": timer.step_time(),
         "first_grads": first_grads,
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None),
@@ -153,21 +154,25 @@ def time_vs_torch(variant: str, job: Job) -> dict:
         "torch": TorchDDP(build(job), bucket_cap_mb=job.bucket_mb),
     }
     optimizers = {k: make_optimizer(m.parameters(), job.train) for k, m in models.items()}
-    times, cpu, losses = ({"ours": [], "torch": []} for _ in range(3))
+    timers = {"ours": StepTimer(), "torch": StepTimer()}
+    cpu = {"ours": [], "torch": []}  # CPU time of this rank's threads, per step
+    losses = {"ours": [], "torch": []}
     for step, micro_batches in enumerate(ddp.rank_data(job.train, grad_accum=job.grad_accum)):
-        for name in (
-            ("ours", "torch") if step % 2 == 0 else ("torch", "ours")
-        ):  # alternate who goes first
+        order = ("ours", "torch") if step % 2 == 0 else ("torch", "ours")  # who goes first
+        for name in order:
             dist.barrier()
-            # wall time; CPU time of this rank's threads
-            t0 = time.perf_counter()
             c0 = time.process_time()
-            losses[name].append(ddp.train_step(models[name], optimizers[name], micro_batches))
-            times[name].append(time.perf_counter() - t0)
+            with timers[name].step():
+                losses[name].append(ddp.train_step(models[name], optimizers[name], micro_batches))
             cpu[name].append(time.process_time() - c0)
         report_progress()
     params = {n: p.detach().clone() for n, p in models["torch"].module.named_parameters()}
-    return {"times": times, "cpu": cpu, "torch_losses": losses["torch"], "torch_params": params}
+    return {
+        "step_time_s": {name: timer.step_time() for name, timer in timers.items()},
+        "cpu": cpu,
+        "torch_losses": losses["torch"],
+        "torch_params": params,
+    }
 
 
 def worker(job: Job, vs_torch: bool) -> dict:
@@ -191,7 +196,12 @@ def _param_diff(per_rank_params: list[dict], reference: dict) -> float:
 
 
 def theory_for(
-    variant: str, *, nproc: int, grad_bytes: list[int], trainable_bytes: list[int], bucket_mb: float
+    variant: str,
+    *,
+    nproc: int,
+    grad_bytes: list[int],
+    trainable_bytes: list[int],
+    bucket_mb: float,
 ) -> dict:
     """Calls and bytes per rank per step the theory predicts. ``grad_bytes``: the tensors that
     get a gradient; ``trainable_bytes``: every trainable tensor in backward order (a bucket
@@ -223,7 +233,7 @@ def run(
     n_embd: int = 64,
     dtype: str = "float32",
     seed: int = 0,
-) -> dict:
+) -> RunSummary:
     """Train with DDP on ``nproc`` ranks (``variant``: naive, overlapped, bucketed or all) and check
     it.
 
@@ -269,7 +279,7 @@ def run(
     summary = new_summary(
         "ddp",
         nproc=nproc,
-        backend=choose_backend(nproc, backend),
+        backend=per_rank.backend,
         steps=steps,
         variant=variant,
         model=model,
@@ -303,28 +313,29 @@ def run(
     state_theory = memory_theory.state_bytes(
         summary["n_params"], precision="fp32", optimizer="adamw", dp=nproc
     )
+    itemsize = next(ref_model.parameters()).element_size()
     summary.update(
         matches_reference=all(r["matches_reference"] and r["grads_match_reference"] for r in rows),
         params_match_reference=all(r["params_match_reference"] for r in rows),
-        max_param_rel_diff=max(r["max_param_rel_diff"] for r in rows),
+        max_rel_param_diff=max(r["max_rel_param_diff"] for r in rows),
         bytes_match_theory=all(r["bytes_match_theory"] and r["calls_match_theory"] for r in rows),
         comm_bytes_per_rank=[r["sent"][0] for r in runs],
         theory_comm_bytes_per_rank=row["theory_comm_bytes_per_rank"],
         state_bytes_per_rank=[r["state"]["total"] for r in runs],
-        theory_state_bytes_per_rank=state_theory["total_bytes"]
-        * next(ref_model.parameters()).element_size()
-        // 4,
+        # the theory counts fp32 (4 bytes): scaled to the run's dtype
+        theory_state_bytes_per_rank=state_theory["total_bytes"] * itemsize // 4,
         step_time_s=row["step_time_s"],
     )
     if vs_torch:
         timing = [r["vs_torch"] for r in per_rank]
-        ours = max(median_step_time(t["times"]["ours"]) for t in timing)
-        theirs = max(median_step_time(t["times"]["torch"]) for t in timing)
+        ours = max(t["step_time_s"]["ours"] for t in timing)
+        theirs = max(t["step_time_s"]["torch"] for t in timing)
         torch_losses = fill_losses(
             {}, _mean_losses([t["torch_losses"] for t in timing]), ref.losses
         )
+        # CPU seconds per step after the warm-up step, over every rank
         cpu = [
-            statistics.mean(c for t in timing for c in t["cpu"][k][1:] or t["cpu"][k])
+            statistics.mean(c for t in timing for c in (t["cpu"][k][1:] or t["cpu"][k]))
             for k in ("ours", "torch")
         ]
         summary.update(
@@ -336,7 +347,7 @@ def run(
             cpu_ours_over_torch=cpu[0] / cpu[1],
             torch_losses=torch_losses["losses"],
             torch_max_rel_loss_diff=torch_losses["max_rel_loss_diff"],
-            torch_max_param_rel_diff=_param_diff([t["torch_params"] for t in timing], ref.params),
+            torch_max_rel_param_diff=_param_diff([t["torch_params"] for t in timing], ref.params),
         )
     return summary
 
@@ -348,11 +359,11 @@ def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) ->
     row = fill_losses({}, _mean_losses([r["losses"] for r in runs]), ref.losses)
     param_diff = _param_diff([r["params"] for r in runs], ref.params)
     grad_diff = _param_diff([r["first_grads"] for r in runs], ref.grads)
+    same_names = all(set(r["first_grads"]) == set(ref.grads) for r in runs)
     row.update(
-        max_grad_rel_diff=grad_diff,
-        grads_match_reference=grad_diff <= tol
-        and all(set(r["first_grads"]) == set(ref.grads) for r in runs),
-        max_param_rel_diff=param_diff,
+        max_rel_grad_diff=grad_diff,
+        grads_match_reference=grad_diff <= tol and same_names,
+        max_rel_param_diff=param_diff,
         params_match_reference=param_diff <= PARAM_TOLERANCES[dtype],
         ranks_identical=all(
             torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params
@@ -368,12 +379,12 @@ def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) ->
         other_collectives_per_step=max(max(r["other_calls"]) for r in runs),
         broadcast_calls=runs[0]["broadcasts"],
         bucket_buffer_bytes=runs[0]["bucket_bytes"],
-        step_time_s=max(median_step_time(r["step_times"]) for r in runs),
+        step_time_s=max(r["step_time_s"] for r in runs),
     )
     return row
 
 
-# --- DistributedSampler, and plots ----------------------------------------------------------
+# --- DistributedSampler ---------------------------------------------------------------------
 
 
 def sampler_epochs(
@@ -400,94 +411,6 @@ def sampler_epochs(
                 s.set_epoch(epoch)
         out.append([list(s) for s in samplers])
     return out
-
-
-def _rows(summaries) -> dict:
-    """Variant name -> its row, over one or more summaries (e.g. one run per variant)."""
-    return {name: row for summary in summaries for name, row in summary["variants"].items()}
-
-
-def report(*summaries) -> str:
-    """One line per variant: differences from the reference, calls and bytes against theory, step
-    time."""
-    lines = [
-        f"{'variant':<11}{'loss diff':>10}{'grad diff':>10}{'param diff':>11}{'calls':>7}{'theory':>7}"
-        f"{'kB/rank/step':>13}{'theory':>9}{'step ms':>9}"
-    ]
-    for name, r in _rows(summaries).items():
-        lines.append(
-            f"{name:<11}{r['max_rel_loss_diff']:>10.1e}{r['max_grad_rel_diff']:>10.1e}"
-            f"{r['max_param_rel_diff']:>11.1e}{r['all_reduce_calls_per_step'][0]:>7}"
-            f"{r['theory_all_reduce_calls']:>7}{r['comm_bytes_per_rank_per_step'][0][0] / 1e3:>13.1f}"
-            f"{r['theory_comm_bytes_per_rank'] / 1e3:>9.1f}{r['step_time_s'] * 1e3:>9.1f}"
-        )
-    return "\n".join(lines)
-
-
-def plot_losses(*summaries, ax=None):
-    """Each variant's losses (mean over ranks) over the single-process reference's."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5))
-    rows = _rows(summaries)
-    reference = next(iter(rows.values()))["reference_losses"]
-    steps = range(1, len(reference) + 1)
-    ax.plot(
-        steps, reference, "-", color="0.6", lw=6, alpha=0.6, label="single process, whole batch"
-    )
-    for (name, row), marker in zip(rows.items(), "os^"):
-        ax.plot(
-            steps,
-            row["losses"],
-            marker + "--",
-            label=f"{name} (max rel diff {row['max_rel_loss_diff']:.1e})",
-        )
-    ax.set_xticks(list(steps))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"DDP on {summaries[0]['nproc']} ranks vs one process, same global batch")
-    ax.legend(fontsize=8)
-    return ax
-
-
-def plot_comm(*summaries, ax=None):
-    """Bytes each rank all-reduced per step (every rank, every step) against 2(N-1)/N G."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5))
-    rows = _rows(summaries)
-    for i, row in enumerate(rows.values()):
-        measured = [b for rank in row["comm_bytes_per_rank_per_step"] for b in rank]
-        ax.scatter(
-            [i + 0.15] * len(measured),
-            [b / 1e3 for b in measured],
-            color="C0",
-            zorder=3,
-            label="measured (ledger), every rank and step" if i == 0 else None,
-        )
-        ax.bar(
-            i - 0.15,
-            row["theory_comm_bytes_per_rank"] / 1e3,
-            width=0.3,
-            color="C1",
-            alpha=0.7,
-            label="theory 2(N-1)/N G" if i == 0 else None,
-        )
-        ax.text(
-            i,
-            row["theory_comm_bytes_per_rank"] / 2e3,
-            f"{row['all_reduce_calls_per_step'][0]} calls\n"
-            f"(theory {row['theory_all_reduce_calls']})",
-            ha="center",
-            fontsize=8,
-        )
-    ax.set_xticks(range(len(rows)), list(rows))
-    ax.set_ylabel("kB sent per rank per step")
-    ax.set_title(f"all-reduce traffic, N = {summaries[0]['nproc']}")
-    ax.legend(fontsize=8, loc="lower right")
-    return ax
 
 
 def add_arguments(parser) -> None:

@@ -1,6 +1,6 @@
 """Experiment 02, the timeline: when each all-reduce of a real DDP step runs, on every rank.
 
-    trace = measure_overlap(nproc=2, variant="bucketed")   # notebook 02 draws it beside the simulation
+    trace = measure_overlap(nproc=2, variant="bucketed")   # notebook 02, beside the simulation
     trace["spans"]        # span dicts like labs.theory.overlap.simulate_backward's, with a rank
     trace["per_rank"]     # backward time, wait after it, exposed communication, all-reduces
 
@@ -50,7 +50,10 @@ def trace_all_reduces(timeline: Timeline):
         def done(_=None):
             timeline.events.append(Event(timeline.rank, "all_reduce", start, timeline.now(), meta))
 
-        done() if work is None else work.get_future().add_done_callback(done)
+        if work is None:
+            done()
+        else:
+            work.get_future().add_done_callback(done)
         return work
 
     try:

@@ -1,21 +1,27 @@
 """Notebook 10: the failures learners hit, reproduced on purpose, safely, and diagnosed.
 
-    reproduce("skipped_collective")      # raises the launcher's LaunchTimeout naming the stuck ranks
-    diagnose("skipped_collective")       # the same run, caught: what was raised, how fast, what was left
-    diagnose_all()                       # every scenario, for the notebook's summary table
+    reproduce("skipped_collective")   # raises the launcher's LaunchTimeout naming the stuck ranks
+    diagnose("skipped_collective")    # the same run, caught: what was raised, how fast, what was
+                                      # left behind
+    diagnose_all()                    # every scenario, for the notebook's summary table
 
 Each scenario is a small rank function with one deliberate bug and a bounded run: the
 launcher's timeout (or torch's own check) ends it, and every rank is killed before the
 call returns, so a failing cell never hangs the notebook or leaves processes behind.
 
-    skipped_collective   one rank skips an all-reduce the others wait on      -> LaunchTimeout
-    wrong_shape          ranks all-reduce tensors of different sizes           -> gloo aborts the rank
-    wrong_shape_detail   the same with TORCH_DISTRIBUTED_DEBUG=DETAIL          -> a readable mismatch
-    port_in_use          a rendezvous on a port something else holds           -> "address already in use"
-    crashed_rank         one rank is killed by a signal                        -> RankDied (SIGKILL)
-    out_of_memory        state bigger than the memory cap, as the calculator   -> allocation error
-                         predicted
-    straggler            monitored_barrier names the rank that is late         -> RankError naming it
+    scenario             the bug                                  what the learner sees
+    skipped_collective   one rank skips an all-reduce the others  LaunchTimeout
+                         wait on
+    wrong_shape          ranks all-reduce tensors of different    gloo aborts the rank
+                         sizes
+    wrong_shape_detail   the same with                            a readable mismatch
+                         TORCH_DISTRIBUTED_DEBUG=DETAIL
+    port_in_use          a rendezvous on a port something else    "address already in use"
+                         holds
+    crashed_rank         one rank is killed by a signal           RankDied (SIGKILL)
+    out_of_memory        state bigger than the memory cap, as     allocation error
+                         the calculator predicted
+    straggler            monitored_barrier names the late rank    RankError naming it
 """
 
 from __future__ import annotations
@@ -192,8 +198,8 @@ def diagnosis_table(rows: list[dict]) -> str:
     lines = [f"{'scenario':<20} {'error':<14} {'seconds':>7} {'left':>4}  message"]
     for r in rows:
         lines.append(
-            f"{r['scenario']:<20} {str(r['error']):<14} {r['seconds']:>7.2f} {r['processes_left']:>4}  "
-            f"{r['message'][:90]}"
+            f"{r['scenario']:<20} {str(r['error']):<14} {r['seconds']:>7.2f}"
+            f" {r['processes_left']:>4}  {r['message'][:90]}"
         )
     return "\n".join(lines)
 

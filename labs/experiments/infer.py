@@ -37,23 +37,23 @@ import torch.distributed as dist
 
 from labs.data import load_corpus
 from labs.experiments import tp as tp_lab
-from labs.experiments.common import COMM_HEADER, comm_row, course_spec, median_time, new_summary
+from labs.experiments.common import COMM_HEADER, RunSummary, comm_row, course_spec, new_summary
 from labs.measure import CommLedger
 from labs.measure.memory import param_bytes
+from labs.measure.timing import StepTimer, time_steps
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import ModelConfig
 from labs.runtime.device import one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.launcher import launch, report_progress
 from labs.theory import inference as theory
 from labs.theory.dims import ParallelDims, check_positive
 from labs.theory.memory import layers_on_stage
 
 MODES = theory.MODES
 MODELS = tp_lab.MODELS
-CONFIG = ModelConfig(
-    n_layer=4
-)  # 4 layers: one per stage on 4 ranks; 4 kv heads: one per TP rank on 4
+# 4 layers: one per stage on 4 ranks; 4 kv heads: one per TP rank on 4
+CONFIG = ModelConfig(n_layer=4)
 MAX_PROMPT = 16  # longest prompt make_prompts cuts
 LEDGER_OPS = {
     "all_reduce": "all_reduce",
@@ -89,8 +89,7 @@ def stage_plan(n_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(layers_on_stage(n_layers, stages, s) for s in range(stages))
 
 
-# --- references, in the parent
-# ------------------------------------------------------------------------------
+# --- references, in the parent --------------------------------------------------------------------
 @torch.no_grad()
 def no_cache_tokens(model: torch.nn.Module, prompts, new_tokens: int) -> torch.Tensor:
     """Greedy tokens [B, new_tokens] the plain way: each prompt alone, the whole sequence recomputed
@@ -121,11 +120,10 @@ def hf_generate_tokens(hf, prompts, new_tokens: int) -> torch.Tensor:
     return out[:, idx.shape[1] :]
 
 
-# --- the worker
-# ---------------------------------------------------------------------------------------------
+# --- the worker -----------------------------------------------------------------------------------
 def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
     """Median time of one message of ``numel`` floats: an all-reduce (TP), or a hop of a pass around
-    the ring of ranks (placement: the ring's time / N)."""
+    the ring of ranks (placement: the ring's time / N); ``repeats`` timed after a warm-up."""
     x = torch.zeros(numel, device=rank_device())
     n = dist.get_world_size()
     rank = dist.get_rank()
@@ -140,39 +138,36 @@ def _message_seconds(mode: str, numel: int, repeats: int = 20) -> float:
             if rank == 0:
                 dist.recv(x, n - 1)
 
-    return median_time(message, repeats, warmup=0, device=x.device) / (1 if mode == "tp" else n)
+    seconds = time_steps(message, repeats + 1, device=x.device)
+    return seconds if mode == "tp" else seconds / n
 
 
-def _timed(generate) -> dict:
-    """One generation with a clock read after every token."""
+def _timed(generate, timer: StepTimer) -> dict:
+    """One generation, a step of ``timer``, with a clock read after every token: the time to the
+    first token and the gaps between tokens."""
     stamps = []
 
     def tick(_):
         synchronize()
         stamps.append(time.perf_counter())
 
-    synchronize()
-    t0 = time.perf_counter()
-    generate(on_token=tick)
-    return {
-        "ttft": stamps[0] - t0,
-        "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
-        "total": stamps[-1] - t0,
-    }
+    with timer.step():
+        start = time.perf_counter()
+        generate(on_token=tick)
+    return {"ttft": stamps[0] - start, "gaps": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
 def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden: int) -> dict:
     """One rank: build its part (``mode``: "tp", "placement" or "single"), generate once under the
-    ledger, then ``steps`` timed generations."""
+    ledger (the warm-up step), then ``steps`` timed generations."""
     inference = exercise("inference")
     device = rank_device()
     rank = dist.get_rank()
     n = dist.get_world_size()
     model = model.to(device)
     if mode == "tp":
-        part = exercise("tensor_parallel").apply_tensor_parallel(
-            model
-        )  # a course model or a transformers Llama
+        # a course model or a transformers Llama
+        part = exercise("tensor_parallel").apply_tensor_parallel(model)
         generate = partial(
             inference.generate, part, prompts, new_tokens=new_tokens, group=dist.group.WORLD
         )
@@ -186,16 +181,16 @@ def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden:
     else:
         part = course_model_from(model)
         generate = partial(inference.generate, part, prompts, new_tokens=new_tokens)
+    timer = StepTimer(device)
     marks = [0]  # ledger records before each token's forward
-    with CommLedger() as ledger:
+    with timer.step(), CommLedger() as ledger:
         result = generate(on_token=lambda i: marks.append(len(ledger.records)))
     records = [(LEDGER_OPS.get(r.op, r.op), r.payload_bytes, r.sent_bytes) for r in ledger.records]
-    forwards = [
-        records[a:b] for a, b in zip(marks, marks[1:])
-    ]  # the prefill, then each decode step
+    # the prefill, then each decode step
+    forwards = [records[a:b] for a, b in zip(marks, marks[1:])]
     timings = []
     for _ in range(steps):
-        timings.append(_timed(generate))
+        timings.append(_timed(generate, timer))
         report_progress()
     tokens = result.tokens.cpu() if result.tokens is not None else None
     return {
@@ -205,6 +200,7 @@ def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden:
         "prefill": forwards[0],
         "decode": forwards[1:],
         "timings": timings,
+        "step_time_s": timer.step_time(),  # one whole generation
         "message_s": _message_seconds(mode, len(prompts) * hidden),
     }
 
@@ -229,13 +225,13 @@ def _close(measured: dict, expected: dict) -> bool:
     )
 
 
-# --- summaries
-# ---------------------------------------------------------------------------------------------
+# --- summaries ------------------------------------------------------------------------------------
 def timing_summary(per_rank: list[dict], batch: int, new_tokens: int) -> dict:
-    """Rank 0's clock (it waits for every rank each token): medians over the timed generations."""
+    """Rank 0's clock (it waits for every rank each token): medians over the timed generations
+    (the step time: a whole generation, by the course's rule)."""
     t = per_rank[0]["timings"]
     gaps = sorted(g for run_ in t for g in run_["gaps"])
-    total = statistics.median(r["total"] for r in t)
+    total = per_rank[0]["step_time_s"]
     return {
         "latency_per_token_s": statistics.median(gaps),
         "p90_latency_per_token_s": gaps[int(0.9 * (len(gaps) - 1))],
@@ -266,7 +262,8 @@ def mode_summary(
         "tokens": holders[0].tolist() if holders else None,
         "ranks_with_tokens": len(holders),
     }
-    stages, tp = (nproc, 1) if mode == "placement" else (1, nproc)
+    stages = nproc if mode == "placement" else 1
+    tp = 1 if mode == "placement" else nproc
     kv = dict(batch=batch, seq=t0 + new_tokens, tp=tp, pp=stages, dtype_bytes=4)
     s["kv_cache_bytes_per_rank"] = [r["kv_cache_bytes"] for r in per_rank]
     s["theory_kv_cache_bytes_per_rank"] = [
@@ -309,9 +306,8 @@ def mode_summary(
     s["messages_per_token"] = theory.messages_per_forward(spec, mode=mode, degree=nproc)
     s.update(timing_summary(per_rank, batch, new_tokens))
     s["message_s"] = statistics.median(r["message_s"] for r in per_rank)
-    if (
-        single is not None
-    ):  # the latency model: the single rank's compute split N ways, plus the messages
+    if single is not None:
+        # the latency model: the single rank's compute split N ways, plus the messages
         s["model_latency_per_token_s"] = theory.per_token_latency(
             compute_s=[single["latency_per_token_s"] / nproc] * nproc,
             mode=mode,
@@ -348,8 +344,8 @@ def check_args(
             )
     if MAX_PROMPT + new_tokens > cfg.seq_len:
         raise ValueError(
-            f"new_tokens={new_tokens}: prompts of up to {MAX_PROMPT} tokens plus new_tokens must fit "
-            f"the model's seq_len={cfg.seq_len}; use new_tokens <= {cfg.seq_len - MAX_PROMPT}"
+            f"new_tokens={new_tokens}: prompts of up to {MAX_PROMPT} tokens plus new_tokens must"
+            f" fit the model's seq_len={cfg.seq_len}; use new_tokens <= {cfg.seq_len - MAX_PROMPT}"
         )
 
 
@@ -366,7 +362,7 @@ def run(
     model: str = "course",
     seed: int = 0,
     model_cfg: ModelConfig | None = None,
-) -> dict:
+) -> RunSummary:
     """Generate ``new_tokens`` greedy tokens for ``prompts`` prompts on ``nproc`` ranks (``mode``:
     "tp", "placement" or "both") and on one, and check them; returns the lab summary (with "both",
     the per-mode figures are dicts keyed by mode and ``tp`` / ``placement`` hold each mode's
@@ -392,22 +388,6 @@ def run(
         prompts=batch,
         new_tokens=new_tokens,
     )
-    s = new_summary(
-        "infer",
-        nproc=nproc,
-        backend=choose_backend(nproc, backend),
-        steps=steps,
-        mode=mode,
-        model=model,
-        prompts=prompts,
-        new_tokens=new_tokens,
-        reference=reference_name,
-        prompt_lengths=[len(p) for p in batch],
-        single_tokens_match=single["tokens_match"],
-        single_latency_per_token_s=single["latency_per_token_s"],
-        single_tokens_per_s=single["tokens_per_s"],
-        single_kv_cache_bytes=single["kv_cache_bytes_per_rank"][0],
-    )
     per_mode = {}
     for m in MODES if mode == "both" else (mode,):
         per_rank = job(
@@ -423,14 +403,32 @@ def run(
             new_tokens=new_tokens,
             single=single,
         )
+    s = new_summary(
+        "infer",
+        nproc=nproc,
+        backend=per_rank.backend,
+        steps=steps,
+        mode=mode,
+        model=model,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        reference=reference_name,
+        prompt_lengths=[len(p) for p in batch],
+        single_tokens_match=single["tokens_match"],
+        single_latency_per_token_s=single["latency_per_token_s"],
+        single_tokens_per_s=single["tokens_per_s"],
+        single_kv_cache_bytes=single["kv_cache_bytes_per_rank"][0],
+    )
     if vs_torch:
         from labs.models.hf import to_hf_llama
 
         hf = full if model == "hf-llama" else to_hf_llama(full)
-        with one_thread():
-            s["torch_step_time_s"] = median_time(
-                lambda: hf_generate_tokens(hf, batch, new_tokens), steps
-            )
+
+        def torch_generation():
+            hf_generate_tokens(hf, batch, new_tokens)
+
+        with one_thread():  # a warm-up generation, then ``steps`` timed, as ours
+            s["torch_step_time_s"] = time_steps(torch_generation, steps + 1)
         s["torch_tokens_per_s"] = prompts * new_tokens / s["torch_step_time_s"]
     if mode != "both":
         s.update(per_mode[mode])
@@ -454,8 +452,7 @@ def run(
     return s
 
 
-# --- notebook 09's views
-# ------------------------------------------------------------------------------------
+# --- notebook 09's views --------------------------------------------------------------------------
 def single_process_check(*, prompts: int = 4, new_tokens: int = 16, seed: int = 0) -> dict:
     """One process, the course model: the cached batched generation against recomputing without a
     cache (each prompt alone), against the same generation of each prompt alone, and against
@@ -486,7 +483,7 @@ def single_process_check(*, prompts: int = 4, new_tokens: int = 16, seed: int = 
     }
 
 
-def _modes(summary: dict) -> dict:
+def _modes(summary: RunSummary) -> dict:
     return (
         {m: summary[m] for m in MODES if m in summary}
         if summary["mode"] == "both"
@@ -494,7 +491,7 @@ def _modes(summary: dict) -> dict:
     )
 
 
-def comm_report(summary: dict) -> str:
+def comm_report(summary: RunSummary) -> str:
     """Each rank's messages in the prefill and per decode step, measured by the ledger beside the
     theory."""
     lines = [f"{'mode':<10}{'rank':>5} {'phase':<8}{'op':<11}{COMM_HEADER}"]
@@ -511,19 +508,22 @@ def comm_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def memory_report(runs: list[dict]) -> str:
+def memory_report(runs: list[RunSummary]) -> str:
     """KV-cache and weight bytes per rank of each run and mode, measured beside the theory."""
     lines = [
-        f"{'mode':<10}{'ranks':>6}  {'KV cache bytes per rank (theory)':<44}{'weight bytes per rank (theory)'}"
+        f"{'mode':<10}{'ranks':>6}  {'KV cache bytes per rank (theory)':<44}"
+        "weight bytes per rank (theory)"
     ]
     for summary in runs:
         for mode, s in _modes(summary).items():
             kv = ", ".join(f"{m}" for m in s["kv_cache_bytes_per_rank"])
             same = s["kv_cache_bytes_per_rank"] == s["theory_kv_cache_bytes_per_rank"]
             w_same = s["weight_bytes_per_rank"] == s["theory_weight_bytes_per_rank"]
+            kv_cell = kv + (" (=)" if same else " (differs)")
+            weights = ", ".join(map(str, s["weight_bytes_per_rank"]))
             lines.append(
-                f"{mode:<10}{summary['nproc']:>6}  {kv + (' (=)' if same else ' (differs)'):<44}"
-                f"{', '.join(map(str, s['weight_bytes_per_rank']))}{' (=)' if w_same else ' (differs)'}"
+                f"{mode:<10}{summary['nproc']:>6}  {kv_cell:<44}"
+                f"{weights}{' (=)' if w_same else ' (differs)'}"
             )
     return "\n".join(lines)
 

@@ -1,7 +1,11 @@
 """Experiment 01: a real model's memory, measured, against the calculator (``labs.theory.memory``).
 
-    summary = run(nproc=2, steps=3)       # notebook 01, or: python -m labs.run memory --nproc 2 --json
-    print(format_comparison(summary))     # measured vs predicted, per precision and recomputation
+    summary = run(nproc=2, steps=3)       # notebook 01
+    python -m labs.run memory --nproc 2 --json
+
+The views of a summary (``format_comparison``: measured vs predicted, per precision and
+recomputation; ``format_regions``, ``format_recompute``, ``plot_comparison``) are in
+``labs.experiments.memory_report``.
 
 Each rank trains the course model (data parallel: gradients averaged with ``dist.all_reduce``,
 so per-rank memory is that of one replica) for ``steps`` steps in every configuration
@@ -30,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import time
 from collections import Counter
 
 import torch
@@ -43,15 +46,15 @@ from torch.utils.checkpoint import (
 )
 
 from labs.data import rank_batches
-from labs.experiments.common import course_spec, fill_losses, new_summary
+from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
 from labs.measure.ledger import CommLedger
 from labs.measure.memory import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
+from labs.measure.timing import StepTimer
 from labs.models.transformer import ModelConfig, build_model, rotary_cos_sin
-from labs.runtime.device import rank_device, synchronize
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.device import rank_device
+from labs.runtime.launcher import launch, report_progress
 from labs.theory.activations import RECOMPUTE, playbook_layer_bytes
 from labs.theory.comm import all_reduce_bytes
-from labs.theory.flops import flops_per_token
 from labs.theory.memory import memory_per_rank
 from labs.train import TOLERANCES, TrainConfig, compare_losses, make_optimizer, train_reference
 
@@ -60,9 +63,8 @@ DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16}
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 BYTE_KEYS = (*STATE_KEYS, "activation_bytes")
 # Relative tolerance on activation bytes. CPU: none, the formula lists every tensor saved (tests
-# check
-# it to the byte on several shapes). CUDA: kernels save a little more (flash attention's RNG state)
-# and were not measured here, so allow 5%.
+# check it to the byte on several shapes). CUDA: kernels save a little more (flash attention's RNG
+# state) and were not measured here, so allow 5%.
 ACTIVATION_TOLERANCE = {"cpu": 0.0, "cuda": 0.05}
 # Ops whose outputs selective recomputation keeps: matmuls and the attention kernels (CPU, then
 # CUDA).
@@ -173,12 +175,15 @@ def measure_rank(
     model = build_model(model_cfg, seed=train_cfg.seed, device=device)
     master = None
     if precision == "bf16-mixed":  # the fp32 weights become the master copy; a bf16 copy computes
-        master, model = list(model.parameters()), copy.deepcopy(model).to(torch.bfloat16)
+        master = list(model.parameters())
+        model = copy.deepcopy(model).to(torch.bfloat16)
         if fp32_grad_accum:
             for p in master:
                 p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(master or model.parameters(), train_cfg)
-    losses, times, out = [], [], {}
+    losses = []
+    out = {}
+    timer = StepTimer(device)
     batches = rank_batches(
         steps=train_cfg.steps,
         batch_size=train_cfg.per_rank_batch(world),
@@ -188,46 +193,44 @@ def measure_rank(
         seed=train_cfg.data_seed,
     )  # this rank's share
     for step, (x, y) in enumerate(batches):
-        x, y = x.to(device), y.to(device)
+        x = x.to(device)
+        y = y.to(device)
         last = step == train_cfg.steps - 1
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss, act_bytes, regions = saved_activations(model, x, y, recompute=recompute)
-        loss.backward()
-        with CommLedger() as ledger:
-            for p in model.parameters():  # data parallel: average the gradients over the ranks
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        if master is not None and fp32_grad_accum:
-            for p32, p in zip(master, model.parameters()):
-                p32.grad.add_(p.grad)
-        if last:  # the peak: gradients and (from earlier steps) optimizer state all exist
-            extra_opt = param_bytes(master) if master is not None else 0
-            extra_grad = grad_bytes(master) if master is not None else 0
-            out = {
-                "param_bytes": param_bytes(model.parameters()),
-                "grad_bytes": grad_bytes(model.parameters()) + extra_grad,
-                "optimizer_bytes": optimizer_bytes(optimizer) + extra_opt,
-                "activation_bytes": act_bytes,
-                "regions": regions,
-                "comm_bytes": ledger.sent_bytes(),
-            }
-        if master is not None:
-            for p32, p in zip(master, model.parameters()):
-                if not fp32_grad_accum:
-                    p32.grad = p.grad.float()  # transient fp32 gradient for the optimizer step
-        optimizer.step()
-        if master is not None:
-            with torch.no_grad():
+        with timer.step():
+            loss, act_bytes, regions = saved_activations(model, x, y, recompute=recompute)
+            loss.backward()
+            with CommLedger() as ledger:
+                for p in model.parameters():  # data parallel: average the gradients over the ranks
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            if master is not None and fp32_grad_accum:
                 for p32, p in zip(master, model.parameters()):
-                    p.copy_(p32)  # refresh the bf16 compute copy
-                    if fp32_grad_accum:
-                        p32.grad.zero_()
-                    else:
-                        p32.grad = None
-        model.zero_grad(set_to_none=True)  # the master's gradients were handled above
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
+                    p32.grad.add_(p.grad)
+            if last:  # the peak: gradients and (from earlier steps) optimizer state all exist
+                extra_opt = param_bytes(master) if master is not None else 0
+                extra_grad = grad_bytes(master) if master is not None else 0
+                out = {
+                    "param_bytes": param_bytes(model.parameters()),
+                    "grad_bytes": grad_bytes(model.parameters()) + extra_grad,
+                    "optimizer_bytes": optimizer_bytes(optimizer) + extra_opt,
+                    "activation_bytes": act_bytes,
+                    "regions": regions,
+                    "comm_bytes": ledger.sent_bytes(),
+                }
+            if master is not None:
+                for p32, p in zip(master, model.parameters()):
+                    if not fp32_grad_accum:
+                        p32.grad = p.grad.float()  # transient fp32 gradient for the optimizer step
+            optimizer.step()
+            if master is not None:
+                with torch.no_grad():
+                    for p32, p in zip(master, model.parameters()):
+                        p.copy_(p32)  # refresh the bf16 compute copy
+                        if fp32_grad_accum:
+                            p32.grad.zero_()
+                        else:
+                            p32.grad = None
+            model.zero_grad(set_to_none=True)  # the master's gradients were handled above
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
@@ -235,7 +238,7 @@ def measure_rank(
     return {
         **out,
         "losses": losses,
-        "step_time_s": sorted(times)[len(times) // 2],
+        "step_time_s": timer.step_time(),
         "device": device.type,
     }
 
@@ -278,7 +281,7 @@ def run(
     seq_len: int = 32,
     batch_size: int = 8,
     model_cfg: ModelConfig | None = None,
-) -> dict:
+) -> RunSummary:
     """Measure every (precision, recompute) configuration on ``nproc`` data-parallel ranks and
     compare with the calculator. ``vs_torch`` has no counterpart here (PyTorch has no memory
     calculator) and is accepted for the common CLI. Returns the lab summary with ``rows``."""
@@ -363,7 +366,7 @@ def run(
     summary = new_summary(
         "memory",
         nproc=nproc,
-        backend=choose_backend(nproc, backend),
+        backend=per_rank.backend,
         steps=steps,
         rows=rows,
         seq_len=seq_len,
@@ -393,132 +396,6 @@ def run(
         ),
     )
     return summary
-
-
-def comparison_rows(summary: dict) -> list[dict]:
-    """One flat row per configuration: measured and predicted bytes side by side."""
-    out = []
-    for r in summary["rows"]:
-        row = {"precision": r["precision"], "recompute": r["recompute"]}
-        for k in BYTE_KEYS:
-            row[f"{k}_measured"] = r["measured"][k]
-            row[f"{k}_predicted"] = r["predicted"][k]
-        row["playbook_activation_bytes"] = r["playbook_activation_bytes"]
-        row["step_time_ms"] = 1e3 * r["step_time_s"]
-        out.append(row)
-    return out
-
-
-def format_comparison(summary: dict) -> str:
-    """The measured-vs-predicted table (bytes per rank) notebook 01 prints."""
-    head = (
-        f"{'precision':<11}{'recompute':<10}"
-        + "".join(f"{k.split('_')[0]:>24}" for k in BYTE_KEYS)
-        + "  match"
-    )
-    lines = [head, f"{'':<21}" + f"{'measured / predicted':>24}" * len(BYTE_KEYS)]
-    for r in summary["rows"]:
-        cells = "".join(
-            f"{r['measured'][k]:>12,.0f} /{r['predicted'][k]:>10,.0f}" for k in BYTE_KEYS
-        )
-        lines.append(
-            f"{r['precision']:<11}{r['recompute']:<10}{cells}  {'yes' if r['matches_theory'] else 'NO'}"
-        )
-    return "\n".join(lines)
-
-
-def format_regions(summary: dict, precision: str = "bf16-mixed") -> str:
-    """Activation bytes by region, measured (formula), for each recomputation, and the playbook's
-    34·s·b·h + 5·a·s²·b per layer beside the measured layers."""
-    rows = [r for r in summary["rows"] if r["precision"] == precision]
-    n_layers = sum(k.startswith("layer") for k in rows[0]["regions"])
-    lines = [
-        f"{precision}: bytes autograd saved, measured (formula)",
-        f"{'region':<12}" + "".join(f"{r['recompute']:>24}" for r in rows),
-    ]
-    for region in ["embedding", *(f"layer{i}" for i in range(n_layers)), "final_norm", "loss"]:
-        cells = []
-        for r in rows:
-            p = r["parts"]
-            want = {
-                "embedding": p["embedding"],
-                "final_norm": p["final_norm"],
-                "loss": p["loss"],
-                "layer0": p["per_layer"] + p["rotary"],
-            }.get(region, p["per_layer"])
-            cells.append(f"{r['regions'].get(region, 0):>12,} ({want:>9,.0f})")
-        lines.append(f"{region:<12}" + "".join(cells))
-    none = next(r for r in rows if r["recompute"] == "none")
-    if none["playbook_activation_bytes"] is not None:
-        layers = sum(v for k, v in none["regions"].items() if k.startswith("layer"))
-        lines.append(
-            f"layers measured {layers:,} B; playbook 34sbh + 5as²b: {none['playbook_activation_bytes']:,.0f} B "
-            f"({none['playbook_activation_bytes'] / layers - 1:+.0%})"
-        )
-    return "\n".join(lines)
-
-
-def format_recompute(summary: dict) -> str:
-    """What recomputation buys (activation bytes saved vs none, measured and predicted) and what it
-    costs (extra FLOPs per step, ``labs.theory.flops``; the FLOP counter test checks them)."""
-    spec = course_spec(ModelConfig(**summary["model"]))
-    seq = summary["seq_len"]
-    lines = [
-        f"{'precision':<11}{'recompute':<10}{'activations':>12}{'saved: measured':>17}{'predicted':>11}"
-        f"{'extra FLOPs':>13}"
-    ]
-    for r in summary["rows"]:
-        none = next(
-            q
-            for q in summary["rows"]
-            if q["precision"] == r["precision"] and q["recompute"] == "none"
-        )
-        saved = [
-            none[k]["activation_bytes"] - r[k]["activation_bytes"]
-            for k in ("measured", "predicted")
-        ]
-        extra = (
-            flops_per_token(spec, seq=seq, recompute=r["recompute"])
-            / flops_per_token(spec, seq=seq)
-            - 1
-        )
-        lines.append(
-            f"{r['precision']:<11}{r['recompute']:<10}{r['measured']['activation_bytes']:>12,}"
-            f"{saved[0]:>17,}{saved[1]:>11,.0f}{extra:>13.0%}"
-        )
-    return "\n".join(lines)
-
-
-def plot_comparison(summary: dict, ax=None):
-    """Grouped bars: measured activation bytes per configuration, predicted marked on top."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.2))
-    rows = summary["rows"]
-    labels = [f"{r['precision']}\n{r['recompute']}" for r in rows]
-    x = range(len(rows))
-    ax.bar(
-        x,
-        [r["measured"]["activation_bytes"] / 1024 for r in rows],
-        color="tab:red",
-        alpha=0.7,
-        label="measured (saved-tensor hooks)",
-    )
-    ax.scatter(
-        x,
-        [r["predicted"]["activation_bytes"] / 1024 for r in rows],
-        marker="_",
-        s=900,
-        color="black",
-        zorder=3,
-        label="calculator",
-    )
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("activations (KiB per rank)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    return ax
 
 
 def add_arguments(parser) -> None:

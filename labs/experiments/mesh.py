@@ -1,8 +1,9 @@
 """Experiment 08: the 4D mesh and the composed training step, checked against the single-process
 reference.
 
-    summary = run(nproc=8, dp=2, tp=2, pp=2)     # python -m labs.run mesh --nproc 8 --dp 2 --tp 2 --pp 2 --json
+    summary = run(nproc=8, dp=2, tp=2, pp=2)     # notebook 08
     summary = run(nproc=8, dp=2, tp=2, cp=2, zero=3)
+    python -m labs.run mesh --nproc 8 --dp 2 --tp 2 --pp 2 --json
     groups_table(dp=2, tp=2, pp=2)                # which ranks share which group, without processes
 
 Checks, on ``nproc`` ranks (a tiny course model, a few steps, fp32 on gloo):
@@ -24,18 +25,18 @@ from __future__ import annotations
 
 import importlib
 import statistics
-import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from labs.experiments.common import course_spec, fill_losses, median_step_time, new_summary
+from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
 from labs.measure import CommLedger, SavedActivations, state_bytes
+from labs.measure.timing import StepTimer
 from labs.models.transformer import ModelConfig
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.launcher import launch, report_progress
 from labs.theory import context_parallel as cp_theory
 from labs.theory import tensor_parallel as tp_theory
 from labs.theory import zero as zero_theory
@@ -146,16 +147,18 @@ def worker(
     torch_ranks = torch_mesh_ranks(dims)
     c = lab.compose(model_cfg, mesh, cfg, zero=zero, microbatches=microbatches)
     inner = c.optimizer
-    c.optimizer = probe = GradProbe(inner, c.module)
-    ledger, losses, times = CommLedger(), [], []
-    saved = (
-        SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()
-    )  # 1F1B: no single peak
+    probe = GradProbe(inner, c.module)
+    c.optimizer = probe
+    ledger = CommLedger()
+    losses = []
+    timer = StepTimer()
+    # saved activations: one peak per step without PP (1F1B's changes with the schedule)
+    saved = SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()
     for step, (x, y) in enumerate(data_for(cfg, dims.dp)):
-        t0 = time.perf_counter()
-        with ledger if step == 0 else nullcontext(), saved if step == 0 else nullcontext():
+        measured = ledger if step == 0 else nullcontext()
+        meter = saved if step == 0 else nullcontext()
+        with timer.step(), measured, meter:
             losses.append(lab.train_step(c, x, y))
-        times.append(time.perf_counter() - t0)
         report_progress()
     units = getattr(inner, "units", None)
     if units is not None:
@@ -165,9 +168,8 @@ def worker(
         numels = [sum(p.numel() for p in c.module.parameters())]
         theory_held = 16 * numels[0]  # fp32 parameters and gradients, AdamW's two moments
     grads = probe.gathered(mesh.groups["dp_cp"])  # collective over dp_cp: every rank takes part
-    keep = (
-        mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0
-    )  # the others hold the same averaged gradient
+    # the others hold the same averaged gradient
+    keep = mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0
     return {
         "rank": mesh.rank,
         "coords": mesh.coords,
@@ -182,7 +184,7 @@ def worker(
         "held": probe.held,
         "theory_held": theory_held,
         "activation_bytes": getattr(saved, "bytes", None),
-        "step_time_s": median_step_time(times),
+        "step_time_s": timer.step_time(),
     }
 
 
@@ -198,16 +200,14 @@ def theory_bytes(
     p = r["coords"]["pp"]
     first = p == 0
     last = p == dims.pp - 1
-    if (
-        dims.tp > 1 and dims.pp == 1
-    ):  # every collective of the tensor-parallel model, SP, T/cp tokens
+    if dims.tp > 1 and dims.pp == 1:
+        # every collective of the tensor-parallel model, SP, T/cp tokens
         out["tp"] = sum(
             x["sent_bytes"]
             for x in tp_theory.collectives(spec, tp=dims.tp, sp=True, batch=b, seq=T // dims.cp)
         )
-    elif (
-        dims.tp > 1
-    ):  # a stage's share, no SP; the head gathers whole logits instead of the vocab-parallel loss
+    elif dims.tp > 1:
+        # a stage's share, no SP; the head gathers whole logits instead of the vocab-parallel loss
         calls = tp_theory.collectives(spec, tp=dims.tp, sp=False, batch=b // m, seq=T)
         mine = [
             x
@@ -231,9 +231,8 @@ def theory_bytes(
             "1f1b", dims.pp, p, batch=b, seq_len=T, hidden=model_cfg.n_embd
         )
     if dims.dp * dims.cp > 1:
-        out["dp_cp"] = zero_theory.comm_bytes(r["unit_numels"], stage=zero, dp=dims.dp * dims.cp)[
-            "total"
-        ]
+        zero_comm = zero_theory.comm_bytes(r["unit_numels"], stage=zero, dp=dims.dp * dims.cp)
+        out["dp_cp"] = zero_comm["total"]
     return out
 
 
@@ -283,7 +282,7 @@ def run(
     microbatches: int | None = None,
     layers: int = 2,
     gpus_per_node: int | None = None,
-) -> dict:
+) -> RunSummary:
     """Train the composed model ``steps`` steps on a dp x tp x pp x cp mesh of ``nproc`` ranks and
     check it (see the module docstring). ``gpus_per_node`` checks that TP groups can be placed
     inside nodes. ``vs_torch`` is accepted for the common interface: torch's ``init_device_mesh`` is
@@ -318,7 +317,7 @@ def run(
     s = new_summary(
         "mesh",
         nproc=nproc,
-        backend=choose_backend(nproc, backend),
+        backend=per_rank.backend,
         steps=steps,
         degrees=dims.degrees,
         zero=zero,
@@ -449,10 +448,15 @@ def which_parallelism_table(rows: list[dict]) -> str:
         "pp": "PP (1F1B)",
         "cp": "CP (ring attention)",
     }
-    lines = [
-        "| parallelism | splits | memory saving | communication cost | best for | measured here: 2 ranks vs 1 |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = (
+        "parallelism",
+        "splits",
+        "memory saving",
+        "communication cost",
+        "best for",
+        "measured here: 2 ranks vs 1",
+    )
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---|---|---|---|"]
     for r in rows[1:]:
         splits, saves, costs, best = RULES[r["axis"]]
         act = (
@@ -468,16 +472,16 @@ def which_parallelism_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def report(s: dict) -> str:
+def report(s: RunSummary) -> str:
     """A mesh run in words: the layout, losses against the reference step by step, the gradient
     check, the groups against torch's, and bytes sent per rank per step by group (measured, then
     theory)."""
     d = s["degrees"]
     ok = s["matches_reference"] and s["grads_match_reference"]
     lines = [
-        f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']}, {s['microbatches']} "
-        f"micro-batch(es) per DP rank) on {s['nproc']} {s['backend']} ranks: "
-        f"{'matches' if ok else 'DOES NOT MATCH'} the reference",
+        f"DP={d['dp']} TP={d['tp']} PP={d['pp']} CP={d['cp']} (ZeRO-{s['zero']},"
+        f" {s['microbatches']} micro-batch(es) per DP rank) on {s['nproc']} {s['backend']} ranks:"
+        f" {'matches' if ok else 'DOES NOT MATCH'} the reference",
         f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'rel. diff':>9}",
     ]
     for i, (a, b) in enumerate(zip(s["losses"], s["reference_losses"]), 1):
@@ -495,6 +499,7 @@ def report(s: dict) -> str:
         cells = "".join(f"{f'{m[a]:,.0f} ({t[a]:,.0f})':>20}" for a in AXIS_NAMES)
         lines.append(f"{rank:>4}  {c['dp']:>2} {c['pp']:>2} {c['cp']:>2} {c['tp']:>2}  {cells}")
     lines.append(
-        f"state bytes per rank {s['state_bytes_per_rank']}, theory equal: {s['state_matches_theory']}"
+        f"state bytes per rank {s['state_bytes_per_rank']},"
+        f" theory equal: {s['state_matches_theory']}"
     )
     return "\n".join(lines)

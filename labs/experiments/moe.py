@@ -1,9 +1,12 @@
 """Experiment 07: expert parallelism, alone and with data parallelism, against the single-process
 MoE and the theory.
 
-    check = layer_check(ep=4, top_k=2, capacity_factor=1.0)      # one MoE layer: outputs, drops, every gradient
-    summary = run(nproc=4, ep=2, experts=8, top_k=2)            # python -m labs.run moe --nproc 4 --ep 2 --json
-    curves = balance_run(aux_loss_coefs=(0.0, 0.1), steps=30)    # load imbalance with and without the aux loss
+    check = layer_check(ep=4, top_k=2, capacity_factor=1.0)    # one MoE layer: outputs, drops,
+                                                               # every gradient
+    summary = run(nproc=4, ep=2, experts=8, top_k=2)           # notebook 07
+    curves = balance_run(aux_loss_coefs=(0.0, 0.1), steps=30)  # load imbalance, with and without
+                                                               # the aux loss
+    python -m labs.run moe --nproc 4 --ep 2 --json
 
 The reference (see ``solutions/expert_parallel.py``): on ``nproc`` data-parallel ranks, each with
 its own tokens, the EP run must equal the single-process MoE on the concatenated global batch with
@@ -21,7 +24,6 @@ instead.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -29,11 +31,12 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from labs.data import rank_batches
-from labs.experiments.common import course_spec, fill_losses, new_summary
+from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
 from labs.measure import CommLedger, state_bytes
+from labs.measure.timing import StepTimer
 from labs.models.moe import MoEConfig, build_moe_model, swap_mlp
 from labs.models.transformer import ModelConfig, count_params, init_weights
-from labs.runtime.device import one_thread, rank_device, synchronize
+from labs.runtime.device import one_thread, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import moe as theory
@@ -83,20 +86,25 @@ def routing_counts(layer, n_experts: int) -> dict:
     }
 
 
+def _a2a_total(rank_bytes: dict) -> float:
+    """All of a rank's all-to-all bytes in a step: ``{"forward": [...], "backward": [...]}``."""
+    return sum(rank_bytes["forward"]) + sum(rank_bytes["backward"])
+
+
 def _a2a_bytes(ledger, phase):
     return [
         r.sent_bytes for r in ledger.records if r.op == "all_to_all_single" and r.phase == phase
     ]
 
 
-# --- one process: the numbers, the router, the Mixtral block
-# ---------------------------------------------------
+# --- one process: the numbers, the router, the Mixtral block --------------------------------------
 def param_report(
     *, experts: int = 8, top_k: int = 2, ep: int = 4, cfg: ModelConfig | None = None
 ) -> dict:
     """Total, active and per-EP-rank parameters of the course model with MoE layers: theory and
     measured."""
-    cfg, moe = cfg or ModelConfig(), MoEConfig(n_experts=experts, top_k=top_k)
+    cfg = cfg or ModelConfig()
+    moe = MoEConfig(n_experts=experts, top_k=top_k)
     counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
     dense = theory.moe_param_counts(model_spec(cfg, MoEConfig(n_experts=1, top_k=1)))["total"]
     return {
@@ -136,8 +144,8 @@ def routing_table(
     chosen = layer.routing["chosen"].tolist()
     keep = layer.routing["keep"].tolist()
     lines = [
-        f"capacity {layer.capacity(tokens)} pairs per expert (cf={capacity_factor}, k={top_k}, E={experts}, "
-        f"N={tokens})",
+        f"capacity {layer.capacity(tokens)} pairs per expert"
+        f" (cf={capacity_factor}, k={top_k}, E={experts}, N={tokens})",
         "token  " + "  ".join(f"choice {j}: expert (weight)" for j in range(top_k)),
     ]
     for t in range(tokens):
@@ -186,7 +194,7 @@ def mixtral_check(*, n_experts: int = 4, tokens: int = 30, seed: int = 0) -> dic
         aux = 2 * xp.load_balancing_loss(logits.softmax(-1), layer.routing["chosen"])
         hf_aux = load_balancing_loss_func((logits,), n_experts, 2)
     return {
-        "max_output_rel_diff": max_rel_diff(ours, theirs),
+        "max_rel_output_diff": max_rel_diff(ours, theirs),
         "aux_loss_times_k": aux.item(),
         "hf_aux_loss": hf_aux.item(),
         "z_loss": xp.router_z_loss(logits).item(),
@@ -194,13 +202,11 @@ def mixtral_check(*, n_experts: int = 4, tokens: int = 30, seed: int = 0) -> dic
     }
 
 
-# --- one layer
-# -------------------------------------------------------------------------------------------------
+# --- one layer ------------------------------------------------------------------------------------
 def _layer_inputs(cfg, world, tokens_per_rank, seed):
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(
-        world, tokens_per_rank, cfg.n_embd, generator=g
-    )  # [ranks, N, H]: rank r's tokens in row r
+    # [ranks, N, H]: rank r's tokens in row r
+    x = torch.randn(world, tokens_per_rank, cfg.n_embd, generator=g)
     return x, torch.randn(x.shape, generator=g)
 
 
@@ -271,9 +277,8 @@ def layer_check(
         x_all, dy_all = _layer_inputs(LAYER_CFG, nproc, tokens_per_rank, seed)
         x_ref = x_all.clone().requires_grad_()
         y_ref = ref(x_ref)
-        (
-            (y_ref * dy_all).sum() / nproc + ref.aux_loss
-        ).backward()  # the mean of the ranks' objectives
+        objective = (y_ref * dy_all).sum() / nproc + ref.aux_loss  # the mean of the ranks'
+        objective.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     grad_diffs = [
         max(max_rel_diff(g, ref_grads[n]) for n, g in r["grads"].items()) for r in per_rank
@@ -290,14 +295,14 @@ def layer_check(
         "capacity_factor": capacity_factor,
         "tokens_per_rank": tokens_per_rank,
         "capacity": ref.capacity(tokens_per_rank),
-        "max_output_rel_diff": max_rel_diff(
+        "max_rel_output_diff": max_rel_diff(
             torch.stack([r["y"] for r in per_rank]), y_ref.detach()
         ),
-        "max_input_grad_rel_diff": max_rel_diff(
+        "max_rel_input_grad_diff": max_rel_diff(
             torch.stack([r["x_grad"] for r in per_rank]), x_ref.grad * nproc
         ),
-        "max_grad_rel_diff": max(grad_diffs),
-        "router_grad_rel_diff": router_diff,
+        "max_rel_grad_diff": max(grad_diffs),
+        "max_rel_router_grad_diff": router_diff,
         "aux_loss": sum(r["aux"] for r in per_rank) / nproc,
         "reference_aux_loss": ref.aux_loss.item(),
         "same_drops": all(torch.equal(r["keep"], keep_ref[i]) for i, r in enumerate(per_rank)),
@@ -305,13 +310,8 @@ def layer_check(
         "pairs": ref.routing["keep"].numel(),
         "experts_per_rank": [r["experts"] for r in per_rank],
     }
-    result["matches_reference"] = (
-        max(
-            result[k]
-            for k in ("max_output_rel_diff", "max_input_grad_rel_diff", "max_grad_rel_diff")
-        )
-        <= TOLERANCES[torch.float32]
-    )
+    checked = ("max_rel_output_diff", "max_rel_input_grad_diff", "max_rel_grad_diff")
+    result["matches_reference"] = max(result[k] for k in checked) <= TOLERANCES[torch.float32]
     result.update(
         _bytes_vs_theory(per_rank, [[r["counts"]] for r in per_rank], ep, experts, LAYER_CFG.n_embd)
     )
@@ -323,7 +323,8 @@ def _bytes_vs_theory(per_rank, counts, ep, experts, hidden) -> dict:
     combine]; the backward ones, last layer first, are combine's gradient (sent the way dispatch
     went, so dispatch's bytes) then dispatch's gradient (combine's bytes). ``counts[rank][layer]``
     comes from the routing."""
-    measured, predicted = [], []
+    measured = []
+    predicted = []
     for rank, r in enumerate(per_rank):
         first = rank - rank % ep  # this rank's EP group: ranks first .. first+ep-1
         expected = []
@@ -366,8 +367,7 @@ def bytes_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-# --- training the course model with MoE layers
-# ------------------------------------------------------------------------
+# --- training the course model with MoE layers ----------------------------------------------------
 def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) -> dict:
     xp = exercise("expert_parallel")
     rank = dist.get_rank()
@@ -385,53 +385,53 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
         world_size=world,
         seed=train.data_seed,
     )
-    losses, times, out, ledger = [], [], {}, CommLedger()
+    losses = []
+    out = {}
+    ledger = CommLedger()
+    timer = StepTimer(device)
     for step, (x, y) in enumerate(batches):
-        x, y = x.to(device), y.to(device)
-        synchronize(device)
-        t0 = time.perf_counter()
-        with ledger if step == 0 else nullcontext():  # the first step's messages are every step's
-            with ledger.phase("forward"):
-                _, loss = model(x, y)
-            with ledger.phase("backward"):
-                loss.backward()
-            with ledger.phase("grad_sync"):
-                xp.allreduce_gradients(model, expert_dp_group=expert_dp)
-        if step == 0:
-            out.update(
-                grads={n: p.grad.clone() for n, p in model.named_parameters()},
-                counts=[routing_counts(layer, moe.n_experts) for layer in model.moe_layers()],
-                forward_a2a=_a2a_bytes(ledger, "forward"),
-                backward_a2a=_a2a_bytes(ledger, "backward"),
-                grad_sync_bytes=ledger.sent_bytes("all_reduce", "grad_sync"),
-                expert_param_bytes=sum(
-                    p.numel() * p.element_size()
-                    for p in model.parameters()
-                    if getattr(p, "expert_parallel", False)
-                ),
-                other_param_bytes=sum(
-                    p.numel() * p.element_size()
-                    for p in model.parameters()
-                    if not getattr(p, "expert_parallel", False)
-                ),
-            )
-        optimizer.step()
-        if step == 0:  # parameters, gradients and optimizer state are all alive here
-            out["state_bytes"] = state_bytes(model, optimizer)["total"]
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
+        x = x.to(device)
+        y = y.to(device)
+        with timer.step():
+            # the first step's messages are every step's
+            with ledger if step == 0 else nullcontext():
+                with ledger.phase("forward"):
+                    _, loss = model(x, y)
+                with ledger.phase("backward"):
+                    loss.backward()
+                with ledger.phase("grad_sync"):
+                    xp.allreduce_gradients(model, expert_dp_group=expert_dp)
+            if step == 0:
+                out.update(
+                    grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                    counts=[routing_counts(layer, moe.n_experts) for layer in model.moe_layers()],
+                    forward_a2a=_a2a_bytes(ledger, "forward"),
+                    backward_a2a=_a2a_bytes(ledger, "backward"),
+                    grad_sync_bytes=ledger.sent_bytes("all_reduce", "grad_sync"),
+                    expert_param_bytes=sum(
+                        p.numel() * p.element_size()
+                        for p in model.parameters()
+                        if getattr(p, "expert_parallel", False)
+                    ),
+                    other_param_bytes=sum(
+                        p.numel() * p.element_size()
+                        for p in model.parameters()
+                        if not getattr(p, "expert_parallel", False)
+                    ),
+                )
+            optimizer.step()
+            if step == 0:  # parameters, gradients and optimizer state are all alive here
+                out["state_bytes"] = state_bytes(model, optimizer)["total"]
+            optimizer.zero_grad(set_to_none=True)
         global_loss = loss.detach().clone()
-        dist.all_reduce(
-            global_loss
-        )  # the reference's loss: the mean over all tokens = the mean of the ranks'
+        # the reference's loss: the mean over all tokens = the mean of the ranks'
+        dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
         report_progress()
     return {
         **out,
         "losses": losses,
-        "step_time_s": sorted(times)[len(times) // 2],
-        "backend": dist.get_backend(),
+        "step_time_s": timer.step_time(),
         "n_params": count_params(model),
     }
 
@@ -450,7 +450,7 @@ def run(
     aux_loss_coef: float = 1e-2,
     z_loss_coef: float = 1e-3,
     seed: int = 0,
-) -> dict:
+) -> RunSummary:
     """Train the course model with MoE layers on ``nproc`` ranks (EP groups of ``ep``, default all
     of them, data parallel across groups) and check it against the single-process reference and the
     theory."""
@@ -465,9 +465,8 @@ def run(
     check_options(nproc=nproc, ep=ep, moe=moe)
     cfg = ModelConfig()
     train = TrainConfig(steps=steps, seed=seed)
-    tokens = (
-        train.per_rank_batch(nproc) * train.seq_len
-    )  # (a batch that does not split is an error here)
+    # a rank's tokens (a batch that does not split over the ranks is an error here)
+    tokens = train.per_rank_batch(nproc) * train.seq_len
     per_rank = launch(
         train_worker,
         nproc,
@@ -486,7 +485,7 @@ def run(
     summary = new_summary(
         "moe",
         nproc=nproc,
-        backend=per_rank[0]["backend"],
+        backend=per_rank.backend,
         steps=steps,
         ep=ep,
         dp=nproc,
@@ -497,24 +496,24 @@ def run(
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
     grad_diff = max(max_rel_diff(g, ref.grads[n]) for r in per_rank for n, g in r["grads"].items())
     summary.update(
-        max_grad_rel_diff=grad_diff, grads_match_reference=grad_diff <= TOLERANCES[torch.float32]
+        max_rel_grad_diff=grad_diff,
+        grads_match_reference=grad_diff <= TOLERANCES[torch.float32],
     )
     # Bytes: all-to-alls against the routing decisions, gradient all-reduces and state against the
     # theory.
     a2a = _bytes_vs_theory(per_rank, [r["counts"] for r in per_rank], ep, experts, cfg.n_embd)
     counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
     r0 = per_rank[0]
+    summary.update(a2a)
+    # a step's all-to-all bytes, forward and backward, per rank
+    summary["comm_bytes_per_rank"] = [_a2a_total(b) for b in a2a["a2a_bytes_per_rank"]]
+    summary["theory_comm_bytes_per_rank"] = [
+        _a2a_total(b) for b in a2a["theory_a2a_bytes_per_rank"]
+    ]
+    # 4 all-to-alls per MoE layer and step: dispatch and combine, forward and backward
+    uniform = theory.expected_all_to_all_bytes(tokens, top_k, ep, cfg.n_embd, 4)
     summary.update(
-        a2a,
-        **{
-            f"{who}comm_bytes_per_rank": [sum(b["forward"]) + sum(b["backward"]) for b in a2a[key]]
-            for who, key in (("", "a2a_bytes_per_rank"), ("theory_", "theory_a2a_bytes_per_rank"))
-        },
-    )
-    summary.update(
-        uniform_routing_comm_bytes=4
-        * cfg.n_layer
-        * theory.expected_all_to_all_bytes(tokens, top_k, ep, cfg.n_embd, 4),
+        uniform_routing_comm_bytes=4 * cfg.n_layer * uniform,
         grad_sync_bytes_per_rank=[r["grad_sync_bytes"] for r in per_rank],
         theory_grad_sync_bytes=(
             all_reduce_bytes(r0["other_param_bytes"], nproc)
@@ -539,8 +538,7 @@ def run(
     return summary
 
 
-# --- load balance over a short run
-# -------------------------------------------------------------------------------
+# --- load balance over a short run ----------------------------------------------------------------
 def balance_run(
     *,
     aux_loss_coefs=(0.0, 0.1),

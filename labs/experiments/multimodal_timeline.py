@@ -22,7 +22,8 @@ import statistics
 
 import torch
 
-from labs.experiments.multimodal import SIZES, _reference, check_args, pp_worker, specs
+from labs.experiments.multimodal_setup import SIZES, check_args, reference_run, specs
+from labs.experiments.multimodal_workers import pp_worker
 from labs.measure import idle_fraction
 from labs.measure.timeline import busy_time
 from labs.models.vision import MultimodalConfig
@@ -40,18 +41,19 @@ def measure_timelines(
     median over the steps) and each stage's own idle share (``stage_idle``); the median step's span
     and chart; the schedule on paper with the measured times and mean delay (``simulated_bubble``);
     the prediction from FLOPs (``flops_bubble``, ``flops_stage_share``)."""
-    steps = [[e for r in runs for e in r["timelines"][i]] for i in range(len(runs[0]["timelines"]))]
+    timed = len(runs[0]["timelines"])
+    steps = [[e for r in runs for e in r["timelines"][i]] for i in range(timed)]
     spans = [max(e.end for e in ev) - min(e.start for e in ev) for ev in steps]
     median = sorted(range(len(steps)), key=lambda i: spans[i])[len(steps) // 2]
-    t_f, t_b = (
-        [
-            statistics.median(
-                e.duration for ev in steps for e in ev if e.rank == s and e.name == name
-            )
-            for s in range(len(runs))
-        ]
-        for name in ("F", "B")
-    )
+
+    def median_duration(stage: int, name: str) -> float:
+        """A stage's median "F" or "B" span over the timed steps."""
+        return statistics.median(
+            e.duration for ev in steps for e in ev if e.rank == stage and e.name == name
+        )
+
+    t_f = [median_duration(s, "F") for s in range(len(runs))]
+    t_b = [median_duration(s, "B") for s in range(len(runs))]
     dicts = [
         {"rank": e.rank, "name": e.name, "start": e.start, "end": e.end, "chunk": 0, **e.meta}
         for e in steps[median]
@@ -140,7 +142,7 @@ def imbalance(
         )
         for sp in splits
     ]
-    ref = _reference(cfg, train)
+    ref = reference_run(cfg, train)
     per_rank = launch(
         pp_worker,
         nproc,

@@ -1,7 +1,7 @@
 """Experiment 05: pipeline schedules on P ranks against the reference, the bubble formula and
 torch's pipelining.
 
-    summary = run(nproc=4, schedule="1f1b", microbatches=8)     # notebook 05, or:
+    summary = run(nproc=4, schedule="1f1b", microbatches=8)     # notebook 05
     python -m labs.run pp --schedule 1f1b --nproc 4 --microbatches 8 --vs-torch --json
 
 Checks, for ``naive`` (one forward, inference) and the training schedules ``gpipe``,
@@ -12,8 +12,8 @@ Checks, for ``naive`` (one forward, inference) and the training schedules ``gpip
   naive: the logits equal the full model's;
 * theory: bytes each rank sends (ledger) = ``p2p_bytes_per_rank``; the order of F and B on
   each rank = ``schedule_ops``; the peak number of micro-batches whose activations a stage
-  holds (saved-tensor accounting, below) = ``in_flight_microbatches``; the measured bubble
-  next to (P-1)/(V·M+P-1);
+  holds (saved-tensor accounting, ``labs.experiments.pp_timeline``) = ``in_flight_microbatches``;
+  the measured bubble next to (P-1)/(V·M+P-1);
 * torch: ``torch.distributed.pipelining`` (PipelineStage with ScheduleGPipe / Schedule1F1B /
   ScheduleInterleaved1F1B) on the same split: same losses, step time side by side.
 
@@ -27,32 +27,30 @@ the schedule's shape visible and its idle share comparable with the formula
 (``bubble_fraction``). What is left between the two is delay: ``delay_bubble_fraction`` is
 the schedule run on paper with the measured operation times and the measured mean delay of
 an operation (message latency, a busy CPU; ``labs.theory.pipeline.fit_timeline``).
-``op_time=0`` turns padding off.
-
-Activations held: during each "F" span, saved-tensor hooks tag every tensor autograd saves
-with the span's (micro-batch, chunk); when autograd frees it (after that backward) the tag
-is released. The peak number of tags alive at once is the measured micro-batches held.
+``op_time=0`` turns padding off. The padded, measured timeline is
+``labs.experiments.pp_timeline``.
 """
 
 from __future__ import annotations
 
-import socket
-import sys
-import time
-import weakref
-from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from labs.experiments.common import course_spec, fill_losses, median_step_time, new_summary
-from labs.measure import CommLedger, Timeline, idle_fraction, state_bytes
+from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
+from labs.experiments.pp_timeline import (
+    MeasuredTimeline,
+    clock_record,
+    idle_fraction_of,
+    on_one_clock,
+)
+from labs.measure import CommLedger, Timeline, state_bytes
+from labs.measure.timing import StepTimer
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import one_thread, synchronize
+from labs.runtime.device import one_thread
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import launch, report_progress
+from labs.runtime.launcher import RankResults, launch, report_progress
 from labs.theory import pipeline as theory
 from labs.theory.dims import ParallelDims, check_divides
 from labs.theory.memory import param_counts
@@ -75,100 +73,6 @@ TORCH_SCHEDULES = {
 }
 
 
-class MeasuredTimeline(Timeline):
-    """A Timeline whose "F"/"B" spans last at least ``op_time`` / ``backward_ratio·op_time``
-    (sleeping out the rest), and that counts the activations each "F" span leaves alive."""
-
-    def __init__(self, *, op_time: float = 0.0, backward_ratio: float = 2.0, exclude=()):
-        super().__init__()
-        self.min_time = {"F": op_time, "B": backward_ratio * op_time}
-        self._params = {p.untyped_storage().data_ptr() for p in exclude}
-        self.live: dict[tuple, int] = defaultdict(
-            int
-        )  # (micro-batch, chunk) -> saved tensors alive
-        self.peak_held = 0
-        self.bytes = 0
-        self.peak_bytes = 0
-        self._tag = None
-
-    @contextmanager
-    def span(self, name: str, **meta):
-        start = time.perf_counter()
-        self._tag = (meta.get("microbatch"), meta.get("chunk"))
-        hooks = (
-            torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-            if name == "F"
-            else nullcontext()
-        )
-        with super().span(name, **meta), hooks:
-            yield
-            pad = self.min_time.get(name, 0.0) - (time.perf_counter() - start)
-            if pad > 0:
-                time.sleep(pad)
-
-    def _pack(self, t):
-        if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self._params:
-            return t  # weights are state, not activations
-        held = _Held(t)
-        tag = self._tag
-        nbytes = t.numel() * t.element_size()
-        self.live[tag] += 1
-        self.bytes += nbytes
-        self.peak_held = max(self.peak_held, sum(1 for n in self.live.values() if n))
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        weakref.finalize(
-            held, self._release, tag, nbytes
-        )  # runs when autograd frees the saved tensor
-        return held
-
-    def _release(self, tag, nbytes):
-        self.live[tag] -= 1
-        self.bytes -= nbytes
-
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-def _unpack(packed):
-    return packed.tensor if isinstance(packed, _Held) else packed
-
-
-def _events(timeline) -> dict:
-    """The spans, and what it takes to put every rank's on one clock: ``time.perf_counter`` is
-    CLOCK_MONOTONIC on Linux, one clock for all processes of a machine, so the ranks' origins
-    (``timeline.origin``) line their spans up exactly; the barrier before each origin only
-    lines them up to within its exit skew, milliseconds on a busy machine."""
-    return {
-        "host": socket.gethostname(),
-        "origin": timeline.origin,
-        "spans": [
-            {
-                "rank": e.rank,
-                "name": e.name,
-                "microbatch": e.meta.get("microbatch"),
-                "chunk": e.meta.get("chunk"),
-                "start": e.start,
-                "end": e.end,
-            }
-            for e in timeline.events
-        ],
-    }
-
-
-def _one_clock(per_rank, key) -> list[dict]:
-    """All ranks' spans of ``key``, on rank 0's clock when all ranks share a machine."""
-    shared = len({r[key]["host"] for r in per_rank}) == 1 and sys.platform.startswith("linux")
-    out = []
-    for r in per_rank:
-        shift = r[key]["origin"] - per_rank[0][key]["origin"] if shared else 0.0
-        out += [dict(e, start=e["start"] + shift, end=e["end"] + shift) for e in r[key]["spans"]]
-    return out
-
-
 def _stages(pp, pipe, model, plan, virtual):
     """This rank's chunks: virtual stages rank, rank+P, ... (one unless interleaved)."""
     return [
@@ -186,7 +90,8 @@ def split_microbatches(
 
 def _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline):
     """One step of ``schedule`` on this rank: the loss on the last rank (naive: the logits)."""
-    x, y = x.to(pipe.device), y.to(pipe.device)
+    x = x.to(pipe.device)
+    y = y.to(pipe.device)
     if schedule == "naive":
         return pp.naive_forward(chunks[0], x, pipe=pipe, timeline=timeline)
     mbs = split_microbatches(x, y, microbatches)
@@ -217,36 +122,29 @@ def pipeline_worker(
     params = [p for c in chunks for p in c.parameters()]
     optimizer = make_optimizer(params, cfg) if schedule != "naive" else None
     data = data_for(cfg)
-    out = {
-        "rank": pipe.rank,
-        "backend": dist.get_backend(),
-        "losses": [],
-        "times": [],
-        "grads": {},
-        "logits": None,
-    }
+    out = {"rank": pipe.rank, "losses": [], "grads": {}, "logits": None}
+    timer = StepTimer(pipe.device)
     for step, (x, y) in enumerate(data):
         first = step == 0
         timeline = MeasuredTimeline(exclude=params) if first else Timeline()
         ledger = CommLedger() if first else nullcontext()
-        t0 = time.perf_counter()
-        with ledger:
-            result = _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline)
-        if schedule == "naive":
-            if result is not None:
-                out["logits"] = result if first else out["logits"]
-                result = F.cross_entropy(
-                    result.float().flatten(0, 1), y.to(result.device).flatten()
-                ).item()
-        else:
-            if first:
-                out["grads"] = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
-            optimizer.step()
-            if step == len(data) - 1:
-                out["state_bytes"] = state_bytes(params, optimizer)["total"]
-            optimizer.zero_grad(set_to_none=True)
-        synchronize(pipe.device)
-        out["times"].append(time.perf_counter() - t0)
+        with timer.step():
+            with ledger:
+                result = _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline)
+            if schedule == "naive":
+                if result is not None:
+                    out["logits"] = result if first else out["logits"]
+                    logits = result.float().flatten(0, 1)  # [B·T, V]
+                    result = F.cross_entropy(logits, y.to(result.device).flatten()).item()
+            else:
+                if first:
+                    out["grads"] = {
+                        n: p.grad.clone() for c in chunks for n, p in c.named_parameters()
+                    }
+                optimizer.step()
+                if step == len(data) - 1:
+                    out["state_bytes"] = state_bytes(params, optimizer)["total"]
+                optimizer.zero_grad(set_to_none=True)
         out["losses"].append(result)
         if first:
             out.update(
@@ -256,7 +154,8 @@ def pipeline_worker(
                 order=[(e.name, e.meta["microbatch"], e.meta["chunk"]) for e in timeline.events],
             )
         report_progress()
-    out["raw_events"] = _events(timeline)  # the last step's
+    out["step_time_s"] = timer.step_time()
+    out["raw_events"] = clock_record(timeline)  # the last step's
     if schedule == "naive":
         out["state_bytes"] = state_bytes(params)["total"]
     # the measurement step: padded operations, no update (its gradients are thrown away)
@@ -265,7 +164,7 @@ def pipeline_worker(
         op_time=op_time / virtual, backward_ratio=backward_ratio, exclude=params
     )
     _run_step(pp, schedule, chunks, *data[0], microbatches, pipe, measured)
-    out["events"] = _events(measured)
+    out["events"] = clock_record(measured)
     if vs_torch and schedule != "naive":
         out.update(_torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan))
     return out
@@ -277,9 +176,8 @@ def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) 
     import torch.distributed.pipelining as tpp
 
     if schedule == "1f1b" and microbatches < pipe.size:
-        return {
-            "torch_skipped": f"Schedule1F1B needs microbatches >= stages ({microbatches} < {pipe.size})"
-        }
+        why = f"Schedule1F1B needs microbatches >= stages ({microbatches} < {pipe.size})"
+        return {"torch_skipped": why}
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
     chunks = _stages(pp, pipe, model, plan, virtual)
     n = pipe.size * virtual
@@ -288,9 +186,8 @@ def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) 
         for c_idx, c in enumerate(chunks)
     ]
 
-    def loss_fn(
-        logits, targets
-    ):  # the mean over the micro-batch; torch divides gradients by M (scale_grads)
+    def loss_fn(logits, targets):
+        # the mean over the micro-batch; torch divides gradients by M (scale_grads)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     cls = getattr(tpp, TORCH_SCHEDULES[schedule])
@@ -302,19 +199,20 @@ def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) 
     optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)
     has_first = chunks[0].first
     has_last = chunks[-1].last
-    losses, times = [], []
+    losses = []
+    timer = StepTimer(pipe.device)
     for x, y in data_for(cfg):
-        x, y, mb_losses = x.to(pipe.device), y.to(pipe.device), []
-        t0 = time.perf_counter()
-        sched.step(
-            *((x,) if has_first else ()), **({"target": y, "losses": mb_losses} if has_last else {})
-        )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(pipe.device)
-        times.append(time.perf_counter() - t0)
+        x = x.to(pipe.device)
+        y = y.to(pipe.device)
+        mb_losses = []
+        inputs = (x,) if has_first else ()  # the first stage feeds the batch in
+        targets = {"target": y, "losses": mb_losses} if has_last else {}  # the last computes loss
+        with timer.step():
+            sched.step(*inputs, **targets)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         losses.append(torch.stack(mb_losses).mean().item() if has_last else None)
-    return {"torch_losses": losses, "torch_times": times}
+    return {"torch_losses": losses, "torch_step_time_s": timer.step_time()}
 
 
 def layer_costs(model_cfg: ModelConfig) -> tuple[list[int], int, int]:
@@ -338,11 +236,8 @@ def make_plan(schedule: str, model_cfg: ModelConfig, stages: int, virtual: int, 
     n = stages * virtual
     if plan is not None:
         plan = tuple(plan)
-        if (
-            len(plan) != n
-            or sum(plan) != model_cfg.n_layer
-            or min(plan) < (0 if schedule == "naive" else 1)
-        ):
+        fewest = 0 if schedule == "naive" else 1
+        if len(plan) != n or sum(plan) != model_cfg.n_layer or min(plan) < fewest:
             raise ValueError(
                 f"plan={plan} must give {n} stages (nproc x virtual) layers adding up to "
                 f"layers={model_cfg.n_layer}, at least 1 each"
@@ -385,7 +280,7 @@ def run(
     op_time: float = 0.02,
     backward_ratio: float = 2.0,
     seed: int = 0,
-) -> dict:
+) -> RunSummary:
     """Run ``schedule`` on ``nproc`` pipeline stages and check it; returns the lab summary.
     Defaults: ``microbatches`` 8 (naive: 1), ``virtual`` 2 for interleaved (else 1)."""
     microbatches = (1 if schedule == "naive" else 8) if microbatches is None else microbatches
@@ -406,7 +301,8 @@ def run(
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
     plan = make_plan(schedule, model_cfg, nproc, virtual, plan)
     if vs_torch:
-        import torch.distributed.pipelining  # noqa: F401  (slow to import: once here, not in every forked rank)
+        # slow to import: once here, not in every forked rank
+        import torch.distributed.pipelining  # noqa: F401
     ref = reference_run(model_cfg, cfg) if schedule != "naive" else None
     per_rank = launch(
         pipeline_worker,
@@ -446,7 +342,7 @@ def reference_run(model_cfg: ModelConfig, cfg: TrainConfig):
 
 
 def summarize(
-    per_rank,
+    per_rank: RankResults,
     ref,
     *,
     schedule,
@@ -458,16 +354,16 @@ def summarize(
     op_time,
     backward_ratio,
     vs_torch,
-) -> dict:
+) -> RunSummary:
     """The lab summary from the ranks' results and the reference ``ref`` (None for naive, whose
     reference is the unsplit model's forward): reference, theory and torch side by side."""
     P = len(per_rank)
     last = per_rank[-1]
-    timeline = _one_clock(per_rank, "events")  # every rank's measured operations on one clock
+    timeline = on_one_clock(per_rank, "events")  # every rank's measured operations on one clock
     summary = new_summary(
         "pp",
         nproc=P,
-        backend=last["backend"],
+        backend=per_rank.backend,
         steps=cfg.steps,
         schedule=schedule,
         microbatches=microbatches,
@@ -475,24 +371,26 @@ def summarize(
         plan=list(plan),
         op_time_s=op_time,
     )
-    if (
-        schedule == "naive"
-    ):  # inference: compare with the unsplit model's forward on the same batches
+    if schedule == "naive":
+        # inference: compare with the unsplit model's forward on the same batches
         model = build_model(model_cfg, seed=cfg.seed)
+        batches = data_for(cfg)
+        reference = []
         with torch.no_grad(), one_thread():
-            reference = [model(x, y)[1].item() for x, y in data_for(cfg)]
-            summary["max_logits_rel_diff"] = max_rel_diff(
-                last["logits"], model(data_for(cfg)[0][0])
-            )
+            for x, y in batches:
+                _, loss = model(x, y)
+                reference.append(loss.item())
+            first_x, _ = batches[0]
+            summary["max_rel_logit_diff"] = max_rel_diff(last["logits"], model(first_x))
     else:
         reference = ref.losses
         grads = {n: g for r in per_rank for n, g in r["grads"].items()}
         missing = sorted(set(ref.grads) - set(grads))
-        summary["max_grad_rel_diff"] = max(
+        summary["max_rel_grad_diff"] = max(
             max_rel_diff(grads[n], g) for n, g in ref.grads.items() if n in grads
         )
         summary["grads_match_reference"] = (
-            not missing and summary["max_grad_rel_diff"] <= TOLERANCES[torch.float32]
+            not missing and summary["max_rel_grad_diff"] <= TOLERANCES[torch.float32]
         )
     fill_losses(summary, last["losses"], reference)
     order = theory.schedule_ops(schedule, P, microbatches, virtual)
@@ -512,15 +410,14 @@ def summarize(
             for r in range(P)
         ],
         state_bytes_per_rank=[r["state_bytes"] for r in per_rank],
-        theory_state_bytes_per_rank=[
-            n * (4 if schedule == "naive" else 16) for n in per_stage
-        ],  # fp32 + grad + AdamW
-        step_time_s=max(median_step_time(r["times"]) for r in per_rank),
+        # fp32 parameters; training adds their gradients and AdamW's two moments
+        theory_state_bytes_per_rank=[n * (4 if schedule == "naive" else 16) for n in per_stage],
+        step_time_s=max(r["step_time_s"] for r in per_rank),
         order_matches_schedule=all(
             list(map(tuple, r["order"])) == order[r["rank"]] for r in per_rank
         ),
         bubble_fraction=idle_fraction_of(timeline),
-        raw_bubble_fraction=idle_fraction_of(_one_clock(per_rank, "raw_events")),
+        raw_bubble_fraction=idle_fraction_of(on_one_clock(per_rank, "raw_events")),
         theory_bubble_fraction=theory.bubble_fraction(schedule, P, microbatches, virtual),
         simulated_bubble_fraction=theory.simulate(
             schedule, P, microbatches, virtual, 1.0, 0.0 if schedule == "naive" else backward_ratio
@@ -547,26 +444,16 @@ def summarize(
     summary["comm_matches_theory"] = (
         summary["comm_bytes_per_rank"] == summary["theory_comm_bytes_per_rank"]
     )
-    if vs_torch and "torch_times" in last:
-        summary["torch_step_time_s"] = max(median_step_time(r["torch_times"]) for r in per_rank)
+    if vs_torch and "torch_step_time_s" in last:
+        summary["torch_step_time_s"] = max(r["torch_step_time_s"] for r in per_rank)
         summary["torch_losses"] = last["torch_losses"]
-        summary["torch_max_abs_loss_diff"] = compare_losses(last["torch_losses"], reference)[
-            "max_abs_loss_diff"
-        ]
+        torch_loss_diff = compare_losses(last["torch_losses"], reference)
+        summary["torch_max_abs_loss_diff"] = torch_loss_diff["max_abs_loss_diff"]
     elif vs_torch:
         summary["torch_skipped"] = last.get(
             "torch_skipped", "torch.distributed.pipelining has no naive placement"
         )
     return summary
-
-
-def idle_fraction_of(spans: list[dict]) -> float:
-    """The measured bubble: idle share of ranks x makespan in the ranks' "F"/"B" spans."""
-    from labs.measure import Event
-
-    return idle_fraction(
-        [Event(e["rank"], e["name"], e["start"], e["end"]) for e in spans], names=("F", "B")
-    )
 
 
 def add_arguments(parser) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,17 +30,18 @@ import torch.nn.functional as F
 
 from labs.experiments.common import (
     COMM_HEADER,
+    RunSummary,
     comm_row,
     course_spec,
     fill_losses,
-    median_step_time,
     new_summary,
 )
 from labs.measure import CommLedger, SavedActivations, state_bytes
+from labs.measure.timing import StepTimer
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import one_thread, rank_device, synchronize
+from labs.runtime.device import one_thread, rank_device
 from labs.runtime.impl import exercise
-from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.launcher import launch, report_progress
 from labs.theory import memory as memory_theory
 from labs.theory import tensor_parallel as theory
 from labs.theory.dims import check_positive
@@ -178,47 +178,44 @@ def _scalar(t) -> float:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).item()
 
 
-# --- the worker
-# --------------------------------------------------------------------------------------
+# --- the worker -----------------------------------------------------------------------------------
 def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = False) -> dict:
     """Train ``model`` on ``batches``; step 1 measured (ledger, saved tensors) when ``measure``."""
     ctx = loss_context or contextlib.nullcontext
     optimizer = make_optimizer(model.parameters(), cfg)
-    out, losses, times = {}, [], []
+    out = {}
+    losses = []
+    timer = StepTimer()
     for step, (x, y) in enumerate(batches):
-        synchronize()
-        t0 = time.perf_counter()
-        if step == 0 and measure:
-            with CommLedger() as ledger:
-                with ledger.phase("forward"), SavedActivations(exclude=model) as saved, ctx():
+        with timer.step():
+            if step == 0 and measure:
+                with CommLedger() as ledger:
+                    with ledger.phase("forward"), SavedActivations(exclude=model) as saved, ctx():
+                        logits, loss = model(x, y)
+                    with ledger.phase("backward"), ctx():
+                        loss.backward()
+                out["comm"] = [
+                    (r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes)
+                    for r in ledger.records
+                ]
+                out["saved_bytes"] = saved.bytes
+            else:
+                with ctx():
                     logits, loss = model(x, y)
-                with ledger.phase("backward"), ctx():
                     loss.backward()
-            out["comm"] = [
-                (r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes)
-                for r in ledger.records
-            ]
-            out["saved_bytes"] = saved.bytes
-        else:
-            with ctx():
-                logits, loss = model(x, y)
-                loss.backward()
-        if step == 0:
-            out["logits"] = _local(logits).detach().clone()
-            out["grads"] = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        if (
-            step == len(batches) - 1
-        ):  # held at the end of a step: parameters, gradients, AdamW's moments
-            out["state"] = state_bytes(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(_scalar(loss.detach()))
-        synchronize()
-        times.append(time.perf_counter() - t0)
+            if step == 0:
+                out["logits"] = _local(logits).detach().clone()
+                out["grads"] = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+            optimizer.step()
+            if step == len(batches) - 1:
+                # held at the end of a step: parameters, gradients, AdamW's moments
+                out["state"] = state_bytes(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(_scalar(loss.detach()))
         report_progress()
     out.update(
         losses=losses,
-        step_time_s=median_step_time(times),
+        step_time_s=timer.step_time(),
         params={n: _local(p).detach().clone() for n, p in model.named_parameters()},
     )
     return out
@@ -250,8 +247,7 @@ def tp_worker(full, cfg: TrainConfig, sp: bool, vs_torch: bool) -> dict:
     return ours
 
 
-# --- comparing in the parent
-# -----------------------------------------------------------------------
+# --- comparing in the parent ----------------------------------------------------------------------
 def assemble(per_rank: list[dict], key: str) -> dict[str, torch.Tensor]:
     """Full tensors from the ranks' shards: concatenated along ``partition_dim``, rank 0's if
     replicated."""
@@ -304,7 +300,7 @@ def run(
     batch_size: int = 8,
     seq_len: int = 32,
     model_cfg: ModelConfig | None = None,
-) -> dict:
+) -> RunSummary:
     """Train the ``model`` ("course" or "hf-llama") tensor-parallel on ``nproc`` ranks (with
     sequence parallelism when ``sp``) and check it against the reference, the theory and
     (``vs_torch``) DTensor."""
@@ -335,7 +331,7 @@ def run(
     s = new_summary(
         "tp",
         nproc=nproc,
-        backend=choose_backend(nproc, backend),
+        backend=per_rank.backend,
         steps=steps,
         model=model,
         sp=sp,
@@ -353,9 +349,8 @@ def run(
     s["losses_equal_on_every_rank"] = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     s["logits_shape_per_rank"] = list(per_rank[0]["logits"].shape)
     # Parameters after training are reported, not checked at 1e-5: AdamW divides each gradient
-    # element by its
-    # own RMS, so an element whose gradient is near eps (1e-8) turns a 1e-10 difference into ~1e-4
-    # of its update.
+    # element by its own RMS, so an element whose gradient is near eps (1e-8) turns a 1e-10
+    # difference into ~1e-4 of its update.
     s["matches_reference"] = (
         s["matches_reference"]
         and s["losses_equal_on_every_rank"]
@@ -381,9 +376,8 @@ def run(
         theirs = [r["torch"] for r in per_rank]
         s["torch_step_time_s"] = max(t["step_time_s"] for t in theirs)
         s["torch_losses"] = theirs[0]["losses"]
-        s["torch_max_rel_loss_diff"] = compare_losses(theirs[0]["losses"], ref.losses)[
-            "max_rel_loss_diff"
-        ]
+        torch_loss_diff = compare_losses(theirs[0]["losses"], ref.losses)
+        s["torch_max_rel_loss_diff"] = torch_loss_diff["max_rel_loss_diff"]
         s["torch_max_rel_logit_diff_vs_ours"] = max_rel_diff(
             torch.cat([t["logits"] for t in theirs], -1), logits
         )
@@ -402,7 +396,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=32)
 
 
-def comm_table(summary: dict) -> str:
+def comm_table(summary: RunSummary) -> str:
     """The step's collectives per phase and op, measured on rank 0 beside the theory's figures, as a
     table."""
     lines = [f"{'phase':9} {'op':15}{COMM_HEADER}"]
@@ -416,7 +410,7 @@ def comm_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def headline(summary: dict) -> dict:
+def headline(summary: RunSummary) -> dict:
     """The checks of a run at a glance."""
     keys = (
         "model",
@@ -432,7 +426,7 @@ def headline(summary: dict) -> dict:
     return {k: summary[k] for k in keys}
 
 
-def memory_vs_calculator(summary: dict) -> dict:
+def memory_vs_calculator(summary: RunSummary) -> dict:
     """Bytes per rank of a run (B·T tokens of the course model, fp32): measured, this lab's theory,
     and the course's memory calculator (``labs.theory.memory.memory_per_rank``, which models
     Megatron's SP: column-parallel inputs saved sequence-sharded and gathered again in backward)."""

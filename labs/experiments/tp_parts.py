@@ -2,7 +2,8 @@
 
     split_matmul_demo()              # one process: X A by columns and by rows equals X A
     check_operators(nproc=2)         # the six conjugate autograd operators, forward and backward
-    check_layers(nproc=2, sp=True)   # column/row-parallel linears, vocab-parallel embedding and loss, a block
+    check_layers(nproc=2, sp=True)   # column/row-parallel linears, vocab-parallel embedding and
+                                     # loss, a block
 
 Each check runs on ``nproc`` ranks and compares with what one process computes from every rank's
 inputs (every rank can rebuild every other rank's seeded inputs, so the expected values need no
@@ -83,7 +84,10 @@ def operators_worker() -> dict:
     B = 2
     T = 4 * n
     H = 8 * n
-    chunk = lambda t, dim, r, n: t.chunk(n, dim)[r]  # noqa: E731
+
+    def chunk(t, dim, r, n):  # rank r's part of t along dim
+        return t.chunk(n, dim)[r]
+
     cases = {  # name: (input shape, upstream grad shape, expected output, expected input gradient)
         "CopyToModelParallelRegion": (
             (B, T, H),
@@ -143,8 +147,16 @@ def _compare(parallel, full, inp, *, local_in=None, local_out=None, call=None) -
     sum(y²) on each; compare the output with ``local_out`` of the full one, and the gradients of the
     input and of every parameter (this rank's shard along ``partition_dim``, or all of it when
     replicated)."""
-    keep = lambda t: t  # noqa: E731
-    local_in, local_out, call = local_in or keep, local_out or keep, call or (lambda m, x: m(x))
+
+    def keep(t):
+        return t
+
+    def forward(module, x):
+        return module(x)
+
+    local_in = local_in or keep
+    local_out = local_out or keep
+    call = call or forward
     n = dist.get_world_size()
     r = dist.get_rank()
     grad = inp.is_floating_point()
@@ -178,10 +190,11 @@ def layers_worker(sp: bool, seed: int) -> dict:
     attn = full.layers[0].attn
     mlp = full.layers[0].mlp
     g = torch.Generator().manual_seed(seed + 1)
-    x, h = (torch.randn(B, T, d, generator=g).to(device) for d in (cfg.n_embd, cfg.ffn_hidden))
-    idx, targets = (
-        torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device) for _ in range(2)
-    )
+    # drawn in this order from ``g``: the same inputs on every rank
+    x = torch.randn(B, T, cfg.n_embd, generator=g).to(device)  # [B, T, H]
+    h = torch.randn(B, T, cfg.ffn_hidden, generator=g).to(device)  # [B, T, F]
+    idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)  # [B, T]
+    targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)  # [B, T]
 
     def last(t):  # this rank's slice of the last dim
         return t.chunk(n, -1)[r]

@@ -1,10 +1,13 @@
 """Experiment 03: ZeRO stages 0-3 against the single-process reference, the theory and torch's
 FSDP2.
 
-    summary = run(nproc=4, stage=3)               # notebook 03, or: python -m labs.run zero --stage 3 --json
+    summary = run(nproc=4, stage=3)               # notebook 03
     run(nproc=4, stage=2, offload=True)           # ZeRO-2 with the optimizer on the host
     run(nproc=4, stage=3, vs_torch=True)          # + torch's fully_shard (FSDP2) on the same model
-    plot_stages([run(nproc=4, stage=s) for s in (0, 1, 2, 3)])   # measured against theory, stages 0-3
+    python -m labs.run zero --stage 3 --json
+
+The views of a summary (``report``, ``plot_stages``) are in ``labs.experiments.zero_report``;
+saving and resuming a checkpoint in ``labs.experiments.zero_checkpoint``.
 
 Every rank trains the same model from the same seed on its share of each global batch;
 stage 0 is plain data parallelism (all-reduce, written here as the baseline), stages 1-3
@@ -24,19 +27,19 @@ from __future__ import annotations
 import hashlib
 import importlib
 import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from labs.data import rank_batches
-from labs.experiments.common import fill_losses, median_step_time, new_summary
+from labs.experiments.common import RunSummary, fill_losses, new_summary
 from labs.measure.ledger import CommLedger
 from labs.measure.memory import optimizer_bytes
+from labs.measure.timing import StepTimer
 from labs.models.toy import AwkwardModel
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import rank_device, synchronize
+from labs.runtime.device import rank_device
 from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
@@ -91,7 +94,9 @@ def units_of(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
 
 
 def unit_numels(model) -> list[int]:
-    seen, out = set(), []
+    """Trainable parameters of each unit (a parameter shared by two units counts in the first)."""
+    seen = set()
+    out = []
     for _, modules in units_of(model):
         params = [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
         seen.update(params)
@@ -105,7 +110,8 @@ class DataParallel:
     def __init__(self, model, *, cfg, units, group=None):
         self.model = model
         self.group = group
-        seen, self.buckets = set(), []
+        self.buckets = []
+        seen = set()
         for _, modules in units:
             self.buckets.append(
                 [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
@@ -115,15 +121,10 @@ class DataParallel:
 
     def step(self):
         n = dist.get_world_size(self.group)
-        for (
-            params
-        ) in self.buckets:  # zeros for unused parameters keep every rank's call the same size
-            flat = torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                    for p in params
-                ]
-            )
+        for params in self.buckets:
+            # zeros for unused parameters keep every rank's call the same size
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.group)
             flat /= n
             offset = 0
@@ -227,30 +228,29 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
         world_size=n,
         seed=cfg.data_seed,
     )[spec.start :]
-    losses, times, held = [], [], None
+    stepper = wrapper or optimizer  # what steps and zeroes the gradients
+    losses = []
+    held = None
+    timer = StepTimer(device)
     with CommLedger() as ledger:
         for step, (x, y) in enumerate(data):
-            x, y = x.to(device), y.to(device)
-            synchronize(device)
-            t0 = time.perf_counter()
-            with ledger.phase("forward"):
-                _, loss = model(x, y)
-            with ledger.phase("backward"):
-                loss.backward()
-            with ledger.phase("step"):
-                (wrapper or optimizer).step()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
+            x = x.to(device)
+            y = y.to(device)
+            with timer.step():
+                with ledger.phase("forward"):
+                    _, loss = model(x, y)
+                with ledger.phase("backward"):
+                    loss.backward()
+                with ledger.phase("step"):
+                    stepper.step()
             losses.append(loss.item())
-            if (
-                step == len(data) - 1
-            ):  # what the calculator counts: state after the step, gradients held
-                held = (
-                    held_bytes(model, wrapper)
-                    if wrapper is not None
-                    else _torch_bytes(model, optimizer)
-                )
-            (wrapper or optimizer).zero_grad()
+            if step == len(data) - 1:
+                # what the calculator counts: state after the step, gradients held
+                if wrapper is not None:
+                    held = held_bytes(model, wrapper)
+                else:
+                    held = _torch_bytes(model, optimizer)
+            stepper.zero_grad()
             report_progress()
     if spec.save:
         from labs.checkpoint import save
@@ -259,11 +259,10 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     params = full_params(model, wrapper)
     return {
         "losses": losses,
-        "step_time_s": median_step_time(times),
+        "step_time_s": timer.step_time(),
         "held": held,
         "params": params if rank == 0 else None,
         "loaded_params": loaded if rank == 0 else None,
-        "backend": dist.get_backend(),
         "sent_per_step": ledger.sent_bytes() / len(data),
         "sent_by_op": {op: v["sent_bytes"] / len(data) for op, v in ledger.summary().items()},
         "peak_param_bytes": dict(getattr(wrapper, "peak", {})),
@@ -319,7 +318,7 @@ def run(
     backend: str = "auto",
     vs_torch: bool = False,
     timeout: float = 300.0,
-) -> dict:
+) -> RunSummary:
     """Train ``steps`` AdamW steps with ZeRO ``stage`` on ``nproc`` ranks; check it three ways.
 
     ``matches_reference``: losses within 1e-5 relative of the single-process reference;
@@ -351,7 +350,7 @@ def run(
     s = new_summary(
         "zero",
         nproc=nproc,
-        backend=per_rank[0]["backend"],
+        backend=per_rank.backend,
         steps=steps,
         stage=stage,
         offload=offload,
@@ -360,9 +359,8 @@ def run(
         dtype=dtype,
     )
     fill_losses(s, mean_losses(per_rank), ref.losses)
-    s.update(
-        param_diff(per_rank[0]["params"], ref.params), params_sha1=digest(per_rank[0]["params"])
-    )
+    s.update(param_diff(per_rank[0]["params"], ref.params))
+    s["params_sha1"] = digest(per_rank[0]["params"])
     gradless = sum(
         p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads
     )
@@ -371,13 +369,13 @@ def run(
         s,
         per_rank,
         unit_numels(net),
-        nproc,
-        stage,
-        offload,
-        prefetch,
-        frozen,
-        gradless,
-        DTYPES[dtype].itemsize,
+        nproc=nproc,
+        stage=stage,
+        offload=offload,
+        prefetch=prefetch,
+        frozen_numel=frozen,
+        gradless=gradless,
+        itemsize=DTYPES[dtype].itemsize,
     )
     s["step_time_s"] = max(r["step_time_s"] for r in per_rank)
     if vs_torch:
@@ -395,10 +393,10 @@ def run(
         s["torch_state_bytes_per_rank"] = [r["held"]["total"] for r in t]
         s["torch_state_breakdown"] = t[0]["held"]
         s["torch_losses"] = mean_losses(t)
-        s["torch_max_rel_loss_diff"] = compare_losses(s["torch_losses"], ref.losses)[
-            "max_rel_loss_diff"
-        ]
-        s["torch_max_param_rel_diff"] = param_diff(t[0]["params"], ref.params)["max_param_rel_diff"]
+        torch_loss_diff = compare_losses(s["torch_losses"], ref.losses)
+        s["torch_max_rel_loss_diff"] = torch_loss_diff["max_rel_loss_diff"]
+        torch_param_diff = param_diff(t[0]["params"], ref.params)
+        s["torch_max_rel_param_diff"] = torch_param_diff["max_rel_param_diff"]
     return s
 
 
@@ -413,7 +411,7 @@ def digest(params: dict) -> str:
 
 
 def param_diff(params: dict, reference: dict) -> dict:
-    """``max_param_rel_diff`` over every parameter (by name), the ``worst_param`` and
+    """``max_rel_param_diff`` over every parameter (by name), the ``worst_param`` and
     ``params_match_reference`` (within the tolerance for parameters after AdamW steps,
     ``labs.train.PARAM_TOLERANCES``)."""
     missing = sorted(set(reference) - set(params))
@@ -423,7 +421,7 @@ def param_diff(params: dict, reference: dict) -> dict:
     worst = max(diffs, key=diffs.get)
     dtype = reference[worst].dtype
     return {
-        "max_param_rel_diff": diffs[worst],
+        "max_rel_param_diff": diffs[worst],
         "worst_param": worst,
         "params_match_reference": diffs[worst] <= PARAM_TOLERANCES[dtype],
     }
@@ -435,8 +433,19 @@ def mean_losses(per_rank: list[dict]) -> list[float]:
 
 
 def _fill_theory(
-    s, per_rank, units, nproc, stage, offload, prefetch, frozen_numel, gradless, itemsize
-):
+    s: RunSummary,
+    per_rank: list[dict],
+    units: list[int],
+    *,
+    nproc: int,
+    stage: int,
+    offload: bool,
+    prefetch: bool,
+    frozen_numel: int,
+    gradless: int,
+    itemsize: int,
+) -> None:
+    """Bytes sent and held, measured on every rank, beside ``labs.theory.zero``'s figures."""
     held = theory.held_bytes(
         units,
         stage=stage,
@@ -479,98 +488,9 @@ def _fill_theory(
             b == s["theory_peak_param_bytes"] for b in s["peak_param_bytes_per_rank"]
         )
     if offload:
+        host = theory.offload_bytes(units, dp=nproc, itemsize=itemsize)
         s["host_bytes_per_step"] = per_rank[0]["host_bytes_per_step"]
-        s["theory_host_bytes_per_step"] = theory.offload_bytes(units, dp=nproc, itemsize=itemsize)[
-            "total"
-        ]
-
-
-def report(s: dict) -> str:
-    """A run's checks in a few lines: reference, memory, communication, peak, offload, torch."""
-    kb = lambda b: f"{b / 1e3:,.1f} kB"  # noqa: E731
-    name = f"ZeRO-{s['stage']}" if s["stage"] else "data parallel (stage 0)"
-    lines = [
-        f"{name} on {s['nproc']} ranks ({s['backend']}, {s['model']} model, {s['dtype']}"
-        f"{', offload' if s['offload'] else ''}), {s['steps']} AdamW steps",
-        f"  losses      max relative difference to the reference {s['max_rel_loss_diff']:.1e}",
-        f"  parameters  max relative difference {s['max_param_rel_diff']:.1e} ({s['worst_param']})",
-        f"  held/rank   {kb(s['state_bytes_per_rank'][0])} measured, {kb(s['theory_state_bytes_per_rank'])}"
-        f" theory (params {kb(s['state_breakdown']['params'])}, grads {kb(s['state_breakdown']['grads'])},"
-        f" optimizer {kb(s['state_breakdown']['optimizer'])})",
-        f"  sent/rank   {kb(s['comm_bytes_per_rank'][0])} per step measured, {kb(s['theory_comm_bytes_per_rank'])}"
-        f" theory = {s['psi_equivalent']:.3g} x (N-1)/N x 4Ψ",
-    ]
-    if s["stage"] == 3:
-        lines.append(
-            f"  peak params {kb(s['peak_param_bytes_per_rank'][0])} in forward measured,"
-            f" {kb(s['theory_peak_param_bytes'])} theory (shards + unit k + prefetched k+1)"
-        )
-    if s["offload"]:
-        lines.append(
-            f"  host link   {kb(s['host_bytes_per_step'])} per step measured, "
-            f"{kb(s['theory_host_bytes_per_step'])} theory; on host {kb(s['state_breakdown']['host'])}"
-        )
-    if s.get("torch_step_time_s"):
-        lines.append(
-            f"  step time   ours {s['step_time_s'] * 1e3:.0f} ms, torch fully_shard "
-            f"{s['torch_step_time_s'] * 1e3:.0f} ms; torch holds {kb(s['torch_state_bytes_per_rank'][0])}"
-            f" per rank, losses within {s['torch_max_rel_loss_diff']:.1e} of the reference"
-        )
-    else:
-        lines.append(f"  step time   {s['step_time_s'] * 1e3:.0f} ms (median)")
-    return "\n".join(lines)
-
-
-def plot_stages(sweep: list[dict], axes=None):
-    """Measured (bars) against theory (black ticks), stages 0-3: state bytes held per rank by
-    parameters, gradients and optimizer state, and bytes sent per rank per step."""
-    import matplotlib.pyplot as plt
-
-    if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    mem, comm = axes
-    x = [s["stage"] for s in sweep]
-    bottom = [0] * len(sweep)
-    for kind, colour in (
-        ("params", "tab:blue"),
-        ("grads", "tab:orange"),
-        ("optimizer", "tab:green"),
-    ):
-        vals = [s["state_breakdown"][kind] / 1e3 for s in sweep]
-        mem.bar(x, vals, bottom=bottom, color=colour, label=kind)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    mem.scatter(
-        x,
-        [s["theory_state_bytes_per_rank"] / 1e3 for s in sweep],
-        marker="_",
-        s=900,
-        color="black",
-        label="theory",
-        zorder=3,
-    )
-    mem.set(
-        title=f"state held per rank ({sweep[0]['nproc']} ranks)", xlabel="ZeRO stage", ylabel="kB"
-    )
-    comm.bar(
-        x,
-        [s["comm_bytes_per_rank"][0] / 1e3 for s in sweep],
-        color="tab:purple",
-        label="measured (ledger)",
-    )
-    comm.scatter(
-        x,
-        [s["theory_comm_bytes_per_rank"] / 1e3 for s in sweep],
-        marker="_",
-        s=900,
-        color="black",
-        label="theory",
-        zorder=3,
-    )
-    comm.set(title="bytes sent per rank per step", xlabel="ZeRO stage", ylabel="kB")
-    for ax in axes:
-        ax.set_xticks(x)
-        ax.legend(fontsize=8, markerscale=0.3)
-    return axes
+        s["theory_host_bytes_per_step"] = host["total"]
 
 
 def add_arguments(parser) -> None:

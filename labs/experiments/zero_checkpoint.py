@@ -45,17 +45,19 @@ def checkpoint_demo(
     Returns the losses of the second half (``uninterrupted``, ``resumed_on_<n>``,
     ``single_process``), the parameters saved, as loaded and at the end of each run
     (``saved_params``, ``params_loaded_on_<n>``, ``params_resumed_on_<n>``...) and the
-    comparisons: ``*_exact`` (bit for bit), ``*_max_rel_diff``.
+    comparisons: ``*_exact`` (bit for bit), ``*_max_rel_loss_diff``, ``*_max_rel_param_diff``.
     """
-    from labs.checkpoint import (
-        load_full,
-    )  # and DCP, large: imported once here, not in every forked rank
+    # labs.checkpoint imports DCP, which is large: imported once here, not in every forked rank
+    from labs.checkpoint import load_full
 
     folder = folder or tempfile.mkdtemp(prefix="zero3-ckpt-")
     check_options(stage, False, model, min(save_nproc, load_nproc), steps)
     cfg = TrainConfig(steps=2 * steps)
     spec = RunSpec(stage=stage, model=model, steps=2 * steps)
-    go = lambda n, sp: launch(train_worker, n, sp, cfg, backend=backend, timeout=timeout)  # noqa: E731
+
+    def go(nproc: int, run_spec: RunSpec) -> list[dict]:
+        return launch(train_worker, nproc, run_spec, cfg, backend=backend, timeout=timeout)
+
     whole = go(save_nproc, spec)
     first = go(save_nproc, replace(spec, steps=steps, save=str(folder)))
     out = {
@@ -94,12 +96,10 @@ def checkpoint_demo(
             torch.equal(loaded[n], p) for n, p in out["saved_params"].items()
         )
         out[f"resume_{tag}_exact"] = losses == out["uninterrupted"]
-        out[f"resume_{tag}_max_rel_loss_diff"] = compare_losses(losses, out["uninterrupted"])[
-            "max_rel_loss_diff"
-        ]
-        out[f"resume_{tag}_max_param_rel_diff"] = param_diff(final, out["uninterrupted_params"])[
-            "max_param_rel_diff"
-        ]
+        loss_diff = compare_losses(losses, out["uninterrupted"])
+        out[f"resume_{tag}_max_rel_loss_diff"] = loss_diff["max_rel_loss_diff"]
+        params = param_diff(final, out["uninterrupted_params"])
+        out[f"resume_{tag}_max_rel_param_diff"] = params["max_rel_param_diff"]
     return out
 
 

@@ -1,6 +1,7 @@
 """Start N ranks, run one function on each, bring the results (or the failure) home.
 
     results = launch(fn, 4, *args)        # -> [fn(*args) on rank 0, ..., on rank 3]
+    results.backend                       # -> "gloo" or "nccl": what the ranks' process group ran
 
 Every lab in the course runs through this one function, from a notebook, from
 ``python -m labs.run`` and from the tests. It does the plumbing so the labs can be
@@ -56,6 +57,16 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 _parent_conn = None
 
 
+class RankResults(list):
+    """What ``launch`` returns: every rank's return value, in rank order (a list), and in
+    ``backend`` the backend the ranks' process group actually ran ("gloo" or "nccl"), as rank 0's
+    ``dist.get_backend()`` read it while its process group was up."""
+
+    def __init__(self, results, backend: str):
+        super().__init__(results)
+        self.backend = backend
+
+
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher that sets RANK)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -86,10 +97,11 @@ def launch(
     progress: int | None = None,
     desc: str = "steps",
     env: dict[str, str] | None = None,
-) -> list:
+) -> RankResults:
     """Run ``fn(*args)`` on ``nprocs`` ranks with the default process group initialised.
 
-    Returns the per-rank return values in rank order. ``timeout`` (seconds) bounds the
+    Returns the per-rank return values in rank order, a :class:`RankResults` whose ``backend``
+    says which backend the ranks used. ``timeout`` (seconds) bounds the
     whole run and every collective inside it. ``start_method`` forces "fork" or "spawn".
     ``progress=N`` draws a progress bar of N ticks in this process; ranks tick it with
     :func:`report_progress`. ``env`` sets environment variables in the ranks before the
@@ -138,19 +150,20 @@ def _check_picklable(fn) -> None:
         fn, "__qualname__", ""
     ):
         raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)} is defined in a notebook or inside a function, so spawned"
-            " ranks cannot import it. Move it into a .py module (e.g. next to the notebook) and import it,"
-            " or use start_method='fork' (Linux, CUDA not yet initialised)."
+            f"{getattr(fn, '__qualname__', fn)} is defined in a notebook or inside a function, so"
+            " spawned ranks cannot import it. Move it into a .py module (e.g. next to the notebook)"
+            " and import it, or use start_method='fork' (Linux, CUDA not yet initialised)."
         )
 
 
-def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) -> list:
+def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) -> RankResults:
     if method == "fork":
         # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
         # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
         importlib.import_module("torch._dynamo")
     ctx = mp.get_context(method)
-    procs, conns = [], []
+    procs = []
+    conns = []
     bar = _progress_bar(progress, desc)
     # Rendezvous through a file in a fresh folder: nothing to collide with, no port to pick.
     with tempfile.TemporaryDirectory(prefix="labs-launch-") as folder:
@@ -204,10 +217,11 @@ def _replay_stderr(paths) -> None:
             )
 
 
-def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
+def _collect(procs, conns, timeout, bar, stderr_paths) -> RankResults:
     """Wait for every rank's result; raise on the first failure or on timeout."""
     n = len(procs)
     results = [None] * n
+    backends = [None] * n
     errors = {}
     deaths = {}
     done: set[int] = set()
@@ -232,6 +246,7 @@ def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
                     bar.update(payload[0])
             elif kind == "ok":
                 results[rank] = payload[0]
+                backends[rank] = payload[1]
                 done.add(rank)
             else:
                 errors[rank] = payload
@@ -242,7 +257,7 @@ def _collect(procs, conns, timeout, bar, stderr_paths) -> list:
             _drain(conns, done, errors, deaths, procs, grace=0.3)
             returned = [r for r in range(n) if r in done and r not in errors and r not in deaths]
             raise_failure(errors, deaths, returned, stderr_paths)
-    return results
+    return RankResults(results, backend=backends[0])
 
 
 def _drain(conns, done, errors, deaths, procs, grace):
@@ -294,24 +309,21 @@ def _rank_main(
     global _parent_conn
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    for (
-        end
-    ) in parent_ends:  # forked copies of the parent's pipe ends would hide the EOF we wait for
+    # Forked copies of the parent's pipe ends would hide the EOF we wait for.
+    for end in parent_ends:
         end.close()
     _parent_conn = conn
     stderr_file = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     sys.stderr.flush()
     os.dup2(stderr_file, 2)  # C++ logs and Python warnings: captured for the parent to show
     if getattr(sys.stderr, "fileno", None) is None or _not_fd2(sys.stderr):
-        sys.stderr = open(
-            2, "w", buffering=1, closefd=False
-        )  # e.g. a Jupyter stream: write to fd 2 too
+        # e.g. a Jupyter stream: write to fd 2 too
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
     if faulthandler.is_enabled():  # a crash's Python stack goes to the captured stderr too
         faulthandler.enable(file=sys.stderr)
     os.environ.update(env)
-    if (
-        "TORCH_DISTRIBUTED_DEBUG" in env
-    ):  # read once at import, and this process imported torch before fork
+    if "TORCH_DISTRIBUTED_DEBUG" in env:
+        # read once at import, and this process imported torch before fork
         dist.set_debug_level_from_env()
     os.environ.update(
         RANK=str(rank),
@@ -321,7 +333,8 @@ def _rank_main(
     )
     try:
         _init_rank(rank, world_size, backend, timeout, store_path)
-        message = ("ok", _to_cpu(fn(*args)))
+        used = dist.get_backend()  # read now: fn may destroy the process group
+        message = ("ok", _to_cpu(fn(*args)), used)
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures too
         tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # skip this frame
         message = ("error", type(e).__name__, str(e), "".join(tb))
@@ -370,7 +383,7 @@ def _init_rank(rank, world_size, backend, timeout, store_path):
     )
 
 
-def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> list:
+def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
     world = int(os.environ["WORLD_SIZE"])
     if nprocs != world:
         raise ValueError(
@@ -386,12 +399,13 @@ def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> list:
     joined_here = not dist.is_initialized()
     if joined_here:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    used = dist.get_backend()
     result = fn(*args)
     gathered = [None] * world
     dist.all_gather_object(gathered, _to_cpu(result))
     if joined_here:
-        # Leave together and tear gloo down explicitly: a process that exits with the group
-        # still up can abort in gloo's destructors ("terminate called without an active exception").
+        # Leave together and tear gloo down explicitly: a process that exits with the group still
+        # up can abort in gloo's destructors ("terminate called without an active exception").
         dist.barrier()
         dist.destroy_process_group()
-    return gathered
+    return RankResults(gathered, backend=used)
