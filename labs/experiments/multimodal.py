@@ -15,7 +15,7 @@ Modes (``labs/multimodal.py``, which reuses notebooks 02-05's exercises):
 * ``tp``: notebook 04's tensor-parallel decoder, the encoder and projector replicated.
 
 Checked, every mode: every step's loss (the last stage's, the ranks' mean for dp) against the
-single-process run on the same global batches (``labs.models.vision.train_reference``, fp32, 1e-5
+single-process run on the same global batches (``labs.train.train_multimodal_reference``, fp32, 1e-5
 relative); step 1's gradients by name (replicated ones on every rank); bytes each rank sends (the
 ledger) and bytes of state it holds against ``labs.theory``; for tp, that the encoder replicas stay
 bit-identical with no communication. ``vs_torch`` (dp only): torch's ``DistributedDataParallel`` on
@@ -37,13 +37,7 @@ from labs.data import shapes
 from labs.experiments.common import course_spec, fill_losses, median_step_time, new_summary
 from labs.measure import CommLedger, Timeline, state_bytes
 from labs.models.transformer import ModelConfig
-from labs.models.vision import (
-    MultimodalConfig,
-    VisionConfig,
-    build_multimodal,
-    data_for,
-    train_reference,
-)
+from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
@@ -54,7 +48,15 @@ from labs.theory.memory import ModelSpec, param_counts_per_rank
 from labs.theory.memory import state_bytes as theory_state_bytes
 from labs.theory.pipeline import p2p_bytes_per_rank
 from labs.theory.tensor_parallel import summarise
-from labs.train import TOLERANCES, ReferenceResult, TrainConfig, make_optimizer, max_rel_diff
+from labs.train import (
+    TOLERANCES,
+    ReferenceResult,
+    TrainConfig,
+    make_optimizer,
+    max_rel_diff,
+    multimodal_data_for,
+    train_multimodal_reference,
+)
 
 MODES = ("pp", "dp", "tp")
 SIZES = {
@@ -115,7 +117,7 @@ def pp_worker(
     mm = exercise("multimodal")
     pp = exercise("pipeline_parallel")
     pipe = pp.pipe_group()
-    batches = _on(pipe.device, data_for(cfg, train))
+    batches = _on(pipe.device, multimodal_data_for(cfg, train))
     runs = []
     for split in splits:
         model = build_multimodal(cfg, seed=train.seed, device=pipe.device)
@@ -229,7 +231,7 @@ def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
     )
     optimizer = make_optimizer(model.parameters(), train)
     out = {"losses": [], "step_times": []}
-    for step, (images, tokens, targets) in enumerate(_on(device, data_for(cfg, train))):
+    for step, (images, tokens, targets) in enumerate(_on(device, multimodal_data_for(cfg, train))):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with CommLedger() if step == 0 else contextlib.nullcontext() as ledger:
@@ -343,7 +345,7 @@ def check_args(
 
 
 def _reference(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> ReferenceResult:
-    return train_reference(cfg, train, dp=dp, return_grads=True)
+    return train_multimodal_reference(cfg, train, dp=dp, return_grads=True)
 
 
 def run(

@@ -31,10 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs import train as labs_train
 from labs.data import shapes
 from labs.models.transformer import ModelConfig, build_model, run_blocks
-from labs.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -248,36 +246,6 @@ def build_multimodal(
     init_vision(model.encoder, seed + 1)
     init_vision(model.projector, seed + 1_000_003)
     return model.to(device)
-
-
-def data_for(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> list[tuple]:
-    """Each step's global batch (images, tokens, targets), laid out as ``dp`` data-parallel ranks
-    load it (``train.batch_size`` sequences in all, ``train.data_seed`` orders them;
-    ``train.seq_len`` is unused: a sequence is n_prefix + caption_len tokens)."""
-    return shapes.global_batches(
-        steps=train.steps,
-        batch_size=train.per_rank_batch(dp),
-        n_prefix=cfg.n_prefix,
-        world_size=dp,
-        seed=train.data_seed,
-        image_size=cfg.vision.image_size,
-    )
-
-
-def train_reference(
-    cfg: MultimodalConfig, train: TrainConfig, *, dp: int = 1, return_grads: bool = False
-) -> labs_train.ReferenceResult:
-    """The single-process run every parallel mode is compared with: ``labs.train.train_reference``
-    on ``build_multimodal(cfg, train.seed)`` and the (images, tokens, targets) global batches.
-    Returns ``losses``, ``grads`` (by name, after step 1's backward; with ``return_grads``) and
-    ``params``."""
-    return labs_train.train_reference(
-        cfg.decoder,
-        train,
-        model=build_multimodal(cfg, seed=train.seed),
-        batches=data_for(cfg, train, dp),
-        return_grads=return_grads,
-    )
 
 
 @torch.no_grad()
