@@ -32,6 +32,8 @@ Saved for backward per layer per rank (no T×T matrix: it is recomputed, as Flas
 
 from __future__ import annotations
 
+import argparse
+
 from labs.theory.dims import check_divides, check_positive
 
 KINDS = ("full", "diagonal", "masked")
@@ -230,7 +232,7 @@ def long_context_table(
     return rows
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=4, help="context-parallel degree")
     parser.add_argument("--causal", action="store_true", default=True)
     parser.add_argument("--no-causal", dest="causal", action="store_false")
@@ -238,7 +240,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-zigzag", dest="zigzag", action="store_false")
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
     work = work_per_rank(args.cp, causal=args.causal, zigzag=args.zigzag)
     return {
         "cp": args.cp,

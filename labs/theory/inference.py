@@ -29,6 +29,8 @@ after another (the whole model), then N hops.
 
 from __future__ import annotations
 
+import argparse
+
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.memory import GIB, ModelSpec, layers_on_stage, stage_params
@@ -314,7 +316,7 @@ def preset_table(
 
 # --- the `infer` command of python -m labs.theory
 # ------------------------------------------------------------
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="llama3-8b", help=f"one of {', '.join(PRESETS)}")
     parser.add_argument(
         "--degree", type=int, default=8, help="N: GPUs for the model (tp or pp degree)"
@@ -327,7 +329,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
     spec = preset(args.preset)
     out = {
         "preset": args.preset,

@@ -13,6 +13,7 @@ the heads, more stages than layers, ZeRO without DP, ...) is one line on stderr 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from labs.theory.dims import check_positive
@@ -235,7 +236,7 @@ def spec_from_args(args) -> tuple[str, ModelSpec]:
     return model_spec(args.preset, arch=args.arch, tied=getattr(args, "tied", None), **dims)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = add_model_arguments(parser)
     model.add_argument(
         "--tied", action="store_true", default=None, help="tie the output head to the embedding"
@@ -273,7 +274,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
     from labs.theory.flops import flops_per_token, mfu
 
     name, spec = spec_from_args(args)

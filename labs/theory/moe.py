@@ -40,6 +40,7 @@ rows to expect.
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ def capacity_sweep(
     return out
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", choices=("mixtral-8x7b",), default=None, help="a published model"
     )
@@ -266,7 +267,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
     spec = (
         MIXTRAL_8X7B
         if args.preset == "mixtral-8x7b"

@@ -18,6 +18,8 @@ first stage, and a large vocabulary's head on the last).
 
 from __future__ import annotations
 
+import argparse
+
 from labs.theory.memory import ModelSpec
 from labs.theory.multimodal import (
     ENCODERS,
@@ -195,7 +197,7 @@ def plan_with_encoder(
 
 # --- python -m labs.theory multimodal
 # --------------------------------------------------------------------
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     from labs.theory.memory_report import add_model_arguments
 
     add_model_arguments(
@@ -223,7 +225,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
     import dataclasses
 
     from labs.theory.memory_report import spec_from_args

@@ -12,11 +12,13 @@ the plan, ...) is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import argparse
+
 from labs.theory.memory import GIB
 from labs.theory.planner import ASSUMPTIONS, plan
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     from labs.theory.memory_report import add_model_arguments
     from labs.theory.presets import GPUS
 
@@ -60,7 +62,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
     from labs.theory.memory_report import spec_from_args
     from labs.theory.presets import GPUS
 
