@@ -2,8 +2,8 @@
 
     images [B, 3, S, S] --encoder--> patch features [B, P, E] --projector--> prefix [B, P, H]
     tokens [B, P + C]: P image placeholders, then the caption (labs.data.shapes)
-    decoder input = concat(prefix, tok_emb(caption)) [B, P + C, H] --> course decoder --> logits [B,
-    P + C, V]
+    decoder input = concat(prefix, tok_emb(caption)) [B, P + C, H]
+        --> course decoder --> logits [B, P + C, V]
 
 The encoder is SigLIP's vision tower (Zhai et al. 2023; ``transformers``' ``SiglipVisionModel`` with
 ``vision_use_head=False``, module for module, and a test checks they agree): a patch embedding (a
@@ -79,16 +79,16 @@ class VisionConfig:
 @dataclass(frozen=True)
 class MultimodalConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
-    decoder: ModelConfig = field(
-        default_factory=lambda: ModelConfig(n_layer=4)
-    )  # 4 layers: a stage each on 4 ranks
+    # 4 layers: a stage each on 4 ranks
+    decoder: ModelConfig = field(default_factory=lambda: ModelConfig(n_layer=4))
     caption_len: int = shapes.CAPTION_LEN
 
     def __post_init__(self):
         if self.seq_len > self.decoder.seq_len:
             raise ValueError(
-                f"the decoder reads n_prefix + caption_len = {self.seq_len} tokens but its rotary table "
-                f"has decoder.seq_len={self.decoder.seq_len}; use decoder.seq_len >= {self.seq_len}"
+                f"the decoder reads n_prefix + caption_len = {self.seq_len} tokens but its rotary"
+                f" table has decoder.seq_len={self.decoder.seq_len};"
+                f" use decoder.seq_len >= {self.seq_len}"
             )
 
     @property
@@ -120,9 +120,10 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(4)
-        )
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
         B, P, E = x.shape
