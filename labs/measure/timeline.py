@@ -104,7 +104,8 @@ def plot_gantt(
     from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.5 + 0.5 * max(1, len({e.rank for e in events}))))
+        n_ranks = len({e.rank for e in events})
+        _, ax = plt.subplots(figsize=(10, 0.5 + 0.5 * max(1, n_ranks)))
     cmap = plt.get_cmap("tab20")
     keys = sorted({str(e.meta.get(color_by, e.name)) for e in events})
     colour = {k: cmap(i % 20) for i, k in enumerate(keys)}

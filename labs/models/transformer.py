@@ -246,4 +246,5 @@ def build_model(
 
 def count_params(model: nn.Module) -> int:
     """Unique parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for p in unique.values())

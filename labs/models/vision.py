@@ -26,6 +26,7 @@ L = P + C decoder tokens, H decoder width, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,9 @@ import torch.nn.functional as F
 
 from labs.data import shapes
 from labs.models.transformer import ModelConfig, build_model, run_blocks
+
+if TYPE_CHECKING:
+    from transformers import SiglipVisionModel
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class VisionEmbeddings(nn.Module):
         )
         self.position_embedding = nn.Embedding(cfg.n_patches, cfg.n_embd)
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(images)  # [B, E, S/p, S/p]
         x = x.flatten(2).transpose(1, 2)  # [B, P, E]
         return x + self.position_embedding.weight
@@ -125,7 +129,7 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, P, E = x.shape
         q, k, v = (
             proj(x).view(B, P, self.n_head, -1).transpose(1, 2)  # [B, nh, P, hd] each
@@ -141,7 +145,7 @@ class VisionMLP(nn.Module):
         self.fc1 = nn.Linear(cfg.n_embd, cfg.mlp_hidden)
         self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.n_embd)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # [B, P, F_enc] -> [B, P, E]
 
 
@@ -153,7 +157,7 @@ class VisionBlock(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
         return x + self.mlp(self.layer_norm2(x))
 
@@ -168,7 +172,7 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.n_layer))
         self.post_layernorm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.embeddings(images)  # [B, P, E]
         for block in self.layers:
             x = block(x)
@@ -183,7 +187,7 @@ class Projector(nn.Module):
         self.fc1 = nn.Linear(vision_embd, text_embd)
         self.fc2 = nn.Linear(text_embd, text_embd)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))  # [B, P, E] -> [B, P, H]
 
 
@@ -216,7 +220,9 @@ class MultimodalModel(nn.Module):
         self.projector = Projector(cfg.vision.n_embd, cfg.decoder.n_embd)
         self.decoder = decoder
 
-    def forward(self, images, tokens, targets=None):
+    def forward(
+        self, images: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """images [B, C, S, S], tokens [B, L] -> logits [B, L, V]; with targets also the caption
         loss."""
         prefix = self.projector(self.encoder(images))  # [B, P, H]
@@ -269,7 +275,7 @@ def hf_siglip_name(name: str) -> str:
     return name.replace("layers.", "encoder.layers.", 1) if name.startswith("layers.") else name
 
 
-def to_hf_siglip(encoder: VisionEncoder):
+def to_hf_siglip(encoder: VisionEncoder) -> SiglipVisionModel:
     """A ``SiglipVisionModel`` (no pooling head) holding copies of ``encoder``'s weights."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 

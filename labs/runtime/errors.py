@@ -1,5 +1,4 @@
-"""How a launch fails: the exceptions ``launch`` raises, and the choice of which rank's story to
-tell.
+"""How a launch fails: the exceptions ``launch`` raises, and which rank's story they tell.
 
 When one rank fails, its peers usually fail a moment later ("connection reset by peer",
 blocked in a collective with a rank that is gone). The error names the root cause: a rank's

@@ -1,5 +1,5 @@
-"""Activation memory: the bytes autograd keeps for backward, per rank and per micro-batch. Pure
-Python.
+"""Activation memory: the bytes autograd keeps for backward, per rank and per micro-batch.
+Pure Python.
 
 Two models of the same thing (notebook 01 compares them):
 

@@ -1,5 +1,5 @@
-"""An encoder in front of the decoder: its parameters, activations, FLOPs, and what it does to a
-pipeline. Pure Python.
+"""An encoder in front of the decoder: its parameters, activations, FLOPs, and what it does to
+a pipeline. Pure Python.
 
     enc = ENCODERS["siglip-so400m"]        # or EncoderSpec(tokens=..., hidden=..., ...)
     memory_per_rank_with_encoder(

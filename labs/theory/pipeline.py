@@ -1,5 +1,5 @@
-"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart. Pure
-Python.
+"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart.
+Pure Python.
 
     python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
     simulate("interleaved", 4, 8, virtual=2)["bubble_fraction"]     # 3/19, from the schedule itself

@@ -1,5 +1,5 @@
-"""Tensor and sequence parallelism on paper: what each rank holds, computes and sends. Pure
-Python.
+"""Tensor and sequence parallelism on paper: what each rank holds, computes and sends.
+Pure Python.
 
     # one block, op by op: shapes per rank, collectives
     block_flow(spec, tp=2, sp=True, batch=8, seq=32)

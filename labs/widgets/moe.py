@@ -233,6 +233,7 @@ def routing_visualizer(**initial):
     for box in boxes.values():
         box.observe(redraw, "value")
     redraw()
-    box = w.VBox([w.HBox(list(boxes.values())[:3]), w.HBox(list(boxes.values())[3:]), text, out])
+    controls = list(boxes.values())
+    box = w.VBox([w.HBox(controls[:3]), w.HBox(controls[3:]), text, out])
     display(box)
     return box

@@ -156,7 +156,9 @@ def draw_plan(s: dict):
         )
     comm.set_ylabel("GB sent per GPU per step")
     comm.set_yscale("log")
-    comm.set_ylim(max(min([g for g in gb if g > 0] + [1.0]) / 10, 1e-6), max(gb + [1e-6]) * 20)
+    # a log scale: a decade below the smallest bar that is not empty, room for labels above
+    smallest = min([g for g in gb if g > 0] + [1.0])
+    comm.set_ylim(max(smallest / 10, 1e-6), max(gb + [1e-6]) * 20)
     comm.set_title("communication (grey: between nodes)", fontsize=9)
     pieces = (
         ("compute", s["compute_s"], "tab:blue"),
