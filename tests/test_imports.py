@@ -200,6 +200,37 @@ def test_the_graph_is_read():
     assert ("labs.theory.exports", "yaml") in edges  # a function-level import
 
 
+def test_imports_are_resolved(tmp_path):
+    """Relative imports, ``from pkg import submodule``, attributes of a module, function-level
+    and type-checking-only imports, on a made-up module ``labs.pkg.mod``."""
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import sibling\n"
+        "from .sibling import helper\n"
+        "from .. import top\n"
+        "from labs.theory import zero\n"
+        "import labs.theory.memory as memory\n"
+        "if TYPE_CHECKING:\n"
+        "    import torch.distributed as dist\n"
+        "def later():\n"
+        "    from labs.runtime.impl import exercise\n"
+    )
+    names = ("labs", "labs.top", "labs.pkg", "labs.pkg.sibling", "labs.theory")
+    names += ("labs.theory.zero", "labs.theory.memory", "labs.runtime.impl")
+    modules = {name: path for name in names}
+    edges = {(edge.target, edge.typing_only) for edge in edges_of("labs.pkg.mod", path, modules)}
+    assert edges == {
+        ("typing", False),
+        ("labs.pkg.sibling", False),
+        ("labs.top", False),
+        ("labs.theory.zero", False),
+        ("labs.theory.memory", False),
+        ("torch", True),
+        ("labs.runtime.impl", False),
+    }
+
+
 def test_cycles_are_found():
     """The cycle finder on a made-up graph: a -> b -> c -> a is found, d -> a is not a cycle."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
