@@ -4,6 +4,7 @@
     ref.losses          # [loss at step 1, ..., loss at step 5]
     ref.grads           # {name: gradient after step 1's backward}   (return_grads=True)
     ref.params          # {name: parameter after the last step}
+    ref = train_multimodal_reference(MultimodalConfig(), TrainConfig(steps=5))   # notebook 11
 
 A parallel lab builds the same model from the same seed, trains with the same
 optimizer settings on the same global batches (``labs.data.global_batches``) and
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labs.data import global_batches
+from labs.data import global_batches, shapes
 from labs.models.transformer import ModelConfig, build_model
+from labs.models.vision import MultimodalConfig, build_multimodal
 from labs.runtime.device import one_thread
 
 # Relative tolerances for comparing a parallel run with the reference, by dtype. In
@@ -145,6 +147,39 @@ def _train_reference(
         result.losses.append(loss.item())
     result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result
+
+
+def multimodal_data_for(
+    cfg: MultimodalConfig, train: TrainConfig, dp: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The vision-language model's global batch of every step, (images, tokens, targets), laid
+    out as ``dp`` data-parallel ranks load it (``train.batch_size`` sequences in all,
+    ``train.data_seed`` orders them; ``train.seq_len`` is unused: a sequence is n_prefix +
+    caption_len tokens)."""
+    return shapes.global_batches(
+        steps=train.steps,
+        batch_size=train.per_rank_batch(dp),
+        n_prefix=cfg.n_prefix,
+        world_size=dp,
+        seed=train.data_seed,
+        image_size=cfg.vision.image_size,
+    )
+
+
+def train_multimodal_reference(
+    cfg: MultimodalConfig, train: TrainConfig, *, dp: int = 1, return_grads: bool = False
+) -> ReferenceResult:
+    """The single-process run every parallel mode of notebook 11 is compared with:
+    ``train_reference`` on ``build_multimodal(cfg, train.seed)`` and the (images, tokens,
+    targets) global batches. Returns ``losses``, ``grads`` (by name, after step 1's backward;
+    with ``return_grads``) and ``params``."""
+    return train_reference(
+        cfg.decoder,
+        train,
+        model=build_multimodal(cfg, seed=train.seed),
+        batches=multimodal_data_for(cfg, train, dp),
+        return_grads=return_grads,
+    )
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

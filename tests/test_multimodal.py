@@ -11,16 +11,8 @@ from labs.data import shapes
 from labs.experiments import multimodal as experiment
 from labs.experiments import multimodal_timeline
 from labs.experiments.common import SUMMARY_KEYS
-from labs.models.vision import (
-    MultimodalConfig,
-    build_multimodal,
-    data_for,
-    describe,
-    fuse,
-    to_hf_siglip,
-    train_reference,
-)
-from labs.train import TOLERANCES, TrainConfig
+from labs.models.vision import MultimodalConfig, build_multimodal, describe, fuse, to_hf_siglip
+from labs.train import TOLERANCES, TrainConfig, multimodal_data_for, train_multimodal_reference
 from tests.helpers import run_json
 
 TOL = TOLERANCES[torch.float32]  # 1e-5: fp32; sums split across ranks add in another order
@@ -130,7 +122,7 @@ def test_bad_input_is_a_clear_value_error(kw, message):
 # ----------------------------------------------------
 def test_encoder_is_siglip_bit_for_bit():
     model = build_multimodal(MultimodalConfig())
-    images = data_for(model.cfg, TrainConfig(steps=1, batch_size=4))[0][0]
+    images = multimodal_data_for(model.cfg, TrainConfig(steps=1, batch_size=4))[0][0]
     with torch.no_grad():
         ours = model.encoder(images)
         theirs = to_hf_siglip(model.encoder)(pixel_values=images).last_hidden_state
@@ -140,7 +132,7 @@ def test_encoder_is_siglip_bit_for_bit():
 def test_prefix_takes_the_placeholders_place():
     cfg = MultimodalConfig()
     model = build_multimodal(cfg)
-    images, tokens, targets = data_for(cfg, TrainConfig(steps=1, batch_size=2))[0]
+    images, tokens, targets = multimodal_data_for(cfg, TrainConfig(steps=1, batch_size=2))[0]
     prefix = model.projector(model.encoder(images))
     h = fuse(model.decoder, prefix, tokens)
     assert h.shape == (2, cfg.seq_len, cfg.decoder.n_embd)
@@ -187,8 +179,8 @@ def test_captions_name_what_the_image_shows():
 
 def test_reference_learns_to_caption():
     cfg = MultimodalConfig()
-    ref = train_reference(cfg, TrainConfig(steps=30, batch_size=16, lr=1e-2))
+    ref = train_multimodal_reference(cfg, TrainConfig(steps=30, batch_size=16, lr=1e-2))
     assert ref.losses[-1] < 0.5 * ref.losses[0], ref.losses
     model = build_multimodal(cfg)
-    captions = describe(model, data_for(cfg, TrainConfig(steps=1, batch_size=2))[0][0])
+    captions = describe(model, multimodal_data_for(cfg, TrainConfig(steps=1, batch_size=2))[0][0])
     assert len(captions) == 2 and all(isinstance(c, str) for c in captions)

@@ -1,7 +1,9 @@
 """The shipped corpus, a byte-level tokenizer, and seeded batches for one rank or for all.
 
-    x, y = rank_batches(steps=5, batch_size=4, seq_len=32, rank=1, world_size=2)[0]   # rank 1's first batch
-    x, y = global_batches(steps=5, batch_size=4, seq_len=32, world_size=2)[0]        # both ranks' batches, stacked
+    # rank 1's first batch
+    x, y = rank_batches(steps=5, batch_size=4, seq_len=32, rank=1, world_size=2)[0]
+    # both ranks' first batches, stacked
+    x, y = global_batches(steps=5, batch_size=4, seq_len=32, world_size=2)[0]
 
 The data set is the corpus cut into non-overlapping windows of ``seq_len + 1`` bytes
 (inputs and next-byte targets). ``torch.utils.data.DistributedSampler`` gives each rank
@@ -12,6 +14,7 @@ that global batch, which is why data-parallel losses can match it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,9 +29,11 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
         return list(text.encode("utf-8"))
 
-    def decode(self, tokens) -> str:
+    def decode(self, tokens: Iterable[int]) -> str:
+        """The text of the bytes ``tokens`` (an invalid sequence becomes U+FFFD)."""
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
@@ -38,8 +43,8 @@ def load_corpus() -> torch.Tensor:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of the corpus: item i is (x, y), each ``[seq_len]``, y = x shifted by
-    one."""
+    """Non-overlapping windows of the corpus: item i is (x, y), each ``[seq_len]``, y = x shifted
+    by one."""
 
     def __init__(self, seq_len: int, tokens: torch.Tensor | None = None):
         if seq_len < 1:
@@ -55,7 +60,7 @@ class TokenWindows(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1]
         return chunk[:-1], chunk[1:]
 
@@ -77,7 +82,8 @@ def make_loader(
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
     )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True), sampler
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    return loader, sampler
 
 
 def rank_batches(
@@ -91,7 +97,8 @@ def rank_batches(
     dataset: Dataset | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """The first ``steps`` batches this rank sees, ``[batch_size, seq_len]`` each, across epochs
-    (``dataset``: another data set than the corpus's token windows; its samples' parts, batched)."""
+    (``dataset``: another data set than the corpus's token windows; its samples' parts,
+    batched)."""
     loader, sampler = make_loader(
         batch_size=batch_size,
         seq_len=seq_len,
@@ -101,13 +108,13 @@ def rank_batches(
         dataset=dataset,
     )
     if len(loader) == 0:
-        what = (
-            f"windows of {seq_len} do not fit the corpus"
-            if dataset is None
-            else f"exceeds the {len(dataset)} samples"
-        )
+        if dataset is None:
+            what = f"windows of {seq_len} do not fit the corpus"
+        else:
+            what = f"exceeds the {len(dataset)} samples"
         raise ValueError(f"batch_size={batch_size} x world_size={world_size} {what}")
-    out, epoch = [], 0
+    out = []
+    epoch = 0
     while len(out) < steps:
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -141,7 +148,8 @@ def global_batches(
         )
         for r in range(world_size)
     ]
-    return [
-        tuple(torch.cat(parts) for parts in zip(*(per_rank[r][s] for r in range(world_size))))
-        for s in range(steps)
-    ]
+    out = []
+    for s in range(steps):
+        ranks = [per_rank[r][s] for r in range(world_size)]  # each a tuple of parts, (x, y)
+        out.append(tuple(torch.cat(parts) for parts in zip(*ranks)))
+    return out

@@ -88,18 +88,23 @@ FACTS = [
     "A ring all-reduce sends two times n minus one over n of the tensor from every rank.",
     "Data parallelism keeps a full copy of the model on every rank and averages the gradients.",
     "ZeRO shards the optimizer state first, then the gradients, then the parameters themselves.",
-    "Tensor parallelism splits each weight matrix by columns or by rows across the ranks of a node.",
+    "Tensor parallelism splits each weight matrix by columns or by rows"
+    " across the ranks of a node.",
     "A pipeline cuts the model into stages and feeds them micro-batches to keep every stage busy.",
     "The bubble of a pipeline shrinks when there are many more micro-batches than stages.",
-    "Ring attention passes key and value blocks around the ring and merges partial softmax results.",
-    "A mixture of experts sends each token to a few experts and adds their outputs with router weights.",
-    "Activation checkpointing saves memory by computing the forward pass a second time in backward.",
+    "Ring attention passes key and value blocks around the ring"
+    " and merges partial softmax results.",
+    "A mixture of experts sends each token to a few experts"
+    " and adds their outputs with router weights.",
+    "Activation checkpointing saves memory by computing the forward pass"
+    " a second time in backward.",
     "The same seed gives the same weights, the same data and the same losses on every machine.",
 ]
 NUMBERS = ["one", "two", "three", "four", "eight", "sixteen", "thirty two", "sixty four"]
 
 
 def sentence(rng: random.Random) -> str:
+    """One sentence: a fact, a "with n ranks" sentence, or one or two clauses from the lists."""
     kind = rng.random()
     if kind < 0.15:
         return rng.choice(FACTS)
@@ -118,8 +123,10 @@ def sentence(rng: random.Random) -> str:
 
 
 def generate(n_bytes: int = 200_000, seed: int = 1234) -> str:
+    """Paragraphs of 3 to 7 sentences until the text reaches ``n_bytes``."""
     rng = random.Random(seed)
-    paragraphs, size = [], 0
+    paragraphs = []
+    size = 0
     while size < n_bytes:
         paragraph = " ".join(sentence(rng) for _ in range(rng.randint(3, 7)))
         paragraphs.append(paragraph)

@@ -1,9 +1,11 @@
-"""Synthetic image-caption pairs: a coloured shape on a dark, noisy background, and a caption naming
-it.
+"""Synthetic image-caption pairs: a coloured shape on a dark, noisy background, and a caption
+naming it.
 
     ds = ShapesDataset(seed=0)
-    image, caption = ds[3]          # [3, 16, 16] float in [0, 1], [CAPTION_LEN] byte tokens ("a small red circle ...")
-    images, tokens, targets = global_batches(steps=5, batch_size=8, n_prefix=16)[0]   # one step's global batch
+    # [3, 16, 16] float in [0, 1], [CAPTION_LEN] byte tokens ("a small red circle ...")
+    image, caption = ds[3]
+    # one step's global batch
+    images, tokens, targets = global_batches(steps=5, batch_size=8, n_prefix=16)[0]
 
 Nothing is downloaded: sample i is drawn from a generator seeded with (seed, i), so any rank
 can render any sample and the data set is the same on every machine. Captions are
@@ -50,6 +52,7 @@ DATASET_SIZE = 4096
 
 
 def caption(size: str, colour: str, shape: str) -> str:
+    """The caption of a shape, padded with spaces to ``CAPTION_LEN``."""
     return f"a {size} {colour} {shape}".ljust(CAPTION_LEN)
 
 
@@ -63,11 +66,10 @@ def render(
     noise: torch.Tensor,
     image_size: int = IMAGE_SIZE,
 ) -> torch.Tensor:
-    """One image [3, S, S]: ``shape`` of half-width ``half`` centred at (cy, cx) over ``noise`` [3,
-    S, S]."""
-    y, x = torch.meshgrid(
-        torch.arange(image_size), torch.arange(image_size), indexing="ij"
-    )  # [S, S] each
+    """One image [3, S, S]: ``shape`` of half-width ``half`` centred at (cy, cx) over ``noise``
+    [3, S, S]."""
+    side = torch.arange(image_size)
+    y, x = torch.meshgrid(side, side, indexing="ij")  # [S, S] each
     dy = (y - cy).abs()
     dx = (x - cx).abs()
     if shape == "square":
@@ -106,7 +108,10 @@ class ShapesDataset(Dataset):
     def describe(self, i: int) -> dict:
         """The attributes of sample i (what its caption says and where the shape is)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
+
+        def pick(options: tuple) -> object:
+            return options[int(torch.randint(len(options), (1,), generator=g))]
+
         size = pick(tuple(SIZES))
         colour = pick(tuple(COLOURS))
         shape = pick(SHAPES)
@@ -122,7 +127,7 @@ class ShapesDataset(Dataset):
             "generator": g,
         }
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.describe(i)
         noise = 0.1 + 0.05 * torch.randn(
             3, self.image_size, self.image_size, generator=d["generator"]
@@ -147,9 +152,8 @@ def with_prefix(captions: torch.Tensor, n_prefix: int) -> tuple[torch.Tensor, to
     if n_prefix < 1:
         raise ValueError(f"n_prefix must be >= 1, got {n_prefix}")
     B, C = captions.shape
-    tokens = torch.cat(
-        [torch.full((B, n_prefix), IMAGE_TOKEN, dtype=torch.long), captions], dim=1
-    )  # [B, P+C]
+    placeholders = torch.full((B, n_prefix), IMAGE_TOKEN, dtype=torch.long)  # [B, P]
+    tokens = torch.cat([placeholders, captions], dim=1)  # [B, P+C]
     targets = torch.full_like(tokens, IGNORE)
     targets[:, n_prefix - 1 : -1] = captions  # position P-1+j predicts caption byte j
     return tokens, targets
@@ -168,9 +172,8 @@ def rank_batches(
     """This rank's first ``steps`` batches: (images [b, 3, S, S], tokens [b, L], targets [b, L]),
     b = ``batch_size``, L = ``n_prefix`` + CAPTION_LEN; across epochs as
     ``labs.data.rank_batches``."""
-    dataset = ShapesDataset(
-        seed=0, image_size=image_size
-    )  # the data set is fixed; ``seed`` orders it
+    # the data set is fixed; ``seed`` orders it
+    dataset = ShapesDataset(seed=0, image_size=image_size)
     batches = data.rank_batches(
         steps=steps,
         batch_size=batch_size,

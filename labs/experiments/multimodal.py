@@ -14,7 +14,7 @@ Modes (``labs/multimodal.py``, which reuses notebooks 02-05's exercises):
 * ``tp``: notebook 04's tensor-parallel decoder, the encoder and projector replicated.
 
 Checked, every mode: every step's loss (the last stage's, the ranks' mean for dp) against the
-single-process run on the same global batches (``labs.models.vision.train_reference``, fp32, 1e-5
+single-process run on the same global batches (``labs.train.train_multimodal_reference``, fp32, 1e-5
 relative); step 1's gradients by name (replicated ones on every rank); bytes each rank sends (the
 ledger) and bytes of state it holds against ``labs.theory``; for tp, that the encoder replicas stay
 bit-identical with no communication. ``vs_torch`` (dp only): torch's ``DistributedDataParallel`` on

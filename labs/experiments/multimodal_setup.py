@@ -9,13 +9,13 @@ from typing import NamedTuple
 
 from labs.experiments.common import course_spec
 from labs.models.transformer import ModelConfig
-from labs.models.vision import MultimodalConfig, VisionConfig, train_reference
+from labs.models.vision import MultimodalConfig, VisionConfig
 from labs.theory import multimodal as theory
 from labs.theory import tensor_parallel as tp_theory
 from labs.theory import zero as zero_theory
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.memory import ModelSpec
-from labs.train import ReferenceResult, TrainConfig
+from labs.train import ReferenceResult, TrainConfig, train_multimodal_reference
 
 MODES = ("pp", "dp", "tp")
 SIZES = {
@@ -89,5 +89,5 @@ def check_args(
 
 def reference_run(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> ReferenceResult:
     """The single-process run on the same global batches (on ``dp`` ranks' shares), with step 1's
-    gradients (``labs.models.vision.train_reference``)."""
-    return train_reference(cfg, train, dp=dp, return_grads=True)
+    gradients (``labs.train.train_multimodal_reference``)."""
+    return train_multimodal_reference(cfg, train, dp=dp, return_grads=True)

@@ -20,11 +20,11 @@ from labs.data import shapes
 from labs.experiments.zero import held_bytes
 from labs.measure import CommLedger, Timeline, state_bytes
 from labs.measure.timing import StepTimer
-from labs.models.vision import MultimodalConfig, build_multimodal, data_for
+from labs.models.vision import MultimodalConfig, build_multimodal
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import report_progress
-from labs.train import TrainConfig, make_optimizer
+from labs.train import TrainConfig, make_optimizer, multimodal_data_for
 
 
 def reference_name(name: str) -> str:
@@ -57,7 +57,7 @@ def pp_worker(
     mm = exercise("multimodal")
     pp = exercise("pipeline_parallel")
     pipe = pp.pipe_group()
-    batches = _on(pipe.device, data_for(cfg, train))
+    batches = _on(pipe.device, multimodal_data_for(cfg, train))
     runs = []
     for split in splits:
         model = build_multimodal(cfg, seed=train.seed, device=pipe.device)
@@ -170,7 +170,7 @@ def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
     optimizer = make_optimizer(model.parameters(), train)
     out = {"losses": []}
     timer = StepTimer(device)
-    for step, (images, tokens, targets) in enumerate(_on(device, data_for(cfg, train))):
+    for step, (images, tokens, targets) in enumerate(_on(device, multimodal_data_for(cfg, train))):
         with timer.step():
             optimizer.zero_grad(set_to_none=True)
             if step == 0:  # the first step under the ledger, by phase

@@ -14,16 +14,16 @@ so lab code keeps calling plain ``dist.all_reduce(...)``. Each call records:
 * ``sent_bytes``: what this rank sends under the textbook algorithm for that collective,
   from the group size ``N`` (the same expressions as ``labs.theory.comm``):
 
-  ============================  ==========================================  =================
-  op                            sent per rank                               K is
-  ============================  ==========================================  =================
-  all_reduce                    2 (N-1)/N K   (ring: reduce-scatter + all-gather)   the tensor
-  reduce_scatter_single         (N-1)/N K                                   the full input
-  all_gather_single             (N-1)/N K                                   the full output
-  broadcast, reduce             (N-1)/N K   (pipelined chain, averaged)      the tensor
-  all_to_all_single             bytes of the rows leaving for other ranks   exact
-  send / isend                  K                                           exact
-  ============================  ==========================================  =================
+  =====================  ===========================================  ===============
+  op                     sent per rank                                K is
+  =====================  ===========================================  ===============
+  all_reduce             2 (N-1)/N K (ring: reduce-scatter, gather)   the tensor
+  reduce_scatter_single  (N-1)/N K                                    the full input
+  all_gather_single      (N-1)/N K                                    the full output
+  broadcast, reduce      (N-1)/N K (pipelined chain, averaged)        the tensor
+  all_to_all_single      bytes of the rows leaving for other ranks    exact
+  send / isend           K                                            exact
+  =====================  ===========================================  ===============
 
 For point-to-point and all-to-all the figure is exact; for the others it is the
 algorithm's cost, what the course's theory predicts. Our hand-written collectives are
@@ -40,8 +40,10 @@ import functools
 import inspect
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -82,11 +84,18 @@ class CommRecord:
     phase: str  # the label of the enclosing ``ledger.phase(...)`` block
 
 
+class GroupBytes(NamedTuple):
+    """Bytes this rank sent on one process group."""
+
+    group: dist.ProcessGroup | None  # None: the default group
+    sent_bytes: float
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _group_size(group) -> int:
+def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
@@ -103,7 +112,7 @@ class CommLedger:
     def __init__(self):
         self.records: list[CommRecord] = []
         # the ProcessGroup of each record (None: the default group), in-process only
-        self.groups: list = []
+        self.groups: list[dist.ProcessGroup | None] = []
         self._phase = ""
         self._originals: dict[tuple[object, str], object] = {}
         self._depth = threading.local()  # nested calls (batch_isend_irecv -> isend) count once
@@ -129,9 +138,10 @@ class CommLedger:
         CommLedger._active = None
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str) -> Iterator[None]:
         """Label the collectives issued inside the block, e.g. ``ledger.phase("backward")``."""
-        previous, self._phase = self._phase, name
+        previous = self._phase
+        self._phase = name
         try:
             yield
         finally:
@@ -147,13 +157,15 @@ class CommLedger:
     def payload_bytes(self, op: str | None = None, phase: str | None = None) -> int:
         return sum(r.payload_bytes for r in self._select(op, phase))
 
-    def sent_bytes_by_group(self) -> list[tuple[object, float]]:
-        """(process group, bytes this rank sent on it) for every group used; None is the default
-        group."""
-        out: dict[int, list] = {}
+    def sent_bytes_by_group(self) -> list[GroupBytes]:
+        """(process group, bytes this rank sent on it) for every group used, in order of first
+        use; None is the default group."""
+        groups: dict[int, dist.ProcessGroup | None] = {}
+        sent: dict[int, float] = {}
         for group, r in zip(self.groups, self.records):
-            out.setdefault(id(group), [group, 0.0])[1] += r.sent_bytes
-        return [tuple(v) for v in out.values()]
+            groups.setdefault(id(group), group)
+            sent[id(group)] = sent.get(id(group), 0.0) + r.sent_bytes
+        return [GroupBytes(groups[key], sent[key]) for key in groups]
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per op: number of calls, payload bytes and bytes sent by this rank."""
@@ -170,7 +182,7 @@ class CommLedger:
         self.records.clear()
         self.groups.clear()
 
-    def _select(self, op, phase):
+    def _select(self, op: str | None, phase: str | None) -> list[CommRecord]:
         return [
             r
             for r in self.records
@@ -178,7 +190,7 @@ class CommLedger:
         ]
 
     # --- recording ----------------------------------------------------------------
-    def _wrap(self, op, original):
+    def _wrap(self, op: str, original: Callable) -> Callable:
         ledger = self
 
         def recorded(*args, **kwargs):
@@ -195,33 +207,36 @@ class CommLedger:
         recorded.__name__ = op
         return recorded
 
-    def _add(self, op, n, payload, sent, received=0.0, group=None):
-        self.records.append(
-            CommRecord(op, n, int(payload), float(sent), float(received), self._phase)
+    def _add(
+        self,
+        op: str,
+        n: int,
+        payload: int,
+        sent: float,
+        received: float = 0.0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        record = CommRecord(
+            op=op,
+            group_size=n,
+            payload_bytes=int(payload),
+            sent_bytes=float(sent),
+            recv_bytes=float(received),
+            phase=self._phase,
         )
+        self.records.append(record)
         self.groups.append(group)
 
-    def _record(self, op, args, kwargs):
+    def _record(self, op: str, args: tuple, kwargs: dict[str, Any]) -> None:
         if op == "batch_isend_irecv":
             for p2p in _bind(op, args, kwargs)["p2p_op_list"]:
                 name = getattr(p2p.op, "__name__", str(p2p.op))
-                k = _nbytes(p2p.tensor)
-                self._add(
-                    name, 2, k, k if name == "isend" else 0, k if name == "irecv" else 0, p2p.group
-                )
+                self._record_p2p(name, p2p.tensor, p2p.group)
             return
         a = _bind(op, args, kwargs)
         group = a.get("group")
         if op in ("send", "isend", "recv", "irecv"):
-            k = _nbytes(a["tensor"])
-            self._add(
-                op,
-                2,
-                k,
-                k if op in ("send", "isend") else 0,
-                k if op in ("recv", "irecv") else 0,
-                group,
-            )
+            self._record_p2p(op, a["tensor"], group)
             return
         n = _group_size(group)
         if op == "all_reduce":
@@ -243,7 +258,14 @@ class CommLedger:
             return
         self._add(op, n, k, ring_fraction(n) * k, ring_fraction(n) * k, group)
 
-    def _record_all_to_all(self, a, n):
+    def _record_p2p(self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """A send counts its tensor as sent, a receive as received (group size 2: a pair)."""
+        k = _nbytes(tensor)
+        sent = k if op in ("send", "isend") else 0
+        received = k if op in ("recv", "irecv") else 0
+        self._add(op, 2, k, sent, received, group)
+
+    def _record_all_to_all(self, a: dict[str, Any], n: int) -> None:
         """Exact bytes: the rows of ``input`` bound for other ranks, and those arriving from
         them."""
         output = a["output"]
@@ -263,6 +285,6 @@ def _signature(op: str) -> inspect.Signature:
     return inspect.signature(getattr(c10d, op))
 
 
-def _bind(op: str, args, kwargs) -> dict:
+def _bind(op: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by name, whether passed by position or keyword."""
     return _signature(op).bind_partial(*args, **kwargs).arguments

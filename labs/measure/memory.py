@@ -18,6 +18,8 @@ parameters, so their storages are excluded.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -27,7 +29,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _unique_bytes(tensors) -> int:
+def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     seen = set()
     total = 0
     for t in tensors:
@@ -45,11 +47,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def param_bytes(params) -> int:
+def param_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the parameters this rank holds (shared storage counted once)."""
     return _unique_bytes(_local(p) for p in params)
 
 
-def grad_bytes(params) -> int:
+def grad_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the parameters' gradients this rank holds."""
     return _unique_bytes(_local(p.grad) for p in params if p.grad is not None)
 
 
@@ -68,8 +72,10 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def state_bytes(
-    model_or_params, optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None
-) -> dict:
+    model_or_params: torch.nn.Module | Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, int] | None = None,
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state held by this rank.
 
     ``model_or_params`` is a module or an iterable of tensors (a ZeRO rank's shards).
@@ -98,7 +104,7 @@ class SavedActivations:
     when code inside wraps parts with ``saved.region("name")``.
     """
 
-    def __init__(self, exclude=None):
+    def __init__(self, exclude: torch.nn.Module | Iterable[torch.Tensor] | None = None):
         if isinstance(exclude, torch.nn.Module):
             exclude = list(exclude.parameters())
         self._excluded = {_local(p).untyped_storage().data_ptr() for p in (exclude or [])}
@@ -110,11 +116,17 @@ class SavedActivations:
         self._region = "other"
         self._hooks = None
 
-    def region(self, name: str):
+    @contextmanager
+    def region(self, name: str) -> Iterator[None]:
         """Attribute what is saved inside the ``with`` block to ``name``."""
-        return _Region(self, name)
+        previous = self._region
+        self._region = name
+        try:
+            yield
+        finally:
+            self._region = previous
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
@@ -137,18 +149,6 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-
-
-class _Region:
-    def __init__(self, meter: SavedActivations, name: str):
-        self.meter = meter
-        self.name = name
-
-    def __enter__(self):
-        self.previous, self.meter._region = self.meter._region, self.name
-
-    def __exit__(self, *exc):
-        self.meter._region = self.previous
 
 
 def peak_device_bytes(device: torch.device) -> int | None:

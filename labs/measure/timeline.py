@@ -15,12 +15,17 @@ reading the clock, so a span measures work, not launch time.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from labs.runtime.device import rank_device, synchronize
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class Event:
     name: str  # e.g. "F", "B", "all_reduce", "optimizer"
     start: float  # seconds since the timeline's origin
     end: float
-    meta: dict = field(default_factory=dict)  # e.g. {"microbatch": 3, "chunk": 0}
+    meta: dict[str, Any] = field(default_factory=dict)  # e.g. {"microbatch": 3, "chunk": 0}
 
     @property
     def duration(self) -> float:
@@ -49,10 +54,12 @@ class Timeline:
         self.events: list[Event] = []
 
     def now(self) -> float:
+        """Seconds since the timeline was created."""
         return time.perf_counter() - self.origin
 
     @contextmanager
-    def span(self, name: str, **meta):
+    def span(self, name: str, **meta: Any) -> Iterator[None]:
+        """Record the block as one span ``name``; ``meta`` is kept with it (e.g. microbatch=3)."""
         if self.sync:
             synchronize(self.device)
         start = self.now()
@@ -65,6 +72,7 @@ class Timeline:
 
 
 def busy_time(events: list[Event], rank: int) -> float:
+    """Seconds ``rank`` spent inside spans."""
     return sum(e.duration for e in events if e.rank == rank)
 
 
@@ -86,17 +94,18 @@ def idle_fraction(events: list[Event], names: tuple[str, ...] | None = None) -> 
 
 def plot_gantt(
     events: list[Event],
-    ax=None,
+    ax: Axes | None = None,
     color_by: str | None = "microbatch",
     title: str | None = None,
     labels: bool = True,
-):
+) -> Axes:
     """Draw ranks (rows) against time; spans coloured by ``meta[color_by]`` (or by name)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.5 + 0.5 * max(1, len({e.rank for e in events}))))
+        n_ranks = len({e.rank for e in events})
+        _, ax = plt.subplots(figsize=(10, 0.5 + 0.5 * max(1, n_ranks)))
     cmap = plt.get_cmap("tab20")
     keys = sorted({str(e.meta.get(color_by, e.name)) for e in events})
     colour = {k: cmap(i % 20) for i, k in enumerate(keys)}

@@ -13,16 +13,26 @@ model *is* a Llama.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from labs.models.transformer import ModelConfig, build_model
 
+if TYPE_CHECKING:
+    from transformers import (
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PretrainedConfig,
+        PreTrainedModel,
+    )
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the course never downloads
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def llama_config(cfg: ModelConfig):
+def llama_config(cfg: ModelConfig) -> LlamaConfig:
     """A ``transformers.LlamaConfig`` with the course model's dimensions."""
     from transformers import LlamaConfig
 
@@ -52,13 +62,13 @@ def hf_llama_name(name: str) -> str:
         return "model.norm.weight"
     if name == "lm_head.weight":
         return name
-    name = name.replace("attn_norm", "input_layernorm").replace(
-        "mlp_norm", "post_attention_layernorm"
-    )
-    return "model." + name.replace(".attn.", ".self_attn.")
+    name = name.replace("attn_norm", "input_layernorm")
+    name = name.replace("mlp_norm", "post_attention_layernorm")
+    name = name.replace(".attn.", ".self_attn.")
+    return "model." + name
 
 
-def to_hf_llama(model: torch.nn.Module):
+def to_hf_llama(model: torch.nn.Module) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` holding copies of the course model's weights."""
     from transformers import LlamaForCausalLM
 
@@ -75,7 +85,7 @@ def to_hf_llama(model: torch.nn.Module):
     return hf.eval()
 
 
-def build_hf_llama(cfg: ModelConfig, seed: int = 0):
+def build_hf_llama(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` with the weights the course model gets from ``seed``."""
     return to_hf_llama(build_model(cfg, seed))
 
@@ -88,7 +98,7 @@ def build_hf_gpt2(
     n_embd: int = 64,
     n_head: int = 4,
     seed: int = 0,
-):
+) -> GPT2LMHeadModel:
     """A small ``GPT2LMHeadModel`` (learned positions, LayerNorm, GELU MLP, tied head)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -108,7 +118,7 @@ def build_hf_gpt2(
     return GPT2LMHeadModel(config).eval()
 
 
-def meta_model(config):
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
     """Instantiate a ``transformers`` config on the meta device: shapes only, no memory.
     Used to count parameters of Llama-3 70B or 405B on a laptop."""
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,8 @@
 """The course model from a ``transformers`` ``LlamaForCausalLM`` (the inverse of
 ``labs.models.hf.to_hf_llama``).
 
-    full = course_model_from(hf_llama)    # a course Transformer with the same weights (same logits)
-    full = course_model_from(course)      # returned as it is
+    full = course_model_from(hf_llama)   # a course Transformer with the same weights (same logits)
+    full = course_model_from(course)     # returned as it is
 
 Labs that cut a model into shards (tensor parallelism, notebook 04) accept either kind:
 they read the dimensions and the rotary base from the HF config, rename the weights
@@ -13,17 +13,23 @@ scaling, another activation) are a ``ValueError``, not a silently different mode
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.nn as nn
 
 from labs.models.hf import hf_llama_name
 from labs.models.transformer import ModelConfig, Transformer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def course_config_from_hf(config) -> ModelConfig:
+
+def course_config_from_hf(config: PretrainedConfig) -> ModelConfig:
     """The ``ModelConfig`` of a ``transformers.LlamaConfig``."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     unsupported = [
         name
         for name, differs in (
@@ -31,14 +37,14 @@ def course_config_from_hf(config) -> ModelConfig:
             ("mlp_bias", bool(getattr(config, "mlp_bias", False))),
             ("rope_type", rope.get("rope_type", "default") != "default"),
             ("hidden_act", getattr(config, "hidden_act", "silu") != "silu"),
-            ("head_dim", head_dim * config.num_attention_heads != config.hidden_size),
+            ("head_dim", head_dim * heads != config.hidden_size),
         )
         if differs
     ]
     if unsupported:
         raise ValueError(
-            f"this Llama config differs from the course model in {unsupported}; supported: no biases, "
-            "default rotary, silu, head_dim = hidden_size / num_attention_heads"
+            f"this Llama config differs from the course model in {unsupported}; supported:"
+            " no biases, default rotary, silu, head_dim = hidden_size / num_attention_heads"
         )
     return ModelConfig(
         vocab_size=config.vocab_size,
@@ -55,8 +61,8 @@ def course_config_from_hf(config) -> ModelConfig:
 
 
 def course_model_from(model: nn.Module) -> Transformer:
-    """``model`` itself if it is the course model, else a course ``Transformer`` holding copies of a
-    ``LlamaForCausalLM``'s weights (same dtype)."""
+    """``model`` itself if it is the course model, else a course ``Transformer`` holding copies of
+    a ``LlamaForCausalLM``'s weights (same dtype)."""
     if isinstance(model, Transformer):
         return model
     config = getattr(model, "config", None)

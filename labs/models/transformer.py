@@ -18,6 +18,7 @@ hd head dim (H / nh), F MLP hidden (ffn_hidden), V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,13 @@ class ModelConfig:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError(
-                f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary positions"
+                f"head dim n_embd/n_head={self.n_embd // self.n_head} must be even"
+                " for rotary positions"
             )
 
     @property
     def head_dim(self) -> int:
+        """hd = H / nh."""
         return self.n_embd // self.n_head
 
 
@@ -72,30 +75,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for the given token positions: ``[T, hd]`` each."""
-    inv_freq = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    )
+    even = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)  # [hd/2]
+    inv_freq = 1.0 / (theta ** (even / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x):
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] along the last dim: the 90° turn of each channel pair."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary(x, cos, sin):
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels by a position-dependent angle. x: [B, n, T, hd]."""
     return x * cos + rotate_half(x) * sin
 
@@ -113,7 +117,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
-    def project(self, x, cos, sin):
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], q and k rotated by
         ``cos``/``sin``. The head counts come from the weights' shapes, so a tensor-parallel copy
         (nh/tp, nkv/tp heads) projects alike."""
@@ -123,13 +129,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        # Each group of nh/nkv query heads shares one key/value head.
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True
-        )  # [B, nh, T, hd]
+        # Each group of nh/nkv query heads shares one key/value head. [B, nh, T, hd]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, H]
         return self.o_proj(y)
 
@@ -143,11 +147,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, F] -> [B, T, H]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, F]
+        return self.down_proj(hidden)  # [B, T, H]
 
 
 class Block(nn.Module):
+    """Pre-norm residual block: attention, then the MLP."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
@@ -155,13 +162,16 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
 def run_blocks(
-    blocks, x: torch.Tensor, cfg: ModelConfig, positions: torch.Tensor | None = None
+    blocks: Iterable[nn.Module],
+    x: torch.Tensor,
+    cfg: ModelConfig,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decoder ``blocks`` (an iterable) on x [B, T, H] at rotary ``positions`` (default 0..T-1) ->
     [B, T, H]."""
@@ -187,17 +197,22 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, idx, targets=None, positions=None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """idx: [B, T] token ids -> logits [B, T, V]; with targets, also the mean cross-entropy."""
-        if (
-            positions is None
-        ):  # from the ids: under sequence parallelism the embedding returns T/tp tokens
+        if positions is None:
+            # from the ids: under sequence parallelism the embedding returns T/tp tokens
             positions = torch.arange(idx.shape[1], device=idx.device)
         x = run_blocks(self.layers, self.tok_emb(idx), self.cfg, positions)  # [B, T, H]
         logits = self.lm_head(self.norm(x))  # [B, T, V]
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
@@ -211,11 +226,9 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
             if p.dim() == 1:
                 p.fill_(1.0)
                 continue
-            scale = (
-                std / math.sqrt(2 * n_layer)
-                if name.endswith(("o_proj.weight", "down_proj.weight"))
-                else std
-            )
+            scale = std
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                scale = std / math.sqrt(2 * n_layer)
             p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model
 
@@ -233,4 +246,5 @@ def build_model(
 
 def count_params(model: nn.Module) -> int:
     """Unique parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for p in unique.values())

@@ -2,8 +2,8 @@
 
     images [B, 3, S, S] --encoder--> patch features [B, P, E] --projector--> prefix [B, P, H]
     tokens [B, P + C]: P image placeholders, then the caption (labs.data.shapes)
-    decoder input = concat(prefix, tok_emb(caption)) [B, P + C, H] --> course decoder --> logits [B,
-    P + C, V]
+    decoder input = concat(prefix, tok_emb(caption)) [B, P + C, H]
+        --> course decoder --> logits [B, P + C, V]
 
 The encoder is SigLIP's vision tower (Zhai et al. 2023; ``transformers``' ``SiglipVisionModel`` with
 ``vision_use_head=False``, module for module, and a test checks they agree): a patch embedding (a
@@ -26,15 +26,17 @@ L = P + C decoder tokens, H decoder width, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs import train as labs_train
 from labs.data import shapes
 from labs.models.transformer import ModelConfig, build_model, run_blocks
-from labs.train import TrainConfig
+
+if TYPE_CHECKING:
+    from transformers import SiglipVisionModel
 
 
 @dataclass(frozen=True)
@@ -81,16 +83,16 @@ class VisionConfig:
 @dataclass(frozen=True)
 class MultimodalConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
-    decoder: ModelConfig = field(
-        default_factory=lambda: ModelConfig(n_layer=4)
-    )  # 4 layers: a stage each on 4 ranks
+    # 4 layers: a stage each on 4 ranks
+    decoder: ModelConfig = field(default_factory=lambda: ModelConfig(n_layer=4))
     caption_len: int = shapes.CAPTION_LEN
 
     def __post_init__(self):
         if self.seq_len > self.decoder.seq_len:
             raise ValueError(
-                f"the decoder reads n_prefix + caption_len = {self.seq_len} tokens but its rotary table "
-                f"has decoder.seq_len={self.decoder.seq_len}; use decoder.seq_len >= {self.seq_len}"
+                f"the decoder reads n_prefix + caption_len = {self.seq_len} tokens but its rotary"
+                f" table has decoder.seq_len={self.decoder.seq_len};"
+                f" use decoder.seq_len >= {self.seq_len}"
             )
 
     @property
@@ -110,7 +112,7 @@ class VisionEmbeddings(nn.Module):
         )
         self.position_embedding = nn.Embedding(cfg.n_patches, cfg.n_embd)
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(images)  # [B, E, S/p, S/p]
         x = x.flatten(2).transpose(1, 2)  # [B, P, E]
         return x + self.position_embedding.weight
@@ -122,11 +124,12 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(4)
-        )
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, P, E = x.shape
         q, k, v = (
             proj(x).view(B, P, self.n_head, -1).transpose(1, 2)  # [B, nh, P, hd] each
@@ -142,7 +145,7 @@ class VisionMLP(nn.Module):
         self.fc1 = nn.Linear(cfg.n_embd, cfg.mlp_hidden)
         self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.n_embd)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # [B, P, F_enc] -> [B, P, E]
 
 
@@ -154,7 +157,7 @@ class VisionBlock(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
         return x + self.mlp(self.layer_norm2(x))
 
@@ -169,7 +172,7 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.n_layer))
         self.post_layernorm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.embeddings(images)  # [B, P, E]
         for block in self.layers:
             x = block(x)
@@ -184,7 +187,7 @@ class Projector(nn.Module):
         self.fc1 = nn.Linear(vision_embd, text_embd)
         self.fc2 = nn.Linear(text_embd, text_embd)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))  # [B, P, E] -> [B, P, H]
 
 
@@ -217,7 +220,9 @@ class MultimodalModel(nn.Module):
         self.projector = Projector(cfg.vision.n_embd, cfg.decoder.n_embd)
         self.decoder = decoder
 
-    def forward(self, images, tokens, targets=None):
+    def forward(
+        self, images: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """images [B, C, S, S], tokens [B, L] -> logits [B, L, V]; with targets also the caption
         loss."""
         prefix = self.projector(self.encoder(images))  # [B, P, H]
@@ -250,36 +255,6 @@ def build_multimodal(
     return model.to(device)
 
 
-def data_for(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> list[tuple]:
-    """Each step's global batch (images, tokens, targets), laid out as ``dp`` data-parallel ranks
-    load it (``train.batch_size`` sequences in all, ``train.data_seed`` orders them;
-    ``train.seq_len`` is unused: a sequence is n_prefix + caption_len tokens)."""
-    return shapes.global_batches(
-        steps=train.steps,
-        batch_size=train.per_rank_batch(dp),
-        n_prefix=cfg.n_prefix,
-        world_size=dp,
-        seed=train.data_seed,
-        image_size=cfg.vision.image_size,
-    )
-
-
-def train_reference(
-    cfg: MultimodalConfig, train: TrainConfig, *, dp: int = 1, return_grads: bool = False
-) -> labs_train.ReferenceResult:
-    """The single-process run every parallel mode is compared with: ``labs.train.train_reference``
-    on ``build_multimodal(cfg, train.seed)`` and the (images, tokens, targets) global batches.
-    Returns ``losses``, ``grads`` (by name, after step 1's backward; with ``return_grads``) and
-    ``params``."""
-    return labs_train.train_reference(
-        cfg.decoder,
-        train,
-        model=build_multimodal(cfg, seed=train.seed),
-        batches=data_for(cfg, train, dp),
-        return_grads=return_grads,
-    )
-
-
 @torch.no_grad()
 def describe(model: MultimodalModel, images: torch.Tensor) -> list[str]:
     """Greedy captions for ``images`` [B, C, S, S] (what the model says it sees)."""
@@ -300,7 +275,7 @@ def hf_siglip_name(name: str) -> str:
     return name.replace("layers.", "encoder.layers.", 1) if name.startswith("layers.") else name
 
 
-def to_hf_siglip(encoder: VisionEncoder):
+def to_hf_siglip(encoder: VisionEncoder) -> SiglipVisionModel:
     """A ``SiglipVisionModel`` (no pooling head) holding copies of ``encoder``'s weights."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 

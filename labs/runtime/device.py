@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -25,7 +26,7 @@ def synchronize(device: torch.device | None = None) -> None:
 
 
 @contextmanager
-def one_thread():
+def one_thread() -> Iterator[None]:
     """Run the block on one intra-op thread, as every launched rank does. The course's tiny
     single-process references gain nothing from more threads, and while ranks run on a busy
     2-core machine, torch's spinning OpenMP workers make a reference step 10-50x slower."""
@@ -54,7 +55,7 @@ def gpu_names() -> list[str]:
         return []
 
 
-def environment_report() -> dict:
+def environment_report() -> dict[str, object]:
     """What the course will run on here: versions, cores, GPUs and the backend ``launch`` picks."""
     from labs.runtime.impl import implementation
     from labs.runtime.launcher import choose_backend

@@ -1,5 +1,4 @@
-"""How a launch fails: the exceptions ``launch`` raises, and the choice of which rank's story to
-tell.
+"""How a launch fails: the exceptions ``launch`` raises, and which rank's story they tell.
 
 When one rank fails, its peers usually fail a moment later ("connection reset by peer",
 blocked in a collective with a rank that is gone). The error names the root cause: a rank's
@@ -11,6 +10,16 @@ are there, not in any Python exception).
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class RankFailure(NamedTuple):
+    """What a rank that raised sends back to the launcher."""
+
+    exc_type: str  # e.g. "NotImplementedError"
+    message: str
+    traceback: str  # the text of the rank's traceback
 
 
 class RankError(RuntimeError):
@@ -73,6 +82,8 @@ class LaunchTimeout(TimeoutError):
 
 
 def read_stderr(path: str, max_lines: int | None = None) -> str:
+    """The text a rank wrote to stderr, without C++ stack frames; with ``max_lines``, only the last
+    lines up to a fatal error's headline."""
     try:
         with open(path, errors="replace") as f:
             lines = f.read().splitlines()
@@ -95,26 +106,37 @@ def read_stderr(path: str, max_lines: int | None = None) -> str:
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def raise_failure(errors, deaths, returned, stderr_paths):
+def raise_failure(
+    errors: dict[int, Sequence[str]],
+    deaths: dict[int, int | None],
+    returned: list[int],
+    stderr_paths: list[str],
+) -> None:
     """Raise for the root cause: a rank's own exception first, then a death, and only then
-    the errors that ranks raise when a peer vanished from under them."""
-    primary = [r for r in sorted(errors) if not any(s in errors[r][1] for s in _SECONDARY)]
+    the errors that ranks raise when a peer vanished from under them. ``errors``: rank -> the
+    (exc_type, message, traceback) it sent (a ``RankFailure``); ``deaths``: rank -> exit code."""
+    failures = {rank: RankFailure(*sent) for rank, sent in sorted(errors.items())}
+    primary = [
+        rank
+        for rank, failure in failures.items()
+        if not any(s in failure.message for s in _SECONDARY)
+    ]
     context = [f"rank(s) {returned} had already returned"] if returned else []
     if primary or not deaths:
-        rank = (primary or sorted(errors))[0]
-        exc_type, message, tb = errors[rank]
-        others = [f"rank {r} raised {errors[r][0]}" for r in sorted(errors) if r != rank]
+        rank = (primary or list(failures))[0]
+        failure = failures[rank]
+        others = [f"rank {r} raised {f.exc_type}" for r, f in failures.items() if r != rank]
         others += [_death_text(r, code) for r, code in sorted(deaths.items())]
         raise RankError(
             rank,
-            exc_type,
-            message,
-            tb,
+            failure.exc_type,
+            failure.message,
+            failure.traceback,
             others="; ".join(others + context),
             stderr_tail=read_stderr(stderr_paths[rank], max_lines=15),
         )
     rank = min(deaths)
-    others = [f"rank {r} then raised {errors[r][0]}" for r in sorted(errors)]
+    others = [f"rank {r} then raised {f.exc_type}" for r, f in failures.items()]
     raise RankDied(
         rank,
         deaths[rank],
@@ -131,7 +153,7 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _death_text(rank, code) -> str:
+def _death_text(rank: int, code: int | None) -> str:
     if code is not None and code < 0:
         name = _signal_name(-code)
         hint = (

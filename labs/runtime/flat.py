@@ -3,7 +3,8 @@
 
     buf = FlatBuffer("block 0", params, rank=1, world=4)   # layout: numel, shard, padded, [lo, hi)
     buf.bind(full)                  # every parameter's data becomes a view of ``full`` [padded]
-    buf.release(); buf.allocate()   # free / re-allocate ``full``'s memory; the views follow
+    buf.release()                   # free ``full``'s memory; the views follow
+    buf.allocate()                  # re-allocate it (contents undefined until gathered into)
     ready = GradReadiness(units, on_complete)   # on_complete(k) once per backward per unit
 
 Freeing a unit's parameters after its forward must free the memory that autograd saved
@@ -20,6 +21,7 @@ backward ends is completed by a callback queued on the autograd engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -56,11 +58,17 @@ class FlatBuffer:
         self.padded = self.shard * world
         self.lo = rank * self.shard
         self.hi = (rank + 1) * self.shard
-        self.full = self.full_grad = self.shard_grad = self.shard_param = self.host = None
+        # Set by ZeRO (solutions/zero.py) as it shards the unit:
+        self.full: torch.Tensor | None = None  # [padded] every parameter's data is a view of it
+        self.full_grad: torch.Tensor | None = None  # [padded] gradients (stage 1)
+        self.shard_grad: torch.Tensor | None = None  # [shard] this rank's gradients (stages 2, 3)
+        self.shard_param: torch.nn.Parameter | None = None  # [shard] what the optimizer steps
+        self.host: torch.nn.Parameter | None = None  # [shard] on the CPU (offload)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of a flat buffer, shaped like the parameter."""
-        out, offset = [], 0
+        out = []
+        offset = 0
         for p in self.params:
             out.append(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
@@ -83,7 +91,7 @@ class FlatBuffer:
     def release(self) -> None:
         self.full.untyped_storage().resize_(0)
 
-    def untouched(self, got_grad: set) -> torch.Tensor | None:
+    def untouched(self, got_grad: set[torch.nn.Parameter]) -> torch.Tensor | None:
         """bool [shard]: this rank's elements of parameters that got no gradient (None: all did)."""
         if all(p in got_grad for p in self.params):
             return None
@@ -99,7 +107,7 @@ class GradReadiness:
     parameters have their gradient, or at the end of backward for units still waiting.
     ``got_grad``: the parameters that received a gradient since the last ``reset``."""
 
-    def __init__(self, units: list[FlatBuffer], on_complete):
+    def __init__(self, units: list[FlatBuffer], on_complete: Callable[[int], None]):
         self.units = units
         self.on_complete = on_complete
         self.reset()
@@ -108,12 +116,12 @@ class GradReadiness:
                 p.register_post_accumulate_grad_hook(partial(self._on_grad, k))
 
     def reset(self) -> None:
-        self.got_grad: set = set()
+        self.got_grad: set[torch.nn.Parameter] = set()
         self.waiting = [len(u.params) for u in self.units]
         self.done = [False] * len(self.units)
         self._queued = False
 
-    def _on_grad(self, k: int, p) -> None:
+    def _on_grad(self, k: int, p: torch.nn.Parameter) -> None:
         self.got_grad.add(p)
         self.waiting[k] -= 1
         if not self._queued:

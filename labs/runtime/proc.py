@@ -31,7 +31,8 @@ def child_pids(pid: int | None = None) -> set[int]:
 
 def descendants(pid: int | None = None) -> list[int]:
     """Live descendants of ``pid`` (default: this process), generation by generation."""
-    parent_of, found = parents(), []
+    parent_of = parents()
+    found = []
     frontier = {os.getpid() if pid is None else pid}
     while frontier:
         frontier = {p for p, parent in parent_of.items() if parent in frontier}

@@ -1,10 +1,10 @@
 """Collectives along any tensor dimension: the layout plumbing under the labs' autograd operators.
 
     all_gather_along(x, dim=1, group=g)      # [B, T/N, H] on each rank -> [B, T, H], rank order
-    reduce_scatter_along(x, dim=1, group=g)  # [B, T, H] partial sums -> this rank's [B, T/N, H] of the sum
+    reduce_scatter_along(x, dim=1, group=g)  # [B, T, H] partial sums -> [B, T/N, H] of the sum
     split_along(x, dim=-1, group=g)          # this rank's chunk, no communication
     all_reduce_copy(x, group=g)              # the sum over ranks, in a new tensor
-    shard_weight(linear, dim=0, group=g)     # this rank's block of a weight, tagged partition_dim=0
+    shard_weight(linear, dim=0, group=g)     # this rank's block of a weight, partition_dim=0
 
 ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` work on dim 0 of contiguous
 tensors; these helpers move the chunks of another dimension there and back. None of
@@ -18,49 +18,57 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce_copy(x: torch.Tensor, group=None) -> torch.Tensor:
+def all_reduce_copy(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum of ``x`` over the ranks of ``group``, as a new tensor (``x`` is left alone)."""
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
 
 
-def split_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def split_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's contiguous 1/N chunk of ``x`` along ``dim`` (no communication)."""
     return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
 
 
-def all_gather_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def all_gather_along(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in rank order (one ``all_gather_single``)."""
-    n, x = dist.get_world_size(group), x.contiguous()
+    n = dist.get_world_size(group)
+    x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank i's x at rows [i*d0, (i+1)*d0)
     dist.all_gather_single(out, x, group=group)
     return torch.cat(out.chunk(n), dim=dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def reduce_scatter_along(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Chunk ``rank`` along ``dim`` of the sum over ranks of ``x`` (one
     ``reduce_scatter_single``)."""
     n = dist.get_world_size(group)
     chunks = x.chunk(n, dim)
     if len(chunks) != n or any(c.shape != chunks[0].shape for c in chunks):
         raise ValueError(
-            f"reduce_scatter_along: size {x.shape[dim]} of dim {dim} does not split into {n} equal chunks"
+            f"reduce_scatter_along: size {x.shape[dim]} of dim {dim} does not split into"
+            f" {n} equal chunks"
         )
     out = x.new_empty(chunks[0].shape)
-    dist.reduce_scatter_single(
-        out, torch.cat(chunks, dim=0), group=group
-    )  # chunk i lands on rank i
+    # chunk i lands on rank i
+    dist.reduce_scatter_single(out, torch.cat(chunks, dim=0), group=group)
     return out
 
 
-def shard_weight(layer: torch.nn.Module, dim: int, group=None) -> torch.nn.Parameter:
+def shard_weight(
+    layer: torch.nn.Module, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.nn.Parameter:
     """This rank's contiguous 1/N block along ``dim`` of ``layer.weight``, as a new Parameter tagged
     ``partition_dim = dim`` (the ranks' blocks concatenated along it in rank order give the weight
     back). The layer must have no bias: the course's layers shard weights only."""
     if getattr(layer, "bias", None) is not None:
         raise ValueError(
-            f"{type(layer).__name__} has a bias; the tensor-parallel layers take none (Llama has none)"
+            f"{type(layer).__name__} has a bias; the tensor-parallel layers take none"
+            " (Llama has none)"
         )
     part = torch.nn.Parameter(split_along(layer.weight.detach(), dim, group).clone())
     part.partition_dim = dim

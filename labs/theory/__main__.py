@@ -1,9 +1,11 @@
 """The course's calculators from the command line (pure formulas, no torch needed).
 
-    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --precision bf16-mixed --zero
-    3 --dp 8 --json python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
-    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8
-    --gpu-mem 80 --json python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --precision bf16-mixed \
+        --zero 3 --dp 8 --json
+    python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
+    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 \
+        --gpu-mem 80 --json
+    python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
     python -m labs.theory moe --preset mixtral-8x7b --json
 
 Each command's module exposes ``add_arguments(parser)``, ``cli(args) -> dict`` and
@@ -19,13 +21,18 @@ import json
 import sys
 
 COMMANDS = {
-    "comm": "labs.theory.comm_cli",  # bytes per rank of a collective
-    "memory": "labs.theory.memory_report",  # notebook 01: per-rank memory
-    "bubble": "labs.theory.pipeline",  # notebook 05: pipeline bubble
+    # bytes per rank of a collective
+    "comm": "labs.theory.comm_cli",
+    # notebook 01: per-rank memory
+    "memory": "labs.theory.memory_report",
+    # notebook 05: pipeline bubble
+    "bubble": "labs.theory.pipeline",
     # notebook 06: ring-attention work, K/V bytes, long-context memory
     "cp": "labs.theory.context_parallel",
-    "moe": "labs.theory.moe",  # notebook 07: active vs total parameters, all-to-all bytes
-    "plan": "labs.theory.plan_report",  # notebook 08: the parallelism planner
+    # notebook 07: active vs total parameters, all-to-all bytes
+    "moe": "labs.theory.moe",
+    # notebook 08: the parallelism planner
+    "plan": "labs.theory.plan_report",
     # notebook 09: KV cache per rank, messages per token, decode time
     "infer": "labs.theory.inference",
     # notebook 11: an encoder's memory and pipeline imbalance
@@ -33,7 +40,9 @@ COMMANDS = {
 }
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: the command line), run the command, print its result; the exit
+    status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="python -m labs.theory", description=__doc__.splitlines()[0]

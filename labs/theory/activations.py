@@ -1,5 +1,5 @@
-"""Activation memory: the bytes autograd keeps for backward, per rank and per micro-batch. Pure
-Python.
+"""Activation memory: the bytes autograd keeps for backward, per rank and per micro-batch.
+Pure Python.
 
 Two models of the same thing (notebook 01 compares them):
 
@@ -9,7 +9,8 @@ below, per token of one layer, with e = bytes of the compute dtype (4 fp32, 2 bf
 h = hidden, nh/nkv = query/key-value heads, hd = head dim, F = MLP hidden. A test counts the
 saved tensors of the real model with saved-tensor hooks and finds these numbers to the byte.
 
-    each RMSNorm (x2)  input cast to fp32 4h, 1/rms 4, normalized x e·h, output e·h (the next matmul's input)
+    each RMSNorm (x2)  input cast to fp32 4h, 1/rms 4, normalized x e·h,
+                       output e·h (the next matmul's input)
     attention          rotated q e·nh·hd, rotated k e·nkv·hd, v e·nkv·hd, output e·nh·hd,
                        log-sum-exp 4·nh (the flash kernel keeps it instead of the T x T scores)
     SwiGLU MLP         gate, silu(gate), up, silu(gate)·up: 4·e·F
@@ -22,10 +23,10 @@ final norm, and the loss's fp32 log-softmax 4·V plus targets 8 per token (last 
 Activation Recomputation in Large Transformer Models", §4, eq. 1-5) for eager attention with
 dropout, 16-bit activations and 1-byte dropout masks, per layer
 
-    s·b·h·(34 + 5·a·s/h)                    no parallelism
-    s·b·h·(10 + 24/t + 5·a·s/(h·t))         tensor parallel t (eq. 2)
-    s·b·h·(34 + 5·a·s/h) / t                tensor + sequence parallel (eq. 5): the attention
-                                            scores are split too, which the playbook's widget misses
+    s·b·h·(34 + 5·a·s/h)              no parallelism
+    s·b·h·(10 + 24/t + 5·a·s/(h·t))   tensor parallel t (eq. 2)
+    s·b·h·(34 + 5·a·s/h) / t          tensor + sequence parallel (eq. 5): the attention scores
+                                      are split too, which the playbook's widget misses
 
 Recomputation (``recompute``):
     none       everything above
@@ -47,18 +48,21 @@ every per-token term.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from labs.theory.memory import ModelSpec  # memory imports this module
 
 RECOMPUTE = ("none", "selective", "full")
 
 
 class Term(NamedTuple):
+    """One tensor autograd saves."""
+
     name: str
-    # per token (``per="token"``), per sequence position (``"position"``) or per micro-batch
-    # (``"step"``)
-    bytes: float
+    bytes: float  # per ``per``
     split: str  # "tp", "sp" or "rep": which degrees divide it (see the module docstring)
-    per: str = "token"
+    per: str = "token"  # per token, per sequence position ("position") or per micro-batch ("step")
 
 
 def _norm(prefix: str, h: int, e: int) -> list[Term]:
@@ -72,7 +76,9 @@ def _norm(prefix: str, h: int, e: int) -> list[Term]:
     ]
 
 
-def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") -> list[Term]:
+def layer_terms(
+    spec: ModelSpec, *, seq: int, dtype_bytes: int, recompute: str = "none"
+) -> list[Term]:
     """What one layer saves for backward, per token (see the module docstring)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
@@ -95,17 +101,15 @@ def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") ->
             Term("gelu_input", e * F, "tp"),
             Term("gelu_output", e * F, "tp"),
         ]
-        if (
-            recompute == "none"
-        ):  # softmax output, its dropout mask, dropout output: a·s values per token
+        if recompute == "none":
+            # softmax output, its dropout mask, dropout output: a·s values per token
             terms.append(Term("attn_scores", (2 * e + 1) * nh * seq, "tp"))
         return terms
     # query width, key/value width
     q = nh * spec.hd
     kv = spec.kv_heads * spec.hd
-    if (
-        recompute == "selective"
-    ):  # outputs of every matmul and of the attention kernel, plus the block input
+    if recompute == "selective":
+        # outputs of every matmul and of the attention kernel, plus the block input
         return [
             Term("block_input", e * h, "sp"),
             Term("q_proj_out", e * q, "tp"),
@@ -133,7 +137,7 @@ def layer_terms(spec, *, seq: int, dtype_bytes: int, recompute: str = "none") ->
     ]
 
 
-def model_terms(spec, *, dtype_bytes: int) -> dict[str, list[Term]]:
+def model_terms(spec: ModelSpec, *, dtype_bytes: int) -> dict[str, list[Term]]:
     """What the model saves outside its layers, by part. The playbook's formula (gpt) counts layers
     only."""
     if spec.arch == "gpt":
@@ -141,9 +145,8 @@ def model_terms(spec, *, dtype_bytes: int) -> dict[str, list[Term]]:
     e = dtype_bytes
     return {
         "embedding": [Term("token_ids", 8, "rep")],  # int64 ids for the embedding's backward
-        "rotary": [
-            Term("rotary_cos_sin", 2 * spec.hd * e, "rep", "position")
-        ],  # [T, hd] cos and sin tables
+        # [T, hd] cos and sin tables
+        "rotary": [Term("rotary_cos_sin", 2 * spec.hd * e, "rep", "position")],
         "final_norm": _norm("final_norm", spec.hidden, e),
         "loss": [
             Term("log_softmax_fp32", 4 * spec.vocab_size, "tp"),  # cross-entropy on fp32 logits
@@ -167,7 +170,7 @@ def terms_bytes(
 
 
 def stage_activation_bytes(
-    spec,
+    spec: ModelSpec,
     *,
     seq: int,
     mbs: int,

@@ -8,6 +8,8 @@ set of ranks whose data reached it (one rank: a copy; several: a reduction).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from labs.theory.comm import BYTES_PER_RANK
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -21,16 +23,25 @@ DESCRIPTIONS = {
     "send_recv": "point to point: each rank sends its tensor to the next rank in a ring",
 }
 
-Cell = tuple[int, frozenset]
+
+class Cell(NamedTuple):
+    """One chunk of one rank's tensor."""
+
+    value: int
+    sources: frozenset[int]  # the ranks whose data reached it
 
 
 def initial(n: int, chunks: int | None = None) -> list[list[Cell]]:
+    """Every rank's chunks before a collective: rank r's chunk i holds (r+1)*10 + i."""
     chunks = n if chunks is None else chunks
-    return [[((r + 1) * 10 + i, frozenset({r})) for i in range(chunks)] for r in range(n)]
+    return [[Cell((r + 1) * 10 + i, frozenset({r})) for i in range(chunks)] for r in range(n)]
 
 
 def _sum(cells: list[Cell]) -> Cell:
-    return sum(v for v, _ in cells), frozenset().union(*(s for _, s in cells))
+    return Cell(
+        value=sum(c.value for c in cells),
+        sources=frozenset().union(*(c.sources for c in cells)),
+    )
 
 
 def simulate(op: str, n: int, root: int = 0) -> dict:

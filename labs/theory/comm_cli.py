@@ -5,10 +5,13 @@ python -m labs.theory comm --op all_reduce --bytes 4e8 --ranks 8 [--bandwidth-gb
 
 from __future__ import annotations
 
+import argparse
+
 from labs.theory.comm import BYTES_PER_RANK, ring_steps
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``comm`` command's options."""
     parser.add_argument("--op", required=True, choices=sorted(BYTES_PER_RANK))
     parser.add_argument("--bytes", type=float, required=True, help="K: bytes of the tensor")
     parser.add_argument("--ranks", type=int, required=True, help="N: ranks in the group")
@@ -17,7 +20,8 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
+    """The command's result: bytes per rank and ring steps (and seconds, given a bandwidth)."""
     sent = BYTES_PER_RANK[args.op](args.bytes, args.ranks)
     result = {
         "op": args.op,
@@ -34,6 +38,7 @@ def cli(args) -> dict:
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result as one sentence."""
     text = (
         f"{r['op']} of {r['tensor_bytes']:.4g} B over {r['ranks']} ranks: "
         f"{r['bytes_per_rank']:.4g} B sent per rank in {r['ring_steps']} ring steps"

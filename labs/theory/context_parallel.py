@@ -22,15 +22,19 @@ diagonal), each 4·B·nh·c²·hd FLOPs forward (Q·Kᵀ and P·V) and 10·B·nh
 Bytes per rank per attention layer, KV = 2·B·T·nkv·hd·itemsize (all of K and V, the
 unrepeated nkv heads under grouped-query attention):
 
-    forward    (CP−1)/CP · KV       each rank's K/V block makes CP−1 hops
-    backward 2 (CP−1)/CP · KV       K/V go round again, and their gradient accumulators follow
+    forward    (CP−1)/CP · KV     each rank's K/V block makes CP−1 hops
+    backward 2 (CP−1)/CP · KV     K/V go round again, and their gradient accumulators follow
 
-Saved for backward per layer per rank (no T×T matrix: it is recomputed, as FlashAttention does):
+Saved for backward per layer per rank (no T×T matrix: it is recomputed, as FlashAttention
+does): q, k, v, out and the fp32 log-sum-exp,
 
-    (B·(T/CP)·hd·(2·nh + 2·nkv)) · itemsize  +  B·nh·(T/CP) · 4      q, k, v, out; fp32 log-sum-exp
+    (B·(T/CP)·hd·(2·nh + 2·nkv)) · itemsize  +  B·nh·(T/CP) · 4
 """
 
 from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
 
 from labs.theory.dims import check_divides, check_positive
 
@@ -201,12 +205,12 @@ def activation_bytes(
 
 def long_context_table(
     *,
-    seq_lens,
+    seq_lens: Iterable[int],
     batch: int = 1,
     hidden: int = 4096,
     n_head: int = 32,
     n_layer: int = 32,
-    cps=(1, 2, 4, 8, 16),
+    cps: Iterable[int] = (1, 2, 4, 8, 16),
     flash: bool = True,
 ) -> list[dict]:
     """Activation GB per rank for each sequence length and CP degree (Llama-3-8B-like defaults)."""
@@ -214,23 +218,22 @@ def long_context_table(
     for t in seq_lens:
         row = {"seq_len": t}
         for cp in cps:
-            row[f"cp={cp}"] = (
-                activation_bytes(
-                    seq_len=t,
-                    batch=batch,
-                    hidden=hidden,
-                    n_head=n_head,
-                    n_layer=n_layer,
-                    cp=cp,
-                    flash=flash,
-                )
-                / 1e9
+            nbytes = activation_bytes(
+                seq_len=t,
+                batch=batch,
+                hidden=hidden,
+                n_head=n_head,
+                n_layer=n_layer,
+                cp=cp,
+                flash=flash,
             )
+            row[f"cp={cp}"] = nbytes / 1e9
         rows.append(row)
     return rows
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``cp`` command's options."""
     parser.add_argument("--cp", type=int, default=4, help="context-parallel degree")
     parser.add_argument("--causal", action="store_true", default=True)
     parser.add_argument("--no-causal", dest="causal", action="store_false")
@@ -238,7 +241,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-zigzag", dest="zigzag", action="store_false")
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
+    """The ``cp`` command's result: blocks computed and masked per rank, and the imbalance."""
     work = work_per_rank(args.cp, causal=args.causal, zigzag=args.zigzag)
     return {
         "cp": args.cp,

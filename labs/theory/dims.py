@@ -20,6 +20,7 @@ AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost
 
 
 def divisors(n: int) -> list[int]:
+    """Every d in 1..n that divides n."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -27,12 +28,14 @@ def check_divides(value: int, value_name: str, degree: int, degree_name: str) ->
     """Raise if ``degree`` does not divide ``value``, listing the degrees that would."""
     if value % degree:
         raise ValueError(
-            f"{value_name}={value} is not divisible by {degree_name}={degree}; "
-            f"use {degree_name} in {{{','.join(map(str, divisors(value)))}}} or change {value_name}"
+            f"{value_name}={value} is not divisible by {degree_name}={degree}; use {degree_name}"
+            f" in {{{','.join(map(str, divisors(value)))}}} or change {value_name}"
         )
 
 
-def check_positive(**values) -> None:
+def check_positive(**values: object) -> None:
+    """Raise unless every value is an integer >= 1 (a bool is not), naming the first that is
+    not."""
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -55,8 +58,9 @@ class ParallelDims:
         check_positive(world_size=self.world_size)
         if product != self.world_size:
             raise ValueError(
-                f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {product} "
-                f"but world_size={self.world_size}; choose degrees whose product is {self.world_size}"
+                f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {product} but"
+                f" world_size={self.world_size}; choose degrees whose product is"
+                f" {self.world_size}"
             )
         if (self.dp * self.cp) % self.ep:
             raise ValueError(
@@ -66,6 +70,7 @@ class ParallelDims:
 
     @property
     def degrees(self) -> dict[str, int]:
+        """Axis name -> degree, outermost to innermost."""
         return {axis: getattr(self, axis) for axis in AXES}
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -116,8 +121,9 @@ class ParallelDims:
                     check_divides(value, name, self.tp, "tp")
         if n_layer is not None and self.pp * virtual_stages > n_layer:
             raise ValueError(
-                f"pp={self.pp} x virtual_stages={virtual_stages} = {self.pp * virtual_stages} stages "
-                f"but only n_layer={n_layer} layers; use pp*virtual_stages <= {n_layer}"
+                f"pp={self.pp} x virtual_stages={virtual_stages} ="
+                f" {self.pp * virtual_stages} stages but only n_layer={n_layer} layers;"
+                f" use pp*virtual_stages <= {n_layer}"
             )
         if seq_len is not None and self.cp > 1:
             check_divides(

@@ -1,21 +1,22 @@
 """From a plan to a launch: a ``torchrun`` command line, an accelerate config (FSDP) and a
 DeepSpeed config (notebook 08). Pure Python: strings and dicts, nothing is launched.
 
-    torchrun_command(plan)                     # torchrun --nnodes 64 ... -m labs.run mesh --dp 4 --tp 8 ...
-    accelerate_config(plan)                    # YAML text for `accelerate launch --config_file`
-    deepspeed_config(plan, offload=True)       # dict for `deepspeed.initialize(config=...)`
+    torchrun_command(plan)                 # torchrun --nnodes 64 ... -m labs.run mesh --dp 4 ...
+    accelerate_config(plan)                # YAML text for `accelerate launch --config_file`
+    deepspeed_config(plan, offload=True)   # dict for `deepspeed.initialize(config=...)`
     python -m labs.theory plan --preset llama3-8b --seq 4096 --gpus 64 --export accelerate
 
 ``plan`` is any mapping with ``dp``, ``tp``, ``pp``, ``cp`` (and, where used, ``zero``,
-``global_batch``, ``microbatches``, ``assumptions`` and ``cluster``): ``labs.theory.planner.plan``'s
-result, or a hand-written layout.
+``global_batch``, ``microbatches``, ``assumptions`` and ``cluster``):
+``labs.theory.planner.plan``'s result, or a hand-written layout.
 
 What each format can say. torchrun starts the processes; the layout travels as the script's
 own arguments. accelerate (>= 1.10, FSDP2) expresses DP (``dp_replicate_size`` x
 ``dp_shard_size``), TP and CP in its ``parallelism_config``, and no pipeline parallelism.
 DeepSpeed's JSON carries ZeRO, offload, the batch arithmetic (train_batch_size = micro-batch x
-accumulation x DP ranks) and AutoTP's ``tensor_parallel.autotp_size`` (ZeRO 0-2 only); its pipeline
-is built in code (``PipelineModule(num_stages=pp)``, ZeRO <= 1) and it has no ring-attention CP.
+accumulation x DP ranks) and AutoTP's ``tensor_parallel.autotp_size`` (ZeRO 0-2 only); its
+pipeline is built in code (``PipelineModule(num_stages=pp)``, ZeRO <= 1) and it has no
+ring-attention CP.
 Whatever a format cannot express is a ValueError saying which degree and which export can.
 
 Sources of the field names: torchrun: ``torch.distributed.run`` (``--help``); accelerate:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 
 from labs.theory.dims import ParallelDims, check_positive
 
@@ -36,7 +38,7 @@ ENDPOINT = "$MASTER_ADDR:$MASTER_PORT"  # the rendezvous host:port, set on every
 LAYER_CLASS = "LlamaDecoderLayer"  # the transformers block FSDP wraps one unit at a time
 
 
-def _degrees(plan) -> dict[str, int]:
+def _degrees(plan: Mapping) -> dict[str, int]:
     missing = [d for d in DEGREES if d not in plan]
     if missing:
         raise ValueError(f"the plan lacks {missing}; give dp, tp, pp and cp")
@@ -45,7 +47,7 @@ def _degrees(plan) -> dict[str, int]:
     return degrees
 
 
-def _nodes(plan, nproc_per_node: int | None) -> tuple[int, int]:
+def _nodes(plan: Mapping, nproc_per_node: int | None) -> tuple[int, int]:
     """(nodes, processes per node) for the plan's world size."""
     world = ParallelDims(**_degrees(plan)).world_size
     per_node = nproc_per_node or plan.get("cluster", {}).get("gpus_per_node") or world
@@ -53,19 +55,19 @@ def _nodes(plan, nproc_per_node: int | None) -> tuple[int, int]:
     per_node = min(per_node, world)
     if world % per_node:
         raise ValueError(
-            f"world size {world} is not a whole number of nodes of nproc_per_node={per_node}; "
-            f"use nproc_per_node dividing {world}"
+            f"world size {world} is not a whole number of nodes of nproc_per_node={per_node};"
+            f" use nproc_per_node dividing {world}"
         )
     return world // per_node, per_node
 
 
-def mesh_args(plan) -> list[str]:
+def mesh_args(plan: Mapping) -> list[str]:
     """The composed lab's options for the plan's degrees: ``--dp 4 --tp 8 --pp 4 --cp 4``."""
     return [arg for d, v in _degrees(plan).items() for arg in (f"--{d}", str(v))]
 
 
 def torchrun_command(
-    plan,
+    plan: Mapping,
     *,
     nproc_per_node: int | None = None,
     script: str | None = None,
@@ -106,7 +108,7 @@ def torchrun_command(
 
 
 def accelerate_config_dict(
-    plan,
+    plan: Mapping,
     *,
     nproc_per_node: int | None = None,
     layer_class: str = LAYER_CLASS,
@@ -118,15 +120,15 @@ def accelerate_config_dict(
     degrees = _degrees(plan)
     if degrees["pp"] > 1:
         raise ValueError(
-            f"pp={degrees['pp']}: accelerate's FSDP has no pipeline parallelism; use the torchrun "
-            f"export (our mesh lab) or the DeepSpeed one, or plan with pp=1"
+            f"pp={degrees['pp']}: accelerate's FSDP has no pipeline parallelism; use the"
+            " torchrun export (our mesh lab) or the DeepSpeed one, or plan with pp=1"
         )
     nnodes, per_node = _nodes(plan, nproc_per_node)
     zero = plan.get("zero", 3)
     if zero not in (2, 3):
         raise ValueError(
-            f"zero={zero}: accelerate's FSDP shards gradients and optimizer state (ZeRO-2, "
-            f"reshard_after_forward=false) or everything (ZeRO-3); use zero in {{2,3}}"
+            f"zero={zero}: accelerate's FSDP shards gradients and optimizer state (ZeRO-2,"
+            " reshard_after_forward=false) or everything (ZeRO-3); use zero in {2,3}"
         )
     recompute = plan.get("assumptions", {}).get("recompute", "none")
     precision = plan.get("assumptions", {}).get("precision", "bf16-mixed")
@@ -169,32 +171,32 @@ def accelerate_config_dict(
     return config
 
 
-def accelerate_config(plan, **kw) -> str:
+def accelerate_config(plan: Mapping, **kw: object) -> str:
     """YAML text for ``accelerate launch --config_file``: FSDP2 over the plan's DP ranks (ZeRO-3:
     ``fsdp_reshard_after_forward: true``), TP and CP through ``parallelism_config``, one machine
-    per node. On several nodes, run ``accelerate launch --machine_rank $NODE_RANK --main_process_ip
-    $MASTER_ADDR`` on each (command-line flags override the file's placeholder address). Raises for
-    pp > 1."""
+    per node. On several nodes, run
+    ``accelerate launch --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR`` on each
+    (command-line flags override the file's placeholder address). Raises for pp > 1."""
     import yaml  # PyYAML, which accelerate itself uses to read and write these files
 
     return yaml.safe_dump(accelerate_config_dict(plan, **kw), sort_keys=True)
 
 
 def deepspeed_config(
-    plan, *, offload: bool = False, lr: float = 3e-4, grad_clip: float = 1.0
+    plan: Mapping, *, offload: bool = False, lr: float = 3e-4, grad_clip: float = 1.0
 ) -> dict:
     """A DeepSpeed config for the plan: ``train_batch_size`` = global batch (sequences),
     ``train_micro_batch_size_per_gpu`` = mbs, ``gradient_accumulation_steps`` = micro-batches per
     DP rank (DeepSpeed checks train_batch_size = mbs x accumulation x DP ranks), bf16, ZeRO stage
     (capped at 1 with PP, as DeepSpeed's pipeline engine requires; the planner's choice otherwise),
     optimizer state on the CPU with ``offload``, AdamW, and ``tensor_parallel.autotp_size`` when
-    tp > 1 (ZeRO <= 2). PP is set in code: ``PipelineModule(layers, num_stages=pp)``. Raises for cp
-    > 1."""
+    tp > 1 (ZeRO <= 2). PP is set in code: ``PipelineModule(layers, num_stages=pp)``. Raises for
+    cp > 1."""
     degrees = _degrees(plan)
     if degrees["cp"] > 1:
         raise ValueError(
-            f"cp={degrees['cp']}: DeepSpeed has no ring-attention context parallelism (its "
-            f"Ulysses sequence parallelism is another scheme); use the torchrun export or cp=1"
+            f"cp={degrees['cp']}: DeepSpeed has no ring-attention context parallelism (its"
+            " Ulysses sequence parallelism is another scheme); use the torchrun export or cp=1"
         )
     mbs = plan.get("assumptions", {}).get("mbs", 1)
     accumulation = plan.get("microbatches", 1)
@@ -208,13 +210,12 @@ def deepspeed_config(
     zero_cfg = {"stage": zero, "overlap_comm": True, "contiguous_gradients": True}
     if offload:
         zero_cfg["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    precision = plan.get("assumptions", {}).get("precision", "bf16-mixed")
     config = {
         "train_batch_size": plan.get("global_batch", mbs * accumulation * degrees["dp"]),
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": accumulation,
-        "bf16": {
-            "enabled": plan.get("assumptions", {}).get("precision", "bf16-mixed") == "bf16-mixed"
-        },
+        "bf16": {"enabled": precision == "bf16-mixed"},
         "zero_optimization": zero_cfg,
         "gradient_clipping": grad_clip,
         "steps_per_print": 10,
@@ -227,13 +228,13 @@ def deepspeed_config(
         config["tensor_parallel"] = {"autotp_size": degrees["tp"]}
     if config["train_batch_size"] != mbs * accumulation * degrees["dp"]:
         raise ValueError(
-            f"train_batch_size={config['train_batch_size']} != micro-batch {mbs} x accumulation "
-            f"{accumulation} x dp {degrees['dp']}; DeepSpeed would refuse it"
+            f"train_batch_size={config['train_batch_size']} != micro-batch {mbs}"
+            f" x accumulation {accumulation} x dp {degrees['dp']}; DeepSpeed would refuse it"
         )
     return config
 
 
-def export(kind: str, plan, **kw) -> str:
+def export(kind: str, plan: Mapping, **kw: object) -> str:
     """The text of one export: ``torchrun`` (command), ``accelerate`` (YAML) or ``deepspeed``
     (JSON)."""
     if kind == "torchrun":

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from labs.theory.activations import RECOMPUTE
 from labs.theory.dims import check_positive
+from labs.theory.memory import ModelSpec, param_count
 
 
-def matmul_params(spec) -> int:
+def matmul_params(spec: ModelSpec) -> int:
     """Weights that take part in a matmul: q, k, v, o and the MLP matrices of every layer, and the
     head."""
     h = spec.hidden
@@ -44,11 +45,11 @@ def matmul_params(spec) -> int:
     return L * per_layer + spec.vocab_size * h
 
 
-def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "none") -> float:
+def flops_per_token(
+    spec: ModelSpec, *, seq: int, exact: bool = True, recompute: str = "none"
+) -> float:
     """Training (forward + backward) FLOPs per token: 6·P_matmul + 12·L·nh·hd·seq, or with
     ``exact=False`` the playbook's 6·N + 12·L·h·seq; plus what ``recompute`` reruns."""
-    from labs.theory.memory import param_count
-
     check_positive(seq=seq)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
@@ -57,9 +58,8 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
         flops = 6 * matmul_params(spec) + 3 * attention_fwd
     else:
         flops = 6 * param_count(spec) + 12 * spec.n_layers * spec.hidden * seq
-    if (
-        recompute == "full"
-    ):  # one more forward of every block but its last matmul (the head is not checkpointed)
+    if recompute == "full":
+        # one more forward of every block but its last matmul (the head is not checkpointed)
         layer_weights = matmul_params(spec) - spec.vocab_size * spec.hidden
         flops += 2 * (layer_weights - spec.n_layers * spec.hidden * spec.ffn) + attention_fwd
     elif recompute == "selective" and spec.arch == "gpt":
@@ -68,7 +68,7 @@ def flops_per_token(spec, *, seq: int, exact: bool = True, recompute: str = "non
 
 
 def training_flops(
-    spec, *, seq: int, tokens: int, exact: bool = True, recompute: str = "none"
+    spec: ModelSpec, *, seq: int, tokens: int, exact: bool = True, recompute: str = "none"
 ) -> float:
     """FLOPs of one training step over ``tokens`` tokens (global batch x sequence length)."""
     check_positive(tokens=tokens)

@@ -1,33 +1,46 @@
-"""Serving on paper: KV-cache bytes, communication per generated token and a rough decode-latency
-model, for tensor parallelism and for layer placement (notebook 09). Pure Python.
+"""Serving on paper: KV-cache bytes, communication per generated token and a rough
+decode-latency model, for tensor parallelism and for layer placement (notebook 09). Pure Python.
 
-    kv_cache_bytes_per_rank(spec, batch=4, seq=35, tp=2, dtype_bytes=4)   # what one rank's cache holds
-    forward_comm(spec, mode="tp", degree=4, batch=4)                      # per rank: collectives of one forward
-    decode_time(PRESETS["llama3-70b"], mode="tp", degree=8, batch=1, context=4096)   # seconds per token, tokens/s
-    cache_capacity(PRESETS["llama3-70b"], gpu="H100 80GB", tp=8)          # tokens of cache beside the weights
+    # what one rank's cache holds
+    kv_cache_bytes_per_rank(spec, batch=4, seq=35, tp=2, dtype_bytes=4)
+    # per rank: collectives of one forward
+    forward_comm(spec, mode="tp", degree=4, batch=4)
+    # seconds per token, tokens/s
+    decode_time(PRESETS["llama3-70b"], mode="tp", degree=8, batch=1, context=4096)
+    # tokens of cache beside the weights
+    cache_capacity(PRESETS["llama3-70b"], gpu="H100 80GB", tp=8)
     python -m labs.theory infer --preset llama3-70b --degree 8 --batch 8 --seq 4096 --json
 
-Symbols: B sequences decoded together, T positions cached per sequence (prompt + new tokens), t
-tokens fed in one forward (prefill: the prompt length T0; decode: 1), L layers, H hidden, nh / nkv
-query / key-value heads, hd head dim, e bytes per element, N ranks (the tp or pp degree).
+Symbols: B sequences decoded together, T positions cached per sequence (prompt + new tokens),
+t tokens fed in one forward (prefill: the prompt length T0; decode: 1), L layers, H hidden,
+nh / nkv query / key-value heads, hd head dim, e bytes per element, N ranks (the tp or pp
+degree).
 
 KV cache per rank:  2 · L_rank · B · T · nkv_rank · hd · e   (K and V of every cached position)
+
     TP          L_rank = L, nkv_rank = nkv/N (N > nkv: vLLM replicates, one kv head per rank)
-    placement   L_rank = the stage's layers (``labs.theory.memory.layers_on_stage``), nkv_rank = nkv
+    placement   L_rank = the stage's layers (``labs.theory.memory.layers_on_stage``),
+                nkv_rank = nkv
+
 Per forward of t tokens, per rank (the contract of ``solutions/inference.py``):
-    TP          2L+1 all-reduces of B·t·H·e (embedding's g; o_proj's and down_proj's g per layer) and one
-                all-gather of N·B·2·8 bytes (every rank's best logit and its id, float64): 2L+2
-                collectives
-    placement   stage s < N-1 sends its output B·t·H·e to s+1; the last sends the ids, B·8, to the first:
-                N messages per token, one at a time (P-1 activation hops and the way back)
-Decode latency (rough, roofline): a decode step reads every weight and the whole cache once for t =
-1 token per sequence, so on a GPU it is bound by memory bandwidth: per rank max(bytes read / HBM
-bandwidth, FLOPs / peak), plus per message a latency α and bytes / link bandwidth. TP: the N ranks
-read 1/N each, at the same time, then 2L+2 collectives. Placement: the stages read their parts one
-after another (the whole model), then N hops.
+
+    TP          2L+1 all-reduces of B·t·H·e (embedding's g; o_proj's and down_proj's g per
+                layer) and one all-gather of N·B·2·8 bytes (every rank's best logit and its id,
+                float64): 2L+2 collectives
+    placement   stage s < N-1 sends its output B·t·H·e to s+1; the last sends the ids, B·8, to
+                the first: N messages per token, one at a time (P-1 activation hops and the way
+                back)
+
+Decode latency (rough, roofline): a decode step reads every weight and the whole cache once for
+t = 1 token per sequence, so on a GPU it is bound by memory bandwidth: per rank
+max(bytes read / HBM bandwidth, FLOPs / peak), plus per message a latency α and bytes / link
+bandwidth. TP: the N ranks read 1/N each, at the same time, then 2L+2 collectives. Placement:
+the stages read their parts one after another (the whole model), then N hops.
 """
 
 from __future__ import annotations
+
+import argparse
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
@@ -35,8 +48,8 @@ from labs.theory.memory import GIB, ModelSpec, layers_on_stage, stage_params
 from labs.theory.presets import GPUS, PRESETS, preset
 
 MODES = ("tp", "placement")
-# HBM bandwidth, TB/s (data sheets; SXM parts): what a memory-bound decode step streams its weights
-# at
+# HBM bandwidth, TB/s (data sheets; SXM parts): what a memory-bound decode step streams its
+# weights at
 HBM_TBS = {
     "A100 40GB": 1.555,
     "A100 80GB": 2.039,
@@ -63,7 +76,8 @@ def check(spec: ModelSpec, *, mode: str, degree: int) -> None:
             check_divides(spec.kv_heads, "n_kv_heads", degree, "tp")
     elif degree > spec.n_layers:
         raise ValueError(
-            f"pp={degree} stages but the model has {spec.n_layers} layers; use pp <= {spec.n_layers}"
+            f"pp={degree} stages but the model has {spec.n_layers} layers;"
+            f" use pp <= {spec.n_layers}"
         )
 
 
@@ -76,8 +90,8 @@ def kv_heads_per_rank(spec: ModelSpec, *, tp: int = 1) -> int:
 def kv_cache_bytes_per_token(
     spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0, dtype_bytes: int = 2
 ) -> int:
-    """Bytes one cached position of one sequence takes on one rank: 2 · L_rank · nkv_rank · hd ·
-    e."""
+    """Bytes one cached position of one sequence takes on one rank:
+    2 · L_rank · nkv_rank · hd · e."""
     check(spec, mode="placement", degree=pp)
     check_positive(dtype_bytes=dtype_bytes)
     if not 0 <= stage < pp:
@@ -136,19 +150,15 @@ def forward_comm(
         return [row] * degree
     out = []
     for s in range(degree):
-        last = s == degree - 1
-        out.append(
-            {
-                "send": _op(1, ids if last else act, ids if last else act),
-                "recv": _op(1, ids if s == 0 else act, 0),
-            }
-        )
+        sent = ids if s == degree - 1 else act  # the last stage sends the ids back to the first
+        received = ids if s == 0 else act
+        out.append({"send": _op(1, sent, sent), "recv": _op(1, received, 0)})
     return out
 
 
 def messages_per_forward(spec: ModelSpec, *, mode: str, degree: int) -> int:
-    """Collectives (TP: 2L+2) or point-to-point hops (placement: N) one forward waits for, one after
-    another."""
+    """Collectives (TP: 2L+2) or point-to-point hops (placement: N) one forward waits for, one
+    after another."""
     check(spec, mode=mode, degree=degree)
     if degree == 1:
         return 0
@@ -159,8 +169,8 @@ def weight_bytes_per_rank(
     spec: ModelSpec, *, mode: str, degree: int, dtype_bytes: int = 2
 ) -> list[int]:
     """The weights each rank holds (Llama: untied head unless the spec ties it). TP: matrices / N,
-    norms replicated, kv projections of nkv_rank heads; placement: the stage's layers, the first the
-    embedding, the last the final norm and the head (``labs.theory.memory.stage_params``)."""
+    norms replicated, kv projections of nkv_rank heads; placement: the stage's layers, the first
+    the embedding, the last the final norm and the head (``labs.theory.memory.stage_params``)."""
     check(spec, mode=mode, degree=degree)
     if mode == "tp":
         h = spec.hidden
@@ -199,11 +209,11 @@ def decode_time(
     dtype_bytes: int = 2,
 ) -> dict:
     """One decode step (one new token for each of ``batch`` sequences with ``context`` cached
-    positions) on ``degree`` GPUs: per rank the bytes read (its weights and its cache) and FLOPs (2
-    per weight per sequence, attention 4·nh_rank·hd·context per layer), memory- or compute-bound;
-    per message α + bytes / link (the activation B·H·e). Returns latency_s, tokens_per_s (one batch
-    in flight) and pipelined_tokens_per_s (placement with ``degree`` batches in flight, as vLLM's
-    pipeline parallelism: the slowest stage sets it)."""
+    positions) on ``degree`` GPUs: per rank the bytes read (its weights and its cache) and FLOPs
+    (2 per weight per sequence, attention 4·nh_rank·hd·context per layer), memory- or
+    compute-bound; per message α + bytes / link (the activation B·H·e). Returns latency_s,
+    tokens_per_s (one batch in flight) and pipelined_tokens_per_s (placement with ``degree``
+    batches in flight, as vLLM's pipeline parallelism: the slowest stage sets it)."""
     if gpu not in HBM_TBS:
         raise ValueError(f"gpu={gpu!r} is not one of {tuple(HBM_TBS)}")
     check_positive(batch=batch, context=context)
@@ -214,7 +224,10 @@ def decode_time(
     weights = weight_bytes_per_rank(spec, mode=mode, degree=degree, dtype_bytes=dtype_bytes)
     stages = degree if mode == "placement" else 1
     heads = spec.n_heads // (degree if mode == "tp" else 1)
-    compute, read = [], []
+    peak_flops = GPUS[gpu].peak_tflops * 1e12
+    hbm = HBM_TBS[gpu] * 1e12
+    compute = []  # seconds per rank: memory- or compute-bound
+    read = []  # bytes per rank
     for r in range(degree):
         s = r if mode == "placement" else 0
         kv = kv_cache_bytes_per_rank(
@@ -227,11 +240,11 @@ def decode_time(
             dtype_bytes=dtype_bytes,
         )
         layers = layers_on_stage(spec.n_layers, stages, s)
-        flops = (
-            2 * weights[r] / dtype_bytes * batch + 4 * layers * heads * spec.hd * context * batch
-        )
+        weight_flops = 2 * weights[r] / dtype_bytes * batch
+        attention_flops = 4 * layers * heads * spec.hd * context * batch
+        flops = weight_flops + attention_flops
         read.append(weights[r] + kv)
-        compute.append(max(read[-1] / (HBM_TBS[gpu] * 1e12), flops / (GPUS[gpu][1] * 1e12)))
+        compute.append(max((weights[r] + kv) / hbm, flops / peak_flops))
     message_s = link_latency_us * 1e-6 + batch * spec.hidden * dtype_bytes / (link_gbs * 1e9)
     messages = messages_per_forward(spec, mode=mode, degree=degree)
     latency = per_token_latency(
@@ -251,7 +264,7 @@ def decode_time(
         "latency_s": latency,
         "tokens_per_s": batch / latency,
         "pipelined_tokens_per_s": batch / slowest if mode == "placement" else batch / latency,
-        "fits": max(read) <= GPUS[gpu][0] * GIB,
+        "fits": max(read) <= GPUS[gpu].memory_gib * GIB,
     }
 
 
@@ -265,16 +278,21 @@ def cache_capacity(
     utilization: float = 0.9,
 ) -> dict:
     """How many cached positions (summed over all sequences) fit beside the weights when a share
-    ``utilization`` of each GPU may be used (vLLM's ``gpu_memory_utilization``): (utilization·memory
-    - weights) / cache bytes per position, on the tightest rank. Negative free memory: the weights
-      alone do not fit."""
+    ``utilization`` of each GPU may be used (vLLM's ``gpu_memory_utilization``):
+    (utilization·memory − weights) / cache bytes per position, on the tightest rank. Negative free
+    memory: the weights alone do not fit."""
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {tuple(GPUS)}")
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     if tp > 1 and pp > 1:
         raise ValueError("cache_capacity models tp or pp, not both; set one of them to 1")
-    mode, degree = ("placement", pp) if pp > 1 else ("tp", tp)
+    if pp > 1:
+        mode = "placement"
+        degree = pp
+    else:
+        mode = "tp"
+        degree = tp
     weights = weight_bytes_per_rank(spec, mode=mode, degree=degree, dtype_bytes=dtype_bytes)
     per_token = [
         kv_cache_bytes_per_token(
@@ -282,7 +300,7 @@ def cache_capacity(
         )
         for s in range(degree)
     ]
-    free = [utilization * GPUS[gpu][0] * GIB - w for w in weights]
+    free = [utilization * GPUS[gpu].memory_gib * GIB - w for w in weights]
     tokens = min(int(f // p) if f > 0 else 0 for f, p in zip(free, per_token))
     return {
         "gpu": gpu,
@@ -301,7 +319,8 @@ def preset_table(
     """Per Llama preset: cache bytes per position, per sequence of ``seq`` positions, and the
     positions that fit beside the weights on ``tp`` GPUs (bf16 by default)."""
     lines = [
-        f"{'preset':<13}{'KiB/position':>13}{f'MiB/seq of {seq}':>18}{f'positions on {tp} x {gpu}':>30}"
+        f"{'preset':<13}{'KiB/position':>13}{f'MiB/seq of {seq}':>18}"
+        f"{f'positions on {tp} x {gpu}':>30}"
     ]
     for name, spec in PRESETS.items():
         if spec.arch != "llama":
@@ -312,9 +331,11 @@ def preset_table(
     return "\n".join(lines)
 
 
-# --- the `infer` command of python -m labs.theory
-# ------------------------------------------------------------
-def add_arguments(parser) -> None:
+# --- the `infer` command of python -m labs.theory ---------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``infer`` command's options."""
     parser.add_argument("--preset", default="llama3-8b", help=f"one of {', '.join(PRESETS)}")
     parser.add_argument(
         "--degree", type=int, default=8, help="N: GPUs for the model (tp or pp degree)"
@@ -327,7 +348,9 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
+    """The ``infer`` command's result: the cache, its capacity and the decode time, for TP and for
+    placement on ``--degree`` GPUs."""
     spec = preset(args.preset)
     out = {
         "preset": args.preset,
@@ -338,23 +361,24 @@ def cli(args) -> dict:
         "kv_bytes_per_token": kv_cache_bytes_per_token(spec, dtype_bytes=args.dtype_bytes),
     }
     for mode in MODES:
-        tp, pp = (args.degree, 1) if mode == "tp" else (1, args.degree)
+        tp = args.degree if mode == "tp" else 1
+        pp = 1 if mode == "tp" else args.degree
+        cache = [
+            kv_cache_bytes_per_rank(
+                spec,
+                batch=args.batch,
+                seq=args.seq,
+                tp=tp,
+                pp=pp,
+                stage=s if pp > 1 else 0,
+                dtype_bytes=args.dtype_bytes,
+            )
+            for s in range(args.degree)
+        ]
+        capacity = cache_capacity(spec, gpu=args.gpu, tp=tp, pp=pp, dtype_bytes=args.dtype_bytes)
         out[mode] = {
-            "kv_cache_bytes_per_rank": [
-                kv_cache_bytes_per_rank(
-                    spec,
-                    batch=args.batch,
-                    seq=args.seq,
-                    tp=tp,
-                    pp=pp,
-                    stage=s if pp > 1 else 0,
-                    dtype_bytes=args.dtype_bytes,
-                )
-                for s in range(args.degree)
-            ],
-            "capacity_tokens": cache_capacity(
-                spec, gpu=args.gpu, tp=tp, pp=pp, dtype_bytes=args.dtype_bytes
-            )["tokens"],
+            "kv_cache_bytes_per_rank": cache,
+            "capacity_tokens": capacity["tokens"],
             **decode_time(
                 spec,
                 mode=mode,
@@ -369,16 +393,18 @@ def cli(args) -> dict:
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result: one line for the cache, one per mode."""
     lines = [
         f"{r['preset']} on {r['degree']} x {r['gpu']}, B={r['batch']}, T={r['seq']}: "
         f"KV cache {r['kv_bytes_per_token'] / 1024:.0f} KiB per position on one GPU"
     ]
     for mode in MODES:
         m = r[mode]
+        cache_gib = max(m["kv_cache_bytes_per_rank"]) / GIB
         lines.append(
-            f"{mode:<10} cache/rank {max(m['kv_cache_bytes_per_rank']) / GIB:7.2f} GiB, room for "
-            f"{m['capacity_tokens']:>9,} positions; {m['latency_s'] * 1e3:7.2f} ms/token, "
-            f"{m['tokens_per_s']:8.0f} tokens/s ({m['pipelined_tokens_per_s']:.0f} with {r['degree']} "
-            f"batches in flight){'' if m['fits'] else ', DOES NOT FIT'}"
+            f"{mode:<10} cache/rank {cache_gib:7.2f} GiB, room for"
+            f" {m['capacity_tokens']:>9,} positions; {m['latency_s'] * 1e3:7.2f} ms/token,"
+            f" {m['tokens_per_s']:8.0f} tokens/s ({m['pipelined_tokens_per_s']:.0f} with"
+            f" {r['degree']} batches in flight){'' if m['fits'] else ', DOES NOT FIT'}"
         )
     return "\n".join(lines)

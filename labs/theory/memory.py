@@ -4,9 +4,9 @@
 Pure Python, no torch: every figure here is a formula, and tests check each one
 against real tensors (``labs.measure.memory``).
 
-    memory_per_rank(PRESETS["llama3-8b"], seq=4096, mbs=1, zero=3, dp=8)   # -> {"total_bytes": ..., ...}
-    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 --gpu-mem 80
-    --json
+    memory_per_rank(PRESETS["llama3-8b"], seq=4096, mbs=1, zero=3, dp=8)   # {"total_bytes": ...}
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 \
+        --gpu-mem 80 --json
 
 Symbols: Ψ parameters, N data-parallel ranks (``dp``), k optimizer bytes per parameter.
 
@@ -85,13 +85,8 @@ class ModelSpec:
             raise ValueError(f"arch={self.arch!r} is not one of ('llama', 'gpt')")
         required = ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")
         check_positive(**{n: getattr(self, n) for n in required})
-        check_positive(
-            **{
-                n: getattr(self, n)
-                for n in ("n_kv_heads", "ffn_hidden", "head_dim")
-                if getattr(self, n) is not None
-            }
-        )  # None: the default above
+        optional = ("n_kv_heads", "ffn_hidden", "head_dim")  # None: the default above
+        check_positive(**{n: getattr(self, n) for n in optional if getattr(self, n) is not None})
         if self.head_dim is None and self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -99,14 +94,17 @@ class ModelSpec:
 
     @property
     def kv_heads(self) -> int:
+        """nkv: key/value heads."""
         return self.n_kv_heads or self.n_heads
 
     @property
     def ffn(self) -> int:
+        """F: the MLP's hidden width."""
         return self.ffn_hidden or 4 * self.hidden
 
     @property
     def hd(self) -> int:
+        """hd: the head dimension."""
         return self.head_dim or self.hidden // self.n_heads
 
 
@@ -132,7 +130,8 @@ def param_counts(spec: ModelSpec) -> dict[str, int]:
         norms = 2 * h
         embedding = V * h
         final_norm = h
-    else:  # gpt: qkv and output projections with biases, up/down with biases, 2 LayerNorms (w + b)
+    else:
+        # gpt: qkv and output projections with biases, up/down with biases, 2 LayerNorms (w + b)
         attention = (h * 3 * h + 3 * h) + (h * h + h)
         mlp = (h * spec.ffn + spec.ffn) + (spec.ffn * h + h)
         norms = 2 * 2 * h
@@ -154,10 +153,11 @@ def param_counts(spec: ModelSpec) -> dict[str, int]:
 
 
 def param_count(spec: ModelSpec) -> int:
+    """The exact number of parameters (``param_counts``' total)."""
     return param_counts(spec)["total"]
 
 
-def _check_state_args(n_params, precision, optimizer, zero, dp):
+def _check_state_args(n_params: int, precision: str, optimizer: str, zero: int, dp: int) -> None:
     if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
         raise ValueError(f"n_params must be an integer >= 0, got {n_params!r}")
     if precision not in PRECISIONS:
@@ -224,9 +224,9 @@ def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
         norms = 2 * h
         embedding = V * h
         final_norm = h
-    # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases
-    # replicated)
     else:
+        # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases
+        # replicated)
         attention = (4 * h * h + 3 * h) // tp + h
         mlp = (2 * h * F + F) // tp + h
         norms = 4 * h
@@ -283,20 +283,20 @@ def layers_params(
 
 
 def _check_layout(
-    spec,
+    spec: ModelSpec,
     *,
-    seq,
-    mbs,
-    precision,
-    dp,
-    tp,
-    sp,
-    pp,
-    cp,
-    recompute,
-    microbatches,
-    schedule,
-    fp32_grad_accum,
+    seq: int,
+    mbs: int,
+    precision: str,
+    dp: int,
+    tp: int,
+    sp: bool,
+    pp: int,
+    cp: int,
+    recompute: str,
+    microbatches: int | None,
+    schedule: str,
+    fp32_grad_accum: bool,
 ) -> None:
     check_positive(seq=seq, mbs=mbs)
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)  # every degree an integer >= 1
@@ -305,9 +305,11 @@ def _check_layout(
     )
     if sp and tp == 1:
         raise ValueError(
-            "sp=True splits activations over tensor-parallel ranks but tp=1; use tp >= 2 or sp=False"
+            "sp=True splits activations over tensor-parallel ranks but tp=1;"
+            " use tp >= 2 or sp=False"
         )
-    check_divides(seq, "seq", cp * tp if sp else cp, "cp*tp" if sp else "cp")  # tokens split evenly
+    # tokens split evenly
+    check_divides(seq, "seq", cp * tp if sp else cp, "cp*tp" if sp else "cp")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
     if schedule not in PP_SCHEDULES:

@@ -2,10 +2,10 @@
 (``labs.widgets.memory``): a model from a preset or free dimensions, the fits / does-not-fit
 verdict, sweeps, and ``python -m labs.theory memory``. Pure Python.
 
-    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 --gpu-mem 80
-    python -m labs.theory memory --layers 2 --hidden 64 --heads 8 --kv-heads 4 --ffn 128 --vocab 256
-    \\
-        --seq 32 --mbs 8 --precision fp32 --json
+    python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 \\
+        --gpu-mem 80
+    python -m labs.theory memory --layers 2 --hidden 64 --heads 8 --kv-heads 4 --ffn 128 \\
+        --vocab 256 --seq 32 --mbs 8 --precision fp32 --json
 
 Dimensions given with a preset override the preset's. Bad input (a degree that does not divide
 the heads, more stages than layers, ZeRO without DP, ...) is one line on stderr and exit status 2.
@@ -13,9 +13,13 @@ the heads, more stages than layers, ZeRO without DP, ...) is one line on stderr 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from collections.abc import Iterable
 
+from labs.theory.activations import layer_terms
 from labs.theory.dims import check_positive
+from labs.theory.flops import flops_per_token, mfu
 from labs.theory.memory import (
     GIB,
     OPTIMIZERS,
@@ -25,8 +29,11 @@ from labs.theory.memory import (
     fits,
     memory_per_rank,
     param_count,
+    state_bytes,
 )
+from labs.theory.presets import preset as get_preset
 
+# CLI / widget name -> ModelSpec field
 DIMS = {
     "layers": "n_layers",
     "hidden": "hidden",
@@ -34,7 +41,7 @@ DIMS = {
     "kv_heads": "n_kv_heads",
     "ffn": "ffn_hidden",
     "vocab": "vocab_size",
-}  # CLI / widget name -> ModelSpec field
+}
 RUN_KEYS = ("seq", "mbs", *memory_per_rank.__kwdefaults__)  # the keywords of memory_per_rank
 
 
@@ -47,8 +54,6 @@ def model_spec(
 ) -> tuple[str, ModelSpec]:
     """(name, spec) for a preset with optional overrides, or for free dimensions
     (``layers``, ``hidden``, ``heads``, ``vocab`` required; ``kv_heads``, ``ffn`` optional)."""
-    from labs.theory.presets import preset as get_preset
-
     unknown = sorted(set(dims) - set(DIMS))
     if unknown:
         raise ValueError(f"unknown model dimension(s) {unknown}; choose from {tuple(DIMS)}")
@@ -87,7 +92,7 @@ def verdict(total_bytes: float, gpu_mem_gib: float) -> str:
     return f"{word}: {total_bytes / GIB:.1f} GiB of {gpu_mem_gib:.1f} GiB per GPU ({share:.0%})"
 
 
-def sweep(spec: ModelSpec, param: str, values, **run) -> list[dict]:
+def sweep(spec: ModelSpec, param: str, values: Iterable, **run: object) -> list[dict]:
     """``memory_per_rank`` for each of ``values`` of one keyword (``seq``, ``dp``, ``tp``, ...);
     a value the layout rejects gives a row with ``error`` instead of the byte counts."""
     if param not in RUN_KEYS:
@@ -101,7 +106,9 @@ def sweep(spec: ModelSpec, param: str, values, **run) -> list[dict]:
     return rows
 
 
-def evaluate(*, preset: str | None, dims: dict | None = None, gpu_mem_gib: float, **run) -> dict:
+def evaluate(
+    *, preset: str | None, dims: dict | None = None, gpu_mem_gib: float, **run: object
+) -> dict:
     """Everything the widget shows for one setting of its controls: ``name``, ``spec``,
     ``result`` (``memory_per_rank``), ``verdict`` text, or ``error`` (then ``result`` is None
     and the verdict says why nothing was computed)."""
@@ -127,8 +134,6 @@ def evaluate(*, preset: str | None, dims: dict | None = None, gpu_mem_gib: float
 
 def bytes_per_param_table() -> str:
     """Training-state bytes per parameter for each precision and optimizer (no ZeRO)."""
-    from labs.theory.memory import state_bytes
-
     lines = [
         f"{'precision':<30}{'optimizer':<14}{'params':>7}{'grads':>7}{'optimizer':>10}{'total':>7}"
     ]
@@ -145,17 +150,14 @@ def bytes_per_param_table() -> str:
     return "\n".join(lines)
 
 
-def compare(spec: ModelSpec, configs: dict[str, dict], **common) -> list[dict]:
+def compare(spec: ModelSpec, configs: dict[str, dict], **common: object) -> list[dict]:
     """``memory_per_rank`` for named configurations (each a dict of keywords added to ``common``),
     as rows like ``sweep``'s with the name as ``value``."""
     rows = []
     for name, config in configs.items():
-        rows += [
-            {**row, "value": name}
-            for row in sweep(
-                spec, "seq", [config.get("seq", common.get("seq"))], **{**common, **config}
-            )
-        ]
+        seq = config.get("seq", common.get("seq"))
+        (row,) = sweep(spec, "seq", [seq], **{**common, **config})
+        rows.append({**row, "value": name})
     return rows
 
 
@@ -174,20 +176,12 @@ def format_rows(rows: list[dict], gpu_mem_gib: float | None = None, label: str =
         if "error" in r:
             lines.append(f"{str(r['value']):<{width}}  invalid: {r['error']}")
             continue
-        cells = "".join(
-            f"{r[k] / GIB:>13.2f}"
-            for k in (
-                "param_bytes",
-                "grad_bytes",
-                "optimizer_bytes",
-                "activation_bytes",
-                "total_bytes",
-            )
-        )
-        lines.append(
-            f"{str(r['value']):<{width}}{cells}"
-            + ("   " + verdict(r["total_bytes"], gpu_mem_gib).split(":")[0] if gpu_mem_gib else "")
-        )
+        parts = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
+        cells = "".join(f"{r[k] / GIB:>13.2f}" for k in parts)
+        line = f"{str(r['value']):<{width}}{cells}"
+        if gpu_mem_gib:
+            line += "   fits" if fits(r["total_bytes"], gpu_mem_gib) else "   does not fit"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -196,8 +190,6 @@ def format_terms(
 ) -> str:
     """What one layer saves per token, tensor by tensor, in bytes and in units of h, beside the
     playbook's 34 + 5·a·s/h (16-bit) for the same dimensions."""
-    from labs.theory.activations import layer_terms
-
     terms = layer_terms(
         spec, seq=seq, dtype_bytes=PRECISIONS[precision]["param"], recompute=recompute
     )
@@ -208,12 +200,13 @@ def format_terms(
     playbook = 34 + 5 * spec.n_heads * seq / h
     lines += [
         f"{'total per layer':<24}{total:>14,.0f}{total / h:>9.2f}",
-        f"{'playbook 34 + 5as/h':<24}{playbook * h:>14,.0f}{playbook:>9.2f}  (16-bit, eager attention)",
+        f"{'playbook 34 + 5as/h':<24}{playbook * h:>14,.0f}{playbook:>9.2f}"
+        "  (16-bit, eager attention)",
     ]
     return "\n".join(lines)
 
 
-def add_model_arguments(parser):
+def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """``--preset`` or free dimensions (``--layers --hidden ...``): the model options every
     calculator shares."""
     model = parser.add_argument_group(
@@ -228,14 +221,15 @@ def add_model_arguments(parser):
     return model
 
 
-def spec_from_args(args) -> tuple[str, ModelSpec]:
+def spec_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
     """(name, spec) of the model that ``add_model_arguments``' options give (and ``--tied``, where a
     command has it)."""
     dims = {name: getattr(args, name) for name in DIMS}
     return model_spec(args.preset, arch=args.arch, tied=getattr(args, "tied", None), **dims)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``memory`` command's options."""
     model = add_model_arguments(parser)
     model.add_argument(
         "--tied", action="store_true", default=None, help="tie the output head to the embedding"
@@ -273,9 +267,9 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
-    from labs.theory.flops import flops_per_token, mfu
-
+def cli(args: argparse.Namespace) -> dict:
+    """The ``memory`` command's result: ``memory_per_rank`` with the model, the configuration,
+    FLOPs per token, and (given a GPU) the verdict and MFU."""
     name, spec = spec_from_args(args)
     config = {key: getattr(args, key) for key in RUN_KEYS if key != "exact_shards"}
     result = memory_per_rank(spec, **config)
@@ -300,15 +294,17 @@ def cli(args) -> dict:
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result: the model, the run, the stage and GiB per rank by part."""
     c = r["config"]
-    parallel = " ".join(f"{d}={c[d]}" for d in ("dp", "tp", "pp", "cp")) + (
-        " +sp" if c["sp"] else ""
-    )
+    parallel = " ".join(f"{d}={c[d]}" for d in ("dp", "tp", "pp", "cp"))
+    if c["sp"]:
+        parallel += " +sp"
     lines = [
         f"model       {r['model']}: {r['total_params']:,} parameters, {r['params']:,} on this rank",
-        f"run         seq {c['seq']}, mbs {c['mbs']}, {c['precision']}, {c['optimizer']}, ZeRO-{c['zero']}, "
-        f"{parallel}, recompute {c['recompute']}",
-        f"rank        pipeline stage {r['stage']}: {r['layers']} layers, {r['in_flight']} micro-batch(es) in flight",
+        f"run         seq {c['seq']}, mbs {c['mbs']}, {c['precision']}, {c['optimizer']},"
+        f" ZeRO-{c['zero']}, {parallel}, recompute {c['recompute']}",
+        f"rank        pipeline stage {r['stage']}: {r['layers']} layers,"
+        f" {r['in_flight']} micro-batch(es) in flight",
         "",
         f"{'per rank':<22}{'GiB':>10}",
     ]

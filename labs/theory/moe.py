@@ -1,5 +1,5 @@
-"""Mixture of experts on paper: total vs active parameters, expert capacity, all-to-all bytes. Pure
-Python.
+"""Mixture of experts on paper: total vs active parameters, expert capacity, all-to-all bytes.
+Pure Python.
 
 Symbols: E experts per MoE layer, k experts per token (top-k), h hidden, F an expert's
 SwiGLU hidden size, L layers (every one an MoE layer), N tokens in one *group* (the tokens
@@ -40,6 +40,7 @@ rows to expect.
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from dataclasses import dataclass
@@ -49,25 +50,24 @@ from labs.theory.memory import ModelSpec, param_counts
 
 
 def check_top_k(top_k: int, n_experts: int) -> None:
+    """Raise unless a token can pick ``top_k`` distinct experts of ``n_experts``."""
     if top_k > n_experts:
+        choices = ",".join(map(str, range(1, n_experts + 1)))
         raise ValueError(
-            f"top_k={top_k} is larger than n_experts={n_experts}: a token cannot pick more experts "
-            f"than exist; use top_k in {{{','.join(map(str, range(1, n_experts + 1)))}}}"
+            f"top_k={top_k} is larger than n_experts={n_experts}: a token cannot pick more"
+            f" experts than exist; use top_k in {{{choices}}}"
         )
 
 
-def check_capacity_factor(capacity_factor) -> None:
+def check_capacity_factor(capacity_factor: float | None) -> None:
     """None means no capacity (nothing dropped); otherwise a number > 0."""
     if capacity_factor is None:
         return
-    if (
-        isinstance(capacity_factor, bool)
-        or not isinstance(capacity_factor, (int, float))
-        or not capacity_factor > 0
-    ):
+    is_number = isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+    if not is_number or not capacity_factor > 0:
         raise ValueError(
-            f"capacity_factor must be > 0 (1.0 = an even share per expert) or None for no "
-            f"dropping, got {capacity_factor!r}"
+            "capacity_factor must be > 0 (1.0 = an even share per expert) or None for no"
+            f" dropping, got {capacity_factor!r}"
         )
 
 
@@ -123,7 +123,7 @@ def moe_param_counts(spec: MoESpec, ep: int = 1) -> dict[str, int]:
     }
 
 
-def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int:
     """C = ceil(cf · k · N / E): the (token, choice) pairs one expert accepts from a group of N
     tokens."""
     check_positive(tokens=tokens, top_k=top_k, n_experts=n_experts)
@@ -147,10 +147,10 @@ def imbalance(counts: list[int]) -> float:
 
 
 def ep_rank_groups(world_size: int, ep: int) -> dict[str, list[list[int]]]:
-    """Ranks that exchange tokens (``ep``: consecutive ranks, like a TP group on one node) and ranks
-    that hold the same experts and average their gradients (``expert_dp``: every ep-th rank).
-    Expert parallelism is carved out of the data-parallel ranks: world_size = ep ·
-    (world_size/ep)."""
+    """Ranks that exchange tokens (``ep``: consecutive ranks, like a TP group on one node) and
+    ranks that hold the same experts and average their gradients (``expert_dp``: every ep-th
+    rank). Expert parallelism is carved out of the data-parallel ranks:
+    world_size = ep · (world_size/ep)."""
     check_positive(world_size=world_size, ep=ep)
     check_divides(world_size, "world_size", ep, "ep")
     replicas = world_size // ep
@@ -194,8 +194,8 @@ def counts_exchange_bytes(n_experts: int, ep: int) -> int:
 def expected_all_to_all_bytes(
     tokens: int, top_k: int, ep: int, hidden: int, itemsize: int
 ) -> float:
-    """Dispatch (or combine) bytes per rank with uniform routing and no drops: N·k·(ep-1)/ep · h ·
-    b."""
+    """Dispatch (or combine) bytes per rank with uniform routing and no drops:
+    N·k·(ep-1)/ep · h · b."""
     check_positive(tokens=tokens, top_k=top_k, ep=ep, hidden=hidden, itemsize=itemsize)
     return tokens * top_k * (ep - 1) / ep * hidden * itemsize
 
@@ -203,9 +203,9 @@ def expected_all_to_all_bytes(
 def synthetic_routing(
     *, tokens: int, n_experts: int, top_k: int, ranks: int = 1, skew: float = 0.0, seed: int = 0
 ) -> list[list[int]]:
-    """A router to play with: each rank's ``tokens`` tokens pick ``top_k`` distinct experts, expert
-    e with weight exp(-skew · e / E) (skew 0: uniform). Returns ``counts[rank][e]`` (pairs before
-    dropping)."""
+    """A router to play with: each rank's ``tokens`` tokens pick ``top_k`` distinct experts,
+    expert e with weight exp(-skew · e / E) (skew 0: uniform). Returns ``counts[rank][e]`` (pairs
+    before dropping)."""
     check_positive(tokens=tokens, n_experts=n_experts, top_k=top_k, ranks=ranks)
     check_top_k(top_k, n_experts)
     if skew < 0:
@@ -249,7 +249,8 @@ def capacity_sweep(
     return out
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``moe`` command's options."""
     parser.add_argument(
         "--preset", choices=("mixtral-8x7b",), default=None, help="a published model"
     )
@@ -266,29 +267,28 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
-    spec = (
-        MIXTRAL_8X7B
-        if args.preset == "mixtral-8x7b"
-        else MoESpec(
-            ModelSpec(
-                vocab_size=args.vocab,
-                hidden=args.hidden,
-                n_layers=args.layers,
-                n_heads=args.heads,
-                n_kv_heads=args.kv_heads,
-                ffn_hidden=args.ffn,
-            ),
-            n_experts=args.experts,
-            top_k=args.top_k,
+def cli(args: argparse.Namespace) -> dict:
+    """The ``moe`` command's result: ``moe_param_counts`` and the active share."""
+    if args.preset == "mixtral-8x7b":
+        spec = MIXTRAL_8X7B
+    else:
+        dense = ModelSpec(
+            vocab_size=args.vocab,
+            hidden=args.hidden,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            n_kv_heads=args.kv_heads,
+            ffn_hidden=args.ffn,
         )
-    )
+        spec = MoESpec(dense, n_experts=args.experts, top_k=args.top_k)
     counts = moe_param_counts(spec, ep=args.ep)
     return {**counts, "active_share": counts["active"] / counts["total"], "ep": args.ep}
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result as one sentence."""
     return (
-        f"{r['total'] / 1e9:.2f} B parameters in all, {r['active'] / 1e9:.2f} B active per token "
-        f"({100 * r['active_share']:.0f}%); {r['per_rank'] / 1e9:.2f} B per rank with ep={r['ep']}"
+        f"{r['total'] / 1e9:.2f} B parameters in all, {r['active'] / 1e9:.2f} B active per token"
+        f" ({100 * r['active_share']:.0f}%); {r['per_rank'] / 1e9:.2f} B per rank"
+        f" with ep={r['ep']}"
     )

@@ -1,54 +1,68 @@
-"""An encoder in front of the decoder: its parameters, activations, FLOPs, and what it does to a
-pipeline. Pure Python.
+"""An encoder in front of the decoder: its parameters, activations, FLOPs, and what it does to
+a pipeline. Pure Python.
 
-    enc = ENCODERS["siglip-so400m"]                                  # or EncoderSpec(tokens=..., hidden=..., ...)
-    memory_per_rank_with_encoder(preset("llama3-8b"), enc, text_tokens=1024, mbs=1, pp=4, zero=1,
-    dp=8)
-    pipeline_balance(spec, enc, split=(0, 2, 1, 1), text_tokens=24, mbs=2, microbatches=4)   # per-stage time, bubble
-    balanced_split(spec, enc, stages=4, text_tokens=24, mbs=2)                                # the fix
-    plan_with_encoder(preset("llama3-8b"), enc, text_tokens=1024, gpus=64, gpus_per_node=8,
-    gpu_mem_gib=80)
+    enc = ENCODERS["siglip-so400m"]        # or EncoderSpec(tokens=..., hidden=..., ...)
+    memory_per_rank_with_encoder(
+        preset("llama3-8b"), enc, text_tokens=1024, mbs=1, pp=4, zero=1, dp=8
+    )
+    # per-stage time, bubble
+    pipeline_balance(spec, enc, split=(0, 2, 1, 1), text_tokens=24, mbs=2, microbatches=4)
+    # the fix
+    balanced_split(spec, enc, stages=4, text_tokens=24, mbs=2)
+    plan_with_encoder(
+        preset("llama3-8b"), enc, text_tokens=1024, gpus=64, gpus_per_node=8, gpu_mem_gib=80
+    )
 
-Symbols: encoder ``tokens`` P (image patches, or audio frames), width E, ``n_layers`` L_e, heads,
-MLP width F_e, ``patch_dim`` D = channels·patch² (the features of one patch); the decoder
+Symbols: encoder ``tokens`` P (image patches, or audio frames), width E, ``n_layers`` L_e,
+heads, MLP width F_e, ``patch_dim`` D = channels·patch² (the features of one patch); the decoder
 (``labs.theory.memory.ModelSpec``) has width H and reads T = P + C tokens per sample: the P
 projected image tokens, then C text tokens.
 
-Parameters (SigLIP's vision tower, ``labs.models.vision``; biases everywhere, LayerNorm weight and
-bias):
-    patch embedding D·E + E, positions P·E, per layer 4(E² + E) + 2·E·F_e + F_e + E + 4E, final norm
-    2E, projector (LLaVA-1.5's MLP) E·H + H + H² + H.
+Parameters (SigLIP's vision tower, ``labs.models.vision``; biases everywhere, LayerNorm weight
+and bias):
+
+    patch embedding   D·E + E
+    positions         P·E
+    per layer         4(E² + E) + 2·E·F_e + F_e + E + 4E
+    final norm        2E
+    projector         E·H + H + H² + H   (LLaVA-1.5's MLP)
 
 Activations saved for backward, per sample (exact for the model in fp32: a test counts them with
-saved-tensor hooks; e = bytes per element, norm statistics and the attention's log-sum-exp in fp32):
-    images               P·D·e               (the patch convolution keeps its input)
-    per layer, per token e·(8E + 2F_e) + 16 + 4·nh:  norm inputs and outputs 4E, q, k, v 3E, attention output E,
-                         MLP hidden twice 2F_e, mean and 1/std of both norms 16, log-sum-exp 4 per
-                         head
-    final norm, per token e·2E + 8;  projector, per token e·2H
+saved-tensor hooks; e = bytes per element, norm statistics and the attention's log-sum-exp in
+fp32):
+
+    images                 P·D·e   (the patch convolution keeps its input)
+    per layer, per token   e·(8E + 2F_e) + 16 + 4·nh: norm inputs and outputs 4E, q, k, v 3E,
+                           attention output E, MLP hidden twice 2F_e, mean and 1/std of both
+                           norms 16, log-sum-exp 4 per head
+    final norm, per token  e·2E + 8
+    projector, per token   e·2H
+
 The decoder's are ``labs.theory.activations`` at sequence length T.
 
 FLOPs per sample, forward (a matmul of [m, k] x [k, n] costs 2mkn): patches 2·P·D·E; per layer
-2·P·(4E² + 2E·F_e) + 4·P²·E (full attention: every patch sees every patch); projector 2·P·(E·H +
-H²). Backward is twice the forward except the patch convolution's (images need no gradient: 2·P·D·E
-once). The decoder's layers: 2·(its matmul weights)·T + 4·T²·H per layer forward
-(``labs.theory.flops``), the head 2·V·H·T.
+2·P·(4E² + 2E·F_e) + 4·P²·E (full attention: every patch sees every patch); projector
+2·P·(E·H + H²). Backward is twice the forward except the patch convolution's (images need no
+gradient: 2·P·D·E once). The decoder's layers: 2·(its matmul weights)·T + 4·T²·H per layer
+forward (``labs.theory.flops``), the head 2·V·H·T.
 
 In a pipeline the encoder sits on stage 0 (with the *fusion*, the caption's embedding and the
-concatenation, and ``split[0]`` decoder layers); stage s holds ``split[s]`` decoder layers, the last
-also norm and head. The schedule (1F1B) advances at the pace of the slowest stage:
-``simulate_stages`` runs it on paper with each stage's own forward and backward time, and the idle
-share of ranks x time is the bubble. With equal stages it is (P-1)/(M+P-1); an imbalance adds idle
-time on every faster stage in every steady-state step. ``balanced_split`` moves decoder layers onto
-(or off) the encoder's stage to minimise the slowest stage.
+concatenation, and ``split[0]`` decoder layers); stage s holds ``split[s]`` decoder layers, the
+last also norm and head. The schedule (1F1B) advances at the pace of the slowest stage:
+``simulate_stages`` runs it on paper with each stage's own forward and backward time, and the
+idle share of ranks x time is the bubble. With equal stages it is (P-1)/(M+P-1); an imbalance
+adds idle time on every faster stage in every steady-state step. ``balanced_split`` moves decoder
+layers onto (or off) the encoder's stage to minimise the slowest stage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from labs.theory import tensor_parallel
 from labs.theory.activations import stage_activation_bytes
-from labs.theory.comm import BYTES_PER_RANK
+from labs.theory.comm import BYTES_PER_RANK, all_reduce_bytes
 from labs.theory.dims import check_positive
 from labs.theory.flops import matmul_params
 from labs.theory.memory import (
@@ -85,17 +99,21 @@ class EncoderSpec:
 
 
 ENCODERS = {
-    "course": EncoderSpec(),  # labs.models.vision's default
+    # labs.models.vision's default
+    "course": EncoderSpec(),
+    # 384 px, patch 14 (PaliGemma, Idefics)
     "siglip-so400m": EncoderSpec(
         tokens=729, hidden=1152, n_layers=27, n_heads=16, ffn_hidden=4304, patch_dim=3 * 14 * 14
-    ),  # 384 px, patch 14 (PaliGemma, Idefics)
+    ),
+    # LLaVA-1.5's (its CLS token left out)
     "clip-vit-l-336": EncoderSpec(
         tokens=576, hidden=1024, n_layers=24, n_heads=16, ffn_hidden=4096, patch_dim=3 * 14 * 14
-    ),  # LLaVA-1.5's (its CLS token left out)
+    ),
 }
 
 
-def encoder_spec(name_or_spec) -> EncoderSpec:
+def encoder_spec(name_or_spec: str | EncoderSpec) -> EncoderSpec:
+    """``name_or_spec`` itself, or the ``ENCODERS`` entry it names."""
     if isinstance(name_or_spec, EncoderSpec):
         return name_or_spec
     if name_or_spec not in ENCODERS:
@@ -103,8 +121,9 @@ def encoder_spec(name_or_spec) -> EncoderSpec:
     return ENCODERS[name_or_spec]
 
 
-# --- parameters, activations, FLOPs
-# ------------------------------------------------------------------------
+# --- parameters, activations, FLOPs ------------------------------------------------------------
+
+
 def encoder_param_counts(enc: EncoderSpec, *, text_hidden: int) -> dict[str, int]:
     """Exact parameter counts: ``patch_embedding``, ``position_embedding``, ``per_layer``,
     ``layers``, ``post_layernorm``, ``encoder`` (their sum), ``projector`` and ``total``."""
@@ -119,9 +138,8 @@ def encoder_param_counts(enc: EncoderSpec, *, text_hidden: int) -> dict[str, int
         "layers": enc.n_layers * per_layer,
         "post_layernorm": 2 * E,
     }
-    out["encoder"] = (
-        out["patch_embedding"] + out["position_embedding"] + out["layers"] + out["post_layernorm"]
-    )
+    parts = ("patch_embedding", "position_embedding", "layers", "post_layernorm")
+    out["encoder"] = sum(out[k] for k in parts)
     out["projector"] = E * H + H + H * H + H
     out["total"] = out["encoder"] + out["projector"]
     return out
@@ -158,9 +176,9 @@ def encoder_flops(enc: EncoderSpec, *, mbs: int, text_hidden: int) -> dict:
     H = text_hidden
     patch = 2 * P * enc.patch_dim * E
     attention = enc.n_layers * 4 * P * P * E
-    forward = (
-        patch + enc.n_layers * 2 * P * (4 * E * E + 2 * E * F) + attention + 2 * P * (E * H + H * H)
-    )
+    matmuls = enc.n_layers * 2 * P * (4 * E * E + 2 * E * F)
+    projector = 2 * P * (E * H + H * H)
+    forward = patch + matmuls + attention + projector
     return {
         "forward": mbs * forward,
         "backward": mbs * (2 * forward - patch),
@@ -178,28 +196,33 @@ def decoder_flops(spec: ModelSpec, *, seq: int, mbs: int) -> dict:
     return {"per_layer": per_layer, "head": mbs * seq * 2 * head}
 
 
-# --- a pipeline with the encoder on stage 0
-# ----------------------------------------------------------------
-def check_split(split, *, n_layers: int, stages: int | None = None) -> tuple:
+# --- a pipeline with the encoder on stage 0 ----------------------------------------------------
+
+
+def _layer_counts(split: tuple) -> bool:
+    """Whether every entry of ``split`` is an integer >= 0 (a bool is not)."""
+    return all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split)
+
+
+def check_split(
+    split: Iterable[int], *, n_layers: int, stages: int | None = None
+) -> tuple[int, ...]:
     """``split`` (decoder layers per pipeline stage, the encoder's stage 0 included) as a tuple;
     ValueError unless it has >= 2 entries (``stages`` of them, if given), each an integer >= 0,
     summing to ``n_layers``."""
     split = tuple(split)
     stages = stages if stages is not None else len(split)
-    if (
-        stages < 2
-        or len(split) != stages
-        or sum(split) != n_layers
-        or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split)
-    ):
+    if stages < 2 or len(split) != stages or sum(split) != n_layers or not _layer_counts(split):
+        stages = max(stages, 2)
         raise ValueError(
-            f"split={split} must give {max(stages, 2)} stages >= 0 decoder layers each (stage 0 also holds"
-            f" the encoder), {n_layers} layers in all, e.g. {default_split(n_layers, max(stages, 2))}"
+            f"split={split} must give {stages} stages >= 0 decoder layers each (stage 0 also"
+            f" holds the encoder), {n_layers} layers in all,"
+            f" e.g. {default_split(n_layers, stages)}"
         )
     return split
 
 
-def default_split(n_layers: int, stages: int) -> tuple:
+def default_split(n_layers: int, stages: int) -> tuple[int, ...]:
     """The encoder alone on stage 0, the decoder's layers spread over the others (the earlier ones
     one more)."""
     check_positive(n_layers=n_layers, stages=stages)
@@ -211,7 +234,7 @@ def stage_costs(
     spec: ModelSpec,
     enc: EncoderSpec,
     *,
-    split,
+    split: Iterable[int],
     text_tokens: int,
     mbs: int,
     tp: int = 1,
@@ -245,12 +268,10 @@ def stage_costs(
             tp=tp,
         )["total"]
         if first:
-            fwd, bwd, params, acts = (
-                fwd + ef["forward"],
-                bwd + ef["backward"],
-                params + ep["total"],
-                acts + ea["total"],
-            )
+            fwd += ef["forward"]
+            bwd += ef["backward"]
+            params += ep["total"]
+            acts += ea["total"]
         out.append(
             {
                 "stage": s,
@@ -265,14 +286,20 @@ def stage_costs(
     return out
 
 
-def simulate_stages(t_forward, t_backward, microbatches: int, t_delay: float = 0.0) -> dict:
+def simulate_stages(
+    t_forward: Sequence[float],
+    t_backward: Sequence[float],
+    microbatches: int,
+    t_delay: float = 0.0,
+) -> dict:
     """1F1B on paper with stage s taking ``t_forward[s]`` / ``t_backward[s]`` per micro-batch
     (``labs.theory.pipeline.simulate`` with a time per stage). Returns ``events``, ``makespan``,
     ``busy`` per stage and ``bubble_fraction`` (idle share of stages x time)."""
     P = len(t_forward)
     if P < 1 or len(t_backward) != P or min(t_forward) <= 0 or min(t_backward) < 0 or t_delay < 0:
         raise ValueError(
-            "t_forward and t_backward need one time per stage, forward > 0, backward and t_delay >= 0"
+            "t_forward and t_backward need one time per stage, forward > 0, backward and"
+            " t_delay >= 0"
         )
     sim = simulate("1f1b", P, microbatches, 1, list(t_forward), list(t_backward), t_delay)
     busy = [microbatches * (t_forward[s] + t_backward[s]) for s in range(P)]
@@ -288,7 +315,7 @@ def pipeline_balance(
     spec: ModelSpec,
     enc: EncoderSpec,
     *,
-    split,
+    split: Iterable[int],
     text_tokens: int,
     mbs: int,
     microbatches: int,
@@ -323,18 +350,16 @@ def pipeline_balance(
 
 def balanced_split(
     spec: ModelSpec, enc: EncoderSpec, *, stages: int, text_tokens: int, mbs: int = 1, tp: int = 1
-) -> tuple:
+) -> tuple[int, ...]:
     """The split of the decoder's layers over ``stages`` (the encoder on stage 0) whose slowest
     stage (forward + backward FLOPs, ``stage_costs``) is fastest: ``split_for_costs`` with FLOPs as
     the costs."""
     check_positive(stages=stages)
     n = spec.n_layers
-    last = stage_costs(
-        spec, enc, split=(0,) * max(stages - 1, 1) + (n,), text_tokens=text_tokens, mbs=mbs, tp=tp
-    )
-    layer = (
-        decoder_flops(spec, seq=enc.tokens + text_tokens, mbs=mbs)["per_layer"] * 3 / tp
-    )  # forward + backward
+    all_on_last = (0,) * max(stages - 1, 1) + (n,)
+    last = stage_costs(spec, enc, split=all_on_last, text_tokens=text_tokens, mbs=mbs, tp=tp)
+    # forward + backward
+    layer = decoder_flops(spec, seq=enc.tokens + text_tokens, mbs=mbs)["per_layer"] * 3 / tp
     encoder = last[0]["forward_flops"] + last[0]["backward_flops"]
     head = last[-1]["forward_flops"] + last[-1]["backward_flops"] - n * layer
     return split_for_costs(encoder=encoder, layer=layer, head=head, n_layers=n, stages=stages)
@@ -342,7 +367,7 @@ def balanced_split(
 
 def split_for_costs(
     *, encoder: float, layer: float, head: float, n_layers: int, stages: int
-) -> tuple:
+) -> tuple[int, ...]:
     """Decoder layers per stage minimising the slowest stage, when stage 0 costs ``encoder`` (plus
     its layers), every layer ``layer`` and the last stage also ``head``: FLOPs (``balanced_split``)
     or measured seconds. Any stage may hold no layer (a heavy encoder may fill stage 0 alone); of
@@ -356,9 +381,8 @@ def split_for_costs(
         raise ValueError(
             f"costs must be >= 0, got encoder={encoder!r}, layer={layer!r}, head={head!r}"
         )
-    best = {
-        0: (0.0, ())
-    }  # layers placed so far -> (slowest stage so far, split so far), stage by stage
+    # layers placed so far -> (slowest stage so far, split so far), stage by stage
+    best = {0: (0.0, ())}
     for s in range(stages):
         extra = (encoder if s == 0 else 0.0) + (head if s == stages - 1 else 0.0)
         nxt = {}
@@ -371,8 +395,9 @@ def split_for_costs(
     return best[n_layers][1]
 
 
-# --- the memory calculator and the planner, with an encoder
-# ------------------------------------------------
+# --- the memory calculator and the planner, with an encoder -----------------------------------
+
+
 def memory_per_rank_with_encoder(
     spec: ModelSpec,
     enc: EncoderSpec,
@@ -389,7 +414,7 @@ def memory_per_rank_with_encoder(
     cp: int = 1,
     microbatches: int | None = None,
     schedule: str = "1f1b",
-    split=None,
+    split: Iterable[int] | None = None,
     recompute: str = "none",
 ) -> dict:
     """``labs.theory.memory.memory_per_rank`` with the encoder and projector on stage 0 (every rank
@@ -402,6 +427,7 @@ def memory_per_rank_with_encoder(
     encoder, for comparison)."""
     seq = enc.tokens + text_tokens
     m = microbatches or pp
+    # validates every argument
     base = memory_per_rank(
         spec,
         seq=seq,
@@ -417,25 +443,20 @@ def memory_per_rank_with_encoder(
         microbatches=microbatches,
         schedule=schedule,
         recompute=recompute,
-    )  # validates every argument
-    e = PRECISIONS[precision]["param"]
-    split = (
-        tuple(layers_on_stage(spec.n_layers, pp, s) for s in range(pp))
-        if split is None
-        else tuple(split)
     )
-    if (
-        len(split) != pp
-        or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split)
-        or sum(split) != spec.n_layers
-    ):
+    e = PRECISIONS[precision]["param"]
+    if split is None:
+        split = tuple(layers_on_stage(spec.n_layers, pp, s) for s in range(pp))
+    else:
+        split = tuple(split)
+    if len(split) != pp or not _layer_counts(split) or sum(split) != spec.n_layers:
         raise ValueError(
-            f"split={split} must give pp={pp} stages >= 0 decoder layers each, {spec.n_layers} in all"
+            f"split={split} must give pp={pp} stages >= 0 decoder layers each,"
+            f" {spec.n_layers} in all"
         )
     enc_params = encoder_param_counts(enc, text_hidden=spec.hidden)["total"]
-    enc_acts = encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=e)[
-        "total"
-    ]
+    enc_acts = encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=e)
+    enc_acts = enc_acts["total"]
     stages = []
     for s, layers in enumerate(split):
         first = s == 0
@@ -496,14 +517,12 @@ def encoder_tp_or_replicate(
     bytes_per_s: float = 450e9,
     latency_s: float = 20e-6,
 ) -> dict:
-    """Two ways to run the encoder on a TP group of ``tp`` GPUs, per micro-batch of ``mbs`` samples.
-    Split it Megatron-style: 4 all-reduces of [mbs·P, E] per layer (2 forward, 2 backward), each
-    2(tp-1)/tp of the tensor per GPU plus a start-up ``latency_s``, on the critical path. Or
-    replicate it: no bytes, but every GPU runs the whole encoder, (tp-1)/tp of it redundantly.
-    Defaults: an H100 at 60% of its bf16 peak, NVLink 450 GB/s, ~20 µs per small all-reduce. Returns
-    both in bytes / FLOPs and seconds."""
-    from labs.theory.comm import all_reduce_bytes
-
+    """Two ways to run the encoder on a TP group of ``tp`` GPUs, per micro-batch of ``mbs``
+    samples. Split it Megatron-style: 4 all-reduces of [mbs·P, E] per layer (2 forward, 2
+    backward), each 2(tp-1)/tp of the tensor per GPU plus a start-up ``latency_s``, on the critical
+    path. Or replicate it: no bytes, but every GPU runs the whole encoder, (tp-1)/tp of it
+    redundantly. Defaults: an H100 at 60% of its bf16 peak, NVLink 450 GB/s, ~20 µs per small
+    all-reduce. Returns both in bytes / FLOPs and seconds."""
     check_positive(tp=tp, mbs=mbs)
     activation = mbs * enc.tokens * enc.hidden * dtype_bytes
     sent = 4 * enc.n_layers * all_reduce_bytes(activation, tp)
@@ -526,8 +545,6 @@ def tp_collectives(
     vocab-parallel embedding all-reduces the caption's embeddings only ([B, C, H]) and the loss
     reduces over the B·C caption positions. The encoder and projector add nothing: they are
     replicated and their gradients arrive complete."""
-    from labs.theory import tensor_parallel
-
     check_positive(n_prefix=n_prefix, caption_len=caption_len)
     calls = tensor_parallel.collectives(
         spec, tp=tp, batch=batch, seq=n_prefix + caption_len, dtype_bytes=dtype_bytes

@@ -1,24 +1,34 @@
 """The planner with an encoder in front of the decoder, and its command line. Pure Python.
 
-    plan_with_encoder(preset("llama3-8b"), ENCODERS["siglip-so400m"], text_tokens=1024, gpus=64,
-    gpus_per_node=8,
-                      gpu_mem_gib=80)
-    python -m labs.theory multimodal --preset llama3-8b --encoder siglip-so400m --text-tokens 1024
-    --gpus 16 \
-        --layout 4,1,4,1,1 --global-batch 1024          # once the command is registered
+    plan_with_encoder(
+        preset("llama3-8b"),
+        ENCODERS["siglip-so400m"],
+        text_tokens=1024,
+        gpus=64,
+        gpus_per_node=8,
+        gpu_mem_gib=80,
+    )
+    python -m labs.theory multimodal --preset llama3-8b --encoder siglip-so400m \
+        --text-tokens 1024 --gpus 16 --layout 4,1,4,1,1 --global-batch 1024
 
 The decoder is planned by ``labs.theory.planner`` for T = P + C tokens per sequence; the encoder
 then goes where the lab (notebook 11) puts it: on pipeline stage 0, replicated over TP and CP,
-sharded over DP by ZeRO. Memory comes from ``labs.theory.multimodal.memory_per_rank_with_encoder``;
-time from each stage's FLOPs at the planner's efficiency, run through 1F1B on paper
-(``simulate_stages``) with the planner's split and with ``balanced_split``'s. The planner's own step
-time assumes equal stages; the stage table shows how far from equal they are (the encoder on the
-first stage, and a large vocabulary's head on the last).
+sharded over DP by ZeRO. Memory comes from
+``labs.theory.multimodal.memory_per_rank_with_encoder``; time from each stage's FLOPs at the
+planner's efficiency, run through 1F1B on paper (``simulate_stages``) with the planner's split and
+with ``balanced_split``'s. The planner's own step time assumes equal stages; the stage table
+shows how far from equal they are (the encoder on the first stage, and a large vocabulary's head
+on the last).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+
+from labs.theory import planner
 from labs.theory.memory import ModelSpec
+from labs.theory.memory_report import add_model_arguments, spec_from_args
 from labs.theory.multimodal import (
     ENCODERS,
     EncoderSpec,
@@ -43,19 +53,18 @@ def plan_with_encoder(
     layout: dict | None = None,
     global_batch: int | None = None,
     peak_tflops: float = 989.0,
-    **assumptions,
+    **assumptions: object,
 ) -> dict:
-    """The planner (``labs.theory.planner``) with an encoder in front of the decoder. The decoder is
-    planned for T = P + C tokens per sequence (``plan``, or ``evaluate`` for a given ``layout`` {dp,
-    tp, pp, cp, zero}); the encoder then goes where the lab puts it: on pipeline stage 0, replicated
-    over TP and CP, sharded by ZeRO. Returns ``decoder`` (the planner's figures: layout, memory,
-    step time, bubble), ``memory`` (``memory_per_rank_with_encoder`` for that layout), ``fits``,
-    ``encoder_params``, and the pipeline with the planner's split (``split``, ``stage_time_s`` per
-    micro-batch, ``bubble``, ``step_time_s``; ``decoder_only_*`` the same split without the encoder)
-    next to ``balanced_split``'s (``rebalanced_*``, and ``rebalanced_memory``). Times: FLOPs at
-    ``peak_tflops`` times the planner's efficiency, plus the decoder's exposed communication."""
-    from labs.theory import planner
-
+    """The planner (``labs.theory.planner``) with an encoder in front of the decoder. The decoder
+    is planned for T = P + C tokens per sequence (``plan``, or ``evaluate`` for a given ``layout``
+    {dp, tp, pp, cp, zero}); the encoder then goes where the lab puts it: on pipeline stage 0,
+    replicated over TP and CP, sharded by ZeRO. Returns ``decoder`` (the planner's figures:
+    layout, memory, step time, bubble), ``memory`` (``memory_per_rank_with_encoder`` for that
+    layout), ``fits``, ``encoder_params``, and the pipeline with the planner's split (``split``,
+    ``stage_time_s`` per micro-batch, ``bubble``, ``step_time_s``; ``decoder_only_*`` the same
+    split without the encoder) next to ``balanced_split``'s (``rebalanced_*``, and
+    ``rebalanced_memory``). Times: FLOPs at ``peak_tflops`` times the planner's efficiency, plus
+    the decoder's exposed communication."""
     seq = enc.tokens + text_tokens
     if layout is None:
         p = planner.plan(
@@ -71,21 +80,20 @@ def plan_with_encoder(
         a = p["assumptions"]
     else:
         a = {**planner.ASSUMPTIONS, **assumptions}
-        batch = (
-            global_batch if global_batch is not None else max(1, planner.TOKENS_PER_BATCH // seq)
-        )
+        if global_batch is not None:
+            batch = global_batch
+        else:
+            batch = max(1, planner.TOKENS_PER_BATCH // seq)
         cluster = planner.Cluster(gpus, gpus_per_node, gpu_mem_gib, peak_tflops)
-        p = {
-            **layout,
-            **planner.evaluate(
-                spec,
-                {k: layout[k] for k in ("dp", "tp", "pp", "cp", "zero")},
-                seq=seq,
-                global_batch=batch,
-                cluster=cluster,
-                **a,
-            ),
-        }
+        figures = planner.evaluate(
+            spec,
+            {k: layout[k] for k in ("dp", "tp", "pp", "cp", "zero")},
+            seq=seq,
+            global_batch=batch,
+            cluster=cluster,
+            **a,
+        )
+        p = {**layout, **figures}
     dp, tp, pp, cp, zero, m = (p[k] for k in ("dp", "tp", "pp", "cp", "zero", "microbatches"))
     mbs = a["mbs"]
     memory = memory_per_rank_with_encoder(
@@ -123,9 +131,8 @@ def plan_with_encoder(
     exposed = p["exposed_comm_s"]
     if pp == 1:
         f = encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
-        encoder_s = (
-            m * (f["forward"] + f["backward"]) / rate
-        )  # replicated over TP and CP: every GPU runs it
+        # replicated over TP and CP: every GPU runs it
+        encoder_s = m * (f["forward"] + f["backward"]) / rate
         out.update(
             split=None,
             encoder_time_s=encoder_s,
@@ -134,13 +141,8 @@ def plan_with_encoder(
             rebalanced_split=None,
         )
         return out
-    for key, split in (
-        ("", memory["split"]),
-        (
-            "rebalanced_",
-            balanced_split(spec, enc, stages=pp, text_tokens=text_tokens, mbs=mbs, tp=tp),
-        ),
-    ):
+    rebalanced = balanced_split(spec, enc, stages=pp, text_tokens=text_tokens, mbs=mbs, tp=tp)
+    for key, split in (("", memory["split"]), ("rebalanced_", rebalanced)):
         r = pipeline_balance(
             spec,
             enc,
@@ -160,9 +162,8 @@ def plan_with_encoder(
                 f"{key}step_time_s": r["step_time"] + exposed,
             }
         )
-        if (
-            not key
-        ):  # the same split without the encoder: how much of the imbalance is the encoder's
+        if not key:
+            # the same split without the encoder: how much of the imbalance is the encoder's
             f = encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
             t_f = [r["t_forward"][0] - f["forward"] / rate] + r["t_forward"][1:]
             t_b = [r["t_backward"][0] - f["backward"] / rate] + r["t_backward"][1:]
@@ -193,17 +194,18 @@ def plan_with_encoder(
     return out
 
 
-# --- python -m labs.theory multimodal
-# --------------------------------------------------------------------
-def add_arguments(parser) -> None:
-    from labs.theory.memory_report import add_model_arguments
+# --- python -m labs.theory multimodal ----------------------------------------------------------
 
-    add_model_arguments(
-        parser
-    ).title = "the decoder: a preset of the memory calculator, or free dimensions"
+ENCODER_DIMS = ("tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``multimodal`` command's options."""
+    model = add_model_arguments(parser)
+    model.title = "the decoder: a preset of the memory calculator, or free dimensions"
     parser.set_defaults(preset="llama3-8b")
     parser.add_argument("--encoder", default="siglip-so400m", help=f"one of {', '.join(ENCODERS)}")
-    for name in ("tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim"):
+    for name in ENCODER_DIMS:
         parser.add_argument(
             "--encoder-" + name.replace("_", "-"),
             type=int,
@@ -223,19 +225,12 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
-    import dataclasses
-
-    from labs.theory.memory_report import spec_from_args
-
+def cli(args: argparse.Namespace) -> dict:
+    """The ``multimodal`` command's result: ``plan_summary`` of ``plan_with_encoder``."""
     name, spec = spec_from_args(args)
+    overrides = {n: getattr(args, "encoder_" + n) for n in ENCODER_DIMS}
     enc = dataclasses.replace(
-        encoder_spec(args.encoder),
-        **{
-            n: getattr(args, "encoder_" + n)
-            for n in ("tokens", "hidden", "n_layers", "n_heads", "ffn_hidden", "patch_dim")
-            if getattr(args, "encoder_" + n)
-        },
+        encoder_spec(args.encoder), **{n: v for n, v in overrides.items() if v}
     )
     layout = None
     if args.layout:
@@ -269,15 +264,16 @@ def plan_summary(r: dict, *, model: str = "custom", encoder: str = "custom") -> 
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result: the layout, memory per stage, and the pipeline per split."""
     lay = r["layout"]
+    memory = " ".join(f"{g:6.1f}" for g in r["memory_gib"])
+    decoder_memory = " ".join(f"{g:6.1f}" for g in r["decoder_only_memory_gib"])
     lines = [
-        f"{r['model']} + {r['encoder']}: {r['seq']} decoder tokens per sample; layout DP={lay['dp']} "
-        f"TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} ZeRO-{lay['zero']}, "
-        f"{r['microbatches']} micro-batches per step",
-        "memory per stage (GiB)  "
-        + " ".join(f"{g:6.1f}" for g in r["memory_gib"])
-        + f"   fits: {r['fits']}",
-        "  decoder alone         " + " ".join(f"{g:6.1f}" for g in r["decoder_only_memory_gib"]),
+        f"{r['model']} + {r['encoder']}: {r['seq']} decoder tokens per sample;"
+        f" layout DP={lay['dp']} TP={lay['tp']} PP={lay['pp']} CP={lay['cp']}"
+        f" ZeRO-{lay['zero']}, {r['microbatches']} micro-batches per step",
+        f"memory per stage (GiB)  {memory}   fits: {r['fits']}",
+        f"  decoder alone         {decoder_memory}",
     ]
     if r["split"] is None:
         lines.append(
@@ -291,11 +287,10 @@ def format_result(r: dict) -> str:
         ("rebalanced", "rebalanced_"),
     ):
         split = r["split"] if key != "rebalanced_" else r["rebalanced_split"]
+        stage_ms = " ".join(f"{t * 1e3:6.1f}" for t in r[f"{key}stage_time_s"])
         lines.append(
-            f"{label:14} split {str(split):26} stage ms "
-            + " ".join(f"{t * 1e3:6.1f}" for t in r[f"{key}stage_time_s"])
-            + f"   bubble {r[f'{key}bubble']:.1%}, "
-            f"step {r[f'{key}step_time_s']:.3g} s"
+            f"{label:14} split {str(split):26} stage ms {stage_ms}"
+            f"   bubble {r[f'{key}bubble']:.1%}, step {r[f'{key}step_time_s']:.3g} s"
         )
     lines.append(
         f"(the planner's estimate, equal stages: bubble {r['decoder']['bubble']:.1%}, "

@@ -1,5 +1,5 @@
-"""Data parallelism on paper: gradient buckets and the comm/compute overlap of a backward pass. Pure
-Python.
+"""Data parallelism on paper: gradient buckets and the comm/compute overlap of a backward pass.
+Pure Python.
 
 Symbols: G bytes of gradients, N data-parallel ranks, β the bandwidth each rank sends
 at (bytes/s, the "bus bandwidth" of ``labs.theory.comm.bus_bandwidth``), α the fixed
@@ -8,11 +8,13 @@ cost (latency) of one all-reduce call, C the bucket capacity in bytes.
 Every DDP variant sends the same 2 (N-1)/N G bytes per rank per step; they differ in
 *when* (after backward, or while it runs) and in *how many* calls:
 
-    variant      all-reduce calls        launched                       exposed communication
-    naive        one per tensor          after the whole backward       all of it: Σ (α + 2(N-1)/N K_i / β)
-    overlapped   one per tensor          when the tensor's grad is ready  what is left after backward ends
-    bucketed     one per bucket (≈ G/C)  when the bucket's last grad is   idem, with fewer α's
-                                         ready
+    variant     all-reduce calls        launched                 exposed communication
+    naive       one per tensor          after the whole          all of it:
+                                        backward                 Σ (α + 2(N-1)/N K_i / β)
+    overlapped  one per tensor          when the tensor's        what is left after
+                                        grad is ready            backward ends
+    bucketed    one per bucket (≈ G/C)  when the bucket's        idem, with fewer α's
+                                        last grad is ready
 
 Buckets (``bucket_layout``) follow torch's DDP rule (``_compute_bucket_assignment_by_size``):
 walk the tensors in backward order, add each to the open bucket, close the bucket once
@@ -29,6 +31,8 @@ the Ultra-Scale Playbook, "Data parallelism".
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_positive
 
@@ -36,7 +40,7 @@ MiB = 1 << 20  # torch's DDP counts bucket_cap_mb in MiB, and so do we
 VARIANTS = ("naive", "overlapped", "bucketed")
 
 
-def _check_bytes(grad_bytes) -> list[float]:
+def _check_bytes(grad_bytes: Iterable[float]) -> list[float]:
     grad_bytes = list(grad_bytes)
     if not grad_bytes:
         raise ValueError("grad_bytes must list at least one gradient tensor's bytes")
@@ -45,37 +49,42 @@ def _check_bytes(grad_bytes) -> list[float]:
     return grad_bytes
 
 
-def bucket_layout(grad_bytes, bucket_bytes: float) -> list[list[int]]:
+def bucket_layout(grad_bytes: Iterable[float], bucket_bytes: float) -> list[list[int]]:
     """Indices into ``grad_bytes`` (tensors in backward order) of each bucket, in launch order."""
     grad_bytes = _check_bytes(grad_bytes)
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
-    buckets, current, size = [], [], 0.0
+    buckets = []
+    current = []  # the open bucket
+    size = 0.0  # its bytes
     for i, b in enumerate(grad_bytes):
         current.append(i)
         size += b
         if size >= bucket_bytes:
             buckets.append(current)
-            current, size = [], 0.0
+            current = []
+            size = 0.0
     if current:
         buckets.append(current)
     return buckets
 
 
-def all_reduce_calls(variant: str, grad_bytes, bucket_bytes: float = 25 * MiB) -> int:
+def all_reduce_calls(
+    variant: str, grad_bytes: Iterable[float], bucket_bytes: float = 25 * MiB
+) -> int:
     """All-reduces per step: one per gradient tensor (naive, overlapped) or one per bucket."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     grad_bytes = _check_bytes(grad_bytes)
-    return (
-        len(bucket_layout(grad_bytes, bucket_bytes)) if variant == "bucketed" else len(grad_bytes)
-    )
+    if variant == "bucketed":
+        return len(bucket_layout(grad_bytes, bucket_bytes))
+    return len(grad_bytes)
 
 
 def simulate_backward(
     *,
-    grad_bytes,
-    compute_s,
+    grad_bytes: Iterable[float],
+    compute_s: Iterable[float],
     bucket_bytes: float,
     ranks: int,
     bandwidth: float,
@@ -91,7 +100,8 @@ def simulate_backward(
     exposed), hidden_fraction (share of communication time hidden behind compute),
     calls, sent_bytes (per rank).
     """
-    grad_bytes, compute_s = _check_bytes(grad_bytes), list(compute_s)
+    grad_bytes = _check_bytes(grad_bytes)
+    compute_s = list(compute_s)
     if len(compute_s) != len(grad_bytes):
         raise ValueError(
             f"compute_s has {len(compute_s)} entries but grad_bytes has {len(grad_bytes)}"
@@ -102,12 +112,15 @@ def simulate_backward(
         raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
     if latency_s < 0:
         raise ValueError(f"latency_s must be >= 0, got {latency_s}")
-    ready, t = [], 0.0
-    for c in compute_s:  # tensor i's gradient is ready once the backward reached it
+    ready = []  # tensor i's gradient is ready once the backward reached it
+    t = 0.0
+    for c in compute_s:
         t += c
         ready.append(t)
     backward_s = t
-    spans, channel_free, previous_ready = [], 0.0, 0.0
+    spans = []
+    channel_free = 0.0  # when the communication channel is next free
+    previous_ready = 0.0
     buckets = bucket_layout(grad_bytes, bucket_bytes)
     for b, members in enumerate(buckets):
         bucket_ready = ready[members[-1]]
@@ -155,7 +168,9 @@ def uniform_model(
             raise ValueError(f"{name} must be > 0, got {v}")
     n = layers * tensors_per_layer
     per_tensor = params / n
-    return [per_tensor * bytes_per_grad] * n, [4 * per_tensor * tokens / flops] * n
+    grad_bytes = [per_tensor * bytes_per_grad] * n
+    compute_s = [4 * per_tensor * tokens / flops] * n
+    return grad_bytes, compute_s
 
 
 def simulate_ddp(

@@ -1,5 +1,5 @@
-"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart. Pure
-Python.
+"""Pipeline schedules on paper: bubble, activations held, bytes sent, and the Gantt chart.
+Pure Python.
 
     python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
     simulate("interleaved", 4, 8, virtual=2)["bubble_fraction"]     # 3/19, from the schedule itself
@@ -37,6 +37,7 @@ B·T·H·itemsize per boundary it feeds, per direction (``p2p_bytes_per_rank``).
 
 from __future__ import annotations
 
+import argparse
 from statistics import median
 
 from labs.theory.dims import check_positive
@@ -53,13 +54,13 @@ def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int =
         raise ValueError(f"virtual={virtual} only applies to schedule='interleaved'; use virtual=1")
     if schedule == "naive" and microbatches != 1:
         raise ValueError(
-            f"schedule='naive' runs the whole batch as one: microbatches={microbatches}, use "
-            "microbatches=1 (or schedule='gpipe' to split the batch)"
+            f"schedule='naive' runs the whole batch as one: microbatches={microbatches},"
+            " use microbatches=1 (or schedule='gpipe' to split the batch)"
         )
     if schedule == "interleaved" and microbatches % stages:
         raise ValueError(
-            f"interleaved 1F1B needs microbatches divisible by stages: microbatches={microbatches}, "
-            f"stages={stages}; use a multiple of {stages}"
+            "interleaved 1F1B needs microbatches divisible by stages:"
+            f" microbatches={microbatches}, stages={stages}; use a multiple of {stages}"
         )
 
 
@@ -130,7 +131,8 @@ def schedule_ops(
 
     Chunk c of rank r is virtual stage c·P + r (chunk 0 unless interleaved)."""
     check_schedule(schedule, stages, microbatches, virtual)
-    M, order = microbatches, []
+    M = microbatches
+    order = []
     for r in range(stages):
         if schedule == "naive":
             ops = [("F", 0, 0)]
@@ -186,12 +188,16 @@ def simulate(
         )
     if not (min(t_fs) > 0 and min(t_bs) >= 0 and t_delay >= 0):
         raise ValueError(
-            f"t_f must be > 0, t_b and t_delay >= 0; got t_f={t_f!r}, t_b={t_b!r}, t_delay={t_delay!r}"
+            f"t_f must be > 0, t_b and t_delay >= 0; got t_f={t_f!r}, t_b={t_b!r},"
+            f" t_delay={t_delay!r}"
         )
     order = schedule_ops(schedule, stages, microbatches, virtual)
     cost = {"F": [t / virtual for t in t_fs], "B": [t / virtual for t in t_bs]}  # per rank
     last = stages * virtual - 1
-    end, free, nxt, events = {}, [0.0] * stages, [0] * stages, []
+    end = {}  # (name, micro-batch, virtual stage) -> when that operation ended
+    free = [0.0] * stages  # when each rank is next free
+    nxt = [0] * stages  # each rank's next operation in ``order``
+    events = []
     while any(nxt[r] < len(order[r]) for r in range(stages)):
         progressed = False
         for r in range(stages):
@@ -202,7 +208,9 @@ def simulate(
                 if any(n not in end for n in needs):
                     break  # its input is not computed yet: the next rank in line may be able to go
                 start = max([free[r]] + [end[n] for n in needs]) + t_delay
-                free[r] = end[(name, mb, vs)] = start + cost[name][r]
+                finish = start + cost[name][r]
+                end[(name, mb, vs)] = finish
+                free[r] = finish
                 events.append(
                     {
                         "rank": r,
@@ -210,14 +218,13 @@ def simulate(
                         "microbatch": mb,
                         "chunk": chunk,
                         "start": start,
-                        "end": free[r],
+                        "end": finish,
                     }
                 )
                 nxt[r] += 1
                 progressed = True
-        assert progressed, (
-            f"schedule {schedule} deadlocks"
-        )  # an internal invariant, tested for every schedule
+        # an internal invariant, tested for every schedule
+        assert progressed, f"schedule {schedule} deadlocks"
     return {
         "events": events,
         "makespan": max(e["end"] for e in events),
@@ -243,7 +250,9 @@ def fit_timeline(
     (``t_delay``: a message's latency, a busy CPU, a neighbour slow to take a blocking send);
     and the bubble the schedule has with exactly those (``bubble_fraction``)."""
     check_schedule(schedule, stages, microbatches, virtual)
-    last, done, delays = stages * virtual - 1, {}, []
+    last = stages * virtual - 1
+    done = {}  # (name, micro-batch, virtual stage) -> its event
+    delays = []
     durations = {"F": [], "B": []}
     for e in events:
         done[(e["name"], e["microbatch"], e["chunk"] * stages + e["rank"])] = e
@@ -259,7 +268,8 @@ def fit_timeline(
             if ready:  # a rank's very first operation without inputs starts when the rank does
                 delays.append(max(0.0, e["start"] - max(ready)))
             previous_end = e["end"]
-    t_f, t_b = (median(durations[k] or [0.0]) * virtual for k in ("F", "B"))
+    t_f = median(durations["F"] or [0.0]) * virtual
+    t_b = median(durations["B"] or [0.0]) * virtual
     t_delay = sum(delays) / len(delays) if delays else 0.0
     sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_delay)
     return {
@@ -273,7 +283,8 @@ def fit_timeline(
 def peak_in_flight(ops: list[tuple]) -> int:
     """Most forwards done whose backward is not: the micro-batches (chunk micro-batches) held at
     once."""
-    held = peak = 0
+    held = 0
+    peak = 0
     for name, *_ in ops:
         held += 1 if name == "F" else -1
         peak = max(peak, held)
@@ -285,7 +296,7 @@ def peak_in_flight(ops: list[tuple]) -> int:
 
 def balanced_plan(
     layer_costs: list[int], stages: int, *, first_extra: int = 0, last_extra: int = 0
-) -> tuple:
+) -> tuple[int, ...]:
     """Layers per stage, contiguous, minimising the largest stage's cost (e.g. parameters);
     the first stage also carries ``first_extra`` (the embedding), the last ``last_extra``
     (final norm and head). Every stage gets at least one layer."""
@@ -316,8 +327,13 @@ def balanced_plan(
 
 
 def fill_plan(
-    layer_costs: list[int], stages: int, *, capacity: int, first_extra: int = 0, last_extra: int = 0
-) -> tuple:
+    layer_costs: list[int],
+    stages: int,
+    *,
+    capacity: int,
+    first_extra: int = 0,
+    last_extra: int = 0,
+) -> tuple[int, ...]:
     """Fill device 0 up to ``capacity``, then device 1, ... (the sequential placement behind
     ``device_map="auto"``). The first device also holds ``first_extra``, the last ``last_extra``;
     devices after the fill ends hold no layers (only the last one's head)."""
@@ -328,11 +344,10 @@ def fill_plan(
         hi = sum(layer_costs) + first_extra + last_extra
         while lo < hi:  # the smallest capacity that fits: filling is monotone in capacity
             mid = (lo + hi) // 2
-            lo, hi = (
-                (lo, mid)
-                if _fill(layer_costs, stages, mid, first_extra, last_extra)
-                else (mid + 1, hi)
-            )
+            if _fill(layer_costs, stages, mid, first_extra, last_extra):
+                hi = mid
+            else:
+                lo = mid + 1
         raise ValueError(
             f"capacity={capacity} is too small to place the model on {stages} devices; "
             f"use capacity >= {lo}"
@@ -340,7 +355,9 @@ def fill_plan(
     return plan
 
 
-def _fill(layer_costs, stages, capacity, first_extra, last_extra):
+def _fill(
+    layer_costs: list[int], stages: int, capacity: int, first_extra: int, last_extra: int
+) -> tuple[int, ...] | None:
     plan = [0] * stages
     used = [0] * stages
     used[0] += first_extra
@@ -358,13 +375,16 @@ def _fill(layer_costs, stages, capacity, first_extra, last_extra):
     return tuple(plan)
 
 
-def plan_costs(layer_costs, plan, first_extra=0, last_extra=0) -> list[int]:
+def plan_costs(
+    layer_costs: list[int], plan: tuple[int, ...], first_extra: int = 0, last_extra: int = 0
+) -> list[int]:
     """Cost of each stage under ``plan`` (layers per stage)."""
     if sum(plan) != len(layer_costs) or any(n < 0 for n in plan):
         raise ValueError(
             f"plan={tuple(plan)} must assign all {len(layer_costs)} layers, >= 0 per stage"
         )
-    out, i = [], 0
+    out = []
+    i = 0  # the stage's first layer
     for s, n in enumerate(plan):
         out.append(
             sum(layer_costs[i : i + n])
@@ -433,12 +453,16 @@ def pp_vs_tp(
 
 
 def format_pp_vs_tp(r: dict) -> str:
+    """``pp_vs_tp``'s result in three lines."""
+    pp_gb = r["pp_bytes_per_rank"] / 1e9
+    tp_gb = r["tp_bytes_per_rank"] / 1e9
     return "\n".join(
         [
-            f"pipeline parallel: {r['pp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['pp_seconds']:7.3f} s "
-            f"at {r['bandwidth'] / 1e9:g} GB/s (point to point, overlaps with other micro-batches' compute)",
-            f"tensor parallel:   {r['tp_bytes_per_rank'] / 1e9:8.2f} GB per rank per step -> {r['tp_seconds']:7.3f} s "
-            f"({r['tp_collectives_per_step']} all-reduces on the critical path)",
+            f"pipeline parallel: {pp_gb:8.2f} GB per rank per step -> {r['pp_seconds']:7.3f} s"
+            f" at {r['bandwidth'] / 1e9:g} GB/s"
+            " (point to point, overlaps with other micro-batches' compute)",
+            f"tensor parallel:   {tp_gb:8.2f} GB per rank per step -> {r['tp_seconds']:7.3f} s"
+            f" ({r['tp_collectives_per_step']} all-reduces on the critical path)",
             f"TP sends {r['tp_over_pp']:.0f}x the bytes of PP",
         ]
     )
@@ -447,7 +471,8 @@ def format_pp_vs_tp(r: dict) -> str:
 # --- the `bubble` command of python -m labs.theory -----------------------------------------
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bubble`` command's options."""
     parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULES)}")
     parser.add_argument("--stages", type=int, required=True, help="P: pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="M: micro-batches per step")
@@ -477,6 +502,11 @@ def figures(
     held = [
         in_flight_microbatches(schedule, stages, microbatches, s, virtual) for s in range(stages)
     ]
+    rule_bubble = (
+        None
+        if schedule == "naive"
+        else bubble_fraction(schedule, stages, max(microbatches, 4 * stages), virtual)
+    )
     return {
         "schedule": schedule,
         "stages": stages,
@@ -494,35 +524,32 @@ def figures(
         "activation_microbatches_per_stage": [h / virtual for h in held],
         # the rule of thumb: at least 4 micro-batches per stage keeps the bubble small
         "rule_microbatches": 4 * stages,
-        "rule_bubble_fraction": None
-        if schedule == "naive"
-        else bubble_fraction(schedule, stages, max(microbatches, 4 * stages), virtual),
+        "rule_bubble_fraction": rule_bubble,
     }
 
 
-def cli(args) -> dict:
+def cli(args: argparse.Namespace) -> dict:
+    """The ``bubble`` command's result: ``figures`` for the given schedule."""
     return figures(
         args.schedule, args.stages, args.microbatches, args.virtual, args.t_forward, args.t_backward
     )
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result, one figure per line."""
     v = f", V={r['virtual']}" if r["schedule"] == "interleaved" else ""
-    return "\n".join(
-        [
-            f"{r['schedule']}: P={r['stages']}, M={r['microbatches']}{v}, t_f={r['t_forward']:g}, t_b={r['t_backward']:g}",
-            f"bubble fraction     {r['bubble_fraction']:.4f}  (idle share of the step; simulated "
-            f"{r['simulated_bubble_fraction']:.4f})",
-            f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
-            f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
-            f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
-        ]
-        + (
-            []
-            if r["rule_bubble_fraction"] is None
-            else [
-                f"rule of thumb       M >= 4P = {r['rule_microbatches']} micro-batches: bubble fraction "
-                f"{r['rule_bubble_fraction']:.4f}"
-            ]
+    lines = [
+        f"{r['schedule']}: P={r['stages']}, M={r['microbatches']}{v},"
+        f" t_f={r['t_forward']:g}, t_b={r['t_backward']:g}",
+        f"bubble fraction     {r['bubble_fraction']:.4f}  (idle share of the step; simulated "
+        f"{r['simulated_bubble_fraction']:.4f})",
+        f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
+        f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
+        f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
+    ]
+    if r["rule_bubble_fraction"] is not None:
+        lines.append(
+            f"rule of thumb       M >= 4P = {r['rule_microbatches']} micro-batches:"
+            f" bubble fraction {r['rule_bubble_fraction']:.4f}"
         )
-    )
+    return "\n".join(lines)

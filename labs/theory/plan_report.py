@@ -1,10 +1,11 @@
-"""The planner's front end, shared by the CLI and the widget (``labs.widgets.planner``): the plan as
-plain JSON (``summary``), as text (``format_result``, ``format_scaling``) and ``python -m
-labs.theory plan``. Pure Python. The rule and its arithmetic are in ``labs.theory.planner``.
+"""The planner's front end, shared by the CLI and the widget (``labs.widgets.planner``): the plan
+as plain JSON (``summary``), as text (``format_result``, ``format_scaling``) and
+``python -m labs.theory plan``. Pure Python. The rule and its arithmetic are in
+``labs.theory.planner``.
 
-    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8
-    --gpu-mem 80 python -m labs.theory plan --preset llama3-8b --seq 131072 --gpus 64 --export
-    accelerate
+    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 \\
+        --gpu-mem 80
+    python -m labs.theory plan --preset llama3-8b --seq 131072 --gpus 64 --export accelerate
 
 Bad input (a cluster that is not whole nodes, a model no layout fits, an export that cannot express
 the plan, ...) is one line on stderr and exit status 2.
@@ -12,14 +13,17 @@ the plan, ...) is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import argparse
+
+from labs.theory import exports
 from labs.theory.memory import GIB
+from labs.theory.memory_report import add_model_arguments, spec_from_args
 from labs.theory.planner import ASSUMPTIONS, plan
+from labs.theory.presets import GPUS
 
 
-def add_arguments(parser) -> None:
-    from labs.theory.memory_report import add_model_arguments
-    from labs.theory.presets import GPUS
-
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` command's options."""
     add_model_arguments(parser)
     run = parser.add_argument_group("training run")
     run.add_argument("--seq", type=int, required=True, help="sequence length")
@@ -60,23 +64,22 @@ def add_arguments(parser) -> None:
     )
 
 
-def cli(args) -> dict:
-    from labs.theory.memory_report import spec_from_args
-    from labs.theory.presets import GPUS
-
+def cli(args: argparse.Namespace) -> dict:
+    """The ``plan`` command's result: the plan's ``summary``, or with ``--export`` also the launch
+    command or config."""
     if args.gpu not in GPUS:
         raise ValueError(
             f"gpu={args.gpu!r} is not one of {tuple(GPUS)}; or give --gpu-mem and --peak-tflops"
         )
     name, spec = spec_from_args(args)
-    mem, peak = GPUS[args.gpu]
+    gpu = GPUS[args.gpu]
     p = plan(
         spec,
         seq=args.seq,
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
-        gpu_mem_gib=args.gpu_mem if args.gpu_mem is not None else mem,
-        peak_tflops=args.peak_tflops if args.peak_tflops is not None else peak,
+        gpu_mem_gib=args.gpu_mem if args.gpu_mem is not None else gpu.memory_gib,
+        peak_tflops=args.peak_tflops if args.peak_tflops is not None else gpu.peak_tflops,
         intra_gbps=args.intra_bw,
         inter_gbps=args.inter_bw,
         global_batch=args.global_batch,
@@ -84,8 +87,6 @@ def cli(args) -> dict:
     )
     out = summary(p, model=name)
     if args.export:
-        from labs.theory import exports
-
         out["export"] = exports.export(args.export, p, offload=args.offload)
     return out
 
@@ -152,26 +153,31 @@ def summary(p: dict, *, model: str = "custom") -> dict:
 
 
 def format_result(r: dict) -> str:
+    """``cli``'s result as text: the plan, memory, communication and time, the rule's steps and
+    the rejected layouts (or the export alone)."""
     if "export" in r:
         return r["export"]
     c = r["cluster"]
     m = r["memory_gib"]
+    comm = ", ".join(
+        f"{a} {r['comm_bytes'][a] / 1e9:.3g} GB ({r['comm_seconds'][a]:.3g} s, "
+        f"{'intra' if r['intra_node'][a] else 'inter'})"
+        for a in ("tp", "cp", "pp", "dp")
+    )
     lines = [
         f"plan        DP={r['dp']} TP={r['tp']} PP={r['pp']} CP={r['cp']}  (ZeRO-{r['zero']}"
         f"{', SP' if r['sp'] else ''}) on {c['gpus']} GPUs in nodes of {c['gpus_per_node']}",
-        f"model       {r['model']}: {r['total_params']:,} parameters; global batch {r['global_batch']} sequences"
+        f"model       {r['model']}: {r['total_params']:,} parameters;"
+        f" global batch {r['global_batch']} sequences"
         f" = {r['microbatches']} micro-batch(es) of {r['assumptions']['mbs']} per DP rank",
-        f"memory      {m['total']:.1f} GiB per GPU of {c['gpu_mem_gib']:.1f} (params {m['param']:.1f}, grads "
-        f"{m['grad']:.1f}, optimizer {m['optimizer']:.1f}, activations {m['activation']:.1f}); a replica "
-        f"without DP sharding {r['replica_gib']:.1f}",
-        "comm/step   "
-        + ", ".join(
-            f"{a} {r['comm_bytes'][a] / 1e9:.3g} GB ({r['comm_seconds'][a]:.3g} s, "
-            f"{'intra' if r['intra_node'][a] else 'inter'})"
-            for a in ("tp", "cp", "pp", "dp")
-        ),
-        f"time        step {r['step_time_s']:.3g} s (compute {r['compute_s']:.3g} s), bubble {r['bubble']:.1%}, "
-        f"scaling efficiency {r['scaling_efficiency']:.0%}, MFU {r['mfu']:.0%}",
+        f"memory      {m['total']:.1f} GiB per GPU of {c['gpu_mem_gib']:.1f}"
+        f" (params {m['param']:.1f}, grads {m['grad']:.1f}, optimizer {m['optimizer']:.1f},"
+        f" activations {m['activation']:.1f}); a replica without DP sharding"
+        f" {r['replica_gib']:.1f}",
+        f"comm/step   {comm}",
+        f"time        step {r['step_time_s']:.3g} s (compute {r['compute_s']:.3g} s),"
+        f" bubble {r['bubble']:.1%}, scaling efficiency {r['scaling_efficiency']:.0%},"
+        f" MFU {r['mfu']:.0%}",
         "",
         "rule",
     ]
@@ -186,8 +192,8 @@ def format_scaling(rows: list[dict]) -> str:
     (compute, bubble, exposed communication by axis), scaling efficiency, per-GPU throughput,
     MFU."""
     lines = [
-        f"{'GPUs':>6}  {'layout':<20}{'step s':>8}{'compute':>9}{'bubble':>8}{'exposed':>9}  {'lost to':<22}"
-        f"{'eff.':>6}{'tok/s/GPU':>11}{'vs first':>9}{'MFU':>6}"
+        f"{'GPUs':>6}  {'layout':<20}{'step s':>8}{'compute':>9}{'bubble':>8}{'exposed':>9}"
+        f"  {'lost to':<22}{'eff.':>6}{'tok/s/GPU':>11}{'vs first':>9}{'MFU':>6}"
     ]
     for r in rows:
         if "error" in r:
@@ -199,8 +205,9 @@ def format_scaling(rows: list[dict]) -> str:
         if r["bubble_s"] + r["exposed_comm_s"] == 0:
             lost = "-"
         lines.append(
-            f"{r['gpus']:>6}  {layout:<20}{r['step_time_s']:>8.3g}{r['compute_s']:>9.3g}{r['bubble_s']:>8.3g}"
-            f"{r['exposed_comm_s']:>9.3g}  {lost:<22}{r['scaling_efficiency']:>6.0%}"
-            f"{r['tokens_per_s_per_gpu']:>11,.0f}{r['vs_first']:>9.0%}{r['mfu']:>6.0%}"
+            f"{r['gpus']:>6}  {layout:<20}{r['step_time_s']:>8.3g}{r['compute_s']:>9.3g}"
+            f"{r['bubble_s']:>8.3g}{r['exposed_comm_s']:>9.3g}  {lost:<22}"
+            f"{r['scaling_efficiency']:>6.0%}{r['tokens_per_s_per_gpu']:>11,.0f}"
+            f"{r['vs_first']:>9.0%}{r['mfu']:>6.0%}"
         )
     return "\n".join(lines)

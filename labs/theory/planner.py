@@ -1,10 +1,11 @@
-"""The parallelism planner (notebook 08): which DP x TP x PP x CP layout to train a model with. Pure
-Python.
+"""The parallelism planner (notebook 08): which DP x TP x PP x CP layout to train a model with.
+Pure Python.
 
-    plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)   # dp 4, tp 8, pp 4, cp 4
+    plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)
+    # -> dp 4, tp 8, pp 4, cp 4
     scaling(preset("llama3-70b"), [128, 512, 2048], seq=32768, gpus_per_node=8, gpu_mem_gib=80)
-    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8
-    --gpu-mem 80 --json
+    python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 \\
+        --gpu-mem 80 --json
 
 (The CLI and the readable summaries are in ``labs.theory.plan_report``, reachable from here.)
 
@@ -57,6 +58,7 @@ and other transients the calculator leaves out), a global batch of about 4M toke
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from labs.theory.dims import ParallelDims, check_positive, divisors
@@ -125,9 +127,8 @@ def comm_per_step(
     m = microbatches
     full = recompute == "full"
     act = mbs * (seq // cp) * spec.hidden * e  # K_a: [mbs, T/cp, H]
-    kv = (
-        2 * mbs * seq * (spec.kv_heads // tp) * spec.hd * e
-    )  # K and V of the whole sequence: [mbs, T, nkv/tp, hd]
+    # K and V of the whole sequence: [mbs, T, nkv/tp, hd]
+    kv = 2 * mbs * seq * (spec.kv_heads // tp) * spec.hd * e
     n = dp * cp
     grads = params * PRECISIONS[precision]["grad"]
     weights = params * e
@@ -177,13 +178,14 @@ def evaluate(
     ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=cluster.gpus)
     if tp > cluster.node or cluster.node % tp:
         raise ValueError(
-            f"tp={tp} does not fit in a node of gpus_per_node={cluster.gpus_per_node}: a TP group "
-            f"must sit inside one node; use tp in {{{','.join(map(str, divisors(cluster.node)))}}}"
+            f"tp={tp} does not fit in a node of gpus_per_node={cluster.gpus_per_node}:"
+            " a TP group must sit inside one node;"
+            f" use tp in {{{','.join(map(str, divisors(cluster.node)))}}}"
         )
     if global_batch % (dp * mbs):
         raise ValueError(
-            f"global_batch={global_batch} sequences do not split over dp={dp} ranks of mbs={mbs}; "
-            f"use a global batch that is a multiple of dp*mbs={dp * mbs}"
+            f"global_batch={global_batch} sequences do not split over dp={dp} ranks of"
+            f" mbs={mbs}; use a global batch that is a multiple of dp*mbs={dp * mbs}"
         )
     m = global_batch // (dp * mbs)
     run = dict(
@@ -276,7 +278,8 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB"
 
 
-def _try(spec, layout, **kw) -> tuple[dict | None, str | None]:
+def _try(spec: ModelSpec, layout: dict, **kw: object) -> tuple[dict | None, str | None]:
+    """(``evaluate``'s figures, None), or (None, the error) for an impossible layout."""
     try:
         return evaluate(spec, layout, **kw), None
     except ValueError as e:
@@ -294,7 +297,7 @@ def plan(
     peak_tflops: float = 989.0,
     intra_gbps: float = 450.0,
     inter_gbps: float = 50.0,
-    **assumptions,
+    **assumptions: object,
 ) -> dict:
     """The layout the rule proposes (see the module docstring): ``evaluate``'s figures for it, plus
     ``dp``, ``tp``, ``pp``, ``cp``, ``zero``, ``global_batch``, ``rule`` (what each step decided, in
@@ -308,17 +311,18 @@ def plan(
     check_positive(seq=seq, mbs=a["mbs"])
     if not 0 <= a["headroom"] < 1 or not 0 < a["efficiency"] <= 1:
         raise ValueError(
-            f"headroom must be in [0, 1) and efficiency in (0, 1], got headroom={a['headroom']!r}, "
-            f"efficiency={a['efficiency']!r}"
+            "headroom must be in [0, 1) and efficiency in (0, 1],"
+            f" got headroom={a['headroom']!r}, efficiency={a['efficiency']!r}"
         )
     cluster = Cluster(gpus, gpus_per_node, gpu_mem_gib, peak_tflops, intra_gbps, inter_gbps)
     batch = global_batch if global_batch is not None else max(1, TOKENS_PER_BATCH // seq)
     check_positive(global_batch=batch)
     kw = dict(seq=seq, global_batch=batch, cluster=cluster, **a)
     budget = gpu_mem_gib * GIB * (1 - a["headroom"])
-    rule, rejected = [], []
+    rule = []  # what each step of the rule decided, in words
+    rejected = []
 
-    def reject(layout, result, error, reason):
+    def reject(layout: dict, result: dict | None, error: str | None, reason: str) -> None:
         rejected.append(
             {
                 "layout": layout,
@@ -337,27 +341,27 @@ def plan(
         label = "FSDP" + (f" + TP={tp}" if tp > 1 else "")
         if result is not None and result["fits"]:
             chosen = result
-            rule.append(
-                f"{label}: fits, {_gib(result['memory']['total_bytes'])} per GPU of a {_gib(budget)} budget"
-            )
+            needs = _gib(result["memory"]["total_bytes"])
+            rule.append(f"{label}: fits, {needs} per GPU of a {_gib(budget)} budget")
             break
-        why = (
-            error
-            or f"needs {_gib(result['memory']['total_bytes'])} per GPU > {_gib(budget)} budget"
-        )
+        if error:
+            why = error
+        else:
+            why = f"needs {_gib(result['memory']['total_bytes'])} per GPU > {_gib(budget)} budget"
         reject(layout, result, error, why)
         rule.append(f"{label}: {why}")
 
     # 3-4. The smallest replica (tp x pp x cp GPUs) that holds the model, PP for its state, CP for
-    # its
-    # sequence; the fastest of equal size. Computed even when FSDP fits, to show what it would cost.
+    # its sequence; the fastest of equal size. Computed even when FSDP fits, to show what it would
+    # cost.
     best, tried = _smallest_replica(spec, cluster, kw)
     if chosen is None and best is None:
         needs = [r["replica_bytes"] for _, r, _ in tried if r is not None]
         need = f"; the smallest replica needs {_gib(min(needs))} per GPU" if needs else ""
         raise ValueError(
-            f"no layout of gpus={gpus} fits the model at seq={seq} in {_gib(budget)} per GPU{need}; "
-            f"use recompute='full', more GPUs, GPUs with more memory or a shorter sequence"
+            f"no layout of gpus={gpus} fits the model at seq={seq} in {_gib(budget)} per"
+            f" GPU{need}; use recompute='full', more GPUs, GPUs with more memory or a shorter"
+            " sequence"
         )
     if chosen is not None:
         if best is not None:
@@ -373,9 +377,10 @@ def plan(
         chosen = best
         t = best["layout"]
         rule.append(
-            f"PP/CP: the smallest replica that holds the model is TP={t['tp']} x PP={t['pp']} x CP={t['cp']} "
-            f"({_size(t)} GPUs, {_gib(best['replica_bytes'])} per GPU without DP sharding); "
-            f"DP={t['dp']} replicas of it"
+            "PP/CP: the smallest replica that holds the model is"
+            f" TP={t['tp']} x PP={t['pp']} x CP={t['cp']}"
+            f" ({_size(t)} GPUs, {_gib(best['replica_bytes'])} per GPU without DP sharding);"
+            f" DP={t['dp']} replicas of it"
         )
         for layout, result, error in tried:  # the alternatives one axis away from the plan
             if sum(layout[k] != t[k] for k in ("tp", "pp", "cp")) == 1:
@@ -383,7 +388,9 @@ def plan(
     return _finish(spec, chosen, rule, rejected, a, batch, cluster)
 
 
-def _smallest_replica(spec, cluster, kw) -> tuple[dict | None, list]:
+def _smallest_replica(
+    spec: ModelSpec, cluster: Cluster, kw: dict
+) -> tuple[dict | None, list[tuple[dict, dict | None, str | None]]]:
     """Search replicas by size (tp·pp·cp with pp·cp > 1): the fastest of the smallest that fit, and
     every other layout tried (up to 4x that size) as (layout, result or None, error or None)."""
     G = cluster.gpus
@@ -396,7 +403,8 @@ def _smallest_replica(spec, cluster, kw) -> tuple[dict | None, list]:
         for cp in divisors(G // (tp * pp))
         if pp * cp > 1
     )
-    fitting, tried = [], []
+    fitting = []  # results of the smallest size that fits
+    tried = []
     for size, tp, pp, cp in triples:
         if fitting and size > 4 * _size(fitting[0]["layout"]):
             break
@@ -443,7 +451,15 @@ def _why_not(result: dict, best: dict, budget: float) -> str:
     )
 
 
-def _finish(spec, result, rule, rejected, assumptions, batch, cluster) -> dict:
+def _finish(
+    spec: ModelSpec,
+    result: dict,
+    rule: list[str],
+    rejected: list[dict],
+    assumptions: dict,
+    batch: int,
+    cluster: Cluster,
+) -> dict:
     out = {
         **result["layout"],
         **result,
@@ -456,32 +472,51 @@ def _finish(spec, result, rule, rejected, assumptions, batch, cluster) -> dict:
         "assumptions": assumptions,
         "cluster": dataclasses.asdict(cluster),
     }
-    warnings, step = [], result["step_time_s"]
+    warnings = []
+    step = result["step_time_s"]
     for axis, seconds in result["comm_seconds"].items():
         if seconds > 0.2 * step:
             link = "inside a node" if result["intra_node"][axis] else "between nodes"
             warnings.append(
-                f"{axis} traffic takes {seconds:.3g} s of a {step:.3g} s step ({link}); a larger "
-                f"micro-batch (fewer, larger messages per byte of compute) or fewer ranks on it would help"
+                f"{axis} traffic takes {seconds:.3g} s of a {step:.3g} s step ({link}); a larger"
+                " micro-batch (fewer, larger messages per byte of compute) or fewer ranks on it"
+                " would help"
             )
     if result["bubble"] > 0.2:
         warnings.append(
-            f"the pipeline bubble is {result['bubble']:.0%} of the step; more micro-batches per step "
-            f"(a larger global batch) or an interleaved schedule shrink it"
+            f"the pipeline bubble is {result['bubble']:.0%} of the step; more micro-batches per"
+            " step (a larger global batch) or an interleaved schedule shrink it"
         )
     out["warnings"] = warnings
     return out
 
 
+# what ``scaling`` keeps of each plan
+SCALING_KEYS = (
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "zero",
+    "microbatches",
+    "compute_s",
+    "bubble_s",
+    "exposed_comm_s",
+    "step_time_s",
+    "scaling_efficiency",
+    "mfu",
+)
+
+
 def scaling(
     spec: ModelSpec,
-    gpu_counts,
+    gpu_counts: Iterable[int],
     *,
     seq: int,
     gpus_per_node: int,
     gpu_mem_gib: float,
     global_batch: int | None = None,
-    **kw,
+    **kw: object,
 ) -> list[dict]:
     """The plan at each of ``gpu_counts`` for the same model and global batch: where the time goes
     as the machine grows. Each row: ``gpus``, the degrees, ``step_time_s``,
@@ -503,30 +538,10 @@ def scaling(
         except ValueError as e:
             rows.append({"gpus": gpus, "error": str(e)})
             continue
-        rows.append(
-            {
-                "gpus": gpus,
-                **{
-                    k: p[k]
-                    for k in (
-                        "dp",
-                        "tp",
-                        "pp",
-                        "cp",
-                        "zero",
-                        "microbatches",
-                        "compute_s",
-                        "bubble_s",
-                        "exposed_comm_s",
-                        "step_time_s",
-                        "scaling_efficiency",
-                        "mfu",
-                    )
-                },
-                "exposed_by_axis": _exposed_by_axis(p),
-                "tokens_per_s_per_gpu": p["tokens_per_s"] / gpus,
-            }
-        )
+        row = {"gpus": gpus, **{k: p[k] for k in SCALING_KEYS}}
+        row["exposed_by_axis"] = _exposed_by_axis(p)
+        row["tokens_per_s_per_gpu"] = p["tokens_per_s"] / gpus
+        rows.append(row)
     base = next((r["tokens_per_s_per_gpu"] for r in rows if "error" not in r), None)
     for r in rows:
         if "error" not in r:

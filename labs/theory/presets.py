@@ -10,6 +10,8 @@ GPU memory is what ``nvidia-smi`` reports, in GiB (MiB / 1024): the "80 GB" of a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from labs.theory.memory import ModelSpec, param_count
 
 PRESETS: dict[str, ModelSpec] = {
@@ -46,13 +48,18 @@ PRESETS: dict[str, ModelSpec] = {
     ),
 }
 
-# name -> (memory in GiB as nvidia-smi reports it, dense bf16 peak TFLOP/s)
-GPUS: dict[str, tuple[float, float]] = {
-    "A100 40GB": (40960 / 1024, 312.0),
-    "A100 80GB": (81920 / 1024, 312.0),
-    "H100 80GB": (81559 / 1024, 989.0),
-    "H200 141GB": (143771 / 1024, 989.0),
-    "RTX 4090 24GB": (24564 / 1024, 165.2),
+
+class GPU(NamedTuple):
+    memory_gib: float  # as nvidia-smi reports it: MiB / 1024
+    peak_tflops: float  # dense bf16
+
+
+GPUS: dict[str, GPU] = {
+    "A100 40GB": GPU(memory_gib=40960 / 1024, peak_tflops=312.0),
+    "A100 80GB": GPU(memory_gib=81920 / 1024, peak_tflops=312.0),
+    "H100 80GB": GPU(memory_gib=81559 / 1024, peak_tflops=989.0),
+    "H200 141GB": GPU(memory_gib=143771 / 1024, peak_tflops=989.0),
+    "RTX 4090 24GB": GPU(memory_gib=24564 / 1024, peak_tflops=165.2),
 }
 
 
@@ -66,12 +73,13 @@ def preset(name: str) -> ModelSpec:
 def preset_table() -> str:
     """The presets' dimensions and exact parameter counts, one per line."""
     lines = [
-        f"{'preset':<13}{'arch':<6}{'layers':>7}{'hidden':>7}{'heads':>6}{'kv':>4}{'ffn':>7}{'vocab':>8}"
-        f"{'tied':>6}{'parameters':>17}"
+        f"{'preset':<13}{'arch':<6}{'layers':>7}{'hidden':>7}{'heads':>6}{'kv':>4}"
+        f"{'ffn':>7}{'vocab':>8}{'tied':>6}{'parameters':>17}"
     ]
     for name, s in PRESETS.items():
+        tied = "yes" if s.tied_embeddings else "no"
         lines.append(
-            f"{name:<13}{s.arch:<6}{s.n_layers:>7}{s.hidden:>7}{s.n_heads:>6}{s.kv_heads:>4}{s.ffn:>7}"
-            f"{s.vocab_size:>8}{'yes' if s.tied_embeddings else 'no':>6}{param_count(s):>17,}"
+            f"{name:<13}{s.arch:<6}{s.n_layers:>7}{s.hidden:>7}{s.n_heads:>6}{s.kv_heads:>4}"
+            f"{s.ffn:>7}{s.vocab_size:>8}{tied:>6}{param_count(s):>17,}"
         )
     return "\n".join(lines)

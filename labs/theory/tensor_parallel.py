@@ -1,10 +1,16 @@
-"""Tensor and sequence parallelism on paper: what each rank holds, computes and sends. Pure Python.
+"""Tensor and sequence parallelism on paper: what each rank holds, computes and sends.
+Pure Python.
 
-    block_flow(spec, tp=2, sp=True, batch=8, seq=32)       # one block, op by op: shapes per rank, collectives
-    comm_summary(spec, tp=2, sp=True, batch=8, seq=32)      # {"block"|"model": {phase: {op: calls/bytes}}}
-    param_bytes_per_rank(spec, tp=2)                        # 1/tp of the matrices + the replicated norms
-    saved_activation_bytes(spec, tp=2, sp=True, batch=8, seq=32)   # exact for solutions/tensor_parallel.py
-    layer_comm_vs_compute(PRESETS["llama3-70b"], tp=8, seq=4096, link_gbs=450)   # why TP stays in a node
+    # one block, op by op: shapes per rank, collectives
+    block_flow(spec, tp=2, sp=True, batch=8, seq=32)
+    # {"block"|"model": {phase: {op: calls/bytes}}}
+    comm_summary(spec, tp=2, sp=True, batch=8, seq=32)
+    # 1/tp of the matrices + the replicated norms
+    param_bytes_per_rank(spec, tp=2)
+    # exact for solutions/tensor_parallel.py
+    saved_activation_bytes(spec, tp=2, sp=True, batch=8, seq=32)
+    # why TP stays in a node
+    layer_comm_vs_compute(PRESETS["llama3-70b"], tp=8, seq=4096, link_gbs=450)
 
 Drives the sharding visualizer of notebook 04 (``labs.widgets.tensor_parallel``); the tests check
 every count and byte against the communication ledger and the saved-tensor hooks.
@@ -17,11 +23,15 @@ all-gather or a reduce-scatter (N-1)/N·K, K being the full tensor.
 Per block (Megatron-LM, Shoeybi et al. 2019, §3; sequence parallelism, Korthikanti et al. 2022,
 §4.2.2):
 
-    without SP   forward  all-reduce after o_proj and after down_proj (g):        2 x all-reduce(K)
-                 backward all-reduce of the attention and MLP input gradients (f): 2 x all-reduce(K)
-    with SP      forward  all-gather before attention and MLP, reduce-scatter after: 2 x AG(K) + 2 x RS(K)
-                 backward the conjugates, 2 x RS(K) + 2 x AG(K), the same volume as two all-reduces,
-                 plus 2 x all-reduce(H·e) of the norm weights' gradients (each rank saw T/N tokens)
+    without SP  forward   all-reduce after o_proj and after down_proj (g):
+                          2 x all-reduce(K)
+                backward  all-reduce of the attention and MLP input gradients (f):
+                          2 x all-reduce(K)
+    with SP     forward   all-gather before attention and MLP, reduce-scatter after:
+                          2 x AG(K) + 2 x RS(K)
+                backward  the conjugates, 2 x RS(K) + 2 x AG(K), the same volume as two
+                          all-reduces, plus 2 x all-reduce(H·e) of the norm weights' gradients
+                          (each rank saw T/N tokens)
 
 Outside the blocks: the vocab-parallel embedding's g (all-reduce, or with SP reduce-scatter /
 all-gather), the head's f (all-reduce in backward, or with SP all-gather / reduce-scatter), the
@@ -37,14 +47,24 @@ backward (one more all-gather per block entry); ``labs.theory.activations`` mode
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from labs.theory.comm import BYTES_PER_RANK, all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
 from labs.theory.memory import ModelSpec, param_counts
 from labs.theory.presets import PRESETS
 
-# What replaces f and g with sequence parallelism: (forward op, backward op)
-F_OP = {False: (None, "all_reduce"), True: ("all_gather", "reduce_scatter")}
-G_OP = {False: ("all_reduce", None), True: ("reduce_scatter", "all_gather")}
+
+class OpPair(NamedTuple):
+    """The collectives of a region boundary (None: nothing runs)."""
+
+    forward: str | None
+    backward: str | None
+
+
+# f and g, and what replaces them with sequence parallelism (key: sp)
+F_OP = {False: OpPair(None, "all_reduce"), True: OpPair("all_gather", "reduce_scatter")}
+G_OP = {False: OpPair("all_reduce", None), True: OpPair("reduce_scatter", "all_gather")}
 COURSE_MODEL = PRESETS["tiny"]  # labs.models.transformer.ModelConfig()'s dimensions
 # Nominal one-direction bandwidth per GPU (GB/s): the two kinds of link a TP group can sit on.
 LINKS = {"NVLink 4 (H100 SXM, in a node)": 450.0, "InfiniBand NDR 400 Gb/s (between nodes)": 50.0}
@@ -119,17 +139,16 @@ def weight_shards(spec: ModelSpec, *, tp: int) -> list[dict]:
     return out
 
 
-def _collective(name, op_pair, k, tp, where):
-    fwd, bwd = op_pair
+def _collective(name: str, ops: OpPair, k: int, tp: int, where: str) -> dict:
     return {
         "op": name,
         "kind": "collective",
         "where": where,
-        "forward": fwd,
-        "backward": bwd,
+        "forward": ops.forward,
+        "backward": ops.backward,
         "payload_bytes": k,
-        "forward_sent_bytes": BYTES_PER_RANK[fwd](k, tp) if fwd else 0.0,
-        "backward_sent_bytes": BYTES_PER_RANK[bwd](k, tp) if bwd else 0.0,
+        "forward_sent_bytes": BYTES_PER_RANK[ops.forward](k, tp) if ops.forward else 0.0,
+        "backward_sent_bytes": BYTES_PER_RANK[ops.backward](k, tp) if ops.backward else 0.0,
     }
 
 
@@ -155,15 +174,23 @@ def block_flow(
     nh = spec.n_heads // tp
     nkv = spec.kv_heads // tp
     k = B * T * H * dtype_bytes
-    x_shape, x_layout = ((B, T // tp, H), "split T") if sp else ((B, T, H), "replicated")
-    f = "all-gather T" if sp else "f"
-    g = "reduce-scatter T" if sp else "g"
+    if sp:
+        x_shape = (B, T // tp, H)
+        x_layout = "split T"
+        f = "all-gather T"
+        g = "reduce-scatter T"
+    else:
+        x_shape = (B, T, H)
+        x_layout = "replicated"
+        f = "f"
+        g = "g"
 
-    def compute(op, shape, layout):
+    def compute(op: str, shape: tuple[int, ...], layout: str) -> dict:
         return {"op": op, "kind": "compute", "shape": shape, "layout": layout}
 
-    norm_grad = (
-        [
+    norm_grad = []  # with SP, each rank's norm weight saw T/tp tokens: its gradient is summed
+    if sp:
+        norm_grad.append(
             {
                 "op": "norm weight grad",
                 "kind": "collective",
@@ -174,10 +201,7 @@ def block_flow(
                 "forward_sent_bytes": 0.0,
                 "backward_sent_bytes": all_reduce_bytes(H * dtype_bytes, tp),
             }
-        ]
-        if sp
-        else []
-    )
+        )
     flow = [
         compute("input x", x_shape, x_layout),
         compute("attn_norm", x_shape, x_layout),
@@ -220,7 +244,7 @@ def collectives(
     n_tok = batch * seq
     calls = []
 
-    def add(where, phase, op, payload):
+    def add(where: str, phase: str, op: str | None, payload: int) -> None:
         if op is not None:
             calls.append(
                 {
@@ -232,9 +256,10 @@ def collectives(
                 }
             )
 
-    def region(where, ops):  # a collective pair at a region boundary: (forward op, backward op)
-        add(where, "forward", ops[0], k)
-        add(where, "backward", ops[1], k)
+    def region(where: str, ops: OpPair) -> None:
+        """The collective pair at a region boundary."""
+        add(where, "forward", ops.forward, k)
+        add(where, "backward", ops.backward, k)
 
     region("tok_emb", G_OP[sp])
     for i in range(spec.n_layers):
@@ -330,7 +355,7 @@ def saved_activation_bytes(
     nh = spec.n_heads // tp
     nkv = spec.kv_heads // tp
 
-    def norm(prefix):
+    def norm(prefix: str) -> dict[str, int]:
         return {
             f"{prefix} input (fp32)": 4 * B * t_norm * H,
             f"{prefix} 1/rms": 4 * B * t_norm,
@@ -379,16 +404,16 @@ def layer_comm_vs_compute(
     peak_tflops: float = 989.0,
     mfu: float = 0.5,
 ) -> dict:
-    """One layer's forward + backward on one TP rank: bytes sent (4 all-reduces of K = mbs·seq·H·e,
-    SP moves the same), seconds on a link of ``link_gbs`` GB/s, and compute seconds for its FLOPs
-    (6·P_layer + 12·H·seq per token, split tp ways) at ``mfu`` of ``peak_tflops``. TP's collectives
-    sit on the critical path between matmuls, so ``comm_s / compute_s`` is roughly the slowdown they
-    add."""
+    """One layer's forward + backward on one TP rank: bytes sent (4 all-reduces of
+    K = mbs·seq·H·e, SP moves the same), seconds on a link of ``link_gbs`` GB/s, and compute
+    seconds for its FLOPs (6·P_layer + 12·H·seq per token, split tp ways) at ``mfu`` of
+    ``peak_tflops``. TP's collectives sit on the critical path between matmuls, so
+    ``comm_s / compute_s`` is roughly the slowdown they add."""
     check_positive(tp=tp, seq=seq, mbs=mbs, dtype_bytes=dtype_bytes)
     if link_gbs <= 0 or peak_tflops <= 0 or not 0 < mfu <= 1:
         raise ValueError(
-            f"link_gbs and peak_tflops must be > 0 and mfu in (0, 1]; "
-            f"got {link_gbs}, {peak_tflops}, {mfu}"
+            "link_gbs and peak_tflops must be > 0 and mfu in (0, 1];"
+            f" got {link_gbs}, {peak_tflops}, {mfu}"
         )
     k = mbs * seq * spec.hidden * dtype_bytes
     sent = 4 * all_reduce_bytes(k, tp)

@@ -1,9 +1,10 @@
-"""ZeRO on paper, buffer by buffer and moment by moment: what a rank holds and sends (notebook 03).
+"""ZeRO on paper, buffer by buffer and moment by moment: what a rank holds and sends (notebook
+03).
 
     held_bytes([16384, 36992, 36992, 16448], stage=3, dp=4)   # bytes a rank holds between steps
-    peak_param_bytes(units, dp=4, prefetch=True)                # ZeRO-3 forward peak
-    comm_bytes(units, stage=3, dp=4)                            # bytes a rank sends per step
-    step_moments(3, units, dp=4)                                # the visualizer's frames
+    peak_param_bytes(units, dp=4, prefetch=True)              # ZeRO-3 forward peak
+    comm_bytes(units, stage=3, dp=4)                          # bytes a rank sends per step
+    step_moments(3, units, dp=4)                              # the visualizer's frames
 
 Pure Python (no torch). Symbols as in ``labs.theory.memory``: Ψ parameters, N data-parallel
 ranks, fp32 training with AdamW (4 bytes per parameter and per gradient, 8 of optimizer
@@ -13,11 +14,11 @@ N·S_u with S_u = ceil(Ψ_u / N) so every rank owns an equal shard of S_u elemen
 
 What a rank holds, per unit (the layout of ``solutions/zero.py``):
 
-    stage  parameters        gradients                     optimizer (AdamW)
-    0      Ψ_u               Ψ_u                           2 Ψ_u
-    1      N·S_u (flat)      N·S_u (flat, reduce-scattered in place)   2 S_u
-    2      N·S_u (flat)      S_u                           2 S_u
-    3      S_u               S_u                           2 S_u
+    stage  parameters     gradients                                 optimizer (AdamW)
+    0      Ψ_u            Ψ_u                                       2 Ψ_u
+    1      N·S_u (flat)   N·S_u (flat, reduce-scattered in place)   2 S_u
+    2      N·S_u (flat)   S_u                                       2 S_u
+    3      S_u            S_u                                       2 S_u
 
 Per unit this is ``labs.theory.memory.state_bytes(Ψ_u, zero=stage, dp=N, exact_shards=True)``
 plus the padding (N·S_u − Ψ_u < N elements) of the full flat buffers a collective writes or
@@ -29,9 +30,9 @@ host holds an fp32 copy of the parameter shard, the gradient shard and the momen
 
 Bytes sent per rank per step (ring figures, ``labs.theory.comm``), P = Σ_u N·S_u · 4 bytes:
 
-    stage 0   all-reduce of the gradients                   2 (N-1)/N · 4Ψ
-    stage 1-2 reduce-scatter of gradients + all-gather of parameters   2 (N-1)/N · P
-    stage 3   all-gather in forward, again in backward, reduce-scatter 3 (N-1)/N · P
+    stage 0     all-reduce of the gradients                               2 (N-1)/N · 4Ψ
+    stage 1-2   reduce-scatter of gradients + all-gather of parameters    2 (N-1)/N · P
+    stage 3     all-gather in forward, again in backward, reduce-scatter  3 (N-1)/N · P
 
 ZeRO-3 keeps only shards between uses: during unit k's forward a rank holds every shard,
 unit k in full and (with prefetch) unit k+1 in full: peak = Σ 4 S_u + max_k 4 N (S_k + S_k+1).
@@ -43,6 +44,7 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from labs.theory.dims import check_positive
@@ -52,9 +54,10 @@ from labs.theory.presets import PRESETS
 STAGES = (0, 1, 2, 3)
 BYTES = 4  # fp32: parameters, gradients and each of Adam's two moments
 KINDS = ("params", "grads", "optimizer")
+STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
 
 
-def _check(unit_numels, stage=0, dp=1) -> list[int]:
+def _check(unit_numels: Iterable[int], stage: int = 0, dp: int = 1) -> list[int]:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not one of {STAGES}")
     check_positive(dp=dp)
@@ -91,7 +94,7 @@ def course_units(spec: ModelSpec | None = None) -> list[tuple[str, int]]:
 
 
 def held_bytes(
-    unit_numels,
+    unit_numels: Iterable[int],
     *,
     stage: int,
     dp: int,
@@ -126,15 +129,17 @@ def held_bytes(
         calc = {k: v * itemsize // BYTES for k, v in calc.items()}
         out["calculator"] += calc["total_bytes"]
         pad = lay["padding"] * itemsize
-        out["params"] += calc["param_bytes"] + (
-            pad if stage in (1, 2) else 0
-        )  # full flat parameter buffer
-        out["grads"] += calc["grad_bytes"] + (pad if stage == 1 else 0)  # full flat gradient buffer
-        out["padding"] += pad * ((stage in (1, 2)) + (stage == 1))
+        out["params"] += calc["param_bytes"]
+        out["grads"] += calc["grad_bytes"]
+        if stage in (1, 2):  # the full flat parameter buffer
+            out["params"] += pad
+            out["padding"] += pad
+        if stage == 1:  # the full flat gradient buffer
+            out["grads"] += pad
+            out["padding"] += pad
         if offload:
-            out["host"] += (
-                4 * lay["shard"] * itemsize
-            )  # fp32 parameter shard, gradient shard, two moments
+            # fp32 parameter shard, gradient shard, two moments
+            out["host"] += 4 * lay["shard"] * itemsize
         else:
             out["optimizer"] += calc["optimizer_bytes"]
     out["params"] += frozen_numel * itemsize
@@ -146,7 +151,9 @@ def held_bytes(
     return out
 
 
-def peak_param_bytes(unit_numels, *, dp: int, prefetch: bool = True, itemsize: int = BYTES) -> int:
+def peak_param_bytes(
+    unit_numels: Iterable[int], *, dp: int, prefetch: bool = True, itemsize: int = BYTES
+) -> int:
     """ZeRO-3: most parameter bytes a rank holds during forward: every shard, the unit being
     computed in full and, with ``prefetch``, the next unit's all-gather output too."""
     units = _check(unit_numels, 3, dp)
@@ -157,9 +164,11 @@ def peak_param_bytes(unit_numels, *, dp: int, prefetch: bool = True, itemsize: i
     return (shards + max(window)) * itemsize
 
 
-def comm_bytes(unit_numels, *, stage: int, dp: int, itemsize: int = BYTES) -> dict[str, float]:
-    """Bytes a rank sends per step, by collective (ring model), and ``psi_equivalent``:
-    the total in units of (N-1)/N · 4Ψ, i.e. 2 for stages 0-2 and 3 for stage 3 (padding aside)."""
+def comm_bytes(
+    unit_numels: Iterable[int], *, stage: int, dp: int, itemsize: int = BYTES
+) -> dict[str, float]:
+    """Bytes a rank sends per step, by collective (ring model), and ``psi_equivalent``: the total
+    in units of (N-1)/N · 4Ψ, i.e. 2 for stages 0-2 and 3 for stage 3 (padding aside)."""
     units = _check(unit_numels, stage, dp)
     grads = sum(units) * itemsize
     padded = sum(flat_layout(n, dp)["padded"] for n in units) * itemsize
@@ -174,7 +183,7 @@ def comm_bytes(unit_numels, *, stage: int, dp: int, itemsize: int = BYTES) -> di
     return out
 
 
-def offload_bytes(unit_numels, *, dp: int, itemsize: int = BYTES) -> dict[str, int]:
+def offload_bytes(unit_numels: Iterable[int], *, dp: int, itemsize: int = BYTES) -> dict[str, int]:
     """Bytes crossing the host link per step with ZeRO-Offload: gradient shards down, parameter
     shards up."""
     shards = sum(flat_layout(n, dp)["shard"] for n in _check(unit_numels, 1, dp)) * itemsize
@@ -189,14 +198,7 @@ def stage_table(n_params: int, dp: int, precision: str = "bf16-mixed") -> list[d
         b = state_bytes(
             n_params, precision=precision, optimizer="adamw", zero=stage if dp > 1 else 0, dp=dp
         )
-        rows.append(
-            {
-                "stage": stage,
-                **{
-                    k: b[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
-                },
-            }
-        )
+        rows.append({"stage": stage, **{k: b[k] for k in STATE_KEYS}})
     return rows
 
 
@@ -205,19 +207,14 @@ def format_stage_table(
 ) -> str:
     """``stage_table`` as text, in GB per rank, with whether the state alone fits in ``gpu_gib``."""
     lines = [
-        f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks ({gpu_gib:g} GiB GPUs)",
+        f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks"
+        f" ({gpu_gib:g} GiB GPUs)",
         f"{'stage':<8}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}   state alone fits?",
     ]
     for r in stage_table(n_params, dp, precision):
         fits = "yes" if r["total_bytes"] <= gpu_gib * 2**30 else "no"
-        lines.append(
-            f"ZeRO-{r['stage']:<3}"
-            + "".join(
-                f"{r[k] / 1e9:>9.1f}"
-                for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
-            )
-            + f"   {fits}"
-        )
+        gb = "".join(f"{r[k] / 1e9:>9.1f}" for k in STATE_KEYS)
+        lines.append(f"ZeRO-{r['stage']:<3}{gb}   {fits}")
     return "\n".join(lines)
 
 
@@ -242,7 +239,9 @@ def offload_tradeoff(
 # A state is "full", "shard", "prefetch" (full, being gathered ahead of use), "host" or "none".
 
 
-def _moment(label, collective, params, grads, optim):
+def _moment(
+    label: str, collective: str, params: list[str], grads: list[str], optim: list[str]
+) -> dict:
     return {
         "label": label,
         "collective": collective,
@@ -254,7 +253,7 @@ def _moment(label, collective, params, grads, optim):
 
 def step_moments(
     stage: int,
-    unit_numels,
+    unit_numels: Iterable[int],
     *,
     dp: int,
     prefetch: bool = True,
@@ -286,12 +285,11 @@ def step_moments(
             p[k] = "full"
             if prefetch and k + 1 < u:
                 p[k + 1] = "prefetch"
-        coll = (
-            f"all-gather {names[k]}"
-            + (f", prefetch {names[k + 1]}" if prefetch and k + 1 < u else "")
-            if stage == 3
-            else "none"
-        )
+        coll = "none"
+        if stage == 3:
+            coll = f"all-gather {names[k]}"
+            if prefetch and k + 1 < u:
+                coll += f", prefetch {names[k + 1]}"
         frames.append(_moment(f"forward {names[k]}", coll, p, grads, opt))
     for k in reversed(range(u)):
         p = list(params)
@@ -301,15 +299,14 @@ def step_moments(
                 p[k - 1] = "prefetch"
         grads = list(grads)
         grads[k] = "full"
-        coll = (
-            f"all-gather {names[k]}" + (f", prefetch {names[k - 1]}" if prefetch and k > 0 else "")
-            if stage == 3
-            else "none"
-        )
+        coll = "none"
+        if stage == 3:
+            coll = f"all-gather {names[k]}"
+            if prefetch and k > 0:
+                coll += f", prefetch {names[k - 1]}"
         frames.append(_moment(f"backward {names[k]}", coll, p, grads, opt))
-        if (
-            stage >= 2
-        ):  # the state right after: unit k's gradient sharded (stage 3: its parameters freed)
+        if stage >= 2:
+            # the state right after: unit k's gradient sharded (stage 3: its parameters freed)
             grads = list(grads)
             grads[k] = "shard"
             after = [s if s != "full" or stage < 3 else "shard" for s in p]
@@ -348,7 +345,7 @@ def step_moments(
     return frames
 
 
-def _frame_bytes(frame, units, stage, dp) -> dict[str, int]:
+def _frame_bytes(frame: dict, units: list[int], stage: int, dp: int) -> dict[str, int]:
     """Device bytes of one moment (and ``host``): a full ZeRO-3 unit sits beside its shard, a
     stage 2-3 full gradient (autograd's) beside the persistent gradient shard."""
     out = dict.fromkeys(KINDS + ("host",), 0)
@@ -359,9 +356,9 @@ def _frame_bytes(frame, units, stage, dp) -> dict[str, int]:
         p = frame["params"][k]
         g = frame["grads"][k]
         o = frame["optimizer"][k]
-        out["params"] += {"full": flat, "prefetch": flat, "shard": 0}[p] + (
-            shard if stage == 3 else 0
-        )
+        out["params"] += {"full": flat, "prefetch": flat, "shard": 0}[p]
+        if stage == 3:  # the persistent shard, beside a gathered unit
+            out["params"] += shard
         if stage >= 2:
             out["grads"] += shard + (n if g == "full" else 0)
         else:

@@ -1,2 +1,2 @@
-"""Interactive widgets (ipywidgets + matplotlib) over labs.theory and over measurements; logic lives
-in labs.theory."""
+"""Interactive widgets (ipywidgets + matplotlib) over labs.theory and over measurements; logic
+lives in labs.theory."""

@@ -1,7 +1,7 @@
 """Collective visualizer (notebook 00): each rank's tensor before and after a collective.
 
-    collective_visualizer()                   # dropdown for the collective, slider for the world size
-    draw_collective("reduce_scatter", 4)      # the same drawing, as a plain matplotlib figure
+    collective_visualizer()                # dropdown for the collective, slider for the world size
+    draw_collective("reduce_scatter", 4)   # the same drawing, as a plain matplotlib figure
 
 The semantics come from ``labs.theory.collectives.simulate``; this module only draws.
 A cell coloured like one rank holds that rank's data; a grey cell holds a sum, with
@@ -48,8 +48,8 @@ def draw_collective(op: str, world_size: int, root: int = 0):
     _draw_state(before, sim["before"], "before", world_size)
     _draw_state(after, sim["after"], "after", world_size)
     fig.suptitle(
-        f"{op}: {sim['description']}\nbytes sent per rank = {sim['chunks_sent_per_rank']:.3g} chunks "
-        f"of a {sim['tensor_chunks']}-chunk tensor",
+        f"{op}: {sim['description']}\nbytes sent per rank ="
+        f" {sim['chunks_sent_per_rank']:.3g} chunks of a {sim['tensor_chunks']}-chunk tensor",
         fontsize=10,
     )
     fig.tight_layout()

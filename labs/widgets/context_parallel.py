@@ -1,7 +1,7 @@
 """Ring-attention stepper (notebook 06): step through the ring and see who computes what.
 
-    ring_stepper(cp=4)                                   # sliders and toggles
-    draw_ring_step(4, step=1, causal=True, zigzag=True)  # one drawing, as a plain matplotlib figure
+    ring_stepper(cp=4)                                    # sliders and toggles
+    draw_ring_step(4, step=1, causal=True, zigzag=True)   # one drawing, as a matplotlib figure
 
 Left: the attention matrix cut into 2·CP × 2·CP chunk blocks (rows: query chunks, columns:
 key chunks). A block is coloured by the rank that computes it, solid at the current step,
@@ -71,7 +71,8 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
     fig, (grid, bars) = plt.subplots(
         1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1.3, 1]}
     )
-    owner = {c: e["rank"] for e in schedule[0] for c in e["q_chunks"]}  # chunk -> rank holding it
+    # chunk -> the rank holding it
+    owner = {c: e["rank"] for e in schedule[0] for c in e["q_chunks"]}
     for s in range(step + 1):
         for e in schedule[s]:
             for a, b, kind in e["blocks"]:
@@ -120,10 +121,14 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
     return fig, rows
 
 
-def _rows_html(rows) -> str:
-    head = "<tr><th>rank</th><th>query chunks</th><th>holds K/V of</th><th>computes</th><th>skips (masked)</th></tr>"
+def _rows_html(rows: list[dict]) -> str:
+    head = (
+        "<tr><th>rank</th><th>query chunks</th><th>holds K/V of</th><th>computes</th>"
+        "<th>skips (masked)</th></tr>"
+    )
     body = "".join(
-        f"<tr><td>{r['rank']}</td><td>{r['q_chunks']}</td><td>rank {r['kv_from']} {r['kv_chunks']}</td>"
+        f"<tr><td>{r['rank']}</td><td>{r['q_chunks']}</td>"
+        f"<td>rank {r['kv_from']} {r['kv_chunks']}</td>"
         f"<td>{r['computed']}</td><td>{r['masked']}</td></tr>"
         for r in rows
     )
@@ -145,7 +150,8 @@ def ring_stepper(cp: int = 4, causal: bool = True, zigzag: bool = True):
     out = w.Output()
 
     def redraw(*_):
-        step_box.max = play.max = cp_box.value - 1
+        step_box.max = cp_box.value - 1
+        play.max = cp_box.value - 1
         with out:
             out.clear_output(wait=True)
             fig, rows = draw_ring_step(

@@ -39,8 +39,8 @@ def draw_lanes(ax, spans: list[dict], *, title: str, scale: float = 1e3, unit: s
             y = 2 * i + lane_index
             labels.append((y, f"rank {rank} {lane}" if len(ranks) > 1 else lane))
             lane_spans = [s for s in mine if s["lane"] == lane]
-            # a real run's all-reduces can overlap (queued behind each other): then half height,
-            # staggered
+            # a real run's all-reduces can overlap (queued behind each other): then they are
+            # drawn half height, staggered
             stagger = lane == "comm" and any(
                 a["start"] < b["end"] and b["start"] < a["end"]
                 for a in lane_spans
@@ -48,7 +48,12 @@ def draw_lanes(ax, spans: list[dict], *, title: str, scale: float = 1e3, unit: s
                 if a is not b
             )
             for s in lane_spans:
-                height, offset = (0.4, 0.2 * (1 - 2 * (s["bucket"] % 2))) if stagger else (0.8, 0.0)
+                if stagger:  # even buckets above the lane's centre, odd ones below
+                    height = 0.4
+                    offset = 0.2 * (1 - 2 * (s["bucket"] % 2))
+                else:
+                    height = 0.8
+                    offset = 0.0
                 ax.barh(
                     y + offset,
                     (s["end"] - s["start"]) * scale,
@@ -95,8 +100,9 @@ def measured_title(trace: dict) -> str:
     exposed = ", ".join(f"{r['exposed_s'] * 1e3:.1f}" for r in trace["per_rank"])
     backward = ", ".join(f"{r['backward_s'] * 1e3:.1f}" for r in trace["per_rank"])
     return (
-        f"measured: {trace['variant']} on {trace['nproc']} ranks (gloo), {trace['per_rank'][0]['all_reduces']} "
-        f"all-reduces; backward {backward} ms, exposed {exposed} ms per rank"
+        f"measured: {trace['variant']} on {trace['nproc']} ranks (gloo),"
+        f" {trace['per_rank'][0]['all_reduces']} all-reduces; backward {backward} ms,"
+        f" exposed {exposed} ms per rank"
     )
 
 

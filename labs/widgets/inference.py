@@ -2,9 +2,12 @@
 placement, from the theory (``labs.theory.inference``) and from measured runs
 (``labs.experiments.infer``). This module only draws.
 
-    latency_explorer()                                   # preset, GPU, batch, context -> ms/token and tokens/s vs N
-    plot_decode_theory(PRESETS["llama3-70b"], batch=8, context=4096)   # the same as a plain figure
-    plot_measured([run_2, run_4])                        # gloo runs: measured per-token latency and tokens/s
+    # preset, GPU, batch, context -> ms/token and tokens/s against N
+    latency_explorer()
+    # the same as a plain figure
+    plot_decode_theory(PRESETS["llama3-70b"], batch=8, context=4096)
+    # gloo runs: measured per-token latency and tokens/s
+    plot_measured([run_2, run_4])
 """
 
 from __future__ import annotations
@@ -26,13 +29,12 @@ def theory_rows(
     for mode in theory.MODES:
         for n in degrees:
             try:
-                rows.append(
-                    theory.decode_time(
-                        spec, mode=mode, degree=n, batch=batch, context=context, gpu=gpu
-                    )
+                row = theory.decode_time(
+                    spec, mode=mode, degree=n, batch=batch, context=context, gpu=gpu
                 )
             except ValueError:
                 continue  # e.g. more stages than layers, or heads not divisible by tp
+            rows.append(row)
     return rows
 
 
@@ -98,7 +100,8 @@ def measured_rows(runs: list[dict]) -> list[dict]:
     """One row per (mode, N) of ``labs.experiments.infer.run`` summaries (mode "both" or one mode),
     the single-rank baseline first: measured latency, its 90th percentile, the latency model and
     tokens/s."""
-    rows, seen = [], set()
+    rows = []
+    seen = set()  # (mode, ranks) already in rows
     for s in runs:
         if ("single", 1) not in seen:
             seen.add(("single", 1))
@@ -113,7 +116,10 @@ def measured_rows(runs: list[dict]) -> list[dict]:
                 }
             )
         for mode in theory.MODES:
-            m = s.get(mode) if s["mode"] == "both" else (s if s["mode"] == mode else None)
+            if s["mode"] == "both":
+                m = s.get(mode)
+            else:
+                m = s if s["mode"] == mode else None
             if m is None or (mode, s["nproc"]) in seen:
                 continue
             seen.add((mode, s["nproc"]))
@@ -136,7 +142,10 @@ def measured_table(runs: list[dict]) -> str:
         f"{'mode':<10}{'ranks':>6}{'ms/token':>10}{'p90 ms':>8}{'model ms':>10}{'tokens/s':>10}"
     ]
     for r in measured_rows(runs):
-        p90 = f"{r['p90_latency_s'] * 1e3:8.2f}" if r["p90_latency_s"] is not None else f"{'':>8}"
+        if r["p90_latency_s"] is not None:
+            p90 = f"{r['p90_latency_s'] * 1e3:8.2f}"
+        else:
+            p90 = f"{'':>8}"
         lines.append(
             f"{r['mode']:<10}{r['nproc']:>6}{r['latency_s'] * 1e3:10.2f}{p90}"
             f"{r['model_latency_s'] * 1e3:10.2f}{r['tokens_per_s']:10.0f}"

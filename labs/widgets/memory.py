@@ -1,9 +1,9 @@
 """Memory calculator (notebook 01): what one GPU holds in a training run, and whether it fits.
 
-    memory_calculator()                        # the widget: presets or free dimensions, every option,
-                                               # a stacked bar per rank, the GPU's memory, a
-                                               verdict, a sweep
-    draw_breakdown(result, 80.0)               # the stacked bar alone, as a matplotlib figure
+    # the widget: presets or free dimensions, every option, a stacked bar per rank, the GPU's
+    # memory, a verdict, a sweep
+    memory_calculator()
+    draw_breakdown(result, 80.0)                         # the stacked bar alone, as a figure
     draw_sweep(sweep(spec, "seq", [...]), "seq", 80.0)   # memory against one parameter
 
 Every number comes from ``labs.theory.memory`` (``memory_per_rank``, and ``evaluate`` / ``sweep``
@@ -148,7 +148,9 @@ def memory_calculator(preset: str = "llama3-8b", **run):
             options=list(PP_SCHEDULES), value=run.get("schedule", "1f1b"), description="schedule"
         ),
         "gpu": w.Dropdown(options=[*GPUS, "custom"], value="H100 80GB", description="GPU"),
-        "gpu_mem": w.FloatText(value=GPUS["H100 80GB"][0], description="GiB", layout=layout),
+        "gpu_mem": w.FloatText(
+            value=GPUS["H100 80GB"].memory_gib, description="GiB", layout=layout
+        ),
         "sweep": w.Dropdown(options=list(SWEEPS), value="seq", description="sweep"),
     }
     for name, widget in c.items():
@@ -172,7 +174,7 @@ def memory_calculator(preset: str = "llama3-8b", **run):
 
     def choose_gpu(*_):
         if c["gpu"].value != "custom":
-            quietly(lambda: setattr(c["gpu_mem"], "value", GPUS[c["gpu"].value][0]))
+            quietly(lambda: setattr(c["gpu_mem"], "value", GPUS[c["gpu"].value].memory_gib))
             redraw()
 
     def settings() -> dict:
@@ -208,18 +210,16 @@ def memory_calculator(preset: str = "llama3-8b", **run):
             return
         owner = change["owner"] if change is not None else None
         if owner in [c[d] for d in (*DIMS, "arch", "tied")]:
-            quietly(
-                lambda: setattr(c["preset"], "value", "custom")
-            )  # editing a dimension leaves the preset
+            # editing a dimension leaves the preset
+            quietly(lambda: setattr(c["preset"], "value", "custom"))
         if owner is c["gpu_mem"]:
             quietly(lambda: setattr(c["gpu"], "value", "custom"))
         gpu_mem = c["gpu_mem"].value
         gpu_label = c["gpu"].value
-        state = (
-            evaluate(gpu_mem_gib=gpu_mem, **settings())
-            if gpu_mem > 0
-            else {"result": None, "verdict": "cannot compute: GPU memory must be > 0 GiB"}
-        )
+        if gpu_mem > 0:
+            state = evaluate(gpu_mem_gib=gpu_mem, **settings())
+        else:
+            state = {"result": None, "verdict": "cannot compute: GPU memory must be > 0 GiB"}
         ok = state["result"] is not None and state["verdict"].startswith("fits")
         colour = "green" if ok else ("darkred" if state["result"] is not None else "gray")
         verdict_box.value = f"<b style='color:{colour}; font-size:1.1em'>{state['verdict']}</b>"
@@ -251,7 +251,10 @@ def memory_calculator(preset: str = "llama3-8b", **run):
         if name != "gpu":
             widget.observe(redraw, "value")
     redraw()
-    row = lambda *names: w.HBox([c[n] for n in names])  # noqa: E731
+
+    def row(*names: str) -> w.HBox:
+        return w.HBox([c[n] for n in names])
+
     box = w.VBox(
         [
             row("preset", "arch", "tied"),

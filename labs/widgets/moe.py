@@ -1,12 +1,19 @@
-"""Routing and load visualizer (notebook 07): who gets the tokens, what capacity drops, what the aux
-loss does.
+"""Routing and load visualizer (notebook 07): who gets the tokens, what capacity drops, what the
+aux loss does.
 
-    routing_visualizer()                         # a synthetic router to play with: sliders for E, k, ranks, skew, cf
-    draw_load(counts, capacity=20)               # heat map: pairs per expert (columns) per rank (rows)
-    draw_capacity_sweep(sweep, current=1.25)     # share of pairs dropped as the capacity factor grows
-    draw_balance(curves)                         # imbalance and drops per step, with and without the aux loss
-    draw_run_load(summary), draw_balance_loads(curves)   # the same heat map for real runs
-    draw_losses(summary)                         # an EP run's losses over the reference's
+    # a synthetic router to play with: sliders for E, k, ranks, skew, cf
+    routing_visualizer()
+    # heat map: pairs per expert (columns) per rank (rows)
+    draw_load(counts, capacity=20)
+    # share of pairs dropped as the capacity factor grows
+    draw_capacity_sweep(sweep, current=1.25)
+    # imbalance and drops per step, with and without the aux loss
+    draw_balance(curves)
+    # the same heat map for real runs
+    draw_run_load(summary)
+    draw_balance_loads(curves)
+    # an EP run's losses over the reference's
+    draw_losses(summary)
 
 The numbers come from ``labs.theory.moe`` (synthetic routing, capacity, drops) or from a real
 run (``labs.experiments.moe.run`` and ``balance_run``); this module only draws.
@@ -27,9 +34,14 @@ def draw_load(counts: list[list[int]], capacity: int | None = None, ax=None, tit
     if ax is None:
         _, ax = plt.subplots(figsize=(1.2 + 0.55 * len(counts[0]), 0.9 + 0.45 * len(counts)))
     image = ax.imshow(counts, cmap="viridis", aspect="auto")
+    bright = 0.6 * max(map(max, counts))  # above it a cell is light: black text
     for r, row in enumerate(counts):
         for e, n in enumerate(row):
             over = capacity is not None and n > capacity
+            if over:
+                colour = "red"
+            else:
+                colour = "black" if n > bright else "white"
             ax.text(
                 e,
                 r,
@@ -37,16 +49,15 @@ def draw_load(counts: list[list[int]], capacity: int | None = None, ax=None, tit
                 ha="center",
                 va="center",
                 fontsize=7,
-                color="red" if over else ("black" if n > 0.6 * max(map(max, counts)) else "white"),
+                color=colour,
             )
     ax.set_xticks(range(len(counts[0])), [f"e{e}" for e in range(len(counts[0]))])
     ax.set_yticks(range(len(counts)), [f"rank {r}" for r in range(len(counts))])
     ax.set_xlabel("expert")
-    cap = (
-        f", capacity {capacity} per rank (red: dropped)"
-        if capacity is not None
-        else ", no capacity limit"
-    )
+    if capacity is not None:
+        cap = f", capacity {capacity} per rank (red: dropped)"
+    else:
+        cap = ", no capacity limit"
     ax.set_title((title + "\n" if title else "") + f"pairs per expert{cap}", fontsize=9)
     ax.figure.colorbar(image, ax=ax, fraction=0.04)
     return ax
@@ -131,11 +142,12 @@ def draw_balance_loads(curves: dict, step: int = -1, layer: int = 0):
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 2.6), squeeze=False)
     for ax, (coef, rows) in zip(axes[0], curves.items()):
         label = f"aux coef {coef:g}" if coef else "no aux loss"
+        shown = len(rows["counts"]) if step == -1 else step + 1  # 1-based
         draw_load(
             rows["counts"][step][layer],
             rows["capacity"],
             ax=ax,
-            title=f"{label}, layer {layer}, step {len(rows['counts']) if step == -1 else step + 1}",
+            title=f"{label}, layer {layer}, step {shown}",
         )
     fig.tight_layout()
     return fig
@@ -203,9 +215,8 @@ def routing_visualizer(**initial):
     text = w.HTML()
 
     def redraw(*_):
-        if (
-            boxes["top_k"].value > boxes["n_experts"].value
-        ):  # keep the sliders consistent, not an error
+        if boxes["top_k"].value > boxes["n_experts"].value:
+            # keep the sliders consistent, not an error
             boxes["top_k"].value = boxes["n_experts"].value
             return
         with out:
@@ -222,6 +233,7 @@ def routing_visualizer(**initial):
     for box in boxes.values():
         box.observe(redraw, "value")
     redraw()
-    box = w.VBox([w.HBox(list(boxes.values())[:3]), w.HBox(list(boxes.values())[3:]), text, out])
+    controls = list(boxes.values())
+    box = w.VBox([w.HBox(controls[:3]), w.HBox(controls[3:]), text, out])
     display(box)
     return box

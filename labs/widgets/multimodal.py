@@ -1,15 +1,21 @@
-"""Notebook 11's pictures: the data, the cost of each part, a pipeline's stages with the encoder,
-measured runs.
+"""Notebook 11's pictures: the data, the cost of each part, a pipeline's stages with the
+encoder, measured runs.
 
-    show_samples(8)                                   # images and their captions
-    parts_table(preset("llama3-8b"), ENCODERS["siglip-so400m"], text_tokens=1024)   # who has the parameters
-    draw_balance(spec, enc, split=(0, 4), text_tokens=24, mbs=4, microbatches=4)    # per-stage time + 1F1B chart
-    balance_explorer()                                # the same with sliders, and a "rebalance" button
-    draw_measured(labs.experiments.multimodal_timeline.imbalance(...))              # measured charts per split
+    # images and their captions
+    show_samples(8)
+    # who has the parameters
+    parts_table(preset("llama3-8b"), ENCODERS["siglip-so400m"], text_tokens=1024)
+    # per-stage time + 1F1B chart
+    draw_balance(spec, enc, split=(0, 4), text_tokens=24, mbs=4, microbatches=4)
+    # the same with sliders, and a "rebalance" button
+    balance_explorer()
+    # measured charts per split
+    draw_measured(labs.experiments.multimodal_timeline.imbalance(...))
 
-Numbers come from ``labs.theory.multimodal`` and ``labs.experiments.multimodal``; this module only
-draws. Charts: rows are pipeline stages (ranks), time runs right, forwards plain, backwards hatched,
-colours are micro-batches, grey is idle; per-stage bars show the encoder's part in orange.
+Numbers come from ``labs.theory.multimodal`` and ``labs.experiments.multimodal``; this module
+only draws. Charts: rows are pipeline stages (ranks), time runs right, forwards plain, backwards
+hatched, colours are micro-batches, grey is idle; per-stage bars show the encoder's part in
+orange.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from labs.theory import multimodal as theory
+from labs.theory import multimodal_plan
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.flops import flops_per_token
 from labs.theory.memory import param_count
@@ -36,9 +43,9 @@ def show_samples(n: int = 8, *, seed: int = 0):
     for i, ax in enumerate(axes):
         image, caption = ds[i]
         ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
-        ax.set_title(
-            tok.decode(caption).strip().removeprefix("a ").replace(" ", "\n", 1), fontsize=8
-        )
+        # "a small red circle" -> "small\nred circle"
+        words = tok.decode(caption).strip().removeprefix("a ")
+        ax.set_title(words.replace(" ", "\n", 1), fontsize=8)
         ax.axis("off")
     return fig
 
@@ -49,25 +56,22 @@ def parts_table(spec, enc, *, text_tokens: int, mbs: int = 1) -> list[dict]:
     seq = enc.tokens + text_tokens
     ef = theory.encoder_flops(enc, mbs=mbs, text_hidden=spec.hidden)
     enc_params = theory.encoder_param_counts(enc, text_hidden=spec.hidden)["total"]
-    dec_acts = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=2, layers=spec.n_layers)[
-        "total"
-    ]
+    enc_acts = theory.encoder_activation_bytes(enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=2)
+    dec_acts = stage_activation_bytes(spec, seq=seq, mbs=mbs, dtype_bytes=2, layers=spec.n_layers)
     rows = [
         {
             "part": "encoder + projector",
             "params": enc_params,
             "tokens": enc.tokens,
             "train_flops": ef["forward"] + ef["backward"],
-            "activation_bytes": theory.encoder_activation_bytes(
-                enc, mbs=mbs, text_hidden=spec.hidden, dtype_bytes=2
-            )["total"],
+            "activation_bytes": enc_acts["total"],
         },
         {
             "part": "decoder",
             "params": param_count(spec),
             "tokens": seq,
             "train_flops": flops_per_token(spec, seq=seq) * seq * mbs,
-            "activation_bytes": dec_acts,
+            "activation_bytes": dec_acts["total"],
         },
     ]
     for key in ("params", "train_flops", "activation_bytes"):
@@ -78,12 +82,15 @@ def parts_table(spec, enc, *, text_tokens: int, mbs: int = 1) -> list[dict]:
 
 
 def print_parts(rows: list[dict]) -> None:
+    """``parts_table``'s rows, one line each with the shares."""
     print(f"{'part':20} {'params':>14} {'tokens':>7} {'train FLOPs':>12} {'activations MiB':>16}")
     for r in rows:
         print(
             f"{r['part']:20} {r['params']:>14,} {r['tokens']:>7} {r['train_flops']:>12.3g} "
-            f"{r['activation_bytes'] / 2**20:>16,.2f}   ({r['params_share']:.1%} of the parameters, "
-            f"{r['train_flops_share']:.1%} of the FLOPs, {r['activation_bytes_share']:.1%} of the activations)"
+            f"{r['activation_bytes'] / 2**20:>16,.2f}"
+            f"   ({r['params_share']:.1%} of the parameters,"
+            f" {r['train_flops_share']:.1%} of the FLOPs,"
+            f" {r['activation_bytes_share']:.1%} of the activations)"
         )
 
 
@@ -194,9 +201,8 @@ def balance_explorer(
 
     def rebalance(_):
         e, _ = current()
-        split.value = str(
-            theory.balanced_split(spec, e, stages=stages.value, text_tokens=text_tokens, mbs=mbs)
-        )[1:-1]
+        best = theory.balanced_split(spec, e, stages=stages.value, text_tokens=text_tokens, mbs=mbs)
+        split.value = str(best)[1:-1]  # "0, 2, 2" without the parentheses
 
     stages.observe(on_stages, "value")
     for control in (layers, width, patches, micro, split):
@@ -230,8 +236,10 @@ def draw_measured(result: dict):
             chart,
             row["events"],
             result["nproc"],
-            f"measured: bubble {row['measured_bubble']:.1%}, stage 0 idle {row['stage_idle'][0]:.0%}; "
-            f"on paper with these times {row['simulated_bubble']:.1%}; from FLOPs {row['flops_bubble']:.1%}",
+            f"measured: bubble {row['measured_bubble']:.1%},"
+            f" stage 0 idle {row['stage_idle'][0]:.0%};"
+            f" on paper with these times {row['simulated_bubble']:.1%};"
+            f" from FLOPs {row['flops_bubble']:.1%}",
         )
         chart.set_xlabel("seconds")
     fig.tight_layout()
@@ -239,18 +247,20 @@ def draw_measured(result: dict):
 
 
 def measured_table(result: dict) -> None:
-    """``imbalance``'s result as a table: per split, per-stage time, imbalance, bubble measured / on
-    paper / FLOPs."""
+    """``imbalance``'s result as a table: per split, per-stage time, imbalance, bubble measured /
+    on paper / FLOPs."""
     print(
-        f"{'split':>10} {'stage ms (F+B per micro-batch)':>31} {'slowest/mean':>13} {'step ms':>8} "
-        f"{'bubble: measured':>17} {'on paper':>9} {'FLOPs':>6} {'stage 0 idle':>13}"
+        f"{'split':>10} {'stage ms (F+B per micro-batch)':>31} {'slowest/mean':>13}"
+        f" {'step ms':>8} {'bubble: measured':>17} {'on paper':>9} {'FLOPs':>6}"
+        f" {'stage 0 idle':>13}"
     )
     for r in result["rows"]:
         stage_ms = " ".join(f"{t * 1e3:6.1f}" for t in r["stage_time"])
         print(
-            f"{str(r['split']):>10} {stage_ms:>31} {r['imbalance']:>13.2f} {r['timed_step_s'] * 1e3:>8.1f} "
-            f"{r['measured_bubble']:>17.1%} {r['simulated_bubble']:>9.1%} {r['flops_bubble']:>6.1%} "
-            f"{r['stage_idle'][0]:>13.0%}"
+            f"{str(r['split']):>10} {stage_ms:>31} {r['imbalance']:>13.2f}"
+            f" {r['timed_step_s'] * 1e3:>8.1f} {r['measured_bubble']:>17.1%}"
+            f" {r['simulated_bubble']:>9.1%} {r['flops_bubble']:>6.1%}"
+            f" {r['stage_idle'][0]:>13.0%}"
         )
     print(f"(equal stages would give (P-1)/(M+P-1) = {result['uniform_bubble']:.1%})")
 
@@ -277,12 +287,13 @@ def print_memory(mem: dict) -> None:
     difference."""
     gib = 2**30
     print(
-        f"{'stage':>5} {'layers':>6} {'with encoder':>13} {'decoder alone':>14} {'encoder adds':>13}  (GiB)"
+        f"{'stage':>5} {'layers':>6} {'with encoder':>13} {'decoder alone':>14}"
+        f" {'encoder adds':>13}  (GiB)"
     )
     for row, alone in zip(mem["stages"], mem["decoder_only_bytes"]):
         print(
-            f"{row['stage']:>5} {row['layers']:>6} {row['total_bytes'] / gib:>13.2f} {alone / gib:>14.2f} "
-            f"{row['encoder_bytes'] / gib:>13.2f}"
+            f"{row['stage']:>5} {row['layers']:>6} {row['total_bytes'] / gib:>13.2f}"
+            f" {alone / gib:>14.2f} {row['encoder_bytes'] / gib:>13.2f}"
         )
     print(
         f"busiest stage {mem['stage']}: {mem['total_bytes'] / gib:.2f} GiB; "
@@ -292,10 +303,5 @@ def print_memory(mem: dict) -> None:
 
 def print_plan(plan: dict, *, model: str = "custom", encoder: str = "custom") -> None:
     """``labs.theory.multimodal_plan.plan_with_encoder``'s result as its command line prints it."""
-    from labs.theory import multimodal_plan
-
-    print(
-        multimodal_plan.format_result(
-            multimodal_plan.plan_summary(plan, model=model, encoder=encoder)
-        )
-    )
+    summary = multimodal_plan.plan_summary(plan, model=model, encoder=encoder)
+    print(multimodal_plan.format_result(summary))

@@ -1,9 +1,16 @@
-"""Bubble calculator (notebook 05): a pipeline schedule's Gantt chart, bubble and activations held.
+"""Bubble calculator (notebook 05): a pipeline schedule's Gantt chart, bubble and activations
+held.
 
-    bubble_calculator()                              # choose schedule, P, M, V, t_f, t_b; a switch overlays a real run
-    draw_schedule("1f1b", 4, 8)                      # the same drawing as a plain matplotlib figure
-    draw_schedule("1f1b", 4, 8, measured=summary)    # with the chart measured by labs.experiments.pp.run
-    compare(gpipe, onef)                             # runs side by side;  placements(): device_map-style plans
+    # choose schedule, P, M, V, t_f, t_b; a switch overlays a real run
+    bubble_calculator()
+    # the same drawing as a plain matplotlib figure
+    draw_schedule("1f1b", 4, 8)
+    # with the chart measured by labs.experiments.pp.run
+    draw_schedule("1f1b", 4, 8, measured=summary)
+    # runs side by side
+    compare(gpipe, onef)
+    # device_map-style plans
+    placements()
 
 The numbers and the chart come from ``labs.theory.pipeline`` (``figures``, ``simulate``);
 a measured run comes from ``labs.experiments.pp.run``. This module only draws: rows are
@@ -34,9 +41,9 @@ def draw_gantt(
     labels: bool = True,
     row_names: list[str] | None = None,
 ) -> None:
-    """Draw ``events`` (dicts with rank, name, microbatch, chunk, start, end) on ``ax``, one row per
-    rank over a grey idle background, from time ``t0``; later chunks of an interleaved rank are
-    paler."""
+    """Draw ``events`` (dicts with rank, name, microbatch, chunk, start, end) on ``ax``, one row
+    per rank over a grey idle background, from time ``t0``; later chunks of an interleaved rank
+    are paler."""
     end = max(e["end"] for e in events)
     smallest_label = (end - t0) / 45 if labels else float("inf")  # narrower bars stay unlabelled
     for r in range(stages):  # the whole row in grey first: whatever stays grey is idle
@@ -56,7 +63,9 @@ def draw_gantt(
             alpha=1.0 - 0.5 * e["chunk"] / virtual,
         )
         if e["end"] - e["start"] >= smallest_label:
-            label = f"{e['name']}{e['microbatch']}" + (f".{e['chunk']}" if virtual > 1 else "")
+            label = f"{e['name']}{e['microbatch']}"
+            if virtual > 1:
+                label += f".{e['chunk']}"
             ax.text(left + width / 2, e["rank"], label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(stages), row_names or [f"rank {r}" for r in range(stages)])
     ax.set_ylim(stages - 0.5, -0.5)
@@ -86,15 +95,12 @@ def draw_schedule(
         squeeze=False,
         gridspec_kw={"width_ratios": [5, 1]},
     )
-    draw_gantt(
-        axes[0][0],
-        sim["events"],
-        stages,
-        virtual,
-        f"{schedule}, P={stages}, M={microbatches}"
-        + (f", V={virtual}" if schedule == "interleaved" else "")
-        + f" (paper): bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)",
+    v = f", V={virtual}" if schedule == "interleaved" else ""
+    title = (
+        f"{schedule}, P={stages}, M={microbatches}{v} (paper):"
+        f" bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)"
     )
+    draw_gantt(axes[0][0], sim["events"], stages, virtual, title)
     held = result["activation_microbatches_per_stage"]
     ax = axes[0][1]
     ax.set_title("activations held\n(micro-batches of a stage)", fontsize=8)
@@ -112,13 +118,14 @@ def draw_schedule(
         ax.set_xlim(0, max(held) * 1.35)
     if measured:
         _draw_measured(axes[1], measured, stages, virtual, t_f)
-        axes[1][0].set_xlim(
-            axes[0][0].get_xlim()[0], max(axes[0][0].get_xlim()[1], axes[1][0].get_xlim()[1])
-        )
+        # one time axis for both charts
+        paper_left, paper_right = axes[0][0].get_xlim()
+        _, measured_right = axes[1][0].get_xlim()
+        axes[1][0].set_xlim(paper_left, max(paper_right, measured_right))
         axes[0][0].set_xlim(axes[1][0].get_xlim())
-    axes[-1][0].set_xlabel(
-        "time (units of t_f)" if not measured else "time (units of t_f; measured: rescaled)"
-    )
+        axes[-1][0].set_xlabel("time (units of t_f; measured: rescaled)")
+    else:
+        axes[-1][0].set_xlabel("time (units of t_f)")
     mbs = sorted({e["microbatch"] for e in sim["events"]})[:10]
     axes[0][0].legend(
         handles=[Patch(color=MB_COLOURS(i % 20), label=f"mb {i}") for i in mbs]
@@ -138,18 +145,13 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
     events = summary["timeline"]
     t0 = min(e["start"] for e in events)
     scale = t_f / summary["measured_t_forward_s"] if summary.get("measured_t_forward_s") else 1.0
-    draw_gantt(
-        axes[0],
-        events,
-        stages,
-        virtual,
-        f"measured on {summary['nproc']} ranks ({summary['backend']}, forwards padded to "
-        f"{summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\nwith the measured "
-        f"{summary['measured_delay_s'] * 1e3:.1f} ms mean delay per operation the schedule predicts "
-        f"{summary['delay_bubble_fraction']:.1%}",
-        scale=scale,
-        t0=t0,
+    title = (
+        f"measured on {summary['nproc']} ranks ({summary['backend']}, forwards padded to"
+        f" {summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\n"
+        f"with the measured {summary['measured_delay_s'] * 1e3:.1f} ms mean delay per operation"
+        f" the schedule predicts {summary['delay_bubble_fraction']:.1%}"
     )
+    draw_gantt(axes[0], events, stages, virtual, title, scale=scale, t0=t0)
     held = summary.get("microbatches_held")
     ax = axes[1]
     if not held:
@@ -173,8 +175,8 @@ def measure(
     t_b: float,
     op_time: float = 0.02,
 ) -> dict:
-    """A real run of the schedule (one step, operations padded to ``op_time``, backward t_b/t_f as
-    long)."""
+    """A real run of the schedule (one step, operations padded to ``op_time``, backward t_b/t_f
+    as long)."""
     from labs.experiments.pp import run
 
     if stages > MAX_MEASURED_RANKS:
@@ -222,19 +224,17 @@ def bubble_calculator(
     tb = w.FloatSlider(value=2.0, min=0.0, max=8.0, step=0.25, description="t_b")
     overlay = w.Checkbox(value=bool(measured), description="overlay a measured run")
     out = w.Output()
-    cache = (
-        {
-            (
-                measured["schedule"],
-                measured["nproc"],
-                measured["microbatches"],
-                measured["virtual"],
-                2.0,
-            ): measured
-        }
-        if measured
-        else {}
-    )  # measured runs by (schedule, P, M, V, t_b/t_f); a lab run pads backward to 2 t_f
+    # measured runs by (schedule, P, M, V, t_b/t_f); a lab run pads backward to 2 t_f
+    cache = {}
+    if measured:
+        key = (
+            measured["schedule"],
+            measured["nproc"],
+            measured["microbatches"],
+            measured["virtual"],
+            2.0,
+        )
+        cache[key] = measured
 
     def redraw(*_):
         v.disabled = sched.value != "interleaved"
@@ -262,7 +262,9 @@ def bubble_calculator(
             out.clear_output(wait=True)
             display(fig)
             plt.close(fig)
-            print(theory.format_result(r) + (f"\n{note}" if note else ""))
+            print(theory.format_result(r))
+            if note:
+                print(note)
 
     for control in (sched, p, m, v, tf, tb, overlay):
         control.observe(redraw, "value")
@@ -313,11 +315,10 @@ def plot_bubble_vs_microbatches(
         )
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("bubble fraction of the step")
-    ax.set_title(
-        f"P = {stages} stages"
-        + (": squares measured, hollow = with the measured delays" if measured else ""),
-        fontsize=9,
-    )
+    title = f"P = {stages} stages"
+    if measured:
+        title += ": squares measured, hollow = with the measured delays"
+    ax.set_title(title, fontsize=9)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -333,13 +334,9 @@ def plot_activations(*summaries: dict, ax=None):
     for i, s in enumerate(summaries):
         ranks = range(s["nproc"])
         mib = [b / 2**20 for b in s["activation_bytes_held"]]
-        bars = ax.bar(
-            [r + i * width for r in ranks],
-            mib,
-            width,
-            label=f"{s['schedule']} (M={s['microbatches']}"
-            + (f", V={s['virtual']})" if s["virtual"] > 1 else ")"),
-        )
+        v = f", V={s['virtual']}" if s["virtual"] > 1 else ""
+        label = f"{s['schedule']} (M={s['microbatches']}{v})"
+        bars = ax.bar([r + i * width for r in ranks], mib, width, label=label)
         for bar, held in zip(bars, s["microbatches_held"]):
             ax.text(
                 bar.get_x() + bar.get_width() / 2,
@@ -388,7 +385,8 @@ def placements(*, layers: int = 8, stages: int = 4, fractions=(1.0, 0.5, 0.3)) -
     for row in rows:
         row["params_per_device"] = theory.plan_costs(costs, row["plan"], first, last)
         print(
-            f"{row['placement']:<34} layers per device {row['plan']}  parameters {row['params_per_device']}"
+            f"{row['placement']:<34} layers per device {row['plan']}"
+            f"  parameters {row['params_per_device']}"
         )
     return rows
 
@@ -403,23 +401,26 @@ def compare(*summaries: dict) -> list[dict]:
     rows = []
     for s in summaries:
         v = f" V={s['virtual']}" if s["schedule"] == "interleaved" else ""
+        torch_time = "-"
+        if s["torch_step_time_s"] is not None:
+            torch_time = f"{s['torch_step_time_s']:.3f}"
+        torch_same = "-"
+        if "torch_losses" in s:
+            bound = TOLERANCES[torch.float32] * s["reference_loss"]
+            torch_same = s["torch_max_abs_loss_diff"] <= bound
         rows.append(
             {
                 "run": f"{s['schedule']} P={s['nproc']} M={s['microbatches']}{v}",
-                "matches reference": s["matches_reference"]
-                and s.get("grads_match_reference", True),
+                "matches reference": (
+                    s["matches_reference"] and s.get("grads_match_reference", True)
+                ),
                 "bubble measured": f"{s['bubble_fraction']:.3f}",
                 "bubble with delays": f"{s['delay_bubble_fraction']:.3f}",
                 "bubble formula": f"{s['theory_bubble_fraction']:.3f}",
                 "micro-batches held": s.get("microbatches_held", "-"),
                 "step time (s)": f"{s['step_time_s']:.3f}",
-                "torch step time (s)": "-"
-                if s["torch_step_time_s"] is None
-                else f"{s['torch_step_time_s']:.3f}",
-                "torch same losses": "-"
-                if "torch_losses" not in s
-                else s["torch_max_abs_loss_diff"]
-                <= TOLERANCES[torch.float32] * s["reference_loss"],
+                "torch step time (s)": torch_time,
+                "torch same losses": torch_same,
             }
         )
     keys = list(rows[0])

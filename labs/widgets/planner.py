@@ -1,9 +1,9 @@
 """The parallelism planner and the device mesh, drawn (notebook 08).
 
     draw_mesh(ParallelDims(dp=2, tp=2, pp=2), gpus_per_node=4)   # which ranks share which group
-    draw_plan(summary(plan(...)))                                 # memory, communication and time of a plan
-    draw_scaling(scaling(spec, [128, 256, 512], ...))             # compute, bubble, exposed comm by GPU count
-    planner_widget("llama3-70b", seq=32768, gpus=512)             # the interactive planner
+    draw_plan(summary(plan(...)))                       # memory, communication and time of a plan
+    draw_scaling(scaling(spec, [128, 256, 512], ...))   # compute, bubble, exposed comm by GPUs
+    planner_widget("llama3-70b", seq=32768, gpus=512)   # the interactive planner
 
 Every number comes from ``labs.theory.planner`` (``plan``, ``summary``, ``format_result``) and the
 rank grid from ``labs.theory.dims``; this module only draws. Controls carry the CSS classes
@@ -109,9 +109,9 @@ def draw_mesh(dims: ParallelDims, *, gpus_per_node: int | None = None):
 
 
 def draw_plan(s: dict):
-    """Three panels for a plan's ``summary``: memory per GPU by part against the budget and the GPU,
-    bytes sent per GPU per step along each axis (inside a node or between nodes), and the step's
-    time (compute, bubble, exposed communication). Returns the figure."""
+    """Three panels for a plan's ``summary``: memory per GPU by part against the budget and the
+    GPU, bytes sent per GPU per step along each axis (inside a node or between nodes), and the
+    step's time (compute, bubble, exposed communication). Returns the figure."""
     fig, (mem, comm, time) = plt.subplots(
         1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1.3, 1.1, 1.3]}
     )
@@ -156,7 +156,9 @@ def draw_plan(s: dict):
         )
     comm.set_ylabel("GB sent per GPU per step")
     comm.set_yscale("log")
-    comm.set_ylim(max(min([g for g in gb if g > 0] + [1.0]) / 10, 1e-6), max(gb + [1e-6]) * 20)
+    # a log scale: a decade below the smallest bar that is not empty, room for labels above
+    smallest = min([g for g in gb if g > 0] + [1.0])
+    comm.set_ylim(max(smallest / 10, 1e-6), max(gb + [1e-6]) * 20)
     comm.set_title("communication (grey: between nodes)", fontsize=9)
     pieces = (
         ("compute", s["compute_s"], "tab:blue"),
@@ -225,9 +227,9 @@ def planner_widget(
     global_batch: int = 0,
     recompute: str = "none",
 ):
-    """The interactive planner: model, sequence, batch, cluster and the main assumptions; shows the
-    plan (text), its chart, the rejected layouts and an export. Displays itself and returns the
-    box."""
+    """The interactive planner: model, sequence, batch, cluster and the main assumptions; shows
+    the plan (text), its chart, the rejected layouts and an export. Displays itself and returns
+    the box."""
     import ipywidgets as w
     from IPython.display import display
 
@@ -265,14 +267,14 @@ def planner_widget(
 
     def redraw(*_):
         try:
-            mem, peak = GPUS[c["gpu"].value]
+            gpu = GPUS[c["gpu"].value]
             p = plan(
                 preset(c["preset"].value),
                 seq=c["seq"].value,
                 gpus=c["gpus"].value,
                 gpus_per_node=c["gpus_per_node"].value,
-                gpu_mem_gib=mem,
-                peak_tflops=peak,
+                gpu_mem_gib=gpu.memory_gib,
+                peak_tflops=gpu.peak_tflops,
                 intra_gbps=c["intra"].value,
                 inter_gbps=c["inter"].value,
                 global_batch=c["global_batch"].value or None,
@@ -301,7 +303,10 @@ def planner_widget(
     for widget in c.values():
         widget.observe(redraw, "value")
     redraw()
-    row = lambda *names: w.HBox([c[n] for n in names])  # noqa: E731
+
+    def row(*names: str) -> w.HBox:
+        return w.HBox([c[n] for n in names])
+
     box = w.VBox(
         [
             row("preset", "seq", "global_batch"),

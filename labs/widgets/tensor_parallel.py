@@ -1,14 +1,17 @@
-"""Sharding visualizer (notebook 04): one transformer block cut over tp ranks, and the lab's plots.
+"""Sharding visualizer (notebook 04): one transformer block cut over tp ranks, and the lab's
+plots.
 
-    sharding_visualizer()                        # choose tp and SP; see weights, activations and collectives
-    draw_block_sharding(spec, tp=4, sp=True)     # the same drawing as a plain matplotlib figure
-    plot_losses(summary); plot_saved_activations(no_sp, sp); plot_layer_comm(spec)
+    sharding_visualizer()                      # choose tp, SP: weights, activations, collectives
+    draw_block_sharding(spec, tp=4, sp=True)   # the same drawing as a plain matplotlib figure
+    plot_losses(summary)
+    plot_saved_activations(no_sp, sp)
+    plot_layer_comm(spec)
 
 Left: every weight of the block as a rectangle ([out, in], as ``nn.Linear.weight``), cut into the
 parts each rank holds, coloured by rank (grey: replicated on every rank). Right: the block's
 forward, op by op, with each rank's activation shape (a bar coloured by rank when the ranks hold
-different parts, grey when they hold the same tensor, hatched for partial sums) and every collective
-with its forward and backward op and byte counts. The numbers come from
+different parts, grey when they hold the same tensor, hatched for partial sums) and every
+collective with its forward and backward op and byte counts. The numbers come from
 ``labs.theory.tensor_parallel``; this module only draws.
 """
 
@@ -39,7 +42,11 @@ def _draw_weights(ax, spec, tp):
     scale = max(max(w["shape"]) for w in shards)
     x = 0.0
     for w in shards:
-        rows, cols = w["shape"] if len(w["shape"]) == 2 else (w["shape"][0], max(1, scale // 16))
+        if len(w["shape"]) == 2:
+            rows, cols = w["shape"]
+        else:  # a norm's vector, drawn as a thin column
+            rows = w["shape"][0]
+            cols = max(1, scale // 16)
         h = 3.0 * rows / scale
         wd = 3.0 * cols / scale
         for r in range(tp if w["dim"] is not None else 1):
@@ -52,7 +59,8 @@ def _draw_weights(ax, spec, tp):
                 patch = Rectangle((x, 3 - h), wd, h)
             patch.set(facecolor=colour, edgecolor="black", linewidth=0.6, alpha=0.85)
             ax.add_patch(patch)
-        label = f"{w['name'].split('.')[-1]}\n{list(w['shape'])}\n{w['split']}\nrank: {list(w['rank_shape'])}"
+        name = w["name"].split(".")[-1]
+        label = f"{name}\n{list(w['shape'])}\n{w['split']}\nrank: {list(w['rank_shape'])}"
         ax.text(x + wd / 2, 3 - h - 0.08, label, ha="center", va="top", fontsize=7)
         x += wd + 0.45
     ax.set_xlim(-0.2, x)
@@ -93,18 +101,15 @@ def _draw_flow(ax, flow, tp):
     for i, step in enumerate(flow):
         y = n - i
         if step["kind"] == "collective":
-            fwd = (
-                f"fwd {OP_NAMES[step['forward']]} {_bytes(step['payload_bytes'])}, sends "
-                f"{_bytes(step['forward_sent_bytes'])}/rank"
-                if step["forward"]
-                else "fwd: identity"
-            )
-            bwd = (
-                f"bwd {OP_NAMES[step['backward']]} {_bytes(step['payload_bytes'])}, sends "
-                f"{_bytes(step['backward_sent_bytes'])}/rank"
-                if step["backward"]
-                else "bwd: identity"
-            )
+            payload = _bytes(step["payload_bytes"])
+            fwd = "fwd: identity"
+            if step["forward"]:
+                sent = _bytes(step["forward_sent_bytes"])
+                fwd = f"fwd {OP_NAMES[step['forward']]} {payload}, sends {sent}/rank"
+            bwd = "bwd: identity"
+            if step["backward"]:
+                sent = _bytes(step["backward_sent_bytes"])
+                bwd = f"bwd {OP_NAMES[step['backward']]} {payload}, sends {sent}/rank"
             ax.add_patch(
                 Rectangle(
                     (0, y - 0.3), 1, 0.6, facecolor="#fde0dd", edgecolor="#c51b8a", linewidth=1.2
@@ -148,9 +153,8 @@ def draw_block_sharding(
     """The visualizer's drawing for one block of ``spec``; returns (figure, flow, comm summary of
     the block)."""
     flow = theory.block_flow(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
-    comm = theory.comm_summary(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)[
-        "block"
-    ]
+    summary = theory.comm_summary(spec, tp=tp, sp=sp, batch=batch, seq=seq, dtype_bytes=dtype_bytes)
+    comm = summary["block"]
     fig, (top, bottom) = plt.subplots(
         2,
         1,
@@ -166,8 +170,8 @@ def draw_block_sharding(
         if phase in comm
     )
     bottom.set_title(
-        f"forward through one block, B={batch}, T={seq}, {'with' if sp else 'without'} SP\nper block "
-        f"{calls}; {_bytes(sent)} sent per rank per step",
+        f"forward through one block, B={batch}, T={seq}, {'with' if sp else 'without'} SP\n"
+        f"per block {calls}; {_bytes(sent)} sent per rank per step",
         fontsize=9,
     )
     fig.tight_layout()

@@ -1,7 +1,9 @@
 """ZeRO-stage visualizer (notebook 03): what each rank holds at each moment of a training step.
 
-    zero_visualizer(stage=3, dp=4)               # stage, ranks, prefetch, offload; a slider steps through the step
-    draw_moment(3, 4, 5)                         # the same drawing for moment 5, as a matplotlib figure
+    # stage, ranks, prefetch, offload; a slider steps through the step
+    zero_visualizer(stage=3, dp=4)
+    # the same drawing for moment 5, as a matplotlib figure
+    draw_moment(3, 4, 5)
 
 The moments and the bytes come from ``labs.theory.zero.step_moments`` (pure functions,
 tested headless); this module only draws. Each unit of the model is a column; each rank a
