@@ -47,6 +47,7 @@ from labs.models.vision import (
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import choose_backend, launch, report_progress
+from labs.runtime.pipe import pipe_group
 from labs.theory import multimodal as theory
 from labs.theory import zero as zero_theory
 from labs.theory.dims import check_divides, check_positive
@@ -113,8 +114,7 @@ def pp_worker(
     with the splits' steps interleaved (so every split meets the same machine load); the last
     ``timed`` steps of each are recorded on a timeline. Returns one result per split."""
     mm = exercise("multimodal")
-    pp = exercise("pipeline_parallel")
-    pipe = pp.pipe_group()
+    pipe = pipe_group()
     batches = _on(pipe.device, data_for(cfg, train))
     runs = []
     for split in splits:
