@@ -199,9 +199,8 @@ def train_step_afab(
     # all backwards, in the same order
     for i in range(M):
         grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
-        inp, out = held[i]
         with _span(timeline, "B", i):
-            in_grad = backward_step(inp, out, grad)
+            in_grad = backward_step(*held[i], grad)  # held[i]: (input, output)
         if not stage.first:
             p2p(pipe, send_prev=in_grad)
         held[i] = None  # this micro-batch's graph is gone; drop its tensors too
