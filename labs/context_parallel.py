@@ -7,7 +7,7 @@ What is sharded: the sequence. The T tokens are cut into 2·CP chunks of c = T/(
 holds chunks r and 2·CP−1−r (zig-zag) or 2r and 2r+1 (contiguous), with their positions, so
 every activation is local, ``# [B, T/cp, H]``. Weights are replicated on the CP group.
 
-Communication on the CP ``group`` (a ring; peers by ``dist.get_global_rank``), per attention layer:
+Communication on the CP ``group`` (a ring: ``labs.runtime.ring``), per attention layer:
 * forward: CP steps; at step s rank r holds the K/V of rank r−s, computes its queries against
   it (skipping fully masked chunk pairs) and merges the partial result by the log-sum-exp rule.
   The next block's ``batch_isend_irecv`` (to r+1, from r−1) is posted *before* computing, so
@@ -32,9 +32,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.function import FunctionCtx
 
 from labs.models.transformer import Attention
-from labs.runtime.impl import exercise
+from labs.runtime.ring import post_exchange, ring_neighbours
 from labs.theory.dims import check_divides
 
 NOTEBOOK = "06_context_parallel.ipynb"
@@ -43,7 +44,7 @@ KV_TAG = 1
 DKV_TAG = 2
 
 
-def _wait(works: list) -> None:
+def _wait(works: list[dist.Work]) -> None:
     for w in works:
         w.wait()
 
@@ -91,20 +92,24 @@ def unsplit_sequence(
     )
 
 
-def _scores(q, k, v, causal: bool, scale: float):
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k, v repeated to the nh query heads, and the scores q kᵀ·scale (masked above the diagonal if
     causal)."""
     g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, nh, Tk, hd]
+    k = k.repeat_interleave(g, dim=1)  # [B, nh, Tk, hd]
+    v = v.repeat_interleave(g, dim=1)  # [B, nh, Tk, hd]
     s = q @ k.transpose(-2, -1) * scale  # [B, nh, Tq, Tk]
-    return (
-        k,
-        v,
-        s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s,
-    )
+    if causal:
+        above_diagonal = torch.ones_like(s, dtype=torch.bool).triu(1)
+        s = s.masked_fill(above_diagonal, float("-inf"))
+    return k, v, s
 
 
-def attention_block(q, k, v, *, causal: bool, scale: float):
+def attention_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of a query block against one key/value block, and each query's log-sum-exp.
 
     q: [B, nh, Tq, hd]; k, v: [B, nkv, Tk, hd] (nh/nkv query heads share a kv head, as SDPA's
@@ -114,10 +119,21 @@ def attention_block(q, k, v, *, causal: bool, scale: float):
     """
     k, v, s = _scores(q, k, v, causal, scale)  # [B, nh, Tk, hd] x2, [B, nh, Tq, Tk]
     lse = s.logsumexp(dim=-1)  # [B, nh, Tq]
-    return torch.exp(s - lse[..., None]) @ v, lse  # [B, nh, Tq, hd]
+    out = torch.exp(s - lse[..., None]) @ v  # [B, nh, Tq, hd]
+    return out, lse
 
 
-def attention_block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
+def attention_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block's share of the *global* attention (FlashAttention's backward).
 
     dout, out: [B, nh, Tq, hd] for the full softmax over all keys; lse: [B, nh, Tq] its global
@@ -127,20 +143,21 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: fl
     """
     b, nkv, tk, hd = k.shape
     g = q.shape[1] // nkv
-    k, v, s = _scores(q, k, v, causal, scale)  # [B, nh, Tk, hd] x2, [B, nh, Tq, Tk] recomputed
+    # recomputed: [B, nh, Tk, hd] x2, [B, nh, Tq, Tk]
+    k, v, s = _scores(q, k, v, causal, scale)
     p = torch.exp(s - lse[..., None])
     dv = p.transpose(-2, -1) @ dout  # [B, nh, Tk, hd]
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))  # [B, nh, Tq, Tk]
-    dq = ds @ k * scale
-    dk = ds.transpose(-2, -1) @ q * scale
-    return (
-        dq,
-        dk.view(b, nkv, g, tk, hd).sum(2),
-        dv.view(b, nkv, g, tk, hd).sum(2),
-    )  # [B, nkv, Tk, hd]
+    dq = ds @ k * scale  # [B, nh, Tq, hd]
+    dk = ds.transpose(-2, -1) @ q * scale  # [B, nh, Tk, hd]
+    dk = dk.view(b, nkv, g, tk, hd).sum(2)  # [B, nkv, Tk, hd]
+    dv = dv.view(b, nkv, g, tk, hd).sum(2)  # [B, nkv, Tk, hd]
+    return dq, dk, dv
 
 
-def merge_partials(out, lse, block_out, block_lse):
+def merge_partials(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge attention over two disjoint key sets (the online-softmax rule).
 
     out, block_out: [B, nh, Tq, hd], softmax-normalised over their own keys; lse, block_lse:
@@ -154,15 +171,18 @@ def merge_partials(out, lse, block_out, block_lse):
     )
 
 
-def _pairs(q_ids, k_ids, causal):
+def _pairs(
+    q_ids: tuple[int, int], k_ids: tuple[int, int], causal: bool
+) -> list[tuple[int, int, bool]]:
     """(local q chunk, local k chunk, causal mask?) for the chunk pairs that are not fully
     masked."""
-    kinds = [
-        (a, b, block_kind(qa, kb, causal))
-        for a, qa in enumerate(q_ids)
-        for b, kb in enumerate(k_ids)
-    ]
-    return [(a, b, kind == "diagonal") for a, b, kind in kinds if kind != "masked"]
+    pairs = []
+    for a, q_chunk in enumerate(q_ids):
+        for b, k_chunk in enumerate(k_ids):
+            kind = block_kind(q_chunk, k_chunk, causal)
+            if kind != "masked":
+                pairs.append((a, b, kind == "diagonal"))
+    return pairs
 
 
 def _chunk(t: torch.Tensor, i: int, dim: int = -2) -> torch.Tensor:
@@ -175,16 +195,25 @@ class RingAttention(torch.autograd.Function):
     bwd: K/V travel again and their gradients follow them home; dq stays local."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, zigzag):
+    def forward(
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        causal: bool,
+        zigzag: bool,
+    ) -> torch.Tensor:
         """q: [B, nh, T/cp, hd], k, v: [B, nkv, T/cp, hd], this rank's tokens (``split_sequence``).
 
-        Ring peers: ``exercise("collectives").ring_neighbours(group)`` (global ranks: a sub-group
+        Ring peers: ``ring_neighbours(group)`` of ``labs.runtime.ring`` (global ranks: a sub-group
         works). CP steps: at step s hold the K/V of rank (me − s) mod CP (as one stacked tensor
         [2, B, nkv, T/cp, hd]); unless it is the last step, first post the exchange that brings the
-        next step's block (``post_exchange`` from the same module, tag KV_TAG), then for each chunk
-        pair of ``_pairs`` run ``attention_block`` and merge into that query chunk's (out, lse),
-        then wait. Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd], laid out in
-        memory as SDPA's ([B, T/cp, nh, hd]: ``.transpose(1, 2).contiguous().transpose(1, 2)``).
+        next step's block (``post_exchange``, also of ``labs.runtime.ring``, tag KV_TAG), then for
+        each chunk pair of ``_pairs`` run ``attention_block`` and merge into that query chunk's
+        (out, lse), then wait. Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd],
+        laid out in memory as SDPA's ([B, T/cp, nh, hd]:
+        ``.transpose(1, 2).contiguous().transpose(1, 2)``).
         """
         raise NotImplementedError(
             "exercise RingAttention.forward is not written yet: "
@@ -192,7 +221,9 @@ class RingAttention(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(
+        ctx: FunctionCtx, dout: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         """dout: [B, nh, T/cp, hd]. Returns dq, dk, dv for this rank's tokens (and None for the
         rest).
 
@@ -210,7 +241,15 @@ class RingAttention(torch.autograd.Function):
         )
 
 
-def ring_attention(q, k, v, group, *, causal: bool = True, zigzag: bool = True):
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    causal: bool = True,
+    zigzag: bool = True,
+) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by ``group``.
     q: [B, nh, T/cp, hd], k, v: [B, nkv, T/cp, hd] -> [B, nh, T/cp, hd]."""
     return RingAttention.apply(q, k, v, group, causal, zigzag)
@@ -221,7 +260,7 @@ class ContextParallelAttention(Attention):
     the same q/k/v/o projections (so parameter names and values are unchanged, and ``project``
     works), ring attention over ``group`` instead of SDPA."""
 
-    def __init__(self, attn: Attention, group, *, zigzag: bool = True):
+    def __init__(self, attn: Attention, group: dist.ProcessGroup | None, *, zigzag: bool = True):
         nn.Module.__init__(self)  # no fresh projections: ``attn``'s own are taken below
         self.n_head = attn.n_head
         self.n_kv_head = attn.n_kv_head
@@ -233,7 +272,7 @@ class ContextParallelAttention(Attention):
         self.group = group
         self.zigzag = zigzag
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, T/cp, H], this rank's tokens; cos, sin: [T/cp, hd] for *their* positions.
         ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V),
         ``o_proj``: [B, T/cp, H]."""
@@ -243,7 +282,9 @@ class ContextParallelAttention(Attention):
         )
 
 
-def apply_context_parallel(model: nn.Module, group, *, zigzag: bool = True) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, group: dist.ProcessGroup | None, *, zigzag: bool = True
+) -> nn.Module:
     """Swap every block's attention for ``ContextParallelAttention`` on ``group``, in place.
     The model then takes this rank's tokens and positions: ``model(*shard_inputs(...))``."""
     for block in model.layers:
@@ -251,7 +292,13 @@ def apply_context_parallel(model: nn.Module, group, *, zigzag: bool = True) -> n
     return model
 
 
-def shard_inputs(idx: torch.Tensor, targets: torch.Tensor, group, *, zigzag: bool = True):
+def shard_inputs(
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    zigzag: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (tokens [B, T/cp], targets [B, T/cp], positions [T/cp]) of a global batch."""
     me = dist.get_rank(group)
     cp = dist.get_world_size(group)
@@ -261,7 +308,7 @@ def shard_inputs(idx: torch.Tensor, targets: torch.Tensor, group, *, zigzag: boo
     )
 
 
-def all_reduce_gradients(model: nn.Module, group) -> None:
+def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum every gradient over ``group``: one all-reduce of a flat buffer, 2 (CP−1)/CP · Ψ ·
     itemsize bytes per rank. Each rank's gradient already carries its token share of the loss."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -17,13 +17,19 @@ optimizer step a single process would take on the whole batch.
 **Communication contract** (data-parallel group of N ranks; G = bytes of the gradients
 that exist, Ψ·4 in fp32; P = bytes of parameters and buffers):
 
-    wrap time   broadcast every parameter and buffer from the group's first rank   (N-1)/N · P per rank
+    when        what                                                 bytes sent per rank
+    wrap time   broadcast every parameter and buffer from the        (N-1)/N · P, once
+                group's first rank
     forward     nothing
-    backward    all-reduce (sum) of every gradient, then ÷N    2 (N-1)/N · G bytes sent per rank per step
-                  NaiveDDP       one blocking all-reduce per tensor, after backward: nothing overlaps
-                  OverlappedDDP  one async all-reduce per tensor, launched by its gradient hook
-                  BucketedDDP    one async all-reduce per bucket of >= bucket_mb MiB, in backward order
-    no_sync()   nothing: gradients accumulate locally; the next synchronised backward reduces the sum
+    backward    all-reduce (sum) of every gradient, then ÷N          2 (N-1)/N · G per step
+    no_sync()   nothing: gradients accumulate locally; the next
+                synchronised backward reduces the sum
+
+How the backward's all-reduces are issued:
+
+    NaiveDDP        one blocking all-reduce per tensor, after backward: nothing overlaps
+    OverlappedDDP   one async all-reduce per tensor, launched by its gradient hook
+    BucketedDDP     one async all-reduce per bucket of >= bucket_mb MiB, in backward order
 
 ``labs.theory.comm.all_reduce_bytes(G, N)``; calls and bucket boundaries:
 ``labs.theory.overlap.all_reduce_calls`` and ``bucket_layout`` (BucketedDDP reduces its
@@ -41,6 +47,8 @@ Ultra-Scale Playbook, "Data Parallelism".
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,11 +57,12 @@ import torch.nn as nn
 from labs.data import rank_batches
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.overlap import MiB
+from labs.train import TrainConfig
 
 NOTEBOOK = "02_data_parallel.ipynb"
 
 
-def broadcast_parameters(module: nn.Module, *, group=None) -> None:
+def broadcast_parameters(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite every parameter and buffer of ``module`` with the group's first rank's, in place.
 
     One ``dist.broadcast`` per tensor, from the *global* rank of the group's rank 0
@@ -70,7 +79,7 @@ def broadcast_parameters(module: nn.Module, *, group=None) -> None:
 class _DataParallel(nn.Module):
     """What the three wrappers share: the wrapped module, the group, ``forward`` and ``no_sync``."""
 
-    def __init__(self, module: nn.Module, group):
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None):
         super().__init__()
         self.module = module
         self.group = group
@@ -80,14 +89,15 @@ class _DataParallel(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         broadcast_parameters(module, group=group)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside the block only accumulate gradients locally (nanoGPT flips
         the same flag, ``require_backward_grad_sync``, on torch's DDP)."""
-        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
@@ -98,7 +108,7 @@ class NaiveDDP(_DataParallel):
     """Data parallelism at its simplest: after backward, all-reduce the gradients one by one.
     The whole communication time is added to every step (nothing overlaps with compute)."""
 
-    def __init__(self, module: nn.Module, *, group=None):
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None):
         super().__init__(module, group)
 
     def finish_gradient_synchronization(self) -> None:
@@ -116,11 +126,10 @@ class OverlappedDDP(_DataParallel):
     """All-reduce each gradient as soon as autograd has finished it, while backward goes on
     computing the earlier layers' gradients: communication hides behind compute."""
 
-    def __init__(self, module: nn.Module, *, group=None):
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None):
         super().__init__(module, group)
-        self.pending: list[
-            tuple[torch.Tensor, dist.Work]
-        ] = []  # (gradient, its all-reduce in flight)
+        # (gradient, its all-reduce in flight)
+        self.pending: list[tuple[torch.Tensor, dist.Work]] = []
         # Register ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable
         # parameter (``p.register_post_accumulate_grad_hook``); keep the handles in self.handles.
         raise NotImplementedError(
@@ -158,32 +167,35 @@ class BucketedDDP(_DataParallel):
     extra bytes per rank for the buffers (torch avoids it with ``gradient_as_bucket_view``).
     """
 
-    def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, group=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_mb: float = 25.0,
+        group: dist.ProcessGroup | None = None,
+    ):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {bucket_mb!r}")
         super().__init__(module, group)
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             raise ValueError("BucketedDDP needs every trainable parameter on one dtype and device")
         self.bucket_bytes = bucket_mb * MiB
-        self.buckets: list[torch.Tensor] = []  # flat gradient buffers, [numel of the bucket]
-        self.bucket_params: list[
-            list[nn.Parameter]
-        ] = []  # the parameters of each bucket, in backward order
-        self.slots: dict[
-            nn.Parameter, tuple[int, int]
-        ] = {}  # parameter -> (bucket index, offset in it)
+        # flat gradient buffers, [numel of the bucket]
+        self.buckets: list[torch.Tensor] = []
+        # the parameters of each bucket, in backward order
+        self.bucket_params: list[list[nn.Parameter]] = []
+        # parameter -> (bucket index, offset in it)
+        self.slots: dict[nn.Parameter, tuple[int, int]] = {}
         # Fill the three attributes above as the class docstring says, and register
         # ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable parameter.
         raise NotImplementedError(
             "exercise BucketedDDP.__init__ is not written yet: "
             "see its docstring and notebooks/02_data_parallel.ipynb"
         )
-        self.works: list[dist.Work | None] = [None] * len(
-            self.buckets
-        )  # each bucket's all-reduce in flight
-        self.arrived: list[set[nn.Parameter]] = [
-            set() for _ in self.buckets
-        ]  # gradients copied in this step
+        # each bucket's all-reduce in flight
+        self.works: list[dist.Work | None] = [None] * len(self.buckets)
+        # the gradients copied in this step
+        self.arrived: list[set[nn.Parameter]] = [set() for _ in self.buckets]
         self._views = {
             p: self.buckets[i][offset : offset + p.numel()].view_as(p)  # each parameter's slot
             for p, (i, offset) in self.slots.items()
@@ -215,7 +227,7 @@ class BucketedDDP(_DataParallel):
 
 
 def rank_data(
-    cfg, *, group=None, grad_accum: int = 1
+    cfg: TrainConfig, *, group: dist.ProcessGroup | None = None, grad_accum: int = 1
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """This rank's data: for each of ``cfg.steps`` steps, ``grad_accum`` micro-batches (x, y),
     each ``[B/(N·K), T]`` (B = ``cfg.batch_size``, the global batch; K = ``grad_accum``).
@@ -237,7 +249,11 @@ def rank_data(
     )
 
 
-def train_step(model: _DataParallel, optimizer: torch.optim.Optimizer, micro_batches) -> float:
+def train_step(
+    model: _DataParallel,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> float:
     """One optimizer step over this rank's ``micro_batches`` (gradient accumulation over K of them).
 
     Zero the gradients (``set_to_none=True``); for each micro-batch run ``model(x, y)``

@@ -115,14 +115,14 @@ def discover_labs(template: Path) -> list[Lab]:
                     f"warning: hidden_tests/{path.name} belongs to no lab (name it test_<exercise>_*.py)",
                     file=sys.stderr,
                 )
-    labs = [
-        Lab(
-            name,
-            notebooks[name] if (template / "notebooks" / str(notebooks[name])).exists() else None,
-            tuple(files[name]),
-        )
-        for name in sorted(exercises, key=order.get)
-    ]
+    labs = []
+    for name in sorted(exercises, key=order.get):
+        notebook = notebooks[name]
+        if not (template / "notebooks" / str(notebook)).exists():
+            notebook = None
+        if notebook in {lab.notebook for lab in labs}:
+            notebook = None  # two exercise modules of one notebook: it is graded with the first
+        labs.append(Lab(name, notebook, tuple(files[name])))
     named = {lab.notebook for lab in labs}
     labs += [
         Lab(p.stem, p.name, ())

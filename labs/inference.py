@@ -17,10 +17,14 @@ layers):
 TP (vLLM / TensorRT-LLM ``tensor_parallel_size=N``; Megatron-LM, Shoeybi et al. 2019, §3): every
 rank holds nh/N query heads and nkv/N key/value heads of *every* layer (``apply_tensor_parallel`` of
 notebook 04), so its cache is 2·L·B·T·(nkv/N)·hd·e bytes. Per forward of t tokens, on the TP group,
-``2L + 2`` collectives:
+``2L + 2`` collectives (f is the identity in forward, so only the g's remain):
+
+    collective              what                                             calls
     all-reduce [B, t, H]    the vocab-parallel embedding's g                 1
-    all-reduce [B, t, H]    g after o_proj and after down_proj, per layer    2L   (f is the identity in forward)
-    all-gather [B, 2] fp64  each rank's (max logit, its id) for greedy       1    (not the [B, V/N] logits)
+    all-reduce [B, t, H]    g after o_proj and after down_proj, per layer    2L
+    all-gather [B, 2] fp64  each rank's (max logit, its id) for greedy       1
+                            (not the [B, V/N] logits)
+
 bytes sent per rank: (2L+1)·2(N-1)/N·B·t·H·e + (N-1)·B·2·8. Every rank computes every token: the N
 ranks work on one token at once, so per-token latency drops with N as long as the all-reduces are
 fast (NVLink).
@@ -41,7 +45,7 @@ Language Model Serving with PagedAttention" (SOSP 2023); accelerate's "Big Model
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.models.transformer import rotary_cos_sin
-from labs.runtime.impl import exercise
+from labs.models.transformer import ModelConfig, rotary_cos_sin
+from labs.runtime.pipe import Pipe, p2p
 from labs.runtime.tensor_comm import all_gather_along
 from labs.theory.dims import check_positive
 
@@ -58,18 +62,18 @@ NOTEBOOK = "09_inference.ipynb"
 PAD_ID = 0  # left padding; never attended to, so its value does not matter
 
 
-# --- plumbing: batching prompts, positions, masks
-# ---------------------------------------------------
-def left_pad(prompts, *, new_tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+# --- plumbing: batching prompts, positions, masks ---
+def left_pad(
+    prompts: Sequence[Sequence[int]], *, new_tokens: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts (lists of token ids) left-padded to the longest: ids [B, T0] and ``valid`` [B, T0 +
     new_tokens] (False on the pads; the generated positions are all real)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     check_positive(new_tokens=new_tokens)
     t0 = max(len(p) for p in prompts)
-    idx = torch.tensor(
-        [[PAD_ID] * (t0 - len(p)) + list(p) for p in prompts], device=device
-    )  # [B, T0]
+    padded = [[PAD_ID] * (t0 - len(p)) + list(p) for p in prompts]
+    idx = torch.tensor(padded, device=device)  # [B, T0]
     valid = torch.ones(len(prompts), t0 + new_tokens, dtype=torch.bool, device=device)  # [B, T]
     for b, p in enumerate(prompts):
         valid[b, : t0 - len(p)] = False
@@ -77,15 +81,16 @@ def left_pad(prompts, *, new_tokens: int, device=None) -> tuple[torch.Tensor, to
 
 
 def rope_for(
-    valid: torch.Tensor, start: int, t: int, cfg, dtype
+    valid: torch.Tensor, start: int, t: int, cfg: ModelConfig, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, 1, t, hd] for slots start..start+t: position = real tokens before the
     slot."""
     positions = (valid[:, : start + t].cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, t]
-    cos, sin = rotary_cos_sin(
-        positions.flatten(), cfg.head_dim, cfg.rope_theta, dtype=dtype
-    )  # [B·t, hd]
-    return cos.view(*positions.shape, -1)[:, None], sin.view(*positions.shape, -1)[:, None]
+    # [B·t, hd] each
+    cos, sin = rotary_cos_sin(positions.flatten(), cfg.head_dim, cfg.rope_theta, dtype=dtype)
+    cos = cos.view(*positions.shape, -1)[:, None]  # [B, 1, t, hd]
+    sin = sin.view(*positions.shape, -1)[:, None]  # [B, 1, t, hd]
+    return cos, sin
 
 
 def attention_mask(valid: torch.Tensor, start: int, t: int) -> torch.Tensor:
@@ -94,19 +99,19 @@ def attention_mask(valid: torch.Tensor, start: int, t: int) -> torch.Tensor:
     all would give NaN)."""
     slots = torch.arange(start + t, device=valid.device)
     causal = slots[None, :] <= slots[start:, None]  # [t, start+t]
-    # [B, 1, S], [B, t, 1]
-    keys = valid[:, None, : start + t]
-    queries = valid[:, start : start + t, None]
+    keys = valid[:, None, : start + t]  # [B, 1, start+t]
+    queries = valid[:, start : start + t, None]  # [B, t, 1]
     return (causal & (keys | ~queries))[:, None]  # [B, 1, t, start+t]
 
 
 def blocks_of(part: nn.Module) -> list[nn.Module]:
     """The blocks of a whole model (``layers`` list) or of a pipeline stage (``layers`` dict)."""
-    return list(part.layers.values() if isinstance(part.layers, nn.ModuleDict) else part.layers)
+    if isinstance(part.layers, nn.ModuleDict):
+        return list(part.layers.values())
+    return list(part.layers)
 
 
-# --- the KV cache
-# -------------------------------------------------------------------------------------
+# --- the KV cache ---
 class KVCache:
     """K and V of ``n_layer`` layers, each [B, nkv, T, hd], allocated once (zeros) for T =
     ``max_len`` positions. Under TP ``n_kv_head`` is this rank's nkv/tp heads; on a pipeline stage
@@ -120,8 +125,8 @@ class KVCache:
         max_len: int,
         n_kv_head: int,
         head_dim: int,
-        dtype=torch.float32,
-        device=None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ):
         shape = (batch, n_kv_head, max_len, head_dim)  # [B, nkv(/tp), T, hd]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
@@ -129,7 +134,13 @@ class KVCache:
 
     @classmethod
     def for_blocks(
-        cls, blocks, *, batch: int, max_len: int, dtype=torch.float32, device=None
+        cls,
+        blocks: Sequence[nn.Module],
+        *,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> KVCache:
         """A cache sized for ``blocks`` as they are (their attention's head count: all heads, or a
         TP rank's)."""
@@ -148,7 +159,9 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` [B, nkv, t, hd] of layer ``layer`` at slots start..start+t (in place,
         no new memory); return that layer's K and V for slots 0..start+t, [B, nkv, start+t, hd]
         each: views, no copies."""
@@ -158,13 +171,12 @@ class KVCache:
         )
 
 
-# --- one forward of t new tokens over the cache
-# -----------------------------------------------------------------
+# --- one forward of t new tokens over the cache ---
 def cached_attention(
     attn: nn.Module,
     x: torch.Tensor,
-    cos,
-    sin,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     *,
     cache: KVCache,
     layer: int,
@@ -182,7 +194,7 @@ def cached_attention(
     )
 
 
-def greedy(logits: torch.Tensor, group=None) -> torch.Tensor:
+def greedy(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The greedy token of each sequence from its last logits [B, V], or with ``group`` the
     vocab-parallel [B, V/tp] (rank r holds ids [r V/tp, (r+1) V/tp)). Ties go to the lowest id, as
     ``torch.argmax``. TP: one all-gather of every rank's best (logit, id) pair, [B, 2] in float64
@@ -193,7 +205,13 @@ def greedy(logits: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def forward_tokens(
-    part: nn.Module, x: torch.Tensor, *, cache: KVCache, start: int, valid: torch.Tensor, group=None
+    part: nn.Module,
+    x: torch.Tensor,
+    *,
+    cache: KVCache,
+    start: int,
+    valid: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """t new tokens through ``part``: the whole course model, its TP version (``group``: the TP
     group, for ``greedy``), or one pipeline stage (``tok_emb``/``norm``/``lm_head`` None when it
@@ -210,8 +228,7 @@ def forward_tokens(
     )
 
 
-# --- the generation loops
-# -----------------------------------------------------------------------------------
+# --- the generation loops ---
 @dataclass(frozen=True)
 class Generated:
     """What a generation returns: the new tokens [B, new_tokens] (None on a middle pipeline stage)
@@ -231,10 +248,10 @@ def _new_cache(part: nn.Module, batch: int, max_len: int) -> KVCache:
 @torch.no_grad()
 def generate(
     model: nn.Module,
-    prompts,
+    prompts: Sequence[Sequence[int]],
     *,
     new_tokens: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     on_token: Callable[[int], None] | None = None,
 ) -> Generated:
     """Greedy generation of ``new_tokens`` tokens after each prompt with a KV cache: one prefill
@@ -253,21 +270,21 @@ def generate(
 @torch.no_grad()
 def generate_placed(
     stage: nn.Module,
-    prompts,
+    prompts: Sequence[Sequence[int]],
     *,
     new_tokens: int,
-    pipe,
+    pipe: Pipe,
     on_token: Callable[[int], None] | None = None,
 ) -> Generated:
     """``generate`` with the layers placed stage after stage (``stage``: this rank's ``build_stage``
-    of notebook 05, ``pipe``: its ``pipe_group()``). Every forward: the first stage embeds the ids,
-    the others receive [B, t, H] from the previous stage (``p2p``); each runs its blocks on its own
-    cache and sends its output on; the last picks the tokens and sends them [B] (int64) to the first
-    (``pipe.next`` of the last stage is the first). Returns ``Generated``: tokens [B, new_tokens] on
-    the first and the last stage, None on the others."""
+    of notebook 05, ``pipe``: its ``labs.runtime.pipe.pipe_group()``). Every forward: the first
+    stage embeds the ids, the others receive [B, t, H] from the previous stage (``p2p`` of
+    ``labs.runtime.pipe``); each runs its blocks on its own cache and sends its output on; the last
+    picks the tokens and sends them [B] (int64) to the first (``pipe.next`` of the last stage is the
+    first). Returns ``Generated``: tokens [B, new_tokens] on the first and the last stage, None on
+    the others."""
     idx, valid = left_pad(prompts, new_tokens=new_tokens, device=next(stage.parameters()).device)
     cache = _new_cache(stage, len(prompts), valid.shape[1])
-    p2p = exercise("pipeline_parallel").p2p
     dtype = next(stage.parameters()).dtype
     B, t = idx.shape
     raise NotImplementedError(

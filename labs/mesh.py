@@ -8,14 +8,14 @@ rank = ((d·PP + p)·CP + c)·TP + t. A TP group is TP consecutive ranks, which 
 GPUs per node (TP <= K, K % TP == 0) is one node: TP's per-layer collectives stay on the fast link.
 The groups, each built with ``dist.new_group`` on every rank in the same order:
 
-    tp     ranks that differ only in t            tensor (+ sequence) parallelism      (lab 04)
-    cp     ... only in c                           ring attention                       (lab 06)
-    pp     ... only in p                           pipeline stages, 1F1B                (lab 05)
-    dp     ... only in d                           (drawn; gradients use dp_cp)
-    dp_cp  ... only in d and c: the ranks that hold the same weights. Each computes the gradient of the
-           mean loss over its own tokens; the average over dp·cp ranks is the gradient of the global
-           mean (equal token counts), so ZeRO (lab 03) shards and averages over dp_cp, as Megatron's
-           distributed optimizer and torchtitan's FSDP over ``dp_shard_cp`` do.
+    tp     ranks that differ only in t     tensor (+ sequence) parallelism   (lab 04)
+    cp     ... only in c                    ring attention                    (lab 06)
+    pp     ... only in p                    pipeline stages, 1F1B             (lab 05)
+    dp     ... only in d                    (drawn; gradients use dp_cp)
+    dp_cp  ... only in d and c: the ranks that hold the same weights. Each computes the gradient of
+           the mean loss over its own tokens; the average over dp·cp ranks is the gradient of the
+           global mean (equal token counts), so ZeRO (lab 03) shards and averages over dp_cp, as
+           Megatron's distributed optimizer and torchtitan's FSDP over ``dp_shard_cp`` do.
 
 The step, per rank: take this DP rank's rows of the global batch [B/dp, T]; CP keeps its zig-zag
 T/cp tokens and their positions; TP ranks share them (SP splits T/cp by tp inside the blocks when
@@ -48,6 +48,7 @@ from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import rank_device
 from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
+from labs.runtime.pipe import Pipe, pipe_group
 from labs.theory.dims import AXES, ParallelDims, check_divides, divisors
 from labs.train import TrainConfig, make_optimizer
 
@@ -65,9 +66,10 @@ def check_mesh(
         raise ValueError(f"unknown mesh axis {unknown}; the axes are {AXES}")
     dims = ParallelDims(**degrees, world_size=world_size)
     if gpus_per_node is not None and (dims.tp > gpus_per_node or gpus_per_node % dims.tp):
+        choices = ",".join(str(tp) for tp in divisors(gpus_per_node))
         raise ValueError(
             f"tp={dims.tp} cannot be placed on nodes of gpus_per_node={gpus_per_node}: a TP group "
-            f"must sit inside one node; use tp in {{{','.join(map(str, divisors(gpus_per_node)))}}}"
+            f"must sit inside one node; use tp in {{{choices}}}"
         )
     return dims
 
@@ -79,9 +81,10 @@ class Mesh:
 
     dims: ParallelDims
     rank: int
-    coords: dict = field(default_factory=dict)
-    ranks: dict = field(default_factory=dict)
-    groups: dict = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=dict)  # axis -> this rank's coordinate
+    ranks: dict[str, list[int]] = field(default_factory=dict)  # group name -> its global ranks
+    # group name -> its process group (None for a group of one rank)
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
 
     def size(self, name: str) -> int:
         return len(self.ranks[name])
@@ -124,8 +127,8 @@ class Composed:
     ``mesh`` and settings it was built for."""
 
     module: torch.nn.Module
-    optimizer: object
-    pipe: object
+    optimizer: object  # step() and zero_grad(): lab 03's ZeRO wrapper, or AdamW
+    pipe: Pipe | None
     mesh: Mesh
     microbatches: int
     zero: int
@@ -146,13 +149,12 @@ def check_composition(
         seq_len=cfg.seq_len,
         cp_chunks_per_rank=2,
     )
-    check_divides(
-        model_cfg.n_layer, "n_layer", d.pp, "pp"
-    )  # equal stages: plan [n_layer // pp] * pp
+    # equal stages: plan [n_layer // pp] * pp
+    check_divides(model_cfg.n_layer, "n_layer", d.pp, "pp")
     if d.pp > 1 and d.cp > 1:
         raise ValueError(
-            f"pp={d.pp} with cp={d.cp}: the pipeline lab's StageModule builds rotary positions from "
-            f"arange(T), not the zig-zag positions of a CP rank; use pp=1 or cp=1"
+            f"pp={d.pp} with cp={d.cp}: the pipeline lab's StageModule builds rotary positions "
+            f"from arange(T), not the zig-zag positions of a CP rank; use pp=1 or cp=1"
         )
     if zero not in (1, 2, 3) or (d.pp > 1 and zero != 1):
         raise ValueError(
@@ -161,13 +163,15 @@ def check_composition(
         )
     b = cfg.per_rank_batch(d.dp)
     if b % microbatches or microbatches < d.pp:
+        choices = [m for m in divisors(b) if m >= d.pp]
         raise ValueError(
             f"microbatches={microbatches} must divide the {b} sequences of a DP rank and be >= "
-            f"pp={d.pp}; use one of {[m for m in divisors(b) if m >= d.pp]}"
+            f"pp={d.pp}; use one of {choices}"
         )
     if d.tp > 1 and d.pp == 1 and (cfg.seq_len // d.cp) % d.tp:
         raise ValueError(
-            f"seq_len/cp={cfg.seq_len // d.cp} tokens must split over tp={d.tp} (sequence parallelism)"
+            f"seq_len/cp={cfg.seq_len // d.cp} tokens must split over tp={d.tp} "
+            f"(sequence parallelism)"
         )
 
 
@@ -186,7 +190,8 @@ def compose(
     1. TP: ``apply_tensor_parallel(model, group=tp, sequence_parallel=pp == 1)``; with PP, the head
        becomes ``ColumnParallelLinear(model.lm_head, group=tp, gather_output=True)`` (whole logits).
     2. CP: ``apply_context_parallel(model, cp)`` (zig-zag).
-    3. PP: ``build_stage(model, plan=[n_layer // pp] * pp, stage=p)`` and ``pipe_group(pp)``.
+    3. PP: ``build_stage(model, plan=[n_layer // pp] * pp, stage=p)``, and ``pipe_group(pp)`` of
+       ``labs.runtime.pipe``.
     4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=course_units(module),
        group=dp_cp)`` when dp·cp > 1, else ``make_optimizer(module.parameters(), cfg)``.
     ``microbatches`` defaults to 2·pp (1 without PP)."""
@@ -209,12 +214,13 @@ def train_step(c: Composed, x: torch.Tensor, y: torch.Tensor) -> float | None:
     ranks of the last stage.
 
     Rows: ``x.chunk(dp)[d]``; CP: ``shard_inputs(rows_x, rows_y, cp)`` -> tokens, targets,
-    positions; no PP: ``loss = module(tokens, targets, positions)[1]``, ``loss.backward()``; PP: M
+    positions; no PP: ``_, loss = module(tokens, targets, positions)``, ``loss.backward()``; PP: M
     micro-batches (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches,
     pipe=pipe)``. Then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
     mesh = c.mesh
     d = c.mesh.dims
-    x, y = x.to(rank_device()), y.to(rank_device())
+    x = x.to(rank_device())
+    y = y.to(rank_device())
     raise NotImplementedError(
         "exercise train_step is not written yet: "
         "see its docstring and notebooks/08_composing_4d.ipynb"

@@ -8,7 +8,9 @@ What is split: the layers. Stage s of P holds a contiguous slice of ``layers``; 
 gradients and optimizer state: nothing is replicated, nothing all-reduced.
 
 Communication contract, point to point only, on the pipeline's group (WORLD here, a sub-group
-of the mesh in notebook 08; peers are ``dist.get_global_rank(group, s ± 1)``):
+of the mesh in notebook 08; peers are ``dist.get_global_rank(group, s ± 1)``). The plumbing is
+given in ``labs.runtime.pipe``: ``Pipe`` (where this rank sits) and ``p2p`` (one batch of sends
+and receives with the neighbours, its results read by name: ``.from_prev``, ``.from_next``):
 
     forward   stage s -> s+1   each micro-batch's output activation     [B/M, T, H]
     backward  stage s+1 -> s   the gradient of that activation          [B/M, T, H]
@@ -34,39 +36,23 @@ Training on GPU Clusters Using Megatron-LM" (2021) §2.2; picotron; the Ultra-Sc
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labs.measure.timeline import Timeline
 from labs.models.transformer import Transformer, rotary_cos_sin
-from labs.runtime.device import rank_device
-from labs.runtime.impl import exercise
+from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
 
 NOTEBOOK = "05_pipeline_parallel.ipynb"
 
 
-@dataclass(frozen=True)
-class Pipe:
-    """Where this rank sits in the pipeline; neighbours are cyclic (interleaving wraps around)."""
-
-    group: object  # the pipeline's process group (None: WORLD)
-    rank: int  # position in the group = stage index (of chunk 0)
-    size: int  # P
-    prev: int  # global rank of position rank-1 (mod P)
-    next: int  # global rank of position rank+1 (mod P)
-    device: torch.device  # where received tensors live (the GPU under NCCL)
-
-
-def pipe_group(group=None) -> Pipe:
-    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's
-    ring's."""
-    me, n, nxt, prv = exercise("collectives").ring_neighbours(group)
-    return Pipe(group, me, n, prv, nxt, rank_device())
+Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # [(x [b, T], y [b, T]), ...]
 
 
 class StageModule(nn.Module):
@@ -74,16 +60,17 @@ class StageModule(nn.Module):
     blocks ``layer_ids`` under their names ``layers.<i>.…`` (gradients compare with the reference
     by name), ``norm`` and ``lm_head`` (last stage)."""
 
-    def __init__(self, model: Transformer, layer_ids, *, first: bool, last: bool):
+    def __init__(self, model: Transformer, layer_ids: Sequence[int], *, first: bool, last: bool):
         super().__init__()
         self.cfg = model.cfg
         self.first = first
         self.last = last
         self.tok_emb = model.tok_emb if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
         (last stage) or hidden states [b, T, H]; rotary tables as in the full model."""
         raise NotImplementedError(
@@ -92,7 +79,7 @@ class StageModule(nn.Module):
         )
 
 
-def build_stage(model: Transformer, *, plan, stage: int) -> StageModule:
+def build_stage(model: Transformer, *, plan: Sequence[int], stage: int) -> StageModule:
     """Stage ``stage`` of ``plan``, the layers per stage in order (one entry per virtual stage when
     interleaving). Stage 0 is the first (it embeds), stage len(plan)-1 the last (head, loss)."""
     if sum(plan) != len(model.layers) or not 0 <= stage < len(plan):
@@ -110,38 +97,18 @@ def build_stage(model: Transformer, *, plan, stage: int) -> StageModule:
     )
 
 
-def p2p(
-    pipe: Pipe,
-    *,
-    send_next=None,
-    send_prev=None,
-    recv_prev=None,
-    recv_next=None,
-    dtype=torch.float32,
-):
-    """One batch of point-to-point operations with the neighbours (``dist.batch_isend_irecv``),
-    waited for. ``send_next`` / ``send_prev``: tensors for the next / previous stage;
-    ``recv_prev`` / ``recv_next``: shapes [b, T, H] to receive from them. Returns (from_prev,
-    from_next), None where nothing was asked. A send and a receive posted in one batch cannot
-    deadlock when both neighbours send at once (1F1B's steady state)."""
-    raise NotImplementedError(
-        "exercise p2p is not written yet: "
-        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
-    )
-
-
-def _span(timeline, name: str, microbatch: int, chunk: int = 0):
+def _span(
+    timeline: Timeline | None, name: str, microbatch: int, chunk: int = 0
+) -> AbstractContextManager:
     """A timeline span around one operation ("F" or "B"), or nothing when not measuring."""
-    return (
-        timeline.span(name, microbatch=microbatch, chunk=chunk)
-        if timeline is not None
-        else nullcontext()
-    )
+    if timeline is None:
+        return nullcontext()
+    return timeline.span(name, microbatch=microbatch, chunk=chunk)
 
 
 def forward_step(
     stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int
-):
+) -> torch.Tensor:
     """One micro-batch through ``stage``. ``inputs``: token ids [b, T] (first stage) or the received
     activation [b, T, H], made to require grad (backward fills its ``.grad``). Returns the output
     [b, T, H]; on the last stage the cross-entropy (fp32, mean over b·T) / ``n_microbatches``."""
@@ -151,7 +118,9 @@ def forward_step(
     )
 
 
-def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None):
+def backward_step(
+    inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None
+) -> torch.Tensor | None:
     """Backward of one micro-batch through one stage: ``output`` is what ``forward_step`` returned,
     ``output_grad`` the gradient from the next stage [b, T, H] (None for the loss). Accumulates
     the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first
@@ -162,31 +131,52 @@ def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch
     )
 
 
+def activation_shape(stage: StageModule, microbatches: Microbatches) -> tuple[int, ...]:
+    """The shape [b, T, H] of what a stage sends and receives for one of ``microbatches``."""
+    x, _ = microbatches[0]
+    return (*x.shape, stage.cfg.n_embd)
+
+
 @torch.no_grad()
-def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline=None):
+def naive_forward(
+    stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline: Timeline | None = None
+) -> torch.Tensor | None:
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
     from the previous stage (the first embeds ``tokens`` [B, T]), run the stage (span "F", micro-
     batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at
-    a time."""
+    a time. ``p2p`` (``labs.runtime.pipe``) does the sends and receives."""
     raise NotImplementedError(
         "exercise naive_forward is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
     )
 
 
-def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=None) -> float | None:
+def train_step_afab(
+    stage: StageModule,
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
+) -> float | None:
     """GPipe (all forward, all backward) over ``microbatches`` [(x [b, T], y [b, T]), ...]. Every
     forward: receive, ``forward_step`` (span "F"), send on, keeping input and output; then every
     backward in the same order: receive the output's gradient, ``backward_step`` (span "B"), send
     the input's gradient back. Returns the step's loss (sum of the scaled micro-batch losses) on
-    the last stage, None elsewhere; gradients stay accumulated in ``.grad``."""
+    the last stage, None elsewhere; gradients stay accumulated in ``.grad``. The shape of what
+    travels: ``activation_shape``."""
     raise NotImplementedError(
         "exercise train_step_afab is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
     )
 
 
-def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=None) -> float | None:
+def train_step_1f1b(
+    stage: StageModule,
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
+) -> float | None:
     """1F1B (PipeDream-Flush) on stage s: warm-up, min(P-s-1, M) forwards; steady state, one forward
     then one backward (a result's send and the next receive of the other direction in one ``p2p``
     batch); cool-down, the warm-up's backwards. Spans, return value and gradients as in
@@ -198,7 +188,11 @@ def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
 
 
 def train_step_interleaved(
-    chunks: list[StageModule], microbatches, *, pipe: Pipe, timeline=None
+    chunks: list[StageModule],
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
 ) -> float | None:
     """Interleaved 1F1B (Megatron-LM's order): ``chunks[c]`` is virtual stage c·P + rank; the k-th
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:

@@ -1,27 +1,28 @@
 # Your exercise module, generated from solutions/tensor_parallel.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
-"""Exercise 04 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism, Megatron
-style.
+"""Exercise 04, part 2 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism,
+Megatron style.
 
 Sharded over the N = tp ranks of ``group`` (rank r holds the r-th contiguous block):
-    q/k/v_proj, gate/up_proj, lm_head   column-parallel, output features [out/tp, in]: nh/tp, nkv/tp heads per rank
-    o_proj, down_proj                   row-parallel, input features [out, in/tp]
-    tok_emb                             vocab-parallel, rows [V/tp, H]          (RMSNorm weights: replicated [H])
 
-Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022,
-§4.2.2):
-    f   CopyToModelParallelRegion              fwd identity           bwd all-reduce          enter attention/MLP
-    g   ReduceFromModelParallelRegion          fwd all-reduce         bwd identity            leave them
-        GatherFromModelParallelRegion          fwd all-gather(last)   bwd split(last)
-        ScatterToModelParallelRegion           fwd split(last)        bwd all-gather(last)
-    SP  GatherFromSequenceParallelRegion       fwd all-gather(T)      bwd reduce-scatter(T)   replaces f
-    SP  ReduceScatterToSequenceParallelRegion  fwd reduce-scatter(T)  bwd all-gather(T)       replaces g
+    q/k/v_proj, gate/up_proj, lm_head   column-parallel: output features, [out/tp, in];
+                                        nh/tp query and nkv/tp kv heads per rank
+    o_proj, down_proj                   row-parallel: input features, [out, in/tp]
+    tok_emb                             vocab-parallel: rows, [V/tp, H]
+    RMSNorm weights                     replicated, [H]
+
+Collectives, all on ``group``: the conjugate operators of ``tensor_parallel_comm`` (part 1 of the
+lab; Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022, §4.2.2). Each block enters its
+attention and its MLP once (f, or SP's all-gather along T) and leaves each through a row-parallel
+layer (g, or SP's reduce-scatter along T).
 
 Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective:
 ``labs.theory.tensor_parallel``): per block 4·c·K, as 2 all-reduces each way or, with SP, 2
 all-gathers + 2 reduce-scatters each way, plus c·H·bytes per norm weight; outside the blocks
 tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
 """
+
+from __future__ import annotations
 
 import copy
 from functools import partial
@@ -30,143 +31,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import Block, ModelConfig, RMSNorm, Transformer
-from labs.runtime.tensor_comm import (
-    all_gather_along,
-    all_reduce_copy,
-    reduce_scatter_along,
-    shard_weight,
-    split_along,
-)
+from labs.runtime.tensor_comm import shard_weight
 from labs.theory.dims import ParallelDims, check_divides
 
+from .tensor_parallel_comm import (
+    GatherFromModelParallelRegion,
+    ReduceFromModelParallelRegion,
+    enter_parallel_region,
+    exit_parallel_region,
+)
+
 NOTEBOOK = "04_tensor_parallel.ipynb"
-SEQ_DIM = 1  # activations are [B, T, H]: T is dim 1
 
 
-# --- the conjugate operators. Exercise: each forward is given; write the backward, its adjoint ---
-class CopyToModelParallelRegion(torch.autograd.Function):
-    """fwd: identity; bwd: all-reduce. Megatron's f: a replicated activation enters a TP region."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "exercise CopyToModelParallelRegion.backward is not written yet: "
-            "see its docstring and notebooks/04_tensor_parallel.ipynb"
-        )
-
-
-class ReduceFromModelParallelRegion(torch.autograd.Function):
-    """fwd: all-reduce; bwd: identity. Megatron's g: partial sums leave a TP region."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce_copy(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "exercise ReduceFromModelParallelRegion.backward is not written yet: "
-            "see its docstring and notebooks/04_tensor_parallel.ipynb"
-        )
-
-
-class GatherFromModelParallelRegion(torch.autograd.Function):
-    """fwd: all-gather along the last dim; bwd: keep this rank's slice of the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "exercise GatherFromModelParallelRegion.backward is not written yet: "
-            "see its docstring and notebooks/04_tensor_parallel.ipynb"
-        )
-
-
-class ScatterToModelParallelRegion(torch.autograd.Function):
-    """fwd: keep this rank's slice of the last dim; bwd: all-gather along the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "exercise ScatterToModelParallelRegion.backward is not written yet: "
-            "see its docstring and notebooks/04_tensor_parallel.ipynb"
-        )
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """fwd: all-gather along T, [B, T/tp, H] -> [B, T, H]; bwd: reduce-scatter along T. SP's f."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "exercise GatherFromSequenceParallelRegion.backward is not written yet: "
-            "see its docstring and notebooks/04_tensor_parallel.ipynb"
-        )
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """fwd: reduce-scatter along T, partial sums [B, T, H] -> [B, T/tp, H]; bwd: all-gather along T.
-    SP's g."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError(
-            "exercise ReduceScatterToSequenceParallelRegion.backward is not written yet: "
-            "see its docstring and notebooks/04_tensor_parallel.ipynb"
-        )
-
-
-def enter_parallel_region(x, group, sequence_parallel: bool):
-    """A replicated activation enters a TP region: f, or with SP the all-gather [B, T/tp, H] -> [B,
-    T, H]."""
-    raise NotImplementedError(
-        "exercise enter_parallel_region is not written yet: "
-        "see its docstring and notebooks/04_tensor_parallel.ipynb"
-    )
-
-
-def exit_parallel_region(x, group, sequence_parallel: bool):
-    """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter ->
-    [B, T/tp, H]."""
-    raise NotImplementedError(
-        "exercise exit_parallel_region is not written yet: "
-        "see its docstring and notebooks/04_tensor_parallel.ipynb"
-    )
-
-
-# --- layers, each cut from the full layer of the original model (``shard_weight``)
-# ------------------
+# --- layers, each cut from the full layer of the original model (``shard_weight``) ---
 class ColumnParallelLinear(nn.Module):
     """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes
     X A_r.
-        X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}:  Y_r [B, T, out/tp]   (gather_output: [B, T, out])
+
+        X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}
+        Y_r [B, T, out/tp]   (gather_output: [B, T, out])
+
     ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False
     when the caller entered it once for several linears reading the same input (q, k, v)."""
 
@@ -174,10 +63,10 @@ class ColumnParallelLinear(nn.Module):
         self,
         full: nn.Linear,
         *,
-        group,
-        gather_output=False,
-        sequence_parallel=False,
-        copy_input=True,
+        group: dist.ProcessGroup | None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        copy_input: bool = True,
     ):
         super().__init__()
         self.group = group
@@ -186,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.copy_input = copy_input
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "exercise ColumnParallelLinear.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -197,15 +86,23 @@ class RowParallelLinear(nn.Module):
     """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives
     split.
 
-    X_0 | X_1 | ... [B, T, in/tp]   Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]  (SP: [B, T/tp, out])"""
+        X_0 | X_1 | ... [B, T, in/tp]
+        Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]   (SP: [B, T/tp, out])
+    """
 
-    def __init__(self, full: nn.Linear, *, group, sequence_parallel=False):
+    def __init__(
+        self,
+        full: nn.Linear,
+        *,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "exercise RowParallelLinear.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -217,13 +114,19 @@ class VocabParallelEmbedding(nn.Module):
     [B, T]): its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP:
     [B, T/tp, H])."""
 
-    def __init__(self, full: nn.Embedding, *, group, sequence_parallel=False):
+    def __init__(
+        self,
+        full: nn.Embedding,
+        *,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "exercise VocabParallelEmbedding.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -236,21 +139,28 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     local slice. Saves [N, V/tp]."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(
+        ctx: FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         raise NotImplementedError(
             "exercise VocabParallelCrossEntropy.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
         )
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         raise NotImplementedError(
             "exercise VocabParallelCrossEntropy.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
         )
 
 
-def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> RMSNorm:
+def sequence_parallel_norm(
+    norm: RMSNorm, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+) -> RMSNorm:
     """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an
     all-reduce on it."""
     raise NotImplementedError(
@@ -264,7 +174,9 @@ class ParallelBlock(Block):
     residual adds (and dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once
     each, outputs back in x's shape."""
 
-    def __init__(self, full: Block, *, group, sequence_parallel=False):
+    def __init__(
+        self, full: Block, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+    ):
         nn.Module.__init__(self)
         self.attn_norm = full.attn_norm
         self.attn = full.attn
@@ -273,7 +185,7 @@ class ParallelBlock(Block):
         self.group = group
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "exercise ParallelBlock.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -285,30 +197,44 @@ class TensorParallelTransformer(Transformer):
     ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by
     ``apply_tensor_parallel``."""
 
-    def __init__(self, cfg: ModelConfig, *, group, sequence_parallel=False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+    ):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList()
 
-    def forward(self, idx, targets=None, positions=None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """idx [B, T] -> this rank's logits [B, T, V/tp]; with targets also the mean cross-entropy
         (every rank)."""
         if self.sequence_parallel:
             check_divides(idx.shape[1], "sequence length T", dist.get_world_size(self.group), "tp")
-        logits = super().forward(
-            idx, positions=positions
-        )  # [B, T, V/tp]: the vocabulary stays split
+        # [B, T, V/tp]: the vocabulary stays split
+        logits = super().forward(idx, positions=positions)
         if targets is None:
             return logits  # the loss never gathers them either: ``VocabParallelCrossEntropy``
-        return logits, VocabParallelCrossEntropy.apply(
+        loss = VocabParallelCrossEntropy.apply(
             logits.float().flatten(0, 1), targets.flatten(), self.group
         )
+        return logits, loss
 
 
 def apply_tensor_parallel(
-    model: nn.Module, *, group=None, sequence_parallel=False
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> TensorParallelTransformer:
     """The tensor-parallel version of ``model`` (the course ``Transformer`` or a ``transformers``
     ``LlamaForCausalLM``, left unchanged) on ``group`` (default WORLD), every weight cut from the
@@ -319,8 +245,7 @@ def apply_tensor_parallel(
     column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
     nkv, H, F, V."""
     group = group if group is not None else dist.group.WORLD
-    # HF names -> course's
-    full = copy.deepcopy(course_model_from(model))
+    full = copy.deepcopy(course_model_from(model))  # HF names -> the course's
     tp = dist.get_world_size(group)
     cfg = full.cfg
     ParallelDims(tp=tp).check_model(

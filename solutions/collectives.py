@@ -10,9 +10,11 @@ N chunks (``torch.tensor_split``, so any size works: chunks may differ by one el
         (fully reduced) to rank r+1 and stores chunk (r - s) mod N from rank r-1.
 
 Communication contract, per rank, for a tensor of K bytes: 2 (N-1) rounds, each
-sending one chunk of K/N bytes, so 2 (N-1)/N K bytes in all: ``labs.theory.comm.all_reduce_bytes``.
-Every round sends and receives at once (``dist.batch_isend_irecv``): with blocking
+sending one chunk of K/N bytes, so 2 (N-1)/N K bytes in all
+(``labs.theory.comm.all_reduce_bytes``). Every round sends and receives at once
+(``exchange`` of ``labs.runtime.ring``, on ``dist.batch_isend_irecv``): with blocking
 ``send`` first on every rank, all ranks would wait for a receiver and the ring would deadlock.
+The neighbours come from ``ring_neighbours(group)``: global ranks, so a sub-group works.
 
 Reference: Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters
 of workstations" (2009); the Ultra-Scale Playbook, appendix A0.
@@ -23,80 +25,48 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from labs.runtime.ring import exchange, ring_neighbours
+
 NOTEBOOK = "00_setup_and_collectives.ipynb"
 
 
-def ring_neighbours(group=None) -> tuple[int, int, int, int]:
-    """(my position in the group, N, global rank of the next rank, global rank of the previous
-    rank)."""
-    me = dist.get_rank(group)
-    n = dist.get_world_size(group)
-    nxt = dist.get_global_rank(group, (me + 1) % n) if group is not None else (me + 1) % n
-    prv = dist.get_global_rank(group, (me - 1) % n) if group is not None else (me - 1) % n
-    return me, n, nxt, prv
-
-
-def post_exchange(
-    send_buf: torch.Tensor,
-    recv_buf: torch.Tensor,
-    to_rank: int,
-    from_rank: int,
-    group=None,
-    tag: int = 0,
-) -> list:
-    """Start sending ``send_buf`` to ``to_rank`` and receiving ``recv_buf`` from ``from_rank``, both
-    posted at once (``batch_isend_irecv``: neither side waits for the other to go first); returns
-    the works to wait on."""
-    return dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, send_buf, to_rank, group, tag),
-            dist.P2POp(dist.irecv, recv_buf, from_rank, group, tag),
-        ]
-    )
-
-
-def exchange(
-    send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int, group=None
-) -> None:
-    """Send ``send_buf`` to ``to_rank`` while receiving ``recv_buf`` from ``from_rank``; wait for
-    both."""
-    for work in post_exchange(send_buf, recv_buf, to_rank, from_rank, group):
-        work.wait()
-
-
-def ring_reduce_scatter(chunks: list[torch.Tensor], group=None) -> int:
+def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> int:
     """Reduce-scatter phase on a ring, in place on ``chunks`` (this rank's N chunks).
 
     Afterwards chunk (me + 1) mod N holds the sum over all ranks. Returns that index.
     Sends N-1 chunks.
     """
     ### BEGIN SOLUTION
-    me, n, nxt, prv = ring_neighbours(group)
+    ring = ring_neighbours(group)
+    me = ring.rank
+    n = ring.size
     for s in range(n - 1):
         send_idx = (me - s) % n
         recv_idx = (me - s - 1) % n
         incoming = torch.empty_like(chunks[recv_idx])
-        exchange(chunks[send_idx].contiguous(), incoming, nxt, prv, group)
+        exchange(chunks[send_idx].contiguous(), incoming, ring.next, ring.prev, group)
         chunks[recv_idx] += incoming
     return (me + 1) % n
     ### END SOLUTION
 
 
-def ring_all_gather(chunks: list[torch.Tensor], group=None) -> None:
+def ring_all_gather(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """All-gather phase on a ring, in place on ``chunks``: rank r starts owning the reduced
     chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks."""
     ### BEGIN SOLUTION
-    me, n, nxt, prv = ring_neighbours(group)
+    ring = ring_neighbours(group)
+    me = ring.rank
+    n = ring.size
     for s in range(n - 1):
         send_idx = (me + 1 - s) % n
         recv_idx = (me - s) % n
         incoming = torch.empty_like(chunks[recv_idx])
-        exchange(chunks[send_idx].contiguous(), incoming, nxt, prv, group)
+        exchange(chunks[send_idx].contiguous(), incoming, ring.next, ring.prev, group)
         chunks[recv_idx].copy_(incoming)
     ### END SOLUTION
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks of ``group``, in place, like ``dist.all_reduce``; returns it.
 
     tensor: any shape, any size (N need not divide it). Chunks are views of a flat copy

@@ -24,8 +24,9 @@ Expert parallelism. The ep ranks of an EP group hold E/ep experts each (rank r: 
 (r+1)·E/ep - 1) and their own tokens; router, attention, norms and embeddings are replicated and
 data-parallel. Per MoE layer, on the EP group:
 
-    forward   all_to_all_single of counts    [ep, E/ep] int64: how many rows each rank will receive
-              all_to_all_single dispatch     my kept rows, sorted by expert = by destination (uneven splits)
+    forward   all_to_all_single of counts   [ep, E/ep] int64: how many rows each rank will receive
+              all_to_all_single dispatch    my kept rows, sorted by expert = by destination
+                                            (uneven splits)
               local experts on the received rows, then the reverse all_to_all_single (combine)
     backward  the two token all-to-alls in reverse (AllToAll.backward), the same bytes
 
@@ -41,10 +42,13 @@ parallelism".
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from labs.models.moe import MoEConfig
 from labs.models.transformer import MLP, ModelConfig
@@ -54,9 +58,10 @@ from labs.theory.moe import expert_capacity
 NOTEBOOK = "07_mixture_of_experts.ipynb"
 
 
-# --- routing
-# -------------------------------------------------------------------------------------------
-def route(tokens: torch.Tensor, router: nn.Linear, top_k: int):
+# --- routing ---
+def route(
+    tokens: torch.Tensor, router: nn.Linear, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score the tokens and pick their experts.
 
     tokens: [N, H]; router: Linear(H, E). Returns ``(logits, probs, weights, chosen)``: logits [N,
@@ -89,9 +94,8 @@ def capacity_keep(
         return torch.ones_like(chosen, dtype=torch.bool)
     n, k = chosen.shape
     onehot = F.one_hot(chosen, n_experts).view(groups, n // groups, k, n_experts)  # [G, N/G, k, E]
-    onehot = onehot.transpose(1, 2).reshape(
-        groups, k * n // groups, n_experts
-    )  # [G, k·N/G, E] first choices first
+    # [G, k·N/G, E]: all first choices, then all second choices, ...
+    onehot = onehot.transpose(1, 2).reshape(groups, k * n // groups, n_experts)
     slot = onehot.cumsum(dim=1) - 1  # [G, k·N/G, E]
     keep = ((slot < capacity) & (onehot > 0)).any(dim=-1)  # [G, k·N/G]
     return keep.view(groups, k, n // groups).transpose(1, 2).reshape(n, k)  # [N, k]
@@ -120,9 +124,10 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 
 
-# --- dispatch and combine on one process
-# -------------------------------------------------------------------
-def sort_by_expert(chosen: torch.Tensor, keep: torch.Tensor, n_experts: int):
+# --- dispatch and combine on one process ---
+def sort_by_expert(
+    chosen: torch.Tensor, keep: torch.Tensor, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept pairs ordered by expert: ``(order, counts)``.
 
     order: [M] indices into the N·k pairs (pair i is token i // k, choice i % k), kept pairs only,
@@ -130,16 +135,17 @@ def sort_by_expert(chosen: torch.Tensor, keep: torch.Tensor, n_experts: int):
     order. counts: [E] kept pairs per expert.
     """
     ### BEGIN SOLUTION
-    flat = chosen.flatten().masked_fill(
-        ~keep.flatten(), n_experts
-    )  # [N·k]; dropped: expert E, sorted last
+    # [N·k]; a dropped pair goes to expert E, sorted last
+    flat = chosen.flatten().masked_fill(~keep.flatten(), n_experts)
     counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]
     order = torch.argsort(flat, stable=True)[: int(counts.sum())]
     return order, counts
     ### END SOLUTION
 
 
-def run_experts(rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
+def run_experts(
+    rows: torch.Tensor, counts: torch.Tensor, experts: Iterable[nn.Module]
+) -> torch.Tensor:
     """Expert i on the next counts[i] rows: rows [M, H] grouped by expert -> [M, H]."""
     chunks = rows.split(counts.tolist())
     return torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
@@ -185,44 +191,53 @@ class MoELayer(nn.Module):
     def capacity(self, tokens: int) -> int | None:
         """Pairs one expert accepts from a group of ``tokens`` tokens (None: no limit)."""
         cf = self.moe.capacity_factor
-        return (
-            None if cf is None else expert_capacity(tokens, self.moe.top_k, self.moe.n_experts, cf)
-        )
+        if cf is None:
+            return None
+        return expert_capacity(tokens, self.moe.top_k, self.moe.n_experts, cf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H] -> [B, T, H]: route, drop what exceeds capacity, run the experts,
         combine."""
         tokens = x.reshape(-1, x.shape[-1])  # [N, H]
         check_divides(tokens.shape[0], "tokens", self.groups, "groups")
-        logits, probs, weights, chosen = route(
-            tokens, self.router, self.moe.top_k
-        )  # [N, E], [N, k]
-        keep = capacity_keep(
-            chosen, self.moe.n_experts, self.capacity(tokens.shape[0] // self.groups), self.groups
-        )  # [N, k]
+        # logits, probs [N, E]; weights, chosen [N, k]
+        logits, probs, weights, chosen = route(tokens, self.router, self.moe.top_k)
+        capacity = self.capacity(tokens.shape[0] // self.groups)
+        keep = capacity_keep(chosen, self.moe.n_experts, capacity, self.groups)  # [N, k]
         out = self.experts_forward(tokens, weights, chosen, keep)  # [N, H]
-        self.aux_loss = self.moe.aux_loss_coef * load_balancing_loss(
-            probs, chosen, self.groups
-        ) + self.moe.z_loss_coef * router_z_loss(logits)
+        balance = self.moe.aux_loss_coef * load_balancing_loss(probs, chosen, self.groups)
+        z_loss = self.moe.z_loss_coef * router_z_loss(logits)
+        self.aux_loss = balance + z_loss
         self.routing = {"chosen": chosen.detach(), "keep": keep.detach()}
         return out.view(x.shape)
 
-    def experts_forward(self, tokens, weights, chosen, keep) -> torch.Tensor:
+    def experts_forward(
+        self,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        chosen: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
         """Every kept pair's token through its expert, combined: tokens [N, H] -> [N, H]."""
         order, counts = sort_by_expert(chosen, keep, self.moe.n_experts)  # [M], [E]
         rows = tokens[order // self.moe.top_k]  # [M, H] by expert
         return combine(run_experts(rows, counts, self.experts.values()), order, weights)
 
 
-# --- expert parallelism
-# --------------------------------------------------------------------------------------
+# --- expert parallelism ---
 class AllToAll(torch.autograd.Function):
     """fwd: all_to_all_single of rows, ``send[i]`` rows to rank i, ``recv[i]`` from it; bwd: the
     reverse all-to-all of the gradients (splits swapped). Megatron's ``_AllToAll``
     (core/tensor_parallel/mappings.py)."""
 
     @staticmethod
-    def forward(ctx, rows, send: list[int], recv: list[int], group):
+    def forward(
+        ctx: FunctionCtx,
+        rows: torch.Tensor,
+        send: list[int],
+        recv: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         """rows: [sum(send), H] -> [sum(recv), H], in source-rank order."""
         ### BEGIN SOLUTION
         ctx.send = send
@@ -234,7 +249,7 @@ class AllToAll(torch.autograd.Function):
         ### END SOLUTION
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         """grad: [sum(recv), H] -> [sum(send), H]."""
         ### BEGIN SOLUTION
         out = grad.new_empty(sum(ctx.send), grad.shape[-1])  # [sum(send), H]
@@ -243,7 +258,7 @@ class AllToAll(torch.autograd.Function):
         ### END SOLUTION
 
 
-def exchange_counts(send: torch.Tensor, group=None) -> torch.Tensor:
+def exchange_counts(send: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The counts go first: ``send`` [ep, E/ep] (rows I route to each rank's local experts) becomes
     ``recv`` [ep, E/ep] (rows each rank routes to my experts). One all_to_all_single, E/ep int64 per
     rank."""
@@ -260,7 +275,7 @@ class ExpertParallelMoE(MoELayer):
     replicated; this rank's tokens are one group. Expert parameters are tagged
     ``expert_parallel``."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, group=None):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, group: dist.ProcessGroup | None = None):
         ep = dist.get_world_size(group)
         check_divides(moe.n_experts, "n_experts", ep, "ep")
         local = moe.n_experts // ep
@@ -273,7 +288,9 @@ class ExpertParallelMoE(MoELayer):
             p.expert_parallel = True  # averaged over the expert-DP group only (allreduce_gradients)
 
     @classmethod
-    def from_full(cls, layer: MoELayer, *, group=None) -> ExpertParallelMoE:
+    def from_full(
+        cls, layer: MoELayer, *, group: dist.ProcessGroup | None = None
+    ) -> ExpertParallelMoE:
         """This rank's share of a single-process layer: the router and this rank's experts,
         copied."""
         ep_layer = cls(layer.cfg, layer.moe, group=group).to(layer.router.weight.device)
@@ -282,7 +299,13 @@ class ExpertParallelMoE(MoELayer):
             expert.load_state_dict(layer.experts[name].state_dict())
         return ep_layer
 
-    def experts_forward(self, tokens, weights, chosen, keep) -> torch.Tensor:
+    def experts_forward(
+        self,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        chosen: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
         """Send each kept pair's token to the rank holding its expert, run the local experts, bring
         the outputs back and combine them: tokens [N, H] -> [N, H].
 
@@ -301,23 +324,25 @@ class ExpertParallelMoE(MoELayer):
         recv = exchange_counts(send, self.group)  # [ep, E/ep]
         to_ranks = send.sum(dim=1).tolist()
         from_ranks = recv.sum(dim=1).tolist()
-        received = AllToAll.apply(
-            rows, to_ranks, from_ranks, self.group
-        )  # [M_in, H] by (source, expert)
+        # [M_in, H] by (source, expert)
+        received = AllToAll.apply(rows, to_ranks, from_ranks, self.group)
         local_expert = torch.arange(self.local, device=rows.device).repeat(self.ep)  # [ep·E/ep]
-        by_expert = torch.argsort(
-            local_expert.repeat_interleave(recv.flatten()), stable=True
-        )  # [M_in]
-        out = run_experts(
-            received[by_expert], recv.sum(dim=0), self.experts.values()
-        )  # [M_in, H] by expert
+        # [M_in]: the received rows regrouped by local expert
+        by_expert = torch.argsort(local_expert.repeat_interleave(recv.flatten()), stable=True)
+        # [M_in, H] by expert
+        out = run_experts(received[by_expert], recv.sum(dim=0), self.experts.values())
         out = out[torch.argsort(by_expert)]  # [M_in, H] by (source, expert)
         returned = AllToAll.apply(out, from_ranks, to_ranks, self.group)  # [M, H] in ``order``
         return combine(returned, order, weights)
         ### END SOLUTION
 
 
-def allreduce_gradients(model: nn.Module, *, expert_dp_group, group=None) -> None:
+def allreduce_gradients(
+    model: nn.Module,
+    *,
+    expert_dp_group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """EP × DP after backward: every gradient summed over the ranks holding that parameter, then
     divided by the world size of ``group`` (the data-parallel ranks); in place.
 
@@ -331,8 +356,9 @@ def allreduce_gradients(model: nn.Module, *, expert_dp_group, group=None) -> Non
     for p in model.parameters():
         if p.grad is None:
             continue
-        dist.all_reduce(
-            p.grad, group=expert_dp_group if getattr(p, "expert_parallel", False) else group
-        )
+        if getattr(p, "expert_parallel", False):
+            dist.all_reduce(p.grad, group=expert_dp_group)
+        else:
+            dist.all_reduce(p.grad, group=group)
         p.grad.div_(world)
     ### END SOLUTION

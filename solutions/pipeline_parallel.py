@@ -6,7 +6,9 @@ What is split: the layers. Stage s of P holds a contiguous slice of ``layers``; 
 gradients and optimizer state: nothing is replicated, nothing all-reduced.
 
 Communication contract, point to point only, on the pipeline's group (WORLD here, a sub-group
-of the mesh in notebook 08; peers are ``dist.get_global_rank(group, s ± 1)``):
+of the mesh in notebook 08; peers are ``dist.get_global_rank(group, s ± 1)``). The plumbing is
+given in ``labs.runtime.pipe``: ``Pipe`` (where this rank sits) and ``p2p`` (one batch of sends
+and receives with the neighbours, its results read by name: ``.from_prev``, ``.from_next``):
 
     forward   stage s -> s+1   each micro-batch's output activation     [B/M, T, H]
     backward  stage s+1 -> s   the gradient of that activation          [B/M, T, H]
@@ -32,39 +34,23 @@ Training on GPU Clusters Using Megatron-LM" (2021) §2.2; picotron; the Ultra-Sc
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labs.measure.timeline import Timeline
 from labs.models.transformer import Transformer, rotary_cos_sin
-from labs.runtime.device import rank_device
-from labs.runtime.impl import exercise
+from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
 
 NOTEBOOK = "05_pipeline_parallel.ipynb"
 
 
-@dataclass(frozen=True)
-class Pipe:
-    """Where this rank sits in the pipeline; neighbours are cyclic (interleaving wraps around)."""
-
-    group: object  # the pipeline's process group (None: WORLD)
-    rank: int  # position in the group = stage index (of chunk 0)
-    size: int  # P
-    prev: int  # global rank of position rank-1 (mod P)
-    next: int  # global rank of position rank+1 (mod P)
-    device: torch.device  # where received tensors live (the GPU under NCCL)
-
-
-def pipe_group(group=None) -> Pipe:
-    """This rank's :class:`Pipe` in ``group`` (default WORLD): its neighbours are notebook 00's
-    ring's."""
-    me, n, nxt, prv = exercise("collectives").ring_neighbours(group)
-    return Pipe(group, me, n, prv, nxt, rank_device())
+Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # [(x [b, T], y [b, T]), ...]
 
 
 class StageModule(nn.Module):
@@ -72,30 +58,32 @@ class StageModule(nn.Module):
     blocks ``layer_ids`` under their names ``layers.<i>.…`` (gradients compare with the reference
     by name), ``norm`` and ``lm_head`` (last stage)."""
 
-    def __init__(self, model: Transformer, layer_ids, *, first: bool, last: bool):
+    def __init__(self, model: Transformer, layer_ids: Sequence[int], *, first: bool, last: bool):
         super().__init__()
         self.cfg = model.cfg
         self.first = first
         self.last = last
         self.tok_emb = model.tok_emb if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm, self.lm_head = (model.norm, model.lm_head) if last else (None, None)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
         (last stage) or hidden states [b, T, H]; rotary tables as in the full model."""
         ### BEGIN SOLUTION
-        cos, sin = rotary_cos_sin(
-            torch.arange(x.shape[1], device=x.device), self.cfg.head_dim, self.cfg.rope_theta
-        )
+        positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.tok_emb(x) if self.first else x  # [b, T, H]
         for block in self.layers.values():
             h = block(h, cos, sin)  # [b, T, H]
-        return self.lm_head(self.norm(h)) if self.last else h  # [b, T, V] or [b, T, H]
+        if self.last:
+            return self.lm_head(self.norm(h))  # [b, T, V]
+        return h
         ### END SOLUTION
 
 
-def build_stage(model: Transformer, *, plan, stage: int) -> StageModule:
+def build_stage(model: Transformer, *, plan: Sequence[int], stage: int) -> StageModule:
     """Stage ``stage`` of ``plan``, the layers per stage in order (one entry per virtual stage when
     interleaving). Stage 0 is the first (it embeds), stage len(plan)-1 the last (head, loss)."""
     if sum(plan) != len(model.layers) or not 0 <= stage < len(plan):
@@ -109,61 +97,23 @@ def build_stage(model: Transformer, *, plan, stage: int) -> StageModule:
         )
     ### BEGIN SOLUTION
     start = sum(plan[:stage])
-    return StageModule(
-        model, range(start, start + plan[stage]), first=stage == 0, last=stage == len(plan) - 1
-    )
+    layer_ids = range(start, start + plan[stage])
+    return StageModule(model, layer_ids, first=stage == 0, last=stage == len(plan) - 1)
     ### END SOLUTION
 
 
-def p2p(
-    pipe: Pipe,
-    *,
-    send_next=None,
-    send_prev=None,
-    recv_prev=None,
-    recv_next=None,
-    dtype=torch.float32,
-):
-    """One batch of point-to-point operations with the neighbours (``dist.batch_isend_irecv``),
-    waited for. ``send_next`` / ``send_prev``: tensors for the next / previous stage;
-    ``recv_prev`` / ``recv_next``: shapes [b, T, H] to receive from them. Returns (from_prev,
-    from_next), None where nothing was asked. A send and a receive posted in one batch cannot
-    deadlock when both neighbours send at once (1F1B's steady state)."""
-    ### BEGIN SOLUTION
-    from_prev = (
-        torch.empty(recv_prev, dtype=dtype, device=pipe.device) if recv_prev is not None else None
-    )
-    from_next = (
-        torch.empty(recv_next, dtype=dtype, device=pipe.device) if recv_next is not None else None
-    )
-    ops = [
-        dist.P2POp(op, t, peer, pipe.group)
-        for op, t, peer in (
-            (dist.isend, send_next, pipe.next),
-            (dist.isend, send_prev, pipe.prev),
-            (dist.irecv, from_prev, pipe.prev),
-            (dist.irecv, from_next, pipe.next),
-        )
-        if t is not None
-    ]
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    return from_prev, from_next
-    ### END SOLUTION
-
-
-def _span(timeline, name: str, microbatch: int, chunk: int = 0):
+def _span(
+    timeline: Timeline | None, name: str, microbatch: int, chunk: int = 0
+) -> AbstractContextManager:
     """A timeline span around one operation ("F" or "B"), or nothing when not measuring."""
-    return (
-        timeline.span(name, microbatch=microbatch, chunk=chunk)
-        if timeline is not None
-        else nullcontext()
-    )
+    if timeline is None:
+        return nullcontext()
+    return timeline.span(name, microbatch=microbatch, chunk=chunk)
 
 
 def forward_step(
     stage: StageModule, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int
-):
+) -> torch.Tensor:
     """One micro-batch through ``stage``. ``inputs``: token ids [b, T] (first stage) or the received
     activation [b, T, H], made to require grad (backward fills its ``.grad``). Returns the output
     [b, T, H]; on the last stage the cross-entropy (fp32, mean over b·T) / ``n_microbatches``."""
@@ -177,7 +127,9 @@ def forward_step(
     ### END SOLUTION
 
 
-def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None):
+def backward_step(
+    inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None
+) -> torch.Tensor | None:
     """Backward of one micro-batch through one stage: ``output`` is what ``forward_step`` returned,
     ``output_grad`` the gradient from the next stage [b, T, H] (None for the loss). Accumulates
     the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first
@@ -188,35 +140,55 @@ def backward_step(inputs: torch.Tensor, output: torch.Tensor, output_grad: torch
     ### END SOLUTION
 
 
+def activation_shape(stage: StageModule, microbatches: Microbatches) -> tuple[int, ...]:
+    """The shape [b, T, H] of what a stage sends and receives for one of ``microbatches``."""
+    x, _ = microbatches[0]
+    return (*x.shape, stage.cfg.n_embd)
+
+
 @torch.no_grad()
-def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline=None):
+def naive_forward(
+    stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline: Timeline | None = None
+) -> torch.Tensor | None:
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
     from the previous stage (the first embeds ``tokens`` [B, T]), run the stage (span "F", micro-
     batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at
-    a time."""
+    a time. ``p2p`` (``labs.runtime.pipe``) does the sends and receives."""
     ### BEGIN SOLUTION
-    x = tokens if stage.first else p2p(pipe, recv_prev=(*tokens.shape, stage.cfg.n_embd))[0]
+    if stage.first:
+        x = tokens  # [B, T]
+    else:
+        x = p2p(pipe, recv_prev=(*tokens.shape, stage.cfg.n_embd)).from_prev  # [B, T, H]
     with _span(timeline, "F", 0):
         out = stage(x)  # [B, T, H] or [B, T, V]
     if not stage.last:
         p2p(pipe, send_next=out)
-    return out if stage.last else None
+        return None
+    return out
     ### END SOLUTION
 
 
-def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=None) -> float | None:
+def train_step_afab(
+    stage: StageModule,
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
+) -> float | None:
     """GPipe (all forward, all backward) over ``microbatches`` [(x [b, T], y [b, T]), ...]. Every
     forward: receive, ``forward_step`` (span "F"), send on, keeping input and output; then every
     backward in the same order: receive the output's gradient, ``backward_step`` (span "B"), send
     the input's gradient back. Returns the step's loss (sum of the scaled micro-batch losses) on
-    the last stage, None elsewhere; gradients stay accumulated in ``.grad``."""
+    the last stage, None elsewhere; gradients stay accumulated in ``.grad``. The shape of what
+    travels: ``activation_shape``."""
     ### BEGIN SOLUTION
-    M, shape = len(microbatches), (*microbatches[0][0].shape, stage.cfg.n_embd)  # [b, T, H]
-    held, loss = [], 0.0
-    for i, (x, y) in enumerate(
-        microbatches
-    ):  # all forwards: every stage ends up holding M micro-batches
-        inp = x if stage.first else p2p(pipe, recv_prev=shape)[0]
+    M = len(microbatches)
+    shape = activation_shape(stage, microbatches)  # [b, T, H]
+    held = []
+    loss = 0.0
+    # all forwards: every stage ends up holding M micro-batches
+    for i, (x, y) in enumerate(microbatches):
+        inp = x if stage.first else p2p(pipe, recv_prev=shape).from_prev
         with _span(timeline, "F", i):
             out = forward_step(stage, inp, y, n_microbatches=M)
         if stage.last:
@@ -224,10 +196,11 @@ def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
         else:
             p2p(pipe, send_next=out)
         held.append((inp, out))
-    for i in range(M):  # all backwards, in the same order
-        grad = None if stage.last else p2p(pipe, recv_next=shape)[1]
+    # all backwards, in the same order
+    for i in range(M):
+        grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
         with _span(timeline, "B", i):
-            in_grad = backward_step(*held[i], grad)
+            in_grad = backward_step(*held[i], grad)  # held[i]: (input, output)
         if not stage.first:
             p2p(pipe, send_prev=in_grad)
         held[i] = None  # this micro-batch's graph is gone; drop its tensors too
@@ -235,49 +208,66 @@ def train_step_afab(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
     ### END SOLUTION
 
 
-def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=None) -> float | None:
+def train_step_1f1b(
+    stage: StageModule,
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
+) -> float | None:
     """1F1B (PipeDream-Flush) on stage s: warm-up, min(P-s-1, M) forwards; steady state, one forward
     then one backward (a result's send and the next receive of the other direction in one ``p2p``
     batch); cool-down, the warm-up's backwards. Spans, return value and gradients as in
     :func:`train_step_afab`. Any M works, also M < P."""
     ### BEGIN SOLUTION
-    M, shape = len(microbatches), (*microbatches[0][0].shape, stage.cfg.n_embd)  # [b, T, H]
+    M = len(microbatches)
+    shape = activation_shape(stage, microbatches)  # [b, T, H]
     warmup = min(pipe.size - pipe.rank - 1, M)
-    held, losses = [], []
+    held = []
+    losses = []
 
-    def forward(i, inp):
+    def input_of(i: int) -> torch.Tensor:
+        """Micro-batch i's input: its tokens on the first stage, else received [b, T, H]."""
+        x, _ = microbatches[i]
+        return x if stage.first else p2p(pipe, recv_prev=shape).from_prev
+
+    def forward(i: int, inp: torch.Tensor) -> torch.Tensor:
+        _, y = microbatches[i]
         with _span(timeline, "F", i):
-            out = forward_step(stage, inp, microbatches[i][1], n_microbatches=M)
+            out = forward_step(stage, inp, y, n_microbatches=M)
         held.append((inp, out))
         if stage.last:
             losses.append(out.item())
         return out
 
-    def backward(i, grad):
+    def backward(i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        inp, out = held.pop(0)
         with _span(timeline, "B", i):
-            return backward_step(*held.pop(0), grad)
+            return backward_step(inp, out, grad)
 
     # warm-up: forwards only, so that the last stage can start its first backward
     for i in range(warmup):
-        out = forward(i, microbatches[i][0] if stage.first else p2p(pipe, recv_prev=shape)[0])
+        out = forward(i, input_of(i))
         if not stage.last:
             p2p(pipe, send_next=out)
     # steady state: one forward, one backward; at most P - s micro-batches are held
-    inp = None
-    if M > warmup:
-        inp = microbatches[warmup][0] if stage.first else p2p(pipe, recv_prev=shape)[0]
+    inp = input_of(warmup) if M > warmup else None
     for j in range(M - warmup):
         out = forward(warmup + j, inp)
-        grad = None if stage.last else p2p(pipe, send_next=out, recv_next=shape)[1]
+        if stage.last:
+            grad = None
+        else:
+            grad = p2p(pipe, send_next=out, recv_next=shape).from_next
         in_grad = backward(j, grad)
         more = warmup + j + 1 < M
         if stage.first:
-            inp = microbatches[warmup + j + 1][0] if more else None
+            inp = input_of(warmup + j + 1) if more else None
         else:
-            inp = p2p(pipe, send_prev=in_grad, recv_prev=shape if more else None)[0]
+            received = p2p(pipe, send_prev=in_grad, recv_prev=shape if more else None)
+            inp = received.from_prev
     # cool-down: the backwards of the warm-up's micro-batches
     for i in range(M - warmup, M):
-        grad = None if stage.last else p2p(pipe, recv_next=shape)[1]
+        grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
         in_grad = backward(i, grad)
         if not stage.first:
             p2p(pipe, send_prev=in_grad)
@@ -286,7 +276,11 @@ def train_step_1f1b(stage: StageModule, microbatches, *, pipe: Pipe, timeline=No
 
 
 def train_step_interleaved(
-    chunks: list[StageModule], microbatches, *, pipe: Pipe, timeline=None
+    chunks: list[StageModule],
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
 ) -> float | None:
     """Interleaved 1F1B (Megatron-LM's order): ``chunks[c]`` is virtual stage c·P + rank; the k-th
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
@@ -300,42 +294,47 @@ def train_step_interleaved(
     P = pipe.size
     V = len(chunks)
     M = len(microbatches)
-    shape, warmup = (
-        (*microbatches[0][0].shape, chunks[0].cfg.n_embd),
-        interleaved_warmup(P, M, pipe.rank, V),
-    )
-    total, held, sends, losses = V * M, {}, [], []
+    shape = activation_shape(chunks[0], microbatches)  # [b, T, H]
+    warmup = interleaved_warmup(P, M, pipe.rank, V)
+    total = V * M
+    held = {}
+    sends = []
+    losses = []
 
-    def tag(kind, mb, vs):  # unique per message of the step
+    def tag(kind: str, mb: int, vs: int) -> int:  # unique per message of the step
         return (vs * M + mb) * 2 + (kind == "B")
 
-    def recv(kind, mb, vs, peer):
+    def recv(kind: str, mb: int, vs: int, peer: int) -> torch.Tensor:
         t = torch.empty(shape, device=pipe.device)
         dist.recv(t, peer, pipe.group, tag=tag(kind, mb, vs))
         return t
 
-    def forward(k):
+    def forward(k: int) -> None:
         mb, c = interleaved_op(k, P, V, True)
         stage = chunks[c]
         vs = c * P + pipe.rank
-        inp = microbatches[mb][0] if stage.first else recv("F", mb, vs, pipe.prev)
+        x, y = microbatches[mb]
+        inp = x if stage.first else recv("F", mb, vs, pipe.prev)
         with _span(timeline, "F", mb, c):
-            out = forward_step(stage, inp, microbatches[mb][1], n_microbatches=M)
+            out = forward_step(stage, inp, y, n_microbatches=M)
         if stage.last:
             losses.append(out.item())
         else:
-            sends.append(dist.isend(out.detach(), pipe.next, pipe.group, tag=tag("F", mb, vs + 1)))
+            send_tag = tag("F", mb, vs + 1)
+            sends.append(dist.isend(out.detach(), pipe.next, pipe.group, tag=send_tag))
         held[mb, c] = (inp, out)
 
-    def backward(k):
+    def backward(k: int) -> None:
         mb, c = interleaved_op(k, P, V, False)
         stage = chunks[c]
         vs = c * P + pipe.rank
         grad = None if stage.last else recv("B", mb, vs, pipe.next)
+        inp, out = held.pop((mb, c))
         with _span(timeline, "B", mb, c):
-            in_grad = backward_step(*held.pop((mb, c)), grad)
+            in_grad = backward_step(inp, out, grad)
         if not stage.first:
-            sends.append(dist.isend(in_grad, pipe.prev, pipe.group, tag=tag("B", mb, vs - 1)))
+            send_tag = tag("B", mb, vs - 1)
+            sends.append(dist.isend(in_grad, pipe.prev, pipe.group, tag=send_tag))
 
     for k in range(warmup):  # warm-up: forwards only
         forward(k)

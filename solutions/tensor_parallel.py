@@ -1,25 +1,26 @@
-"""Exercise 04 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism, Megatron
-style.
+"""Exercise 04, part 2 (notebooks/04_tensor_parallel.ipynb): tensor and sequence parallelism,
+Megatron style.
 
 Sharded over the N = tp ranks of ``group`` (rank r holds the r-th contiguous block):
-    q/k/v_proj, gate/up_proj, lm_head   column-parallel, output features [out/tp, in]: nh/tp, nkv/tp heads per rank
-    o_proj, down_proj                   row-parallel, input features [out, in/tp]
-    tok_emb                             vocab-parallel, rows [V/tp, H]          (RMSNorm weights: replicated [H])
 
-Collectives, all on ``group`` (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022,
-§4.2.2):
-    f   CopyToModelParallelRegion              fwd identity           bwd all-reduce          enter attention/MLP
-    g   ReduceFromModelParallelRegion          fwd all-reduce         bwd identity            leave them
-        GatherFromModelParallelRegion          fwd all-gather(last)   bwd split(last)
-        ScatterToModelParallelRegion           fwd split(last)        bwd all-gather(last)
-    SP  GatherFromSequenceParallelRegion       fwd all-gather(T)      bwd reduce-scatter(T)   replaces f
-    SP  ReduceScatterToSequenceParallelRegion  fwd reduce-scatter(T)  bwd all-gather(T)       replaces g
+    q/k/v_proj, gate/up_proj, lm_head   column-parallel: output features, [out/tp, in];
+                                        nh/tp query and nkv/tp kv heads per rank
+    o_proj, down_proj                   row-parallel: input features, [out, in/tp]
+    tok_emb                             vocab-parallel: rows, [V/tp, H]
+    RMSNorm weights                     replicated, [H]
+
+Collectives, all on ``group``: the conjugate operators of ``tensor_parallel_comm`` (part 1 of the
+lab; Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022, §4.2.2). Each block enters its
+attention and its MLP once (f, or SP's all-gather along T) and leaves each through a row-parallel
+layer (g, or SP's reduce-scatter along T).
 
 Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective:
 ``labs.theory.tensor_parallel``): per block 4·c·K, as 2 all-reduces each way or, with SP, 2
 all-gathers + 2 reduce-scatters each way, plus c·H·bytes per norm weight; outside the blocks
 tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
 """
+
+from __future__ import annotations
 
 import copy
 from functools import partial
@@ -28,142 +29,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from labs.models.hf_convert import course_model_from
 from labs.models.transformer import Block, ModelConfig, RMSNorm, Transformer
-from labs.runtime.tensor_comm import (
-    all_gather_along,
-    all_reduce_copy,
-    reduce_scatter_along,
-    shard_weight,
-    split_along,
-)
+from labs.runtime.tensor_comm import shard_weight
 from labs.theory.dims import ParallelDims, check_divides
 
+from .tensor_parallel_comm import (
+    GatherFromModelParallelRegion,
+    ReduceFromModelParallelRegion,
+    enter_parallel_region,
+    exit_parallel_region,
+)
+
 NOTEBOOK = "04_tensor_parallel.ipynb"
-SEQ_DIM = 1  # activations are [B, T, H]: T is dim 1
 
 
-# --- the conjugate operators. Exercise: each forward is given; write the backward, its adjoint ---
-class CopyToModelParallelRegion(torch.autograd.Function):
-    """fwd: identity; bwd: all-reduce. Megatron's f: a replicated activation enters a TP region."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ### BEGIN SOLUTION
-        return all_reduce_copy(grad, ctx.group), None
-        ### END SOLUTION
-
-
-class ReduceFromModelParallelRegion(torch.autograd.Function):
-    """fwd: all-reduce; bwd: identity. Megatron's g: partial sums leave a TP region."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce_copy(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ### BEGIN SOLUTION
-        return grad, None
-        ### END SOLUTION
-
-
-class GatherFromModelParallelRegion(torch.autograd.Function):
-    """fwd: all-gather along the last dim; bwd: keep this rank's slice of the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ### BEGIN SOLUTION
-        return split_along(grad, -1, ctx.group), None
-        ### END SOLUTION
-
-
-class ScatterToModelParallelRegion(torch.autograd.Function):
-    """fwd: keep this rank's slice of the last dim; bwd: all-gather along the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ### BEGIN SOLUTION
-        return all_gather_along(grad, -1, ctx.group), None
-        ### END SOLUTION
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """fwd: all-gather along T, [B, T/tp, H] -> [B, T, H]; bwd: reduce-scatter along T. SP's f."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ### BEGIN SOLUTION
-        return reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
-        ### END SOLUTION
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """fwd: reduce-scatter along T, partial sums [B, T, H] -> [B, T/tp, H]; bwd: all-gather along T.
-    SP's g."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ### BEGIN SOLUTION
-        return all_gather_along(grad, SEQ_DIM, ctx.group), None
-        ### END SOLUTION
-
-
-def enter_parallel_region(x, group, sequence_parallel: bool):
-    """A replicated activation enters a TP region: f, or with SP the all-gather [B, T/tp, H] -> [B,
-    T, H]."""
-    ### BEGIN SOLUTION
-    return (
-        GatherFromSequenceParallelRegion if sequence_parallel else CopyToModelParallelRegion
-    ).apply(x, group)
-    ### END SOLUTION
-
-
-def exit_parallel_region(x, group, sequence_parallel: bool):
-    """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter ->
-    [B, T/tp, H]."""
-    ### BEGIN SOLUTION
-    op = (
-        ReduceScatterToSequenceParallelRegion
-        if sequence_parallel
-        else ReduceFromModelParallelRegion
-    )
-    return op.apply(x, group)
-    ### END SOLUTION
-
-
-# --- layers, each cut from the full layer of the original model (``shard_weight``)
-# ------------------
+# --- layers, each cut from the full layer of the original model (``shard_weight``) ---
 class ColumnParallelLinear(nn.Module):
     """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes
     X A_r.
-        X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}:  Y_r [B, T, out/tp]   (gather_output: [B, T, out])
+
+        X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}
+        Y_r [B, T, out/tp]   (gather_output: [B, T, out])
+
     ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False
     when the caller entered it once for several linears reading the same input (q, k, v)."""
 
@@ -171,10 +61,10 @@ class ColumnParallelLinear(nn.Module):
         self,
         full: nn.Linear,
         *,
-        group,
-        gather_output=False,
-        sequence_parallel=False,
-        copy_input=True,
+        group: dist.ProcessGroup | None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        copy_input: bool = True,
     ):
         super().__init__()
         self.group = group
@@ -183,12 +73,14 @@ class ColumnParallelLinear(nn.Module):
         self.copy_input = copy_input
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ### BEGIN SOLUTION
         if self.copy_input:
             x = enter_parallel_region(x, self.group, self.sequence_parallel)  # [B, T, in]
         y = F.linear(x, self.weight)  # [B, T, out/tp]
-        return GatherFromModelParallelRegion.apply(y, self.group) if self.gather_output else y
+        if self.gather_output:
+            return GatherFromModelParallelRegion.apply(y, self.group)  # [B, T, out]
+        return y
         ### END SOLUTION
 
 
@@ -196,15 +88,23 @@ class RowParallelLinear(nn.Module):
     """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives
     split.
 
-    X_0 | X_1 | ... [B, T, in/tp]   Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]  (SP: [B, T/tp, out])"""
+        X_0 | X_1 | ... [B, T, in/tp]
+        Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]   (SP: [B, T/tp, out])
+    """
 
-    def __init__(self, full: nn.Linear, *, group, sequence_parallel=False):
+    def __init__(
+        self,
+        full: nn.Linear,
+        *,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ### BEGIN SOLUTION
         y = F.linear(x, self.weight)  # [B, T, out]: this rank's term of the sum
         return exit_parallel_region(y, self.group, self.sequence_parallel)
@@ -216,21 +116,27 @@ class VocabParallelEmbedding(nn.Module):
     [B, T]): its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP:
     [B, T/tp, H])."""
 
-    def __init__(self, full: nn.Embedding, *, group, sequence_parallel=False):
+    def __init__(
+        self,
+        full: nn.Embedding,
+        *,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         ### BEGIN SOLUTION
-        start = dist.get_rank(self.group) * self.weight.shape[0]
         per_rank = self.weight.shape[0]
-        elsewhere = (idx < start) | (idx >= start + per_rank)  # [B, T]: ids another rank holds
+        start = dist.get_rank(self.group) * per_rank
+        # [B, T]: ids another rank holds
+        elsewhere = (idx < start) | (idx >= start + per_rank)
         x = F.embedding((idx - start).masked_fill(elsewhere, 0), self.weight)  # [B, T, H]
-        return exit_parallel_region(
-            x.masked_fill(elsewhere[..., None], 0.0), self.group, self.sequence_parallel
-        )
+        x = x.masked_fill(elsewhere[..., None], 0.0)
+        return exit_parallel_region(x, self.group, self.sequence_parallel)
         ### END SOLUTION
 
 
@@ -240,40 +146,44 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     local slice. Saves [N, V/tp]."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(
+        ctx: FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ### BEGIN SOLUTION
-        start = dist.get_rank(group) * logits.shape[-1]
         per_rank = logits.shape[-1]
+        start = dist.get_rank(group) * per_rank
         logits_max = logits.max(dim=-1).values  # [N]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max[:, None]  # [N, V/tp]; softmax does not change under a shift
         elsewhere = (targets < start) | (targets >= start + per_rank)  # [N]: target on another rank
         local = (targets - start).masked_fill(elsewhere, 0)
         exp = shifted.exp()
-        target_logit = (
-            shifted.gather(1, local[:, None]).squeeze(1).masked_fill(elsewhere, 0.0)
-        )  # [N]
-        sums = torch.stack(
-            [exp.sum(dim=-1), target_logit]
-        )  # [2, N]: both summed over ranks in one all-reduce
+        target_logit = shifted.gather(1, local[:, None]).squeeze(1)  # [N]
+        target_logit = target_logit.masked_fill(elsewhere, 0.0)
+        # [2, N]: both summed over ranks in one all-reduce
+        sums = torch.stack([exp.sum(dim=-1), target_logit])
         dist.all_reduce(sums, group=group)
         ctx.save_for_backward(exp / sums[0][:, None], local, elsewhere)  # softmax [N, V/tp]
         return (sums[0].log() - sums[1]).mean()
         ### END SOLUTION
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ### BEGIN SOLUTION
         softmax, local, elsewhere = ctx.saved_tensors
         grad_logits = softmax.clone()
-        grad_logits[torch.arange(len(local), device=local.device), local] -= (~elsewhere).to(
-            softmax.dtype
-        )  # - one_hot
+        rows = torch.arange(len(local), device=local.device)
+        grad_logits[rows, local] -= (~elsewhere).to(softmax.dtype)  # - one_hot
         return grad_logits * (grad / len(local)), None, None
         ### END SOLUTION
 
 
-def sequence_parallel_norm(norm: RMSNorm, *, group, sequence_parallel=False) -> RMSNorm:
+def sequence_parallel_norm(
+    norm: RMSNorm, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+) -> RMSNorm:
     """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an
     all-reduce on it."""
     ### BEGIN SOLUTION
@@ -289,7 +199,9 @@ class ParallelBlock(Block):
     residual adds (and dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once
     each, outputs back in x's shape."""
 
-    def __init__(self, full: Block, *, group, sequence_parallel=False):
+    def __init__(
+        self, full: Block, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+    ):
         nn.Module.__init__(self)
         self.attn_norm = full.attn_norm
         self.attn = full.attn
@@ -298,14 +210,12 @@ class ParallelBlock(Block):
         self.group = group
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ### BEGIN SOLUTION
-        x = x + self.attn(
-            enter_parallel_region(self.attn_norm(x), self.group, self.sequence_parallel), cos, sin
-        )
-        return x + self.mlp(
-            enter_parallel_region(self.mlp_norm(x), self.group, self.sequence_parallel)
-        )
+        h = enter_parallel_region(self.attn_norm(x), self.group, self.sequence_parallel)
+        x = x + self.attn(h, cos, sin)
+        h = enter_parallel_region(self.mlp_norm(x), self.group, self.sequence_parallel)
+        return x + self.mlp(h)
         ### END SOLUTION
 
 
@@ -314,30 +224,44 @@ class TensorParallelTransformer(Transformer):
     ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by
     ``apply_tensor_parallel``."""
 
-    def __init__(self, cfg: ModelConfig, *, group, sequence_parallel=False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+    ):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList()
 
-    def forward(self, idx, targets=None, positions=None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """idx [B, T] -> this rank's logits [B, T, V/tp]; with targets also the mean cross-entropy
         (every rank)."""
         if self.sequence_parallel:
             check_divides(idx.shape[1], "sequence length T", dist.get_world_size(self.group), "tp")
-        logits = super().forward(
-            idx, positions=positions
-        )  # [B, T, V/tp]: the vocabulary stays split
+        # [B, T, V/tp]: the vocabulary stays split
+        logits = super().forward(idx, positions=positions)
         if targets is None:
             return logits  # the loss never gathers them either: ``VocabParallelCrossEntropy``
-        return logits, VocabParallelCrossEntropy.apply(
+        loss = VocabParallelCrossEntropy.apply(
             logits.float().flatten(0, 1), targets.flatten(), self.group
         )
+        return logits, loss
 
 
 def apply_tensor_parallel(
-    model: nn.Module, *, group=None, sequence_parallel=False
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> TensorParallelTransformer:
     """The tensor-parallel version of ``model`` (the course ``Transformer`` or a ``transformers``
     ``LlamaForCausalLM``, left unchanged) on ``group`` (default WORLD), every weight cut from the
@@ -348,8 +272,7 @@ def apply_tensor_parallel(
     column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
     nkv, H, F, V."""
     group = group if group is not None else dist.group.WORLD
-    # HF names -> course's
-    full = copy.deepcopy(course_model_from(model))
+    full = copy.deepcopy(course_model_from(model))  # HF names -> the course's
     tp = dist.get_world_size(group)
     cfg = full.cfg
     ParallelDims(tp=tp).check_model(

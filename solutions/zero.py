@@ -31,6 +31,7 @@ Rajbhandari et al., "ZeRO" (SC 2020), §5 (stages) and §7 (communication); Ren 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class ZeroConfig:
     offload: bool = False  # AdamW and its state on the host (ZeRO-Offload)
     prefetch: bool = True  # ZeRO-3: all-gather unit k+1 while unit k computes
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(
                 f"stage={self.stage!r} is not one of (1, 2, 3); stage 0 is plain data parallelism"
@@ -64,7 +65,7 @@ class FlatUnit(FlatBuffer):
     ``shard_param`` [shard] (the ``nn.Parameter`` AdamW updates), ``full_grad`` [padded]
     (stage 1) or ``shard_grad`` [shard], and with offload ``host`` [shard] on the CPU."""
 
-    def flatten(self, tensors) -> torch.Tensor:
+    def flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The tensors (one per parameter; None counts as zeros) laid end to end, then zeros
         up to ``padded`` elements: ``[padded]``, same dtype and device as the parameters."""
         ### BEGIN SOLUTION
@@ -77,17 +78,29 @@ class FlatUnit(FlatBuffer):
         ### END SOLUTION
 
 
+Units = Sequence[tuple[str, Sequence[nn.Module]]]  # [(name, [modules]), ...] in forward order
+
+
 class _Sharded:
     """What every stage shares: units, the sharded optimizer, the gradient reduction."""
 
-    def __init__(self, model: nn.Module, units, cfg: TrainConfig, zero: ZeroConfig, group):
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Units | None,
+        cfg: TrainConfig,
+        zero: ZeroConfig,
+        group: dist.ProcessGroup | None,
+    ):
         self.model = model
         self.zero = zero
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         units = units if units is not None else [("model", [model])]
-        self.modules, seen, self.units = [modules for _, modules in units], set(), []
+        self.modules = [modules for _, modules in units]
+        self.units = []
+        seen = set()
         for name, modules in units:  # a parameter shared by two units (tied) belongs to the first
             params = [
                 p for m in modules for p in m.parameters() if p.requires_grad and p not in seen
@@ -204,7 +217,7 @@ class Zero3(_Sharded):
     """ZeRO-3 / FSDP: parameters sharded too, gathered one unit at a time around its use."""
 
     def _build(self) -> None:
-        self.inflight: dict[int, object] = {}  # unit -> async all-gather work
+        self.inflight: dict[int, dist.Work] = {}  # unit -> async all-gather work
         self.peak = {"forward": 0, "backward": 0}  # most parameter bytes held at once
         for k, u in enumerate(self.units):
             full = u.flatten([p.detach() for p in u.params])
@@ -217,16 +230,16 @@ class Zero3(_Sharded):
             first.register_forward_pre_hook(lambda m, args, k=k: self.pre_forward(k))
             last.register_forward_hook(lambda m, args, out, k=k: self._after_forward(k, out))
 
-    def _after_forward(self, k, out) -> None:
+    def _after_forward(self, k: int, out: object) -> None:
         self.post_forward(k)
         tensors = [
             t
             for t in torch.utils._pytree.tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        if (
-            tensors
-        ):  # runs when the first gradient w.r.t. the unit's output arrives: before its backward
+        # The hook runs when the first gradient w.r.t. the unit's output arrives: before its
+        # backward.
+        if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _: self.pre_backward(k), mode="any"
             )
@@ -302,10 +315,10 @@ def shard_model(
     *,
     stage: int,
     cfg: TrainConfig,
-    units=None,
+    units: Units | None = None,
     offload: bool = False,
     prefetch: bool = True,
-    group=None,
+    group: dist.ProcessGroup | None = None,
 ) -> Zero12 | Zero3:
     """Wrap ``model`` for ZeRO ``stage`` (1, 2 or 3) on ``group``. ``units``: [(name, [modules])]
     run in that order (default: the whole model is one unit). Train with

@@ -136,7 +136,7 @@ def test_active_parameters_are_those_one_token_touches():
     gradient although the token uses them: they are counted in by name.)"""
     cfg = ModelConfig(n_layer=2)
     moe = MoEConfig(n_experts=8, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
-    model = build_moe_model(cfg, moe, seed=1)
+    model = build_moe_model(cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=1)
     model(torch.tensor([[65]]), torch.tensor([[66]]))[1].backward()
     spec = MoESpec(experiment.model_spec(cfg, moe).dense, 8, 2)
     per_layer = moe_param_counts(spec)["per_layer_active"]

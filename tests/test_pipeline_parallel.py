@@ -102,10 +102,11 @@ def two_pipelines_on_sub_groups():
     import torch.distributed as dist
 
     from labs.runtime.impl import exercise
+    from labs.runtime.pipe import pipe_group
 
     pp = exercise("pipeline_parallel")
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    pipe = pp.pipe_group(groups[dist.get_rank() % 2])
+    pipe = pipe_group(groups[dist.get_rank() % 2])
     stage = pp.build_stage(build_model(MODEL), plan=(4, 4), stage=pipe.rank)
     x, y = data_for(TrainConfig(steps=1, batch_size=16))[0]
     loss = pp.train_step_1f1b(stage, lab.split_microbatches(x, y, 4), pipe=pipe)

@@ -53,10 +53,11 @@ def test_counts_equal_the_course_moe_model(n_experts, top_k, ep):
     from labs.experiments.moe import model_spec
     from labs.models import ModelConfig, count_params
     from labs.models.moe import MoEConfig, build_moe_model
+    from labs.runtime.impl import exercise
 
     cfg = ModelConfig(n_layer=3)
     moe = MoEConfig(n_experts=n_experts, top_k=top_k)
-    model = build_moe_model(cfg, moe)
+    model = build_moe_model(cfg, moe, layer=exercise("expert_parallel").MoELayer)
     counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
     assert counts["total"] == count_params(model)
     expert = sum(p.numel() for p in model.layers[0].mlp.experts["0"].parameters())

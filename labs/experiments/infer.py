@@ -46,6 +46,7 @@ from labs.models.transformer import ModelConfig
 from labs.runtime.device import one_thread, rank_device, synchronize
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
+from labs.runtime.pipe import pipe_group
 from labs.theory import inference as theory
 from labs.theory.dims import ParallelDims, check_positive
 from labs.theory.memory import layers_on_stage
@@ -176,7 +177,7 @@ def infer_worker(model, prompts, new_tokens: int, mode: str, steps: int, hidden:
         full = course_model_from(model)
         part = pp.build_stage(full, plan=stage_plan(full.cfg.n_layer, n), stage=rank)
         generate = partial(
-            inference.generate_placed, part, prompts, new_tokens=new_tokens, pipe=pp.pipe_group()
+            inference.generate_placed, part, prompts, new_tokens=new_tokens, pipe=pipe_group()
         )
     else:
         part = course_model_from(model)

@@ -110,7 +110,9 @@ def param_report(
     return {
         "dense_model": dense,
         "total": counts["total"],
-        "measured_total": count_params(build_moe_model(cfg, moe)),
+        "measured_total": count_params(
+            build_moe_model(cfg, moe, layer=exercise("expert_parallel").MoELayer)
+        ),
         "active": counts["active"],
         "active_share": round(counts["active"] / counts["total"], 3),
         "per_rank": counts["per_rank"],
@@ -374,7 +376,7 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
     world = dist.get_world_size()
     ep_group, expert_dp = make_groups(ep)
     device = rank_device()
-    model = build_moe_model(cfg, moe, seed=train.seed, device=device)
+    model = build_moe_model(cfg, moe, layer=xp.MoELayer, seed=train.seed, device=device)
     swap_mlp(model, lambda i, layer: xp.ExpertParallelMoE.from_full(layer, group=ep_group))
     optimizer = make_optimizer(model.parameters(), train)
     batches = rank_batches(
@@ -479,7 +481,9 @@ def run(
         progress=steps,
         desc="MoE steps",
     )
-    ref_model = build_moe_model(cfg, moe, seed=seed, groups=nproc)
+    ref_model = build_moe_model(
+        cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=seed, groups=nproc
+    )
     n_params = count_params(ref_model)
     ref = train_reference(cfg, train, dp=nproc, model=ref_model, return_grads=True)
     summary = new_summary(
@@ -574,7 +578,9 @@ def balance_run(
 
 
 def _balance_curve(cfg: ModelConfig, train: TrainConfig, groups: int, moe: MoEConfig) -> dict:
-    model = build_moe_model(cfg, moe, seed=train.seed, groups=groups)
+    model = build_moe_model(
+        cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=train.seed, groups=groups
+    )
     optimizer = make_optimizer(model.parameters(), train)
     rows = {
         "imbalance": [],

@@ -24,6 +24,7 @@ from labs.models.vision import MultimodalConfig, build_multimodal
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import report_progress
+from labs.runtime.pipe import pipe_group
 from labs.train import TrainConfig, make_optimizer, multimodal_data_for
 
 
@@ -55,8 +56,7 @@ def pp_worker(
     with the splits' steps interleaved (so every split meets the same machine load); the last
     ``timed`` steps of each are recorded on a timeline. Returns one result per split."""
     mm = exercise("multimodal")
-    pp = exercise("pipeline_parallel")
-    pipe = pp.pipe_group()
+    pipe = pipe_group()
     batches = _on(pipe.device, multimodal_data_for(cfg, train))
     runs = []
     for split in splits:

@@ -51,6 +51,7 @@ from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import RankResults, launch, report_progress
+from labs.runtime.pipe import pipe_group
 from labs.theory import pipeline as theory
 from labs.theory.dims import ParallelDims, check_divides
 from labs.theory.memory import param_counts
@@ -116,7 +117,7 @@ def pipeline_worker(
     then one measured step; optionally the same with torch's pipelining. Returns what this rank
     saw."""
     pp = exercise("pipeline_parallel")
-    pipe = pp.pipe_group()
+    pipe = pipe_group()
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
     chunks = _stages(pp, pipe, model, plan, virtual)
     params = [p for c in chunks for p in c.parameters()]

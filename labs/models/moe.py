@@ -1,14 +1,16 @@
 """The course model with mixture-of-experts feed-forward layers (notebook 07).
 
     moe = MoEConfig(n_experts=8, top_k=2, capacity_factor=1.25)
-    model = build_moe_model(ModelConfig(), moe, seed=0)   # every block's MLP -> an MoE layer
-    logits, loss = model(x, y)                            # loss = cross-entropy + every layer's aux + z loss
-    swap_mlp(model, lambda i, layer: ExpertParallelMoE.from_full(layer, group=ep_group))
+    xp = exercise("expert_parallel")
+    model = build_moe_model(ModelConfig(), moe, layer=xp.MoELayer)  # every block's MLP -> MoE
+    logits, loss = model(x, y)  # loss = cross-entropy + every layer's aux + z loss
+    swap_mlp(model, lambda i, layer: xp.ExpertParallelMoE.from_full(layer, group=ep_group))
 
 The blocks are the course model's (``labs.models.transformer``), unchanged: only
 ``block.mlp`` is swapped for an MoE module, whose experts are the course model's SwiGLU
-``MLP`` with the same dimensions. The MoE modules come from the exercise module
-(``exercise("expert_parallel")``), so a learner's layer trains inside the real model.
+``MLP`` with the same dimensions. The MoE layer class is an argument: the caller passes the
+exercise module's (``exercise("expert_parallel").MoELayer``), so a learner's layer trains
+inside the real model while this module never imports learner code.
 
 Every MoE layer leaves ``layer.aux_loss`` behind after its forward (the load-balancing
 and router z-losses times their coefficients); :class:`MoETransformer` adds them to the
@@ -50,7 +52,7 @@ class MoEConfig:
 class MoETransformer(Transformer):
     """The course model whose blocks' MLPs are MoE layers; the loss adds their auxiliary losses."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, make_layer):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, make_layer: Callable[[int], nn.Module]):
         super().__init__(cfg)
         self.moe = moe
         swap_mlp(self, lambda i, _: make_layer(i))
@@ -80,17 +82,15 @@ def build_moe_model(
     cfg: ModelConfig,
     moe: MoEConfig,
     *,
+    layer: Callable[..., nn.Module],
     seed: int = 0,
     groups: int = 1,
     device: torch.device | str = "cpu",
 ) -> MoETransformer:
-    """The course model with ``exercise("expert_parallel").MoELayer`` in every block, weights from
-    ``seed`` (the course model's ``init_weights``: same seed, same weights, on every rank).
-    ``groups``: the token groups capacity and the aux loss are computed over (the single-process
-    reference of a run on ``groups`` data-parallel ranks uses one group per rank; see the exercise
-    module)."""
-    from labs.runtime.impl import exercise
-
-    layer_cls = exercise("expert_parallel").MoELayer
-    model = MoETransformer(cfg, moe, lambda i: layer_cls(cfg, moe, groups=groups))
+    """The course model with ``layer(cfg, moe, groups=groups)`` in every block (``layer``: the
+    ``MoELayer`` class of ``exercise("expert_parallel")``), weights from ``seed`` (the course
+    model's ``init_weights``: same seed, same weights, on every rank). ``groups``: the token groups
+    capacity and the aux loss are computed over (the single-process reference of a run on
+    ``groups`` data-parallel ranks uses one group per rank; see the exercise module)."""
+    model = MoETransformer(cfg, moe, lambda i: layer(cfg, moe, groups=groups))
     return init_weights(model, seed).to(device)

@@ -23,6 +23,7 @@ EXERCISES = (
     "ddp",
     "zero",
     "tensor_parallel",
+    "tensor_parallel_comm",  # notebook 04's communication operators (part 1 of its lab)
     "pipeline_parallel",
     "context_parallel",
     "expert_parallel",

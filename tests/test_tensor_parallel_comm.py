@@ -1,0 +1,14 @@
+"""Exercise 04, part 1: Megatron's conjugate operators (``tensor_parallel_comm``) forward and
+backward against their definitions, on 2 and 4 ranks."""
+
+import pytest
+
+from labs.experiments.tp_parts import check_operators
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_conjugate_operators_forward_and_backward(nproc):
+    # float64: only the rounding of the sums remains
+    for name, diff in check_operators(nproc=nproc).items():
+        assert diff["forward"] < 1e-12 and diff["backward"] < 1e-12, (name, diff)
