@@ -1,16 +1,18 @@
-"""End to end in a real browser: JupyterLab serves notebook 01, Debian's Chromium (driven by
-Playwright) runs every cell, moves a memory-calculator control, and the verdict and the chart
-change.
+"""End to end in a real browser: JupyterLab serves the course as ``scripts/course.sh`` does (the
+repository root, notebook opened from ``notebooks/``), Debian's Chromium (driven by Playwright)
+runs every cell of notebook 01, moves a memory-calculator control, and the verdict and the chart
+change; then it opens ``labs/collectives.py`` from the file browser and reads it in the editor.
 
     python -m pytest tests/test_browser.py -p no:cacheprovider     # needs /usr/bin/chromium
 
 The browser is the system's (``apt-get install chromium``), launched by path; nothing is downloaded
 (never ``playwright install``). Without it the test skips, except under ``CI=1`` where it fails.
-JupyterLab runs on 127.0.0.1 with a token, on a port the OS picks, serving a copy of the notebook
-in a temporary folder (so autosave never touches the committed one), with its own settings,
-runtime and workspace folders. The screenshot lands in the test's tmp folder and in
-``out/browser/`` (gitignored). ``LABS_BROWSER_TARGET=00`` drives notebook 00's collective
-visualizer instead (the target is a row of ``TARGETS``).
+JupyterLab runs on 127.0.0.1 with a token, on a port the OS picks, serving a temporary folder laid
+out like the repository (``notebooks/<the notebook>``, ``labs/collectives.py``: copies, so autosave
+never touches the committed files), with its own settings, runtime and workspace folders. The
+kernel runs in ``notebooks/``, as it does under ``course.sh``. The screenshots land in the test's
+tmp folder and in ``out/browser/`` (gitignored). ``LABS_BROWSER_TARGET=00`` drives notebook 00's
+collective visualizer instead (the target is a row of ``TARGETS``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ CHROMIUM_ARGS = [
 ]
 SCREENSHOTS = ROOT / "out" / "browser"
 TOKEN = "labs-browser-test-" + os.urandom(8).hex()
+# The exercise module the learner edits, opened from the file browser (course.sh serves the root).
+EDITED = Path("labs") / "collectives.py"
 # JupyterLab settings for the run: every cell in the DOM (no lazy rendering), no news pop-up.
 SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
@@ -123,11 +127,15 @@ def require_browser():
 
 @pytest.fixture
 def jupyter_lab(tmp_path):
-    """A JupyterLab server on a copy of the target notebook: yields (base URL, served folder)."""
+    """A JupyterLab server on a folder laid out like the repository (the target notebook in
+    ``notebooks/``, ``labs/collectives.py``), as course.sh serves it: yields (base URL, served
+    folder)."""
     require_browser()
     served = tmp_path / "served"
-    served.mkdir()
-    shutil.copy(ROOT / "notebooks" / target().notebook, served)
+    (served / "notebooks").mkdir(parents=True)
+    (served / EDITED.parent).mkdir(parents=True)
+    shutil.copy(ROOT / "notebooks" / target().notebook, served / "notebooks")
+    shutil.copy(ROOT / EDITED, served / EDITED)
     for name, value in SETTINGS.items():
         path = tmp_path / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +230,29 @@ def _text(page, selector: str | None) -> str | None:
     return page.locator(selector).first.text_content().strip() if selector else None
 
 
+def _open_from_file_browser(page, path: Path) -> str:
+    """Open ``path`` (relative to the served root) by double-clicking through the file browser, as
+    a learner does; return the text the editor shows (its first screen: CodeMirror renders only the
+    visible lines)."""
+    browser = page.locator(".jp-FileBrowser").first
+    if not browser.is_visible():  # the left sidebar may start collapsed; its tab toggles it
+        page.locator(".jp-SideBar [data-id='filebrowser']").first.click()
+    browser.wait_for(state="visible")
+    browser.locator(".jp-BreadCrumbs-home").first.click()
+    for part in path.parts:
+        item = page.locator(
+            ".jp-FileBrowser .jp-DirListing-item", has=page.get_by_text(part, exact=True)
+        )
+        item.first.dblclick()
+    editor = page.locator(".jp-FileEditor .cm-content").first
+    editor.wait_for()
+    page.wait_for_function(
+        "() => { const e = document.querySelector('.jp-FileEditor .cm-content');"
+        " return e !== null && e.textContent.trim().length > 0; }"
+    )
+    return "\n".join(editor.locator(".cm-line").all_text_contents())
+
+
 @pytest.mark.parametrize("ci, outcome", [("1", pytest.fail.Exception), ("", pytest.skip.Exception)])
 def test_without_chromium_the_test_skips_except_under_ci(monkeypatch, ci, outcome):
     monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", Path("/nonexistent/chromium"))
@@ -238,9 +269,9 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
     goal = target()
     stem = goal.notebook.split("_")[0]
     shot = tmp_path / f"notebook{stem}.png"
-    code_cells = sum(
-        c.cell_type == "code" for c in nbformat.read(served / goal.notebook, as_version=4).cells
-    )
+    editor_shot = tmp_path / "editor.png"
+    notebook = served / "notebooks" / goal.notebook
+    code_cells = sum(c.cell_type == "code" for c in nbformat.read(notebook, as_version=4).cells)
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"),
@@ -252,7 +283,7 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
         page = browser.pages[0] if browser.pages else browser.new_page()
         page.set_default_timeout(120_000)
         try:
-            page.goto(f"{base}/lab/tree/{goal.notebook}?token={TOKEN}")
+            page.goto(f"{base}/lab/tree/notebooks/{goal.notebook}?token={TOKEN}")
             page.wait_for_function(KERNEL_IDLE)
             page.wait_for_function(
                 f"() => document.querySelectorAll('.jp-Notebook .jp-CodeCell').length "
@@ -283,11 +314,17 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
                 assert after[0].startswith(goal.flips[1] + ":"), after[0]
             page.locator(goal.verdict or goal.chart).first.scroll_into_view_if_needed()
             page.screenshot(path=str(shot))
+            shown = _open_from_file_browser(page, EDITED)
+            page.screenshot(path=str(editor_shot))
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"))
             raise
         finally:
             browser.close()
+    first_lines = (served / EDITED).read_text().splitlines()[:3]
+    for line in first_lines:
+        assert line.strip() in shown, f"the editor does not show {line!r} of {EDITED}:\n{shown}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, SCREENSHOTS / shot.name)
-    print(f"verdict: {before[0]!r} -> {after[0]!r}; screenshot {SCREENSHOTS / shot.name}")
+    shutil.copy(editor_shot, SCREENSHOTS / editor_shot.name)
+    print(f"verdict: {before[0]!r} -> {after[0]!r}; screenshots in {SCREENSHOTS}")
