@@ -13,7 +13,9 @@ What the release holds, and how it differs from this (the instructor's) reposito
                             and the runtime tests; not the instructor-only files below
 ``conftest.py``             defaults ``LABS_IMPL`` to ``labs`` (here it defaults to solutions)
 ``scripts/test.sh``         runs the suite on the learner's code (here: on the solutions)
-``README.md``               a first paragraph saying this is the student release
+``README.md``               a first paragraph saying this is the student release and how
+                            its loop goes (edit, ``python -m labs.check``, hint); the
+                            tests run on the learner's code, not the solutions
 ``.release.json``           the course commit it came from, its exercises, notebooks and tests
 not shipped                 ``solutions/``, ``hidden_tests/``, ``.ci/``; the instructor tools
                             ``labs/release.py``, ``labs/grade.py``, ``labs/grading/``,
@@ -44,6 +46,7 @@ from pathlib import Path
 import nbformat
 
 from labs import stubs
+from labs.check import lab_of_test_file  # the rule labs.check and labs.grade use too
 from labs.runtime.impl import EXERCISES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,17 +77,28 @@ REWRITTEN = (
 USES_SOLUTIONS = re.compile(
     r"(^|\W)(import|from)\s+solutions\b|[\"']solutions[\"']|LABS_IMPL\W{0,4}solutions", re.M
 )
-RELEASE_CONFTEST = '''"""Test settings of the student release: your code in labs/ runs (LABS_IMPL defaults to labs)."""
+RELEASE_CONFTEST = '''"""Test settings of the student release: your code in labs/ runs
+(LABS_IMPL defaults to labs)."""
 
 import os
 
 os.environ.setdefault("LABS_IMPL", "labs")
 '''
 README_BANNER = (
-    "> **Student release.** The reference solutions are not included: every exercise module in `labs/` "
-    "is yours to write, and the tests and notebooks run your code (`LABS_IMPL=labs`, the default). "
-    "`bash scripts/test.sh` runs the public tests.\n\n"
+    "> **Student release.** The reference solutions are not included: every exercise module in "
+    "`labs/` is yours to write, and the tests and notebooks run **your** code (`LABS_IMPL=labs`, "
+    "the default).\n>\n"
+    "> **The loop.** `bash scripts/course.sh` opens JupyterLab on the whole course: open "
+    "`labs/<exercise>.py` from its file browser (each notebook says which), write the function "
+    "it asks for, then re-run the notebook's lab and check cells, or run "
+    "`python -m labs.check <exercise>` in a terminal: one PASS or FAIL line per test of that "
+    "exercise, run on your code, with the reason and, when the check has one, a hint. Read it, "
+    "edit, re-run, until every line says PASS. `bash scripts/test.sh` runs all the public tests "
+    "on your code.\n\n"
 )
+# The instructor's README describes the suite running on the solutions; in the release it runs
+# on the learner's code.
+README_ON_SOLUTIONS = re.compile(r"against the reference\s+solutions")
 
 
 def exercise_names() -> list[str]:
@@ -96,16 +110,6 @@ def exercise_names() -> list[str]:
 def exercise_notebook(name: str) -> str | None:
     """The notebook file the solution module of ``name`` names in ``NOTEBOOK = "..."``."""
     return stubs.notebook_name((ROOT / "solutions" / f"{name}.py").read_text())
-
-
-def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
-    """The exercise a test file belongs to, by name: ``test_<exercise>.py`` or
-    ``test_<exercise>_<more>.py`` (``test_<exercise>_hidden.py`` in hidden tests). The longest
-    matching name wins (``tensor_parallel`` before a shorter one that prefixes it)."""
-    for name in sorted(exercises, key=len, reverse=True):
-        if path.stem == f"test_{name}" or path.stem.startswith(f"test_{name}_"):
-            return name
-    return None
 
 
 def source_files() -> list[str]:
@@ -165,7 +169,8 @@ def learner_test_script(text: str) -> str:
     new = re.sub(r"against the reference\s+solutions", "against your code in labs/", new)
     if new == text:
         raise ValueError(
-            "scripts/test.sh no longer sets LABS_IMPL=solutions; update labs.release.learner_test_script"
+            "scripts/test.sh no longer sets LABS_IMPL=solutions; "
+            "update labs.release.learner_test_script"
         )
     return new
 
@@ -188,6 +193,7 @@ def _transform(rel: str, text: str) -> str:
             line for line in text.splitlines(keepends=True) if "LABS_IMPL=solutions" not in line
         )
     if rel == "README.md":
+        text = README_ON_SOLUTIONS.sub("against your code in `labs/`", text)
         lines = text.split("\n", 2)  # keep the title first
         return "\n".join(lines[:2]) + "\n" + README_BANNER + (lines[2] if len(lines) > 2 else "")
     return text
@@ -299,6 +305,9 @@ def check_release(path: Path) -> list[str]:
             c.get("outputs") or c.get("execution_count") for c in nb.cells
         ):
             problems.append(f"notebooks/{nb_path.name} has outputs or widget state")
+    readme = path / "README.md"
+    if readme.exists() and README_ON_SOLUTIONS.search(readme.read_text()):
+        problems.append("README.md says the tests run against the reference solutions")
     for f in [path / "conftest.py", *sorted((path / "scripts").glob("*"))]:
         if f.is_file() and USES_SOLUTIONS.search(f.read_text()):
             problems.append(f"{f.relative_to(path)} selects the solutions")
@@ -329,9 +338,11 @@ def main(argv=None) -> int:
     problems = check_release(out)
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
+    exercises, notebooks, tests = (
+        len(manifest[key]) for key in ("exercises", "notebooks", "public_tests")
+    )
     print(
-        f"wrote {out}: {len(manifest['exercises'])} exercise stubs, {len(manifest['notebooks'])} notebooks, "
-        f"{len(manifest['public_tests'])} public test files"
+        f"wrote {out}: {exercises} exercise stubs, {notebooks} notebooks, {tests} public test files"
     )
     if args.archive:
         archive = shutil.make_archive(str(out), "zip", root_dir=out.parent, base_dir=out.name)

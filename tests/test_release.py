@@ -83,6 +83,16 @@ def test_the_switch_defaults_to_the_learners_code(released):
     assert "Student release" in (out / "README.md").read_text().split("\n\n")[1]
 
 
+def test_the_readme_tells_the_learner_the_loop_and_that_tests_run_on_their_code(released):
+    out, _ = released
+    readme = (out / "README.md").read_text()
+    assert "against the reference solutions" in (ROOT / "README.md").read_text().replace("\n", " ")
+    assert not release.README_ON_SOLUTIONS.search(readme)
+    banner = readme.split("\n\n")[1]
+    for step in ("labs/<exercise>.py", "python -m labs.check <exercise>", "hint", "your code"):
+        assert step in banner, step
+
+
 def test_learner_test_script_refuses_an_unknown_layout():
     with pytest.raises(ValueError, match="no longer sets LABS_IMPL=solutions"):
         release.learner_test_script("exec pytest\n")

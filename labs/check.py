@@ -1,0 +1,250 @@
+"""Check one exercise: run its tests on your code and print a verdict per test.
+
+    python -m labs.check collectives          # your labs/collectives.py
+    python -m labs.check ddp -k naive         # only the tests whose name matches "naive"
+    python -m labs.check ddp --impl solutions # the reference, to see what passing looks like
+
+The learner's loop: edit ``labs/<exercise>.py``, re-run the notebook's check cell or this
+command, read each failing test's reason (and its hint, when the check gives one), repeat.
+
+Which tests run: the tests marked ``exercise`` in ``tests/test_<exercise>.py`` and
+``tests/test_<exercise>_*.py`` (:func:`lab_of_test_file` is the rule; ``labs.release`` and
+``labs.grade`` use the same one), with ``LABS_IMPL=labs``: on **your** code, whatever the
+environment says, unless ``--impl`` asks for the reference.
+
+What it prints, one line per test as it ends, then a summary::
+
+    PASS  test_collectives.py::test_ring_all_reduce_equals_dist_all_reduce[2]
+    FAIL  test_ddp.py::test_naive_ddp_matches_reference[4]: gradients differ at step 1 ...
+          hint: gradients are 4x the reference: did you divide by the world size?
+    FAIL  test_zero.py::test_zero1[4]: not written yet: FlatUnit.flatten
+
+The reason is the first line of the failure's message; a line of that message that starts
+with ``hint:`` is printed under it.
+
+Exit status: 0 when every test passes; 1 when a test fails; 2 for bad arguments (an unknown
+exercise, a ``-k`` that selects nothing); 3 when the only failures are exercises not written yet
+(``NotImplementedError``), as ``python -m labs.run`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from labs.runtime.impl import EXERCISES, IMPL_ENV, IMPLEMENTATIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+UNWRITTEN = re.compile(r"exercise (\S+) is not written yet")
+HINT = re.compile(r"^\s*hint:\s*(.+)$", re.M)
+
+
+def lab_of_test_file(path: Path, exercises: list[str]) -> str | None:
+    """The exercise a test file belongs to, by name: ``test_<exercise>.py`` or
+    ``test_<exercise>_<more>.py`` (``test_<exercise>_hidden.py`` in hidden tests). The longest
+    matching name wins (``tensor_parallel`` before a shorter one that prefixes it)."""
+    for name in sorted(exercises, key=len, reverse=True):
+        if path.stem == f"test_{name}" or path.stem.startswith(f"test_{name}_"):
+            return name
+    return None
+
+
+def exercise_test_files(name: str, tests: Path = TESTS) -> list[Path]:
+    """The test files of exercise ``name`` in the folder ``tests``."""
+    return [
+        path
+        for path in sorted(tests.glob("test_*.py"))
+        if lab_of_test_file(path, list(EXERCISES)) == name
+    ]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one test ended."""
+
+    test: str  # "test_ddp.py::test_naive[4]"
+    outcome: str  # "PASS", "FAIL" or "SKIP"
+    reason: str = ""  # the first line of the failure's message, or why it was skipped
+    hint: str = ""  # the message's "hint:" line, if it has one
+    unwritten: str = ""  # the exercise function that raised NotImplementedError
+
+    def lines(self) -> list[str]:
+        """The verdict as printed: one line, and the hint under it."""
+        head = f"{self.outcome}  {self.test}" + (f": {self.reason}" if self.reason else "")
+        return [head] + ([f"      hint: {self.hint}"] if self.hint else [])
+
+
+def _short(nodeid: str) -> str:
+    return nodeid.rsplit("/", 1)[-1]
+
+
+def verdict_of(nodeid: str, outcome: str, message: str) -> Verdict:
+    """A test's verdict from pytest's outcome ("passed", "failed", "skipped") and the message of
+    what ended it (a failure's exception, a skip's reason)."""
+    test = _short(nodeid)
+    if outcome == "passed":
+        return Verdict(test, "PASS")
+    if outcome == "skipped":
+        return Verdict(test, "SKIP", message.strip().removeprefix("Skipped: "))
+    unwritten = UNWRITTEN.search(message)
+    if unwritten and "NotImplementedError" in message:
+        function = unwritten.group(1)
+        return Verdict(test, "FAIL", f"not written yet: {function}", unwritten=function)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    first = lines[0] if lines else "failed (no message)"
+    hint = HINT.search(message)
+    return Verdict(
+        test,
+        "FAIL",
+        first.removeprefix("AssertionError: "),
+        hint=hint.group(1).strip() if hint else "",
+    )
+
+
+def _message(report) -> str:
+    """The message of what ended a test: the exception's, or a skip's reason."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return crash.message
+    if isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
+        return str(report.longrepr[-1])
+    return report.longreprtext
+
+
+class VerdictPrinter:
+    """pytest plugin: a verdict for every test (and every file that fails to collect), printed
+    the moment it is known."""
+
+    def __init__(self, out=None):
+        self.out = out or sys.stdout
+        self.verdicts: list[Verdict] = []
+        self.collected = 0
+
+    def _add(self, verdict: Verdict) -> None:
+        self.verdicts.append(verdict)
+        for line in verdict.lines():
+            print(line, file=self.out, flush=True)
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            first = _message(report).strip().splitlines() or ["cannot be collected"]
+            self._add(Verdict(_short(report.nodeid) or "tests", "FAIL", first[-1]))
+
+    def pytest_collection_finish(self, session) -> None:
+        self.collected = len(session.items)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        # one verdict per test: its call, or the setup that stopped it; a failed teardown adds one
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self._add(verdict_of(report.nodeid, report.outcome, _message(report)))
+        elif report.when == "teardown" and report.failed:
+            failed = verdict_of(report.nodeid, "failed", _message(report))
+            self._add(Verdict(failed.test + " (teardown)", "FAIL", failed.reason, failed.hint))
+
+
+def exit_status(verdicts: list[Verdict]) -> int:
+    """0: all pass; 1: a test fails for a reason other than unwritten code; 3: only unwritten
+    exercises fail."""
+    failed = [v for v in verdicts if v.outcome == "FAIL"]
+    if any(not v.unwritten for v in failed):
+        return 1
+    return 3 if failed else 0
+
+
+def summary(name: str, impl: str, verdicts: list[Verdict]) -> list[str]:
+    """The closing lines: counts, then what to do next."""
+    module = f"{impl}/{name}.py"
+    passed = sum(v.outcome == "PASS" for v in verdicts)
+    unwritten = sorted({v.unwritten for v in verdicts if v.unwritten})
+    failed = sum(v.outcome == "FAIL" and not v.unwritten for v in verdicts)
+    lines = [
+        f"{name}: {passed} passed, {failed} failed, "
+        f"{sum(bool(v.unwritten) for v in verdicts)} waiting for code not written yet "
+        f"(tests run on {module})"
+    ]
+    status = exit_status(verdicts)
+    if status == 0:
+        lines.append("PASS: every check of this exercise passes.")
+    elif status == 3:
+        lines.append(
+            f"Not written yet in {module}: {', '.join(unwritten)}. Each docstring is the task; "
+            f"write them, then run `python -m labs.check {name}` again."
+        )
+    else:
+        lines.append(
+            f"FAIL: edit {module} (read the reasons and hints above), then re-run the "
+            f"notebook's check cell or `python -m labs.check {name}`."
+        )
+    return lines
+
+
+def check(
+    name: str,
+    impl: str = "labs",
+    keyword: str | None = None,
+    timeout: float | None = None,
+    tests: Path = TESTS,
+) -> tuple[int, list[Verdict]]:
+    """Run exercise ``name``'s tests (from the folder ``tests``) on ``impl``'s code in this
+    process, printing each verdict; returns (exit status, verdicts)."""
+    import pytest
+
+    if name not in EXERCISES:
+        raise ValueError(f"unknown exercise {name!r}; choose from {', '.join(EXERCISES)}")
+    files = exercise_test_files(name, tests)
+    if not files:
+        raise ValueError(
+            f"no test file covers exercise {name!r} (looked for {tests}/test_{name}*.py)"
+        )
+    os.environ[IMPL_ENV] = impl  # the tests, and every rank they launch, run this implementation
+    args = [*map(str, files), "-m", "exercise", "-p", "no:terminal", "-p", "no:cacheprovider"]
+    args += ["-k", keyword] if keyword else []
+    args += [f"--timeout={timeout:g}"] if timeout else []
+    printer = VerdictPrinter()
+    print(f"checking {name}: the tests marked exercise in {', '.join(f.name for f in files)}")
+    code = pytest.main(args, plugins=[printer])
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED or (not printer.verdicts and code == 0):
+        raise ValueError(f"no test of exercise {name!r} matches -k {keyword!r}")
+    if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR):
+        raise RuntimeError(f"pytest could not run the tests (exit code {int(code)})")
+    if code == pytest.ExitCode.INTERRUPTED:
+        printer.verdicts.append(Verdict("(the rest)", "FAIL", "interrupted before the end"))
+    return exit_status(printer.verdicts), printer.verdicts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m labs.check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("exercise", choices=EXERCISES, help="the exercise module to check")
+    parser.add_argument(
+        "--impl",
+        choices=IMPLEMENTATIONS,
+        default="labs",
+        help="whose code the tests run: labs (yours, the default) or solutions (the reference)",
+    )
+    parser.add_argument("-k", dest="keyword", help="only tests whose name matches (pytest -k)")
+    parser.add_argument("--timeout", type=float, help="seconds per test (default: pyproject's)")
+    parser.add_argument(
+        "--tests",
+        type=Path,
+        default=TESTS,
+        help="the folder of test files (default: the course's tests/; e.g. hidden_tests/)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        status, verdicts = check(args.exercise, args.impl, args.keyword, args.timeout, args.tests)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print()
+    print("\n".join(summary(args.exercise, args.impl, verdicts)))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
