@@ -20,6 +20,7 @@ IMPL_ENV = "LABS_IMPL"
 IMPLEMENTATIONS = ("labs", "solutions")
 EXERCISES = (
     "collectives",
+    "activations",  # notebook 01: bytes of training state and saved activations, measured
     "ddp",
     "zero",
     "tensor_parallel",
@@ -30,6 +31,7 @@ EXERCISES = (
     "mesh",
     "inference",
     "multimodal",
+    "diagnosis",  # notebook 10: which rank to suspect, from the launcher's report
 )
 
 
