@@ -166,8 +166,11 @@ def test_bad_settings_are_clear_errors():
     for cf in (0, -1.0):
         with pytest.raises(ValueError, match="capacity_factor must be > 0"):
             MoEConfig(capacity_factor=cf)
+    # only the degrees that divide n_experts and the 4 ranks: ep=3 would fail in turn
     with pytest.raises(
-        ValueError, match=r"n_experts=6 is not divisible by ep=4; use ep in \{1,2,3,6\}"
+        ValueError,
+        match=r"n_experts=6 is not divisible by ep=4; use ep in \{1,2\} \(those that also divide "
+        r"dp\*cp=4\) or change n_experts",
     ):
         experiment.run(nproc=4, ep=4, experts=6)  # before any rank starts
     with pytest.raises(ValueError, match="ep=3 must divide"):

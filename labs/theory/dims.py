@@ -24,12 +24,26 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_divides(value: int, value_name: str, degree: int, degree_name: str) -> None:
-    """Raise if ``degree`` does not divide ``value``, listing the degrees that would."""
+def check_divides(
+    value: int,
+    value_name: str,
+    degree: int,
+    degree_name: str,
+    *,
+    also_divide: tuple[int, str] | None = None,
+) -> None:
+    """Raise if ``degree`` does not divide ``value``, listing the degrees that would; with
+    ``also_divide=(n, "name")`` only those that divide ``n`` too (the ones valid here)."""
     if value % degree:
+        choices = divisors(value)
+        where = ""
+        if also_divide is not None:
+            n, name = also_divide
+            choices = [d for d in choices if n % d == 0]
+            where = f" (those that also divide {name}={n})"
         raise ValueError(
             f"{value_name}={value} is not divisible by {degree_name}={degree}; use {degree_name}"
-            f" in {{{','.join(map(str, divisors(value)))}}} or change {value_name}"
+            f" in {{{','.join(map(str, choices))}}}{where} or change {value_name}"
         )
 
 
@@ -133,4 +147,6 @@ class ParallelDims:
                 "cp" if cp_chunks_per_rank == 1 else f"cp*{cp_chunks_per_rank}",
             )
         if n_experts is not None and self.ep > 1:
-            check_divides(n_experts, "n_experts", self.ep, "ep")
+            # ep must divide dp*cp too (__post_init__): suggest only degrees valid for both
+            dp_cp = (self.dp * self.cp, "dp*cp")
+            check_divides(n_experts, "n_experts", self.ep, "ep", also_divide=dp_cp)
