@@ -66,6 +66,7 @@ INSTRUCTOR_TESTS = (
     "tests/test_grade.py",
     "tests/test_browser.py",
     "tests/test_run_cli.py",
+    "tests/test_readme_figures.py",  # reads the notebooks' outputs, which the release clears
 )
 REWRITTEN = (
     "conftest.py",
