@@ -44,9 +44,11 @@ def test_diagnose_reports_the_error_and_no_leftovers():
 
 
 def test_straggler_shows_on_the_timeline():
-    result = failures.straggler_timeline(nproc=3, steps=3, work=160, slowdown=4.0)
+    result = failures.straggler_timeline(nproc=3, steps=4, work=160, slowdown=4.0)
+    # Each rank's quickest compute span: a rank the OS preempted (3 ranks share 2 cores, and
+    # CI may be busy) has a few long spans, but its least disturbed one shows its real work.
     compute = {
-        r: sum(e.duration for e in result["events"] if e.rank == r and e.name == "compute")
+        r: min(e.duration for e in result["events"] if e.rank == r and e.name == "compute")
         for r in range(3)
     }
     assert compute[1] > 1.5 * max(compute[0], compute[2]), compute
