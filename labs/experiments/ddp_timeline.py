@@ -25,6 +25,7 @@ from labs.experiments.ddp import DEFAULT_BUCKET_MB, Job, backward_order_bytes, b
 from labs.measure import Timeline
 from labs.measure.timeline import Event
 from labs.models.transformer import ModelConfig
+from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory.comm import all_reduce_bytes
@@ -66,7 +67,7 @@ def trace_all_reduces(timeline: Timeline):
 def overlap_worker(variant: str, job: Job) -> list[Event]:
     """One traced step after the others: forward, backward, wait for the all-reduces, optimizer."""
     ddp = exercise("ddp")
-    model = wrap(variant, build(job), bucket_mb=job.bucket_mb)
+    model = wrap(variant, build(job, rank_device()), bucket_mb=job.bucket_mb)
     optimizer = make_optimizer(model.parameters(), job.train)
     for [(x, y)] in ddp.rank_data(job.train):
         timeline = Timeline()  # a barrier, then t = 0 on every rank

@@ -1,4 +1,10 @@
-"""The device a rank computes on, and a report of what this machine offers."""
+"""The device a rank computes on, the numerics it computes with, and what this machine offers.
+
+device = rank_device()        # cuda:<LOCAL_RANK> under NCCL, else cpu
+local_rank()                  # this process's GPU on its node (LOCAL_RANK)
+DistributedDataParallel(model, device_ids=ddp_device_ids(device))
+exact_fp32()                  # TF32 off: fp32 matmuls and convolutions in full fp32
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,46 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from labs.runtime import audit
+
+
+def local_rank() -> int:
+    """This process's index among the ranks of its node, which is its GPU's index: LOCAL_RANK,
+    set by ``launch`` and by torchrun (0 when neither started this process). The one place the
+    course reads it: a rank's global rank is not its GPU once a job spans several nodes."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
 
 def rank_device() -> torch.device:
-    """``cuda:<local rank>`` when the process group runs NCCL, else ``cpu``."""
+    """``cuda:<local rank>`` when the process group runs NCCL, else ``cpu``. Under the device
+    audit (``labs.runtime.audit``), its stand-in for the GPU, ``cpu:<local rank>``."""
+    stand_in = audit.stand_in()
+    if stand_in is not None:
+        return stand_in
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        return torch.device("cuda", local_rank())
     return torch.device("cpu")
+
+
+def ddp_device_ids(device: torch.device | None = None) -> list[int] | None:
+    """``device_ids`` for torch's ``DistributedDataParallel``: ``[index]`` of this rank's GPU
+    (``device``, default ``rank_device()``), None on the CPU. The audit checks it on its
+    stand-in."""
+    device = device or rank_device()
+    if device.type == "cuda" or device == audit.stand_in():
+        return [device.index]
+    return None
+
+
+def exact_fp32() -> None:
+    """Turn TF32 off for fp32 matmuls (cuBLAS) and convolutions (cuDNN), in this process.
+
+    On Ampere and newer GPUs TF32 rounds a matmul's inputs to 10 mantissa bits (~5e-4
+    relative), and cuDNN uses it for convolutions by default: a parallel run and its reference
+    would then differ by far more than the course's 1e-5. Every rank calls this at start, and so
+    does the single-process reference. A no-op on a machine without CUDA."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def synchronize(device: torch.device | None = None) -> None:

@@ -31,6 +31,7 @@ and across nodes.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import multiprocessing as mp
@@ -47,6 +48,8 @@ from multiprocessing import connection
 import torch
 import torch.distributed as dist
 
+from labs.runtime import audit
+from labs.runtime.device import exact_fp32, local_rank
 from labs.runtime.errors import LaunchTimeout, raise_failure, read_stderr
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -119,6 +122,8 @@ def launch(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if under_torchrun():
         return _join_torchrun_job(fn, nprocs, args, backend, timeout)
+    # The device audit (tests): ranks that would run NCCL on a GPU box, so not a forced gloo.
+    audit_label = audit.lab_label(fn) if audit.requested() and backend != "gloo" else None
     backend = choose_backend(nprocs, backend)
     method = start_method or _default_start_method()
     if method not in ("fork", "spawn"):
@@ -130,7 +135,9 @@ def launch(
         )
     if method == "spawn":
         _check_picklable(fn)
-    return _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}))
+    return _run_ranks(
+        fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
+    )
 
 
 def report_progress(n: int = 1) -> None:
@@ -156,7 +163,9 @@ def _check_picklable(fn) -> None:
         )
 
 
-def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) -> RankResults:
+def _run_ranks(
+    fn, nprocs, args, backend, timeout, method, progress, desc, env, audit_label
+) -> RankResults:
     if method == "fork":
         # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
         # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
@@ -187,6 +196,7 @@ def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) 
                         conns + [parent_end],
                         stderr_paths[rank],
                         env,
+                        audit_label,
                     ),
                 )
                 p.start()
@@ -303,9 +313,20 @@ def _progress_bar(total, desc):
 
 
 def _rank_main(
-    fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends, stderr_path, env
+    fn,
+    args,
+    rank,
+    world_size,
+    store_path,
+    backend,
+    timeout,
+    conn,
+    parent_ends,
+    stderr_path,
+    env,
+    audit_label,
 ):
-    """Entry point of one launched rank."""
+    """Entry point of one launched rank (under the device audit when ``audit_label`` is set)."""
     global _parent_conn
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -332,9 +353,11 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        _init_rank(rank, world_size, backend, timeout, store_path)
-        used = dist.get_backend()  # read now: fn may destroy the process group
-        message = ("ok", _to_cpu(fn(*args)), used)
+        with audit.audited(audit_label, rank) if audit_label else contextlib.nullcontext():
+            _init_rank(rank, world_size, backend, timeout, store_path)
+            used = dist.get_backend()  # read now: fn may destroy the process group
+            result = fn(*args)
+        message = ("ok", _to_cpu(result), used)
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures too
         tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # skip this frame
         message = ("error", type(e).__name__, str(e), "".join(tb))
@@ -373,14 +396,31 @@ def _to_cpu(result):
 
 
 def _init_rank(rank, world_size, backend, timeout, store_path):
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+        device_id=_bind_device(backend),
     )
+
+
+def _bind_device(backend: str) -> torch.device | None:
+    """Prepare this rank for ``backend``; returns the device to bind the process group to.
+
+    NCCL: this rank's GPU (``local_rank()``) becomes the current device, and the process group is
+    bound to it (``device_id``: NCCL connects at once, and no collective has to guess the GPU).
+    gloo: one intra-op thread per rank, so N ranks do not fight over the cores. Both: TF32 off,
+    since the labs compare fp32 results with a reference to 1e-5 (``exact_fp32``)."""
+    exact_fp32()
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(1)
+    return None
 
 
 def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
@@ -389,18 +429,16 @@ def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
         raise ValueError(
             f"nprocs={nprocs} but torchrun started WORLD_SIZE={world} ranks; pass --nproc {world}"
         )
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    audited = audit.requested() and backend != "gloo" and not dist.is_initialized()
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(1)
     joined_here = not dist.is_initialized()
-    if joined_here:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    used = dist.get_backend()
-    result = fn(*args)
+    with audit.audited(audit.lab_label(fn), local_rank()) if audited else contextlib.nullcontext():
+        if joined_here:
+            device = _bind_device(backend)
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device)
+        used = dist.get_backend()
+        result = fn(*args)
     gathered = [None] * world
     dist.all_gather_object(gathered, _to_cpu(result))
     if joined_here:
