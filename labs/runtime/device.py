@@ -58,6 +58,21 @@ def exact_fp32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def deterministic_algorithms() -> None:
+    """On a GPU rank, make every kernel that torch can make deterministic so: a rerun, or another
+    rank computing the same thing, gets the same bits (the table's rules with ``deterministic``
+    in ``labs.train``). cuDNN picks deterministic convolutions, the embedding and index backwards
+    stop adding with atomics, and cuBLAS keeps a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``,
+    read when this process first uses cuBLAS, so call this before the first matmul). An op torch
+    has no deterministic version of only warns. A no-op off the GPU: the CPU's kernels are."""
+    if rank_device().type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def synchronize(device: torch.device | None = None) -> None:
     """Wait for queued GPU work before reading a clock; nothing to wait for on CPU."""
     device = device or rank_device()
