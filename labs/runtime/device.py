@@ -18,6 +18,28 @@ import torch.distributed as dist
 
 from labs.runtime import audit
 
+BACKENDS = ("auto", "gloo", "nccl")
+# Count GPUs through NVML, not the CUDA runtime: a CUDA call in this process would make every
+# forked rank's CUDA fail ("initialization error"). torch reads this at each device_count() call.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
+def choose_backend(nprocs: int, backend: str = "auto") -> str:
+    """'nccl' when asked for or when this machine has a GPU per rank of a launch of ``nprocs``
+    ranks on it, else 'gloo'. Validates the choice. (A torchrun job spans nodes: its ranks do not
+    ask this, see ``labs.runtime.launcher``.)"""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < nprocs:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible;"
+            f" use nprocs<={gpus} or backend='gloo'"
+        )
+    if backend == "auto":
+        return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
+    return backend
+
 
 def local_rank() -> int:
     """This process's index among the ranks of its node, which is its GPU's index: LOCAL_RANK,
@@ -113,7 +135,6 @@ def gpu_names() -> list[str]:
 def environment_report() -> dict[str, object]:
     """What the course will run on here: versions, cores, GPUs and the backend ``launch`` picks."""
     from labs.runtime.impl import implementation
-    from labs.runtime.launcher import choose_backend
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -49,15 +50,24 @@ import torch
 import torch.distributed as dist
 
 from labs.runtime import audit
-from labs.runtime.device import exact_fp32, local_rank
+
+# choose_backend lives with the device choice; its name stays importable from here. (The device
+# module also asks torch to count GPUs through NVML, so that this process never initialises CUDA.)
+from labs.runtime.device import BACKENDS, choose_backend, exact_fp32, local_rank
 from labs.runtime.errors import LaunchTimeout, raise_failure, read_stderr
 
-BACKENDS = ("auto", "gloo", "nccl")
-# Count GPUs through NVML, not the CUDA runtime: a CUDA call in this process would make every
-# forked rank's CUDA fail ("initialization error"). torch reads this at each device_count() call.
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+__all__ = [
+    "BACKENDS",
+    "RankResults",
+    "choose_backend",
+    "launch",
+    "report_progress",
+    "under_torchrun",
+]
 # The channel to the parent, set in each launched rank (None under torchrun).
 _parent_conn = None
+# Launches so far in this torchrun worker (all its ranks launch the same sequence).
+_torchrun_launches = itertools.count()
 
 
 class RankResults(list):
@@ -73,21 +83,6 @@ class RankResults(list):
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher that sets RANK)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def choose_backend(nprocs: int, backend: str = "auto") -> str:
-    """'nccl' when asked for or when there is a GPU per rank, else 'gloo'. Validates the choice."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "nccl" and gpus < nprocs:
-        raise ValueError(
-            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible;"
-            f" use nprocs<={gpus} or backend='gloo'"
-        )
-    if backend == "auto":
-        return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
-    return backend
 
 
 def launch(
@@ -436,7 +431,19 @@ def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
     with audit.audited(audit.lab_label(fn), local_rank()) if audited else contextlib.nullcontext():
         if joined_here:
             device = _bind_device(backend)
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device)
+            store, rank, world_size = next(dist.rendezvous("env://"))
+            # Each launch of this job meets under a fresh prefix: the previous launch's group
+            # left its keys in torchrun's store, and a rank reading those would connect to a
+            # socket that is closed ("Connection refused"), one launch in a few.
+            store = dist.PrefixStore(f"labs-launch-{next(_torchrun_launches)}", store)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+                device_id=device,
+            )
         used = dist.get_backend()
         result = fn(*args)
     gathered = [None] * world

@@ -10,9 +10,10 @@ tokens back to the first stage that way).
     received = p2p(pipe, send_next=out, recv_next=shape)      # one batch of sends and receives
     grad = received.from_next                                 # [b, T, H], bf16
 
-A message is a tensor of the stages' compute dtype (``Pipe.dtype``) on this rank's device: the
-receiver allocates it from the shape it expects, and a send in another dtype is refused, since a
-receiver of the wrong dtype would read garbage or wait for bytes that never come.
+An activation or gradient travels in the stages' compute dtype (``Pipe.dtype``) on this rank's
+device: the receiver allocates it from the shape it expects, and a floating-point send in another
+dtype is refused, since a receiver of the wrong dtype would read garbage or wait for bytes that
+never come.
 
 Everything is point to point on the pipeline's group; the schedules built on it are the exercises.
 """
@@ -79,14 +80,15 @@ def p2p(
     waited for.
 
     ``send_next`` / ``send_prev``: tensors for the next / previous stage; ``recv_prev`` /
-    ``recv_next``: shapes (e.g. [b, T, H]) to receive from them. Everything travels in ``dtype``
-    (default ``pipe.dtype``, the stages'); a send in another dtype is a ValueError. A send and a
+    ``recv_next``: shapes (e.g. [b, T, H]) to receive from them, in ``dtype`` (default
+    ``pipe.dtype``, the stages'). A floating-point send in another dtype is a ValueError (integer
+    messages, e.g. generated token ids, go as they are). A send and a
     receive posted in one batch cannot deadlock when both neighbours send at once (1F1B's steady
     state).
     """
     dtype = dtype or pipe.dtype
     for name, tensor in (("send_next", send_next), ("send_prev", send_prev)):
-        if tensor is not None and tensor.dtype != dtype:
+        if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             raise ValueError(
                 f"{name} is {tensor.dtype} but this pipe's messages are {dtype}: build the pipe"
                 f" with pipe_group(..., dtype={tensor.dtype}) (the stages' dtype)"
