@@ -56,9 +56,9 @@ from torch.overrides import TorchFunctionMode
 
 AUDIT_ENV = "LABS_DEVICE_AUDIT"
 AUDIT_LOG_ENV = "LABS_DEVICE_AUDIT_LOG"
-# the attribute a host tensor carries: where it was made
+# the attribute a host tensor carries: where it was made ("at file:line (function)", or this)
 _MARK = "_labs_host_tensor"
-BEFORE_RANK = "before the rank started (in the launching process)"
+BEFORE_RANK = "before the rank started, in the launching process"
 
 # The tensor-carrying calls of torch.distributed (object collectives pickle, so any device is
 # fine for them; barrier carries nothing).
@@ -193,6 +193,11 @@ def course_site() -> str:
     return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
+def _made_at() -> str:
+    """A host tensor's origin: ``at file:line (function)`` of the course code making it."""
+    return f"at {course_site()}"
+
+
 def _short(path: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
     return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
@@ -269,7 +274,7 @@ class _Audit:
                 origin = _origin(t)
                 if origin is not None:
                     self.violation(
-                        f"{op}() got a CPU tensor {tuple(t.shape)} {t.dtype} (made at {origin})",
+                        f"{op}() got a CPU tensor {tuple(t.shape)} {t.dtype} (made {origin})",
                         "Under NCCL this crashes: make it on rank_device(), or move it with"
                         " .to(rank_device()).",
                     )
@@ -279,7 +284,7 @@ class _Audit:
             origin = _origin(t)
             if origin is not None:
                 self.violation(
-                    f"{op} got a module whose {name} is on the CPU (made at {origin})",
+                    f"{op} got a module whose {name} is on the CPU (made {origin})",
                     "Move the module with .to(rank_device()) first.",
                 )
                 return
@@ -500,7 +505,7 @@ class _HostTensorMode(TorchFunctionMode):
         if big:
             self.audit.violation(
                 f"{name}() mixes a device tensor with a CPU tensor {tuple(big[0].shape)}"
-                f" (made at {_origin(big[0])})",
+                f" (made {_origin(big[0])})",
                 "On a GPU this raises 'Expected all tensors to be on the same device': make"
                 " the CPU tensor on rank_device().",
             )
@@ -535,7 +540,7 @@ class _HostTensorMode(TorchFunctionMode):
         # parameters). torch's code that names "cpu" has read it off a tensor: it follows that.
         on_host = device.type == "cpu" and not on_device
         if on_host and (given is None or not caller.startswith(_TORCH_DIR)):
-            self._follow(out, course_site(), [])
+            self._follow(out, _made_at(), [])
         return out
 
     # -- .to(...) and .cpu(): the target decides
@@ -549,7 +554,7 @@ class _HostTensorMode(TorchFunctionMode):
             if device is None or (device.type == "cpu" and device != self.audit.device):
                 origin = _origin(t)
                 if device is not None and not _caller_file().startswith(_TORCH_DIR):
-                    origin = origin or course_site()  # the course moves it to the host
+                    origin = origin or _made_at()  # the course moves it to the host
             elif device == self.audit.device:
                 origin = None
             else:
