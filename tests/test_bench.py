@@ -361,3 +361,23 @@ def test_throughput_halves_the_micro_batch_on_out_of_memory(monkeypatch):
     )
     assert tried == [8, 4, 2] and row["status"] == "ok" and row["micro_batch"] == 2
     assert row["tokens_per_s"] == 2 * 2 * cfg["seq_len"] / 0.5  # world x micro-batch x seq per step
+
+
+def test_a_configuration_that_needs_more_ranks_than_gpus_is_not_exercised(monkeypatch):
+    """With one GPU every lab runs at world size 1; a configuration the lab refuses there is
+    "not exercised" (listed, never passed), while one refused at the lab's own ranks fails."""
+    import time
+
+    def fake_run_lab(lab, *, nproc, **kw):
+        if nproc < 2:
+            return [{"lab": lab, "config": "mode=pp", "status": "invalid", "note": "needs 2"}]
+        return [{"lab": lab, "config": "", "status": "invalid", "note": "bad option"}]
+
+    monkeypatch.setattr(bench, "run_lab", fake_run_lab)
+    args = dict(steps=2, timeout=60, vs_torch=False, deadline=time.monotonic() + 60)
+    plans = {"multimodal": gpu_check.lab_plan(4, 1, "auto")}
+    [row] = gpu_check.check_labs(["multimodal"], plans, log=lambda _: None, **args)
+    assert row["status"] == "not exercised" and not row["passed"]
+    plans = {"multimodal": gpu_check.lab_plan(4, 8, "auto")}
+    [row] = gpu_check.check_labs(["multimodal"], plans, log=lambda _: None, **args)
+    assert row["status"] == "invalid" and not row["passed"]

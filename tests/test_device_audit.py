@@ -167,7 +167,7 @@ LAB_RUNS = {
     "mesh-dp-cp-zero3": ["mesh", "--nproc", "4", "--dp", "2", "--cp", "2", "--zero", "3"],
     "infer": ["infer", "--mode", "both"],
     "infer-hf-llama": ["infer", "--mode", "both", "--model", "hf-llama"],
-    "multimodal-pp": ["multimodal", "--mode", "pp"],
+    "multimodal-pp-timeline": ["multimodal", "--mode", "pp", "--timed-steps", "1"],
     "multimodal-dp": ["multimodal", "--mode", "dp", "--vs-torch"],
     "multimodal-tp": ["multimodal", "--mode", "tp"],
 }

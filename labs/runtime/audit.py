@@ -240,6 +240,8 @@ def _module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
 
 
 class _Audit:
+    """One rank's audit: its stand-in device, the checks, and what it patches while it runs."""
+
     def __init__(self, label: str, local_rank: int, log_path: str | None):
         self.label = label
         self.device = torch.device("cpu", local_rank)
