@@ -326,6 +326,9 @@ def test_notebook_phase_reports_failures(tmp_path):
 def test_throughput_halves_the_micro_batch_on_out_of_memory(monkeypatch):
     import time
 
+    # imported before the patch: a module that imports ``launch`` while it is patched would keep
+    # the fake for the rest of the session
+    import labs.experiments.zero  # noqa: F401
     from labs.runtime import launcher
 
     tried = []
