@@ -66,6 +66,8 @@ def plan_with_encoder(
     ``rebalanced_memory``). Times: FLOPs at ``peak_tflops`` times the planner's efficiency, plus
     the decoder's exposed communication."""
     seq = enc.tokens + text_tokens
+    # the lab's pipeline is 1F1B over micro-batches of one sample unless told otherwise
+    assumptions = {"mbs": 1, "schedule": "1f1b", **assumptions}
     if layout is None:
         p = planner.plan(
             spec,
