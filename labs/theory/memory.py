@@ -297,9 +297,7 @@ def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
     return n_layers // pp + (1 if stage < n_layers % pp else 0)
 
 
-def stage_params(
-    spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1
-) -> int:
+def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
     """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO), the layers split
     evenly."""
     return layers_params(
@@ -378,7 +376,9 @@ def _check_layout(
     if pp > 1:
         check_schedule(schedule, pp, microbatches or pp, virtual)
     elif virtual > 1:
-        raise ValueError(f"virtual={virtual} splits pipeline stages into chunks but pp=1; use pp >= 2")
+        raise ValueError(
+            f"virtual={virtual} splits pipeline stages into chunks but pp=1; use pp >= 2"
+        )
     if fp32_grad_accum and precision != "bf16-mixed":
         raise ValueError(
             f"fp32_grad_accum=True only applies to precision='bf16-mixed', not {precision!r}"
@@ -449,9 +449,9 @@ def _stage_activations(
         return held * per_mb["total"], held, per_mb
     # interleaved: chunk c holds layers/V of the stage; only the first stage's first chunk keeps
     # the embedding's, the last stage's last chunk the loss's
-    chunk = stage_activation_bytes(
-        spec, layers=layers / virtual, first=False, last=False, **size
-    )["total"]
+    chunk = stage_activation_bytes(spec, layers=layers / virtual, first=False, last=False, **size)[
+        "total"
+    ]
     chunk_bytes = [chunk] * virtual
     chunk_bytes[0] += per_mb["embedding"]
     chunk_bytes[-1] += per_mb["final_norm"] + per_mb["loss"]

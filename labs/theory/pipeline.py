@@ -44,8 +44,9 @@ the activations of all M micro-batches; 1F1B starts backwards after a warm-up of
 forwards on stage s (0-based), so stage s holds at most min(P-s, M) (the first stage
 holds the most, P). Interleaved (Megatron-LM's order) counts chunk micro-batches. ZB-H1 keeps
 a micro-batch's activations until its W (the weight gradient needs the layers' inputs): stage
-s holds its 1F1B share plus the s W's it postpones, min(P, M) on every stage: the peak, stage
-0's P, is 1F1B's.
+s holds its 1F1B share plus the s W's it postpones, min(P, M) on every stage. That is an upper
+bound: a B already frees what its W does not need (the loss's log-softmax, for one), so the
+last stages hold less than we count; stage 0 holds P as in 1F1B.
 
 Point-to-point bytes per step: every micro-batch's activation [B/M, T, H] crosses each
 stage boundary forward and its gradient crosses it backward, so a rank sends
@@ -310,7 +311,8 @@ def simulate(
     input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
     (what holds a real operation up: a message's latency, a busy CPU). ``t_f`` / ``t_b``: one rank's
     forward / backward of a micro-batch, the same for every rank or a list with one time per rank.
-    zb-h1 splits each backward into B (t_b - t_w) and W (t_w, default t_b / 2). Returns ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
+    zb-h1 splits each backward into B (t_b - t_w) and W (t_w, default t_b / 2). Returns
+    ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
     ``bubble_fraction`` (idle share of ranks x makespan) and ``in_flight`` (peak micro-batches held,
     per rank)."""
     t_fs = list(t_f) if isinstance(t_f, (list, tuple)) else [t_f] * stages

@@ -65,16 +65,17 @@ C·(its work / the mean stage's), the difference being the ``imbalance``; so t_f
 t_b = 2C_s/(3m) per micro-batch, and the schedule stretches C_s by its bubble
 (``labs.theory.pipeline.step_time``, ZB-H1 with W = B). TP and PP traffic sits on the critical
 path. CP's ring overlaps the attention blocks it feeds (12·L·nh·hd·seq of the FLOPs per token):
-only its excess over that compute shows. DP traffic overlaps only the compute that runs beside it: a gradient
-all-reduce or reduce-scatter overlaps the last micro-batch's backward, ZeRO-1/2's all-gather
-of the updated weights the next step's first forward, ZeRO-3's gathers each micro-batch's
-forward and backward; what does not fit under that compute is exposed. A group whose ranks lie
-in one node moves data at the intra-node bandwidth, otherwise at the inter-node one (ranks fill
-the (dp, pp, cp, tp) grid of ``labs.theory.dims``, tp innermost). Step = C + imbalance +
-bubble + exposed communication; scaling efficiency = C / step: the share of an ideal,
-perfectly parallel step that survives. Not modelled: kernels that run slower on small
-matrices (a micro-batch of few tokens per rank) or while communication shares the GPU, message
-latency, and anything a framework fuses.
+only its excess over that compute shows. DP traffic overlaps only the compute that runs beside
+it: a gradient all-reduce or reduce-scatter overlaps the last micro-batch's backward,
+ZeRO-1/2's all-gather of the updated weights the next step's first forward, ZeRO-3's gathers
+each micro-batch's forward and backward; what does not fit under that compute is exposed. A
+group whose ranks lie in one node moves data at the intra-node bandwidth, otherwise at the
+inter-node one (ranks fill the (dp, pp, cp, tp) grid of ``labs.theory.dims``, tp innermost).
+Step = C + imbalance + bubble + exposed communication; scaling efficiency = C / step: the share
+of an ideal, perfectly parallel step that survives. Not modelled: kernels that run slower on
+small matrices (a micro-batch of few tokens per rank) or while communication shares the GPU,
+message latency, and anything a framework fuses. So the search likes fine splits (deep
+pipelines with many micro-batches, CP at short sequences) more than a real cluster would.
 
 Assumptions (defaults, every one an argument): bf16 mixed precision with AdamW (16 bytes of
 state per parameter), no activation recomputation, sequence parallelism with TP, 10% of GPU
@@ -180,9 +181,7 @@ def comm_per_step(
     }
 
 
-def _dp_collectives(
-    zero: int, params: int, n: int, m: int, precision: str
-) -> dict[str, float]:
+def _dp_collectives(zero: int, params: int, n: int, m: int, precision: str) -> dict[str, float]:
     """Bytes of each data-parallel collective of a step, by when it runs: ``grad_sync`` (with
     the last micro-batch's backward), ``weight_gather`` (before the next step's first forward),
     ``per_microbatch_forward`` and ``per_microbatch_backward`` (each of the m micro-batches),
@@ -808,7 +807,7 @@ def _losses(result: dict) -> dict[str, float]:
 
 
 def explain(rule_result: dict | None, fastest: dict) -> str:
-    """"The rule picks X; the fastest estimate is Y, because ...": the two parts of the step that
+    """ "The rule picks X; the fastest estimate is Y, because ...": the two parts of the step that
     differ most between the rule's layout and the fastest one."""
     y = describe(fastest)
     if rule_result is None:
@@ -993,17 +992,19 @@ def scaling(
     gpus_per_node: int,
     gpu_mem_gib: float,
     global_batch: int | None = None,
+    rule: bool = False,
     **kw: object,
 ) -> list[dict]:
-    """The plan at each of ``gpu_counts`` for the same model and global batch: where the time goes
-    as the machine grows. Each row: ``gpus``, the degrees, ``step_time_s``,
-    ``tokens_per_s_per_gpu``, ``scaling_efficiency`` (compute / step) and ``vs_first`` (throughput
-    per GPU relative to the first count's), the seconds of ``bubble_s`` and exposed communication,
-    or ``error`` when nothing fits."""
+    """The plan (with ``rule``, the playbook's rule's layout) at each of ``gpu_counts`` for the
+    same model and global batch: where the time goes as the machine grows. Each row: ``gpus``,
+    the degrees, ``step_time_s``, ``tokens_per_s_per_gpu``, ``scaling_efficiency`` (compute /
+    step) and ``vs_first`` (throughput per GPU relative to the first count's), the seconds of
+    ``imbalance_s``, ``bubble_s`` and exposed communication, or ``error`` when nothing fits."""
     rows = []
+    planner = rule_plan if rule else plan
     for gpus in gpu_counts:
         try:
-            p = plan(
+            p = planner(
                 spec,
                 seq=seq,
                 gpus=gpus,

@@ -225,3 +225,62 @@ def format_published(rows: list[dict]) -> str:
             f"{r['mfu_ratio']:>9.2f}  {pick}"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The calculators against the published references they reproduce.
+
+
+def reference_checks() -> list[dict]:
+    """One row per published figure the calculators reproduce: ``reference`` (source and what),
+    ``published`` (as printed, in the source's unit), ``ours`` (ours, rounded the way the source
+    rounds) and ``unit``. Decimal GB only where the source uses them."""
+    from labs.theory.comm import all_reduce_bytes
+    from labs.theory.memory import param_count, state_bytes
+    from labs.theory.moe import MIXTRAL_8X7B, moe_param_counts
+    from labs.theory.pipeline import bubble_fraction
+
+    rows = []
+
+    def row(reference: str, published: float, ours: float, unit: str) -> None:
+        rows.append({"reference": reference, "published": published, "ours": ours, "unit": unit})
+
+    # The Ultra-Scale Playbook, "Memory usage in Transformers": weights + gradients + Adam
+    # states, in decimal GB
+    for billions in (1, 7, 70, 405):
+        n = billions * 10**9
+        plain = state_bytes(n, precision="bf16-mixed")["total_bytes"] / 1e9
+        accum = state_bytes(n, precision="bf16-mixed", fp32_grad_accum=True)["total_bytes"] / 1e9
+        row(f"Playbook memory table, {billions}B, bf16 + fp32 master", 16 * billions, plain, "GB")
+        row(f"Playbook memory table, {billions}B, + fp32 grad accum", 20 * billions, accum, "GB")
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, 64 ranks, K = 12, decimal GB
+    n = 7_500_000_000
+    for stage, published in zip(range(4), (120, 31.4, 16.6, 1.9)):
+        total = state_bytes(n, precision="bf16-mixed", zero=stage, dp=64)["total_bytes"] / 1e9
+        row(f"ZeRO paper, Fig. 1, stage {stage} (7.5B, 64 GPUs)", published, round(total, 1), "GB")
+    # parameter counts (transformers' models, built from the published configs, in the tests)
+    for name, published, digits in (
+        ("llama3-8b", 8.03, 2),
+        ("llama3-70b", 70.6, 1),
+        ("llama3-405b", 405.9, 1),
+    ):
+        ours = round(param_count(preset(name)) / 1e9, digits)
+        row(f"{name} parameters (transformers, published config)", published, ours, "B")
+    mixtral = moe_param_counts(MIXTRAL_8X7B)
+    row("Mixtral 8x7B parameters (Jiang et al. 2024)", 46.7, round(mixtral["total"] / 1e9, 1), "B")
+    row("Mixtral 8x7B active per token", 12.9, round(mixtral["active"] / 1e9, 1), "B")
+    # bubbles (Playbook; Narayanan et al. 2021; Qi et al. 2024) at P = 4, M = 8
+    row("1F1B bubble (P-1)/(M+P-1), P=4 M=8", 3 / 11, bubble_fraction("1f1b", 4, 8), "")
+    row("interleaved (P-1)/(VM+P-1), V=2", 3 / 19, bubble_fraction("interleaved", 4, 8, 2), "")
+    row("ZB-H1 (P-1)/(3M+P-1), F=B=W", 3 / 27, bubble_fraction("zb-h1", 4, 8), "")
+    # ring all-reduce (Playbook appendix A0): 2(N-1)/N·K per rank
+    row("ring all-reduce bytes per rank, N=8, K=1", 2 * 7 / 8, all_reduce_bytes(1.0, 8), "K")
+    return rows
+
+
+def format_references(rows: list[dict]) -> str:
+    """``reference_checks`` as a table."""
+    lines = [f"{'reference':<52}{'published':>11}{'ours':>11}  unit"]
+    for r in rows:
+        lines.append(f"{r['reference']:<52}{r['published']:>11.4g}{r['ours']:>11.4g}  {r['unit']}")
+    return "\n".join(lines)
