@@ -815,8 +815,21 @@ def explain(rule_result: dict | None, fastest: dict) -> str:
     x = describe(rule_result)
     tx = rule_result["step_time_s"]
     ty = fastest["step_time_s"]
-    if rule_result["layout"] == fastest["layout"] or tx <= ty:
+    if x == y:
         return f"the rule picks {x}, which is also the fastest estimate ({tx:.3g} s per step)"
+    if tx <= ty * (1 + 1e-9):  # a tie: the search prefers less traffic, then less memory
+        cx = sum(rule_result["comm_bytes"].values()) / 1e9
+        cy = sum(fastest["comm_bytes"].values()) / 1e9
+        if cy < cx:
+            why = f"sends less: {cy:.3g} GB per GPU per step against {cx:.3g} GB"
+        else:
+            mx = rule_result["memory"]["total_bytes"] / GIB
+            my = fastest["memory"]["total_bytes"] / GIB
+            why = f"holds less: {my:.1f} GiB per GPU against {mx:.1f} GiB"
+        return (
+            f"the rule picks {x} ({tx:.3g} s per step); the search's pick, {y}, is as fast and"
+            f" {why}"
+        )
     lx = _losses(rule_result)
     ly = _losses(fastest)
     gaps = sorted(((lx[k] - ly[k], k) for k in lx), reverse=True)

@@ -210,7 +210,7 @@ def format_stage_table(
     "80 GB", as nvidia-smi reports it)."""
     lines = [
         f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks"
-        f" ({gpu_gib:g} GiB GPUs)",
+        f" ({gpu_gib:.1f} GiB GPUs)",
         f"{'stage':<8}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}   state alone fits?",
         f"{'':<8}{'(GiB per rank)':>36}",
     ]
