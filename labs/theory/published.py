@@ -209,7 +209,7 @@ def format_published(rows: list[dict]) -> str:
     """The comparison as a table: the published layout, whether our calculator fits it (and
     with which recomputation), our MFU beside the reported one, and the planner's own pick."""
     lines = [
-        f"{'run':<30}{'fits (ours)':<22}{'MFU ours':>9}{'reported':>10}{'ours/rep':>9}"
+        f"{'run':<30}{'fits (ours)':<30}{'MFU ours':>9}{'reported':>10}{'ours/rep':>9}"
         f"  planner's pick (its MFU)",
     ]
     for r in rows:
@@ -221,7 +221,7 @@ def format_published(rows: list[dict]) -> str:
             fit = f"no ({r['memory_gib']:.0f} GiB)"
         pick = f"{r['plan_name']} ({r['plan_mfu']:.0%})" if "plan_name" in r else ""
         lines.append(
-            f"{r['name']:<30}{fit:<22}{r['mfu']:>9.1%}{r['reported_mfu']:>10.1%}"
+            f"{r['name']:<30}{fit:<30}{r['mfu']:>9.1%}{r['reported_mfu']:>10.1%}"
             f"{r['mfu_ratio']:>9.2f}  {pick}"
         )
     return "\n".join(lines)
