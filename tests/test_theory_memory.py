@@ -819,3 +819,51 @@ def test_the_playbook_formula_beside_ours_with_the_ratio():
     assert tiny["ratio"] == pytest.approx(1.4, abs=0.05)  # notebook 01's "+40 %", at seq 32
     text = format_playbook_comparison(list(rows.values()))
     assert "ours (calculator)" in text and "playbook 34 + 5as/h" in text
+
+
+def test_the_widget_has_the_new_controls_headless():
+    from labs.widgets.memory import memory_calculator
+
+    box = memory_calculator("llama3-8b", seq=4096, zero=1, dp=8)
+
+    def find(css_class):
+        return find_widget(box, css_class)
+
+    verdict = find("labs-memory-verdict")
+
+    def gib():  # the total the verdict quotes
+        return float(verdict.value.split(": ")[1].split(" GiB")[0])
+
+    base = gib()
+    find("labs-memory-offload").value = True
+    offloaded = gib()
+    moved = 12 * param_count(PRESETS["llama3-8b"]) / 8 / GIB  # ZeRO-1's optimizer shard
+    assert offloaded == pytest.approx(base - moved, abs=0.06)
+    find("labs-memory-offload").value = False
+    find("labs-memory-fp8").value = True
+    assert gib() < base
+    find("labs-memory-fp8").value = False
+    find("labs-memory-optimizer-bytes").value = "2"
+    assert gib() < base
+    find("labs-memory-optimizer-bytes").value = "lots"
+    assert "optimizer_bytes" in verdict.value and "cannot compute" in verdict.value
+    find("labs-memory-optimizer-bytes").value = ""
+    find("labs-memory-experts").value = 8
+    find("labs-memory-top-k").value = 2
+    moe = gib()
+    assert moe > base and find("labs-memory-preset").value == "custom"
+    find("labs-memory-ep").value = 8
+    assert gib() < moe
+    find("labs-memory-pp").value = 4
+    find("labs-memory-schedule").value = "interleaved"
+    find("labs-memory-virtual").value = 2
+    find("labs-memory-microbatches").value = 8
+    interleaved = gib()
+    find("labs-memory-virtual").value = 1
+    assert "virtual" not in verdict.value
+    find("labs-memory-schedule").value = "1f1b"
+    assert interleaved > gib()  # interleaving holds more chunk micro-batches at its peak
+    find("labs-memory-schedule").value = "interleaved"
+    find("labs-memory-virtual").value = 2
+    find("labs-memory-microbatches").value = 6
+    assert "cannot compute" in verdict.value and "microbatches divisible by stages" in verdict.value
