@@ -489,8 +489,8 @@ def long_context_rows(
     flash: bool = True,
     **model,
 ) -> list[dict]:
-    """Activation GB per rank (Llama-3-8B-like, bf16, batch 1, no recomputation) by length and
-    CP."""
+    """Activation GiB per rank (Llama-3 8B, bf16, batch 1, no recomputation) by length and CP:
+    ``labs.theory.context_parallel.long_context_table``."""
     return theory.long_context_table(seq_lens=list(seq_lens), cps=cps, flash=flash, **model)
 
 
