@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.measure.timeline import Timeline
-from labs.models.transformer import Transformer, rotary_cos_sin
+from labs.models.transformer import Transformer, run_blocks
 from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
 
@@ -72,7 +72,9 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
-        (last stage) or hidden states [b, T, H]; rotary tables as in the full model."""
+        (last stage) or hidden states [b, T, H]. The blocks run through the full model's own
+        ``run_blocks`` (``labs.models.transformer``), so their rotary tables are the full model's,
+        in the activations' dtype (a bf16 stage computes in bf16, as the bf16 model does)."""
         raise NotImplementedError(
             "exercise StageModule.forward is not written yet: "
             "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -198,8 +200,9 @@ def train_step_interleaved(
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
     ``interleaved_warmup(P, M, rank, V)`` forwards; steady state: forward k+warmup, backward k;
     cool-down: the rest. Sends are non-blocking (``dist.isend``, waited for at the end); each
-    ``dist.recv`` blocks right before the operation that needs it, tagged (direction, micro-batch,
-    receiving virtual stage): one neighbour sends activations and gradients of several chunks.
+    ``dist.recv`` blocks right before the operation that needs it, into a buffer of the pipe's
+    dtype on its device, tagged (direction, micro-batch, receiving virtual stage): one neighbour
+    sends activations and gradients of several chunks.
     Spans carry ``chunk=c``. Returns the loss where the last virtual stage is, else None."""
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     raise NotImplementedError(

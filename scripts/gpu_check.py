@@ -6,32 +6,34 @@
 
 Four phases, printed as they run and summed up in ``--out``/gpu_check.md and gpu_check.json:
 
-1. plan: GPUs (names from ``nvidia-smi``; this process never initialises CUDA, so ranks can still be
-   forked), the dense bf16 peak (``labs.theory.presets.GPUS``: 989 TFLOP/s for H100/H200 SXM,
-   NVIDIA's data sheets, whose 1,979 TFLOP/s is "with sparsity", twice the dense figure), and where
-   the labs run. With a GPU per rank, on NCCL, one process per GPU. With fewer GPUs than a lab's
-   ranks, NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). gloo can move CUDA tensors,
-   but only by staging each collective through host memory, and the course puts a gloo rank's
-   tensors on the CPU (``labs.runtime.device.rank_device``). So each lab then runs twice: at its
-   ranks on gloo with CPU tensors (correctness at full width) and on NCCL at world size = GPUs (the
-   CUDA path: device placement, NCCL collectives, GPU numerics) where the lab accepts that width.
-   The output says which ran where.
+1. plan: GPUs (names and memory from ``nvidia-smi``; this process never initialises CUDA, so
+   ranks can still be forked), the dense bf16 peak (``GPU_TABLE``, from NVIDIA's data sheets,
+   whose bf16 figures are "with sparsity", twice the dense one), and where each lab runs: on
+   NCCL, one process per GPU, at min(GPUs, the lab's own ranks). With one GPU every lab runs at
+   world size 1, which exercises device placement, NCCL's setup and GPU numerics but no
+   point-to-point message, no uneven all-to-all and no subgroup: the report says so. A
+   configuration that needs more ranks than there are GPUs (the lab refuses the smaller world)
+   is reported as not exercised. Without a GPU (or with ``--backend gloo``) the labs run on gloo
+   with CPU tensors.
 2. labs: ``labs.bench.run_lab`` (the bench's code, torch's implementation side by side), each
    checked against its single-process reference; bytes sent and held against the theory are
-   reported.
+   reported. A lab passes only when it ran and matched: "invalid", "skipped" (the time budget
+   ran out) and "failed" rows fail the check.
 3. throughput: the course model at Llama-3.2-1B's shape with the byte vocabulary (0.97 B
    parameters), bf16 autocast (fp32 master weights, gradients and AdamW state), on every GPU: no
-   parallelism (the baseline), our DDP (``BucketedDDP``), ZeRO-3 and TP, and torch's DDP, FSDP2 and
-   DTensor TP. The micro-batch is the largest that the memory calculator
-   (``labs.theory.memory.memory_per_rank``) puts under half the GPU. Reports tokens/s, MFU
-   (``labs.theory.flops``: 6·P_matmul + 12·L·nh·hd·seq FLOPs per token), peak memory against the
-   calculator, and our losses against torch's (same weights and tokens).
+   parallelism (the baseline), our DDP (``BucketedDDP``), ZeRO-3 and TP, and torch's DDP, FSDP2
+   (with a bf16 ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and master
+   weights, as our runs under autocast) and DTensor TP. The micro-batch is the largest that the
+   memory calculator (``labs.theory.memory.memory_per_rank``) puts under half the GPU. Reports
+   tokens/s, MFU (``labs.theory.flops``: 6·P_matmul + 12·L·nh·hd·seq FLOPs per token), peak
+   memory against the calculator, and our losses against torch's (same weights and tokens).
 4. notebooks: each through nbval (``pytest --nbval-lax``), a few at a time. Their launch cells pick
    NCCL wherever there is a GPU per rank; no cell is GPU-only.
 
 ``--budget`` (seconds) bounds the whole run: work that would start with too little time left is
-skipped and reported as skipped. Exit status 0 when every lab matches its reference and every
-throughput run and notebook passed, 1 otherwise, 2 for bad arguments.
+skipped and reported as skipped, which fails the check. Exit status 0 when every lab that this
+machine can run matched its reference and every throughput run and notebook passed, 1
+otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +66,38 @@ THEIRS = {"ddp": "torch-ddp", "zero3": "torch-fsdp2", "tp": "torch-tp"}
 
 
 # --- phase 1: the machine and the plan ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """A GPU the check knows: its dense bf16 Tensor Core peak and its memory."""
+
+    name: str
+    words: tuple[str, ...]  # all must be words of nvidia-smi's name (case-insensitive)
+    bf16_tflops: float  # dense: half the data sheet's "with sparsity" figure
+    memory_gib: float  # the data sheet's GB, which are binary (H200: 141 GB = 143,771 MiB)
+
+
+# First match wins, so a variant comes before its family. Sources, NVIDIA's data sheets:
+# - A100: "NVIDIA A100 Tensor Core GPU" data sheet (nvidia-a100-datasheet-us-nvidia-1758950-r4):
+#   BFLOAT16 Tensor Core 312 TFLOPS (624 with sparsity), SXM4 and PCIe alike; 40 GB HBM2 or
+#   80 GB HBM2e.
+# - H100: "NVIDIA H100 Tensor Core GPU" data sheet: BFLOAT16 Tensor Core 1,979 TFLOPS* (SXM),
+#   1,513* (PCIe), 1,671* (NVL), "* with sparsity"; 80 GB (SXM, PCIe), 94 GB (NVL).
+# - H200: "NVIDIA H200 Tensor Core GPU" data sheet: BFLOAT16 Tensor Core 1,979 TFLOPS* (SXM),
+#   1,671* (NVL), "* with sparsity"; 141 GB HBM3e.
+# nvidia-smi's names: "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3"
+# (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL". A GH200 is
+# none of these (its name is one word, "GH200") and gets no peak: pass --peak-tflops.
+GPU_TABLE = (
+    GpuSpec("H200 NVL", ("H200", "NVL"), 1671 / 2, 141.0),
+    GpuSpec("H200 SXM", ("H200",), 1979 / 2, 141.0),
+    GpuSpec("H100 NVL", ("H100", "NVL"), 1671 / 2, 94.0),
+    GpuSpec("H100 PCIe", ("H100", "PCIE"), 1513 / 2, 80.0),
+    GpuSpec("H100 SXM", ("H100",), 1979 / 2, 80.0),
+    GpuSpec("A100 80GB", ("A100", "80GB"), 312.0, 80.0),
+    GpuSpec("A100 40GB", ("A100", "40GB"), 312.0, 40.0),
+)
+
+
 def gpu_names() -> list[str]:
     """GPU names from nvidia-smi (CUDA stays uninitialised here), else generic names, else []."""
     import torch
@@ -74,93 +109,122 @@ def gpu_names() -> list[str]:
     return names[:count] if len(names) >= count else [f"GPU {i}" for i in range(count)]
 
 
+def gpu_memory_gib() -> float | None:
+    """The smallest GPU's memory as nvidia-smi reports it, in GiB (None without nvidia-smi)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        mib = [float(line) for line in out.stdout.split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(mib) / 1024 if mib else None
+
+
+def known_gpu(name: str) -> GpuSpec | None:
+    """The row of ``GPU_TABLE`` for an nvidia-smi name, matched word by word (None if unknown)."""
+    words = set(re.split(r"[^0-9A-Z]+", name.upper()))
+    return next((g for g in GPU_TABLE if set(g.words) <= words), None)
+
+
 def gpu_spec(
     names: list[str], override_tflops: float | None
 ) -> tuple[float | None, float | None, str]:
     """(dense bf16 peak FLOP/s, memory GiB, where the peak comes from) for the first GPU's name."""
-    from labs.theory.presets import GPUS
-
-    known = next(
-        (
-            (key, mem, tflops)
-            for key, (mem, tflops) in GPUS.items()
-            if names and key.split()[0] in names[0]
-        ),
-        None,
-    )
-    memory = known[1] if known else None
+    known = known_gpu(names[0]) if names else None
+    memory = known.memory_gib if known else None
     if override_tflops:
         return override_tflops * 1e12, memory, "--peak-tflops"
     if known:
         return (
-            known[2] * 1e12,
+            known.bf16_tflops * 1e12,
             memory,
-            f"labs.theory.presets.GPUS[{known[0]!r}], dense bf16 from the data sheet",
+            f"{known.name}: NVIDIA's data sheet, dense bf16 (half the figure with sparsity)",
         )
     return None, memory, "unknown for this device: pass --peak-tflops for MFU"
 
 
-def lab_plan(ranks: int, gpus: int, backend: str) -> list[tuple[int, str, str]]:
-    """[(nproc, backend, why)]: the runs that together cover every lab on this machine."""
+def lab_ranks(lab: str) -> int:
+    """The ranks a lab runs at by default (its ``run``'s ``nproc``)."""
+    import importlib
+    import inspect
+
+    from labs.run import LABS
+
+    return inspect.signature(importlib.import_module(LABS[lab]).run).parameters["nproc"].default
+
+
+# What a world of one cannot show: said wherever the labs ran on one GPU.
+NOT_AT_WORLD_ONE = "point-to-point messages, uneven all-to-all, subgroups"
+
+
+def lab_plan(ranks: int, gpus: int, backend: str) -> tuple[int, str, str]:
+    """(nproc, backend, why): where a lab of ``ranks`` ranks runs on this machine."""
     if backend == "gloo" or gpus == 0:
-        return [(ranks, "gloo", "gloo, CPU tensors" + (" (forced)" if gpus else ""))]
-    if gpus >= ranks:
-        return [(ranks, "nccl", f"NCCL, one process per GPU ({ranks} of {gpus})")]
-    return [
-        (
-            ranks,
-            "gloo",
-            f"gloo, CPU tensors: {gpus} GPU(s) < {ranks} ranks"
-            " and NCCL refuses two ranks on one GPU",
-        ),
-        (gpus, "nccl", f"NCCL at world size {gpus}, one process per GPU: the CUDA code path"),
-    ]
+        return ranks, "gloo", "gloo, CPU tensors" + (" (forced)" if gpus else "")
+    if gpus == 1:
+        return (
+            1,
+            "nccl",
+            f"NCCL at world size 1 (one GPU): not exercised: {NOT_AT_WORLD_ONE}",
+        )
+    nproc = min(gpus, ranks)
+    return nproc, "nccl", f"NCCL, one process per GPU ({nproc} of {gpus})"
 
 
 # --- phase 2: the labs ----------------------------------------------------------------------------
-def check_labs(labs, plan, *, steps, timeout, vs_torch, deadline, log) -> list[dict]:
+def check_labs(labs, plans, *, steps, timeout, vs_torch, deadline, log) -> list[dict]:
+    """Every configuration of every lab, at its plan's (nproc, backend); one row each, with
+    ``passed`` only when it ran and matched its reference. A configuration the lab refuses at a
+    world smaller than its own ranks (fewer GPUs) is "not exercised"."""
     from labs.bench import run_lab
     from labs.bench_report import fmt
 
     rows = []
     for lab in labs:
-        for nproc, backend, why in plan:
-            if time.monotonic() > deadline:
-                rows.append(
-                    {
-                        "lab": lab,
-                        "nproc": nproc,
-                        "backend": backend,
-                        "status": "skipped",
-                        "where": why,
-                        "note": "time budget spent",
-                    }
-                )
-                continue
-            for row in run_lab(
-                lab,
-                nproc=nproc,
-                steps=steps,
-                backend=backend,
-                vs_torch=vs_torch,
-                timeout=min(timeout, max(30.0, deadline - time.monotonic())),
-            ):
-                row.update(
-                    where=why,
-                    passed=row["status"] == "ok" and row.get("matches_reference") is not False,
-                )
-                verdict = (
-                    ("ok" if row["passed"] else "FAIL") if row["status"] == "ok" else row["status"]
-                )
-                log(
-                    f"  {lab:<11} {row.get('config', ''):<30} x{nproc} {backend:<5}"
-                    f" reference {verdict:<8}"
-                    f" max diff {fmt(row.get('max_diff'), '.1e') or '-'}"
-                    f"  bytes/theory {fmt(row.get('comm_ratio'), '.3f')}"
-                    f"  state/theory {fmt(row.get('state_ratio'), '.3f')}"
-                    + (f"  ({row['note'][:120]})" if row["status"] != "ok" else "")
-                )
-                rows.append(row)
+        nproc, backend, why = plans[lab]
+        if time.monotonic() > deadline:
+            rows.append(
+                {
+                    "lab": lab,
+                    "nproc": nproc,
+                    "backend": backend,
+                    "status": "skipped",
+                    "where": why,
+                    "passed": False,
+                    "note": "time budget spent",
+                }
+            )
+            continue
+        for row in run_lab(
+            lab,
+            nproc=nproc,
+            steps=steps,
+            backend=backend,
+            vs_torch=vs_torch,
+            timeout=min(timeout, max(30.0, deadline - time.monotonic())),
+        ):
+            if row["status"] == "invalid" and nproc < lab_ranks(lab):
+                row.update(status="not exercised", note=f"needs more ranks: {row['note']}")
+            row.update(
+                where=why,
+                passed=row["status"] == "ok" and row.get("matches_reference") is True,
+            )
+            verdict = (
+                ("ok" if row["passed"] else "FAIL") if row["status"] == "ok" else row["status"]
+            )
+            log(
+                f"  {lab:<11} {row.get('config', ''):<30} x{nproc} {backend:<5}"
+                f" reference {verdict:<8}"
+                f" max diff {fmt(row.get('max_diff'), '.1e') or '-'}"
+                f"  bytes/theory {fmt(row.get('comm_ratio'), '.3f')}"
+                f"  state/theory {fmt(row.get('state_ratio'), '.3f')}"
+                + (f"  ({row['note'][:120]})" if row["status"] != "ok" else "")
+            )
+            rows.append(row)
     return rows
 
 
@@ -239,17 +303,28 @@ def pick_micro_batch(cfg: dict, *, world: int, gpu_gib: float | None) -> int:
     return best
 
 
-def _wrap(mode: str, model, cfg):
+def _wrap(mode: str, model, cfg, *, bf16: bool = True):
     """(module to call, what a step does after backward, context for forward and backward) for
     ``mode``."""
+    import torch
+
     from labs.experiments.zero import RunSpec, wrap_for_zero
-    from labs.runtime.device import rank_device
+    from labs.runtime.device import ddp_device_ids, rank_device
+
+    mp_policy = None
+    if bf16 and mode == "torch-fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     from labs.runtime.impl import exercise
     from labs.train import make_optimizer
 
     nothing = contextlib.nullcontext
     if mode in ("zero3", "torch-fsdp2"):  # as the ZeRO lab runs them
-        wrapper, opt = wrap_for_zero(model, RunSpec(stage=3, torch_fsdp=mode == "torch-fsdp2"), cfg)
+        spec = RunSpec(stage=3, torch_fsdp=mode == "torch-fsdp2")
+        # FSDP2's own bf16 mixed precision, like ours under autocast: bf16 compute, fp32 master
+        # weights and fp32 gradient reduction
+        wrapper, opt = wrap_for_zero(model, spec, cfg, mp_policy=mp_policy)
         step = wrapper or opt
         return model, lambda: (step.step(), step.zero_grad()), nothing
     ctx = nothing
@@ -260,9 +335,8 @@ def _wrap(mode: str, model, cfg):
     elif mode == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        device = rank_device()
         model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25
+            model, device_ids=ddp_device_ids(rank_device()), bucket_cap_mb=25
         )
     elif mode == "torch-tp":
         from torch.distributed.tensor.parallel import loss_parallel
@@ -297,7 +371,7 @@ def throughput_worker(run: Throughput) -> dict:
     with torch.device(device):
         model = Transformer(cfg)
     n_params = count_params(model)
-    wrapped, finish_step, ctx = _wrap(run.mode, model, TrainConfig(lr=1e-4))
+    wrapped, finish_step, ctx = _wrap(run.mode, model, TrainConfig(lr=1e-4), bf16=run.bf16)
     g = torch.Generator().manual_seed(
         run.seed + (0 if run.mode in ("tp", "torch-tp") else rank)
     )  # TP: one batch
@@ -483,6 +557,37 @@ def run_notebooks(paths, *, jobs, deadline, log) -> list[dict]:
 
 
 # --- the report -----------------------------------------------------------------------------------
+def check_verdict(report: dict) -> tuple[bool, str]:
+    """(passed, one line saying so): every lab this machine can run matched its reference, and
+    every throughput run and notebook ran and passed. "skipped", "invalid" and "failed" are
+    failures; a configuration "not exercised" (more ranks than GPUs) is listed, never passed."""
+    labs = report["labs"]
+    trows = report["throughput"]["rows"]
+    nb_rows = report["notebooks"]
+    not_run = [
+        f"{r['lab']} {r.get('config', '')}".strip() for r in labs if r["status"] == "not exercised"
+    ]
+    ok = (
+        all(r.get("passed") or r["status"] == "not exercised" for r in labs)
+        and all(r["status"] == "ok" for r in trows)
+        and all(r["status"] == "passed" for r in nb_rows)
+    )
+    passed = sum(bool(r.get("passed")) for r in labs)
+    failed = [
+        f"{r['lab']} {r.get('config', '')} ({r['status']})".replace("  ", " ")
+        for r in labs
+        if not r.get("passed") and r["status"] != "not exercised"
+    ]
+    failed += [f"throughput {r['mode']} ({r['status']})" for r in trows if r["status"] != "ok"]
+    failed += [f"{r['notebook']} ({r['status']})" for r in nb_rows if r["status"] != "passed"]
+    text = f"{'PASSED' if ok else 'FAILED'}: {passed} lab configuration(s) matched"
+    if failed:
+        text += f"; not passed: {', '.join(failed)}"
+    if not_run:
+        text += f"; not exercised on this machine: {', '.join(not_run)}"
+    return ok, text
+
+
 def markdown(report: dict) -> str:
     from labs.bench_report import fmt, name
 
@@ -499,10 +604,15 @@ def markdown(report: dict) -> str:
         f" Peak bf16 per device: {peak} ({env['peak_source']})."
         f" Command: `{report['command']}`.",
         "",
+        f"Verdict: {check_verdict(report)[1]}.",
+        "",
         "## Where the labs ran",
         "",
     ]
-    lines += [f"- {nproc} rank(s) on {backend}: {why}" for nproc, backend, why in report["plan"]]
+    lines += [
+        f"- {lab}: {nproc} rank(s) on {backend}: {why}"
+        for lab, nproc, backend, why in report["plan"]
+    ]
     lines += [
         "",
         "## Labs against the single-process reference",
@@ -515,7 +625,9 @@ def markdown(report: dict) -> str:
         verdict = (
             ("✓" if r["passed"] else "✗")
             if r["status"] == "ok"
-            else f"{r['status']}: {r['note'][:80]}"
+            else f"✗ {r['status']}: {r['note'][:80]}"
+            if r["status"] != "not exercised"
+            else f"not exercised: {r['note'][:80]}"
         )
         lines.append(
             f"| {name(r)} | {r['nproc']} | {r['backend']} | {verdict}"
@@ -594,7 +706,12 @@ def parse_args(argv):
     p.add_argument(
         "--labs", nargs="+", choices=sorted(LABS), default=None, help="default: every lab"
     )
-    p.add_argument("--ranks", type=int, default=4, help="ranks per lab")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="ranks per lab (default: each lab's own; with GPUs, at most one per GPU)",
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps per lab (>= 2)")
     p.add_argument(
         "--world", type=int, default=None, help="throughput world size (default: GPUs, 2 on CPU)"
@@ -675,7 +792,8 @@ def main(argv=None) -> int:
     names = gpu_names()
     on_gpus = bool(names) and args.backend != "gloo"
     peak, gpu_gib, source = gpu_spec(names if on_gpus else [], args.peak_tflops)
-    plan = lab_plan(args.ranks, len(names), args.backend)
+    labs = args.labs or list(LABS)
+    plans = {lab: lab_plan(args.ranks or lab_ranks(lab), len(names), args.backend) for lab in labs}
     env = {
         **hardware(),
         "gpus": len(names),
@@ -688,15 +806,15 @@ def main(argv=None) -> int:
         f" torch {env['torch']}"
     )
     log(f"peak bf16 per device: {f'{peak / 1e12:.4g} TFLOP/s' if peak else 'n/a'} ({source})")
-    for nproc, backend, why in plan:
-        log(f"labs run at {nproc} rank(s) on {backend}: {why}")
+    for lab, (nproc, backend, why) in plans.items():
+        log(f"{lab} runs at {nproc} rank(s) on {backend}: {why}")
     phase_s = {}
 
     log("\n[labs] every lab against its single-process reference")
     t0 = time.monotonic()
     labs_rows = check_labs(
-        args.labs or list(LABS),
-        plan,
+        labs,
+        plans,
         steps=args.steps,
         timeout=args.timeout,
         vs_torch=args.vs_torch,
@@ -711,7 +829,8 @@ def main(argv=None) -> int:
     if not on_gpus and not args.tiny:
         log("\n(no GPU in use: the throughput phase runs the tiny model; the ~1B one needs a GPU)")
     cfg = model_config(args.tiny or not on_gpus)
-    gpu_gib = None if args.tiny or not on_gpus else gpu_gib or 40.0
+    # the memory nvidia-smi reports, else the data sheet's, else a cautious 40 GiB
+    gpu_gib = None if args.tiny or not on_gpus else gpu_memory_gib() or gpu_gib or 40.0
     mbs = args.micro_batch or pick_micro_batch(cfg, world=world, gpu_gib=gpu_gib)
     log(
         f"\n[throughput] course model H={cfg['n_embd']}, {cfg['n_layer']} layers,"
@@ -755,7 +874,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(["python scripts/gpu_check.py", *argv]),
         "environment": env,
-        "plan": plan,
+        "plan": [[lab, *plan] for lab, plan in plans.items()],
         "labs": labs_rows,
         "notebooks": nb_rows,
         "phase_s": phase_s,
@@ -776,17 +895,8 @@ def main(argv=None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(markdown(report))
     log("\n" + markdown(report))
-    skipped = sum(r["status"] in ("skipped", "invalid") for r in labs_rows + trows + nb_rows)
-    ok = (
-        all(r.get("passed") or r["status"] in ("skipped", "invalid") for r in labs_rows)
-        and all(r["status"] in ("ok", "skipped") for r in trows)
-        and all(r["status"] in ("passed", "skipped") for r in nb_rows)
-    )
-    log(
-        f"wrote {out / 'gpu_check.md'} and gpu_check.json: {'PASSED' if ok else 'FAILED'}"
-        f"{f' ({skipped} skipped or not applicable)' if skipped else ''}"
-        f" in {report['wall_s']:.0f} s"
-    )
+    ok, verdict = check_verdict(report)
+    log(f"wrote {out / 'gpu_check.md'} and gpu_check.json: {verdict} in {report['wall_s']:.0f} s")
     return 0 if ok else 1
 
 

@@ -1,6 +1,7 @@
 """Exercise 02 (notebooks/02_data_parallel.ipynb): data parallelism (DDP) from scratch.
 
-    model = BucketedDDP(build_model(cfg), bucket_mb=0.1)   # every rank now holds rank 0's weights
+    model = BucketedDDP(build_model(cfg, device=rank_device()), bucket_mb=0.1)
+    # every rank now holds rank 0's weights, on its own device (the GPU under NCCL)
     optimizer = make_optimizer(model.parameters(), train_cfg)
     for micro_batches in rank_data(train_cfg, grad_accum=2):
         loss = train_step(model, optimizer, micro_batches)
@@ -53,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labs.data import rank_batches
+from labs.runtime.device import rank_device
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.overlap import MiB
 from labs.train import TrainConfig
@@ -271,14 +273,15 @@ def rank_data(
     cfg: TrainConfig, *, group: dist.ProcessGroup | None = None, grad_accum: int = 1
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """This rank's data: for each of ``cfg.steps`` steps, ``grad_accum`` micro-batches (x, y),
-    each ``[B/(N·K), T]`` (B = ``cfg.batch_size``, the global batch; K = ``grad_accum``).
+    each ``[B/(N·K), T]`` (B = ``cfg.batch_size``, the global batch; K = ``grad_accum``), on
+    this rank's device (``rank_device()``: its GPU under NCCL, where the model is).
 
     Take this rank's batches of B/N sequences from ``labs.data.rank_batches`` (a
     ``DistributedSampler``: rank r of N gets a disjoint slice of one permutation seeded
     with ``cfg.data_seed``; ``seq_len=cfg.seq_len``), r and N being this rank's place in
-    ``group``, and split each batch along dim 0 into K micro-batches. The N ranks' batches of
-    a step, in rank order, are then exactly the single-process global batch
-    (``labs.train.data_for``).
+    ``group``, move them to ``rank_device()`` and split each batch along dim 0 into K
+    micro-batches. The N ranks' batches of a step, in rank order, are then exactly the
+    single-process global batch (``labs.train.data_for``).
     """
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -293,8 +296,12 @@ def rank_data(
         world_size=n,
         seed=cfg.data_seed,
     )
+    device = rank_device()
     # per step: K x ([B/(N K), T], [B/(N K), T])
-    return [list(zip(x.chunk(grad_accum), y.chunk(grad_accum))) for x, y in batches]
+    return [
+        list(zip(x.to(device).chunk(grad_accum), y.to(device).chunk(grad_accum)))
+        for x, y in batches
+    ]
     ### END SOLUTION
 
 

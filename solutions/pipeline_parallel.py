@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.measure.timeline import Timeline
-from labs.models.transformer import Transformer, rotary_cos_sin
+from labs.models.transformer import Transformer, run_blocks
 from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
 
@@ -70,13 +70,12 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
-        (last stage) or hidden states [b, T, H]; rotary tables as in the full model."""
+        (last stage) or hidden states [b, T, H]. The blocks run through the full model's own
+        ``run_blocks`` (``labs.models.transformer``), so their rotary tables are the full model's,
+        in the activations' dtype (a bf16 stage computes in bf16, as the bf16 model does)."""
         ### BEGIN SOLUTION
-        positions = torch.arange(x.shape[1], device=x.device)
-        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.tok_emb(x) if self.first else x  # [b, T, H]
-        for block in self.layers.values():
-            h = block(h, cos, sin)  # [b, T, H]
+        h = run_blocks(self.layers.values(), h, self.cfg)  # [b, T, H]
         if self.last:
             return self.lm_head(self.norm(h))  # [b, T, V]
         return h
@@ -286,8 +285,9 @@ def train_step_interleaved(
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
     ``interleaved_warmup(P, M, rank, V)`` forwards; steady state: forward k+warmup, backward k;
     cool-down: the rest. Sends are non-blocking (``dist.isend``, waited for at the end); each
-    ``dist.recv`` blocks right before the operation that needs it, tagged (direction, micro-batch,
-    receiving virtual stage): one neighbour sends activations and gradients of several chunks.
+    ``dist.recv`` blocks right before the operation that needs it, into a buffer of the pipe's
+    dtype on its device, tagged (direction, micro-batch, receiving virtual stage): one neighbour
+    sends activations and gradients of several chunks.
     Spans carry ``chunk=c``. Returns the loss where the last virtual stage is, else None."""
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     ### BEGIN SOLUTION
@@ -305,7 +305,7 @@ def train_step_interleaved(
         return (vs * M + mb) * 2 + (kind == "B")
 
     def recv(kind: str, mb: int, vs: int, peer: int) -> torch.Tensor:
-        t = torch.empty(shape, device=pipe.device)
+        t = torch.empty(shape, dtype=pipe.dtype, device=pipe.device)
         dist.recv(t, peer, pipe.group, tag=tag(kind, mb, vs))
         return t
 

@@ -12,17 +12,17 @@ import shlex
 import pytest
 
 from labs.theory import exports
-from labs.theory.planner import plan
+from labs.theory.planner import plan, rule_plan
 from labs.theory.presets import preset
 
-# 8 x 4 x 4, DP 4
-SEED = plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)
+# the playbook's rule, whose layouts cover every export: 8 x 4 x 4, DP 4
+SEED = rule_plan(preset("llama3-70b"), seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)
 # FSDP + TP 8 + CP 2
-LONG = plan(preset("llama3-8b"), seq=131072, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+LONG = rule_plan(preset("llama3-8b"), seq=131072, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
 # FSDP + TP 4
-TP_ONLY = plan(preset("llama3-70b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+TP_ONLY = rule_plan(preset("llama3-70b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
 # PP, DP 2
-PIPE = plan(
+PIPE = rule_plan(
     preset("llama3-70b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80, global_batch=4
 )
 SHELL = {"$NODE_RANK": "3", "$MASTER_ADDR": "10.0.0.1", "$MASTER_PORT": "29400", "$JOB_ID": "job7"}
@@ -239,3 +239,14 @@ def test_deepspeed_refuses_what_it_cannot_run():
         exports.deepspeed_config({"dp": 2, "tp": 1, "pp": 2, "cp": 1, "zero": 3})
     with pytest.raises(ValueError, match="export='slurm'"):
         exports.export("slurm", SEED)
+
+
+def test_deepspeed_takes_the_searched_micro_batch():
+    """The search picks the micro-batch size too: DeepSpeed's batch arithmetic uses the plan's
+    mbs and micro-batch count, not the default of 1."""
+    p = plan(preset("llama3-8b"), seq=4096, gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+    assert p["mbs"] > 1 and p["assumptions"]["mbs"] is None  # searched, not given
+    config = exports.deepspeed_config(p)
+    assert config["train_micro_batch_size_per_gpu"] == p["mbs"]
+    assert config["gradient_accumulation_steps"] == p["microbatches"]
+    assert config["train_batch_size"] == p["global_batch"] == p["mbs"] * p["microbatches"] * p["dp"]

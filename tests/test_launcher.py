@@ -204,3 +204,22 @@ def test_spawn_path_runs_an_importable_function():
     Slower: each rank imports torch."""
     results = launch(rank_and_sum, 2, 0.0, start_method="spawn", timeout=180)
     assert [r["sum"] for r in results] == [1.0, 1.0]
+
+
+def test_a_rank_finds_its_gpu_from_local_rank_not_its_global_rank(monkeypatch):
+    """On the second node of a job, rank 5 is LOCAL_RANK 1: its GPU is cuda:1. The one helper
+    that reads LOCAL_RANK, and what a gloo rank binds its process group to (nothing)."""
+    from labs.runtime.device import local_rank
+    from labs.runtime.launcher import _bind_device
+
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_rank() == 1
+    monkeypatch.delenv("LOCAL_RANK")
+    assert local_rank() == 0
+    threads = torch.get_num_threads()
+    try:
+        assert _bind_device("gloo") is None and torch.get_num_threads() == 1
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_num_threads(threads)

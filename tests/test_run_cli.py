@@ -116,6 +116,44 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
     assert message in proc.stderr
 
 
+# Every lab under torchrun, as on a GPU box or across nodes: one torchrun job per lab at N=2 (the
+# lab's own options where N=2 needs them), and at N=4 the labs whose N=4 paths N=2 cannot show:
+# the mesh's subgroups (TP x PP), four pipeline stages, MoE's uneven all-to-all over 4 ranks and
+# placement over 4 stages in inference. On gloo, 2 steps each: 7-14 s a job on 2 busy cores,
+# under 3 minutes for the 15 jobs (measured).
+TORCHRUN_ARGS = {"mesh": {2: ["--dp", "2"], 4: ["--tp", "2", "--pp", "2"]}}
+TORCHRUN_JOBS = [(lab, 2) for lab in sorted(LABS)] + [
+    (lab, 4) for lab in ("infer", "mesh", "moe", "pp")
+]
+# the summary's verdict against the reference (the bench's check, ``labs.bench.BENCH``)
+VERDICT = {"collectives": "exact_int", "infer": "tokens_match"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lab, nproc", TORCHRUN_JOBS)
+def test_every_lab_runs_under_torchrun(lab, nproc):
+    proc = run_cli(
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "labs.run",
+        lab,
+        "--steps",
+        "2",
+        "--json",
+        "--impl",
+        "solutions",
+        *TORCHRUN_ARGS.get(lab, {}).get(nproc, []),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [summary] = json_lines(proc.stdout)  # rank 0 prints, the others do not
+    assert summary["lab"] == lab and summary["nproc"] == nproc and summary["backend"] == "gloo"
+    assert summary[VERDICT.get(lab, "matches_reference")] is True, summary
+
+
 @pytest.mark.slow
 def test_under_torchrun_each_rank_is_a_worker():
     proc = run_cli(

@@ -93,11 +93,32 @@ def test_activation_formula_is_the_playbooks_at_cp1_and_divides_by_cp_with_flash
     naive = cpt.activation_bytes(flash=False, **kw)
     assert naive == 32 * 4096 * 1 * 4096 * (34 + 5 * 32 * 4096 / 4096)
     assert cpt.activation_bytes(cp=8, **kw) == cpt.activation_bytes(**kw) / 8
+
+
+def test_long_context_table_is_the_memory_calculator_in_gib():
+    """Notebook 06's table: the calculator's whole-model activations (notebook 01's model), in GiB;
+    the playbook's formula only where asked for, and labelled."""
+    from labs.theory.memory import GIB, memory_per_rank
+    from labs.theory.presets import preset
+
     table = cpt.long_context_table(seq_lens=[4096, 131072], cps=(1, 8))
-    assert (
-        table[1]["cp=1"] == pytest.approx(32 * table[0]["cp=1"])
-        and table[1]["cp=8"] == table[1]["cp=1"] / 8
+    spec = preset("llama3-8b")
+    for row in table:
+        for cp in (1, 8):
+            want = memory_per_rank(spec, seq=row["seq_len"], mbs=1, cp=cp)["activation_bytes"]
+            assert row[f"cp={cp}"] == want / GIB
+    # linear in the tokens (flash attention keeps no T x T scores), split by CP but for the
+    # loss's one scalar weight
+    assert table[1]["cp=1"] == pytest.approx(32 * table[0]["cp=1"], rel=1e-6)
+    assert table[1]["cp=8"] == pytest.approx(table[1]["cp=1"] / 8, rel=1e-9)
+    assert table[0]["cp=1"] == pytest.approx(26.60, abs=0.01)  # = notebook 01's figure
+    eager = cpt.long_context_table(seq_lens=[4096], cps=(1,), flash=False)
+    playbook = cpt.activation_bytes(
+        seq_len=4096, batch=1, hidden=4096, n_head=32, n_layer=32, flash=False
     )
+    assert eager[0]["cp=1"] == playbook / GIB
+    assert "GiB: the memory calculator" in cpt.format_long_context(table)
+    assert "GiB: the playbook's formula" in cpt.format_long_context(eager, flash=False)
 
 
 def test_above_the_threshold_a_ring_step_computes_longer_than_it_sends():

@@ -292,3 +292,80 @@ def test_pp_vs_tp_bytes():
     assert r["tp_seconds"] == pytest.approx(r["tp_bytes_per_rank"] / 50e9)
     with pytest.raises(ValueError, match="degree must be an integer >= 1"):
         th.pp_vs_tp(layers=80, hidden=8192, seq_len=4096, batch=8, degree=0)
+
+
+# ---------------------------------------------------------------- zero bubble (ZB-H1), DualPipe
+
+ZB_CASES = [(p, m) for p in (2, 3, 4, 8) for m in (p, p + 1, 2 * p, 4 * p, 32) if m >= p]
+
+
+@pytest.mark.parametrize("t_b", [1.0, 1.5, 2.0])
+def test_zero_bubble_h1_formula_equals_its_schedule_run_on_paper(t_b):
+    """Idle time (P-1)(t_f + t_b - 2 t_w) per rank, W = t_b / 2 (no longer than F or B): the
+    schedule's own order of operations gives it; with F = B = W it is (P-1)/(3M+P-1)."""
+    for p, m in ZB_CASES:
+        sim = th.simulate("zb-h1", p, m, t_f=1.0, t_b=t_b)
+        step = th.step_time("zb-h1", p, m, 1.0, t_b)
+        assert sim["makespan"] == pytest.approx(step), (p, m)
+        assert step == pytest.approx(m * (1 + t_b) + (p - 1) * (1 + t_b - t_b))  # 2 t_w = t_b
+        assert sim["in_flight"] == [p] * p  # held until each W: min(P, M) on every stage
+        if t_b == 2.0:  # F = B = W
+            assert sim["bubble_fraction"] == pytest.approx(th.bubble_fraction("zb-h1", p, m))
+            assert th.bubble_fraction("zb-h1", p, m) == (p - 1) / (3 * m + p - 1)
+        # a third of 1F1B's idle time, with F = B = W
+        assert sim["bubble_fraction"] < th.bubble_fraction("1f1b", p, m)
+
+
+def test_zero_bubble_h1_runs_every_op_once_each_w_after_its_b():
+    for p, m in ZB_CASES:
+        for r, ops in enumerate(th.schedule_ops("zb-h1", p, m)):
+            assert Counter(name for name, *_ in ops) == {"F": m, "B": m, "W": m}
+            for i, (name, mb, _) in enumerate(ops):
+                if name == "W":
+                    assert ("B", mb, 0) in ops[:i]
+            # rank r keeps its r latest W's back: they come last
+            assert [n for n, *_ in ops[len(ops) - r :]] == ["W"] * r
+
+
+def test_zero_bubble_cli_and_bad_input():
+    r = run_json(
+        "-m",
+        "labs.theory",
+        "bubble",
+        "--schedule",
+        "zb-h1",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--json",
+    )
+    assert r["bubble_fraction"] == pytest.approx(3 / 27) == r["simulated_bubble_fraction"]
+    assert r["in_flight_microbatches"] == [4, 4, 4, 4]
+    with pytest.raises(ValueError, match="zb-h1 needs at least as many micro-batches as stages"):
+        th.bubble_fraction("zb-h1", 4, 3)
+    with pytest.raises(ValueError, match="t_w=5 needs schedule='zb-h1'"):
+        th.simulate("1f1b", 4, 8, t_w=5)
+
+
+def test_dualpipe_is_the_deepseek_v3_table():
+    """(P/2-1)(F&B + B - 3W) beside 1F1B's (P-1)(F+B) and ZB1P's (P-1)(F+B-2W) (DeepSeek-V3,
+    Table 2); with nothing overlapped F&B = F + B."""
+    p, f, b, w = 8, 1.0, 2.0, 1.0
+    assert th.dualpipe_bubble_time(p, f, b, w) == (8 / 2 - 1) * ((f + b) + b - 3 * w)
+    assert th.dualpipe_bubble_time(p, f, b, w, t_fb=2.4) == 3 * (2.4 + 2.0 - 3.0)
+    one_f_one_b = th.step_time("1f1b", p, 16, f, b) - 16 * (f + b)
+    zb1p = th.step_time("zb-h1", p, 16, f, b, t_w=w) - 16 * (f + b)
+    assert one_f_one_b == (p - 1) * (f + b) and zb1p == (p - 1) * (f + b - 2 * w)
+    assert th.dualpipe_bubble_time(p, f, b, w) < zb1p < one_f_one_b
+    with pytest.raises(ValueError, match="DualPipe needs an even number of stages"):
+        th.dualpipe_bubble_time(3, f, b, w)
+
+
+def test_bubble_calculator_draws_zero_bubble_weight_gradients():
+    from labs.widgets.pipeline import draw_schedule
+
+    fig, r = draw_schedule("zb-h1", 4, 8)
+    gantt = fig.axes[0]
+    assert len([b for b in gantt.patches if b.get_hatch() == ".."]) == 4 * 8  # one W each
+    assert r["bubble_fraction"] == pytest.approx(3 / 27)

@@ -194,4 +194,8 @@ def test_offload_tradeoff_and_stage_table_text():
     assert t["freed_device_bytes"] == 12 * 1e9 and t["left_device_bytes"] == 4 * 1e9
     assert t["host_link_bytes"] == 4e9 and t["host_link_s"] == pytest.approx(0.16)
     text = zero.format_stage_table(8_000_000_000, dp=8, gpu_gib=80)
-    assert [line.split()[-1] for line in text.splitlines()[2:]] == ["no", "yes", "yes", "yes"]
+    assert [line.split()[-1] for line in text.splitlines()[3:]] == ["no", "yes", "yes", "yes"]
+    # GiB, labelled: ZeRO-0 holds 16 x 8e9 bytes = 119.2 GiB per rank
+    assert "(GiB per rank)" in text and text.splitlines()[3].split()[-2] == "119.2"
+    words = zero.format_offload_tradeoff(8_000_000_000, 8, link_gb_per_s=25.0)
+    assert "freed   11.18 GiB" in words and "4.00 GB -> 0.160 s" in words

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
+from labs.experiments.checks import Check, passed, verdict_table
 from labs.theory.memory import ModelSpec
 
 # A summary's figure: one number, one per rank, or (``infer --mode both``) one per mode.
@@ -53,6 +54,19 @@ class RunSummary(MutableMapping):
     step_time_s: Figure = None
     torch_step_time_s: Figure = None  # PyTorch's own implementation (``vs_torch``), or None
     details: dict[str, Any] = dataclasses.field(default_factory=dict)  # the lab's own figures
+    checks: list[Check] = dataclasses.field(default_factory=list)  # what decides the verdict
+
+    @property
+    def passed(self) -> bool:
+        """The verdict: at least one check, and every check passed."""
+        return passed(self.checks)
+
+    def add_checks(self, checks: Iterable[Check]) -> None:
+        self.checks.extend(checks)
+
+    def verdict(self) -> str:
+        """The verdict table: a line per check, then PASS, or FAIL with what failed and a hint."""
+        return verdict_table(self.checks, lab=self.lab)
 
     # Mapping access: a contract key reads and writes its field, any other key the details.
     def __getitem__(self, key: str) -> Any:
@@ -79,11 +93,17 @@ class RunSummary(MutableMapping):
         return len(SUMMARY_KEYS) + len(self.details)
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat dict ``--json`` writes: contract keys, the details' keys, then the aliases."""
-        return with_aliases(dict(self))
+        """The flat dict ``--json`` writes: contract keys, the details' keys, the aliases, then
+        ``passed`` and ``checks`` (name, ok, measured, expected, tolerance, where, hint)."""
+        out = with_aliases(dict(self))
+        out["passed"] = self.passed
+        out["checks"] = [c.to_dict() for c in self.checks]
+        return out
 
 
-SUMMARY_KEYS = tuple(f.name for f in dataclasses.fields(RunSummary) if f.name != "details")
+SUMMARY_KEYS = tuple(
+    f.name for f in dataclasses.fields(RunSummary) if f.name not in ("details", "checks")
+)
 _FIELDS = frozenset(SUMMARY_KEYS)
 
 # Old metric name -> its name now. ``to_dict`` (and so ``--json``) writes both, at every level of
@@ -186,7 +206,10 @@ def format_summary(summary: RunSummary | Mapping[str, Any]) -> str:
 
 
 def to_dict(summary: RunSummary | Mapping[str, Any]) -> dict[str, Any]:
-    """The flat dict of a summary, as ``--json`` writes it (contract keys, the lab's, aliases)."""
+    """The flat dict of a summary, as ``--json`` writes it (contract keys, the lab's, aliases,
+    and for a :class:`RunSummary` its ``passed`` and ``checks``)."""
+    if isinstance(summary, RunSummary):
+        return summary.to_dict()
     return with_aliases(dict(summary))
 
 

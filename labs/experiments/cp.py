@@ -35,7 +35,7 @@ from labs.experiments.common import RunSummary, course_spec, fill_losses, new_su
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.measure.timing import StepTimer, time_steps
 from labs.models.transformer import ModelConfig, build_model, count_params
-from labs.runtime.device import one_thread
+from labs.runtime.device import one_thread, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import RankResults, launch, report_progress
 from labs.theory import context_parallel as theory
@@ -86,18 +86,21 @@ def check_options(nproc: int, seq_len: int) -> None:
     ParallelDims(cp=nproc).check_model(seq_len=seq_len, cp_chunks_per_rank=2)
 
 
-def make_qkv(shape: AttnShape):
+def make_qkv(shape: AttnShape, device: torch.device | str = "cpu"):
     """The global q [B, nh, T, hd], k, v [B, nkv, T, hd] and upstream gradient dout, from the
-    seed."""
+    seed, on ``device`` (drawn on the CPU, so every device gets the same numbers)."""
     g = torch.Generator().manual_seed(shape.seed)
     b = shape.batch
     t = shape.seq_len
     hd = shape.head_dim
-    return (
-        torch.randn(b, shape.n_head, t, hd, generator=g),
-        torch.randn(b, shape.n_kv_head, t, hd, generator=g),
-        torch.randn(b, shape.n_kv_head, t, hd, generator=g),
-        torch.randn(b, shape.n_head, t, hd, generator=g),
+    return tuple(
+        torch.randn(*dims, generator=g).to(device)
+        for dims in (
+            (b, shape.n_head, t, hd),
+            (b, shape.n_kv_head, t, hd),
+            (b, shape.n_kv_head, t, hd),
+            (b, shape.n_head, t, hd),
+        )
     )
 
 
@@ -151,9 +154,11 @@ def attention_worker(shape: AttnShape, cases) -> list[dict]:
     me = dist.get_rank()
     cp = dist.get_world_size()
     results = []
+    device = rank_device()
     for causal, zigzag in cases:
         q, k, v, dout = (
-            cpm.split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=2) for t in make_qkv(shape)
+            cpm.split_sequence(t, cp=cp, rank=me, zigzag=zigzag, dim=2)
+            for t in make_qkv(shape, device)
         )
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         with CommLedger() as ledger:
@@ -242,13 +247,18 @@ def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list
 def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict:
     cpm = exercise("context_parallel")
     group = dist.group.WORLD
-    model = cpm.apply_context_parallel(build_model(model_cfg, seed=cfg.seed), group, zigzag=zigzag)
+    device = rank_device()
+    model = cpm.apply_context_parallel(
+        build_model(model_cfg, seed=cfg.seed, device=device), group, zigzag=zigzag
+    )
     optimizer = make_optimizer(model.parameters(), cfg)
     losses = []
     grads = {}
     ledger = CommLedger()
-    timer = StepTimer()
+    timer = StepTimer(device)
     for step, (x, y) in enumerate(data_for(cfg)):
+        x = x.to(device)
+        y = y.to(device)
         with timer.step():
             # [B, T/cp] twice, [T/cp]
             idx, targets, positions = cpm.shard_inputs(x, y, group, zigzag=zigzag)
@@ -397,10 +407,11 @@ def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int,
 def memory_worker(model_cfg: ModelConfig, shape: AttnShape, batch: int, seq: int) -> dict:
     cpm = exercise("context_parallel")
     group = dist.group.WORLD
-    model = cpm.apply_context_parallel(build_model(model_cfg), group)
+    device = rank_device()
+    model = cpm.apply_context_parallel(build_model(model_cfg, device=device), group)
     x = torch.randint(
         0, model_cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)
-    )
+    ).to(device)
     idx, targets, positions = cpm.shard_inputs(x, x, group)
     with SavedActivations(exclude=model) as saved:
         _, loss = model(idx, targets, positions)
@@ -478,8 +489,8 @@ def long_context_rows(
     flash: bool = True,
     **model,
 ) -> list[dict]:
-    """Activation GB per rank (Llama-3-8B-like, bf16, batch 1, no recomputation) by length and
-    CP."""
+    """Activation GiB per rank (Llama-3 8B, bf16, batch 1, no recomputation) by length and CP:
+    ``labs.theory.context_parallel.long_context_table``."""
     return theory.long_context_table(seq_lens=list(seq_lens), cps=cps, flash=flash, **model)
 
 

@@ -40,6 +40,7 @@ from labs.measure.memory import state_bytes
 from labs.measure.timing import StepTimer
 from labs.models.toy import build_awkward
 from labs.models.transformer import ModelConfig, build_model
+from labs.runtime.device import ddp_device_ids, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import memory as memory_theory
@@ -81,13 +82,15 @@ class TorchDDP(DistributedDataParallel):
         pass
 
 
-def build(job: Job) -> torch.nn.Module:
+def build(job: Job, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The job's model (same seed, same weights everywhere) in its dtype, on ``device``: a rank
+    passes ``rank_device()``, the single-process reference keeps the default CPU."""
     model = (
         build_awkward(job.train.seed)
         if job.model == "awkward"
         else build_model(job.model_cfg, seed=job.train.seed)
     )
-    return model.to(getattr(torch, job.dtype))
+    return model.to(device=device, dtype=getattr(torch, job.dtype))
 
 
 def wrap(variant: str, model: torch.nn.Module, *, bucket_mb: float = DEFAULT_BUCKET_MB, group=None):
@@ -112,14 +115,15 @@ def backward_order_bytes(model: torch.nn.Module) -> list[int]:
 def train_variant(variant: str, job: Job, group=None) -> dict:
     """Train one variant on this rank; the ledger labels the wrap and each step."""
     ddp = exercise("ddp")
-    model = build(job)
+    device = rank_device()
+    model = build(job, device)
     with CommLedger() as ledger:
         with ledger.phase("wrap"):
             wrapped = wrap(variant, model, bucket_mb=job.bucket_mb, group=group)
         optimizer = make_optimizer(wrapped.parameters(), job.train)
         data = ddp.rank_data(job.train, group=group, grad_accum=job.grad_accum)
         losses = []
-        timer = StepTimer()
+        timer = StepTimer(device)
         for step, micro_batches in enumerate(data):
             with ledger.phase(f"step {step}"), timer.step():
                 losses.append(ddp.train_step(wrapped, optimizer, micro_batches))
@@ -149,12 +153,15 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
 def time_vs_torch(variant: str, job: Job) -> dict:
     """Ours and torch's DDP on fresh copies of the model, same data, steps interleaved."""
     ddp = exercise("ddp")
+    device = rank_device()
     models = {
-        "ours": wrap(variant, build(job), bucket_mb=job.bucket_mb),
-        "torch": TorchDDP(build(job), bucket_cap_mb=job.bucket_mb),
+        "ours": wrap(variant, build(job, device), bucket_mb=job.bucket_mb),
+        "torch": TorchDDP(
+            build(job, device), device_ids=ddp_device_ids(device), bucket_cap_mb=job.bucket_mb
+        ),
     }
     optimizers = {k: make_optimizer(m.parameters(), job.train) for k, m in models.items()}
-    timers = {"ours": StepTimer(), "torch": StepTimer()}
+    timers = {"ours": StepTimer(device), "torch": StepTimer(device)}
     cpu = {"ours": [], "torch": []}  # CPU time of this rank's threads, per step
     losses = {"ours": [], "torch": []}
     for step, micro_batches in enumerate(ddp.rank_data(job.train, grad_accum=job.grad_accum)):

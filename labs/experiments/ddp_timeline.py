@@ -5,26 +5,23 @@
     trace["per_rank"]     # backward time, wait after it, exposed communication, all-reduces
 
 A traced step runs forward, backward, ``finish_gradient_synchronization`` and the optimizer
-under ``labs.measure.Timeline`` spans; ``trace_all_reduces`` records every ``dist.all_reduce``
-from launch to completion (an async one completes in the communication thread, which
-calls the work's future back: that is the real end, not when someone waits). A bucket's
-all-reduce is launched the moment its last gradient is ready, so the launches cut the
-backward span into per-bucket compute segments.
+under ``labs.measure.Timeline`` spans; ``trace_all_reduces`` (``labs.measure.timeline``)
+records every ``dist.all_reduce`` from launch to completion: on a GPU between CUDA events
+around NCCL's work; on the CPU until gloo's communication thread completes the work's
+future (the real end, not when someone waits). A bucket's all-reduce is launched the
+moment its last gradient is ready, so the launches cut the backward span into per-bucket
+compute segments.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import statistics
-
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from labs.experiments.ddp import DEFAULT_BUCKET_MB, Job, backward_order_bytes, build, wrap
 from labs.measure import Timeline
-from labs.measure.timeline import Event
+from labs.measure.timeline import Event, trace_all_reduces
 from labs.models.transformer import ModelConfig
+from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory.comm import all_reduce_bytes
@@ -33,40 +30,10 @@ from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import TrainConfig, make_optimizer
 
 
-@contextlib.contextmanager
-def trace_all_reduces(timeline: Timeline):
-    """Every ``dist.all_reduce`` issued inside the block becomes an "all_reduce" event on
-    ``timeline``: from launch to completion (for ``async_op=True``, when the work's future
-    completes, in the communication thread, not when someone waits for it)."""
-    original = c10d.all_reduce
-    counter = itertools.count()
-
-    def traced(tensor, *args, **kwargs):
-        index = next(counter)
-        start = timeline.now()
-        work = original(tensor, *args, **kwargs)
-        meta = {"bucket": index, "bytes": tensor.numel() * tensor.element_size()}
-
-        def done(_=None):
-            timeline.events.append(Event(timeline.rank, "all_reduce", start, timeline.now(), meta))
-
-        if work is None:
-            done()
-        else:
-            work.get_future().add_done_callback(done)
-        return work
-
-    try:
-        dist.all_reduce = c10d.all_reduce = traced
-        yield
-    finally:
-        dist.all_reduce = c10d.all_reduce = original
-
-
 def overlap_worker(variant: str, job: Job) -> list[Event]:
     """One traced step after the others: forward, backward, wait for the all-reduces, optimizer."""
     ddp = exercise("ddp")
-    model = wrap(variant, build(job), bucket_mb=job.bucket_mb)
+    model = wrap(variant, build(job, rank_device()), bucket_mb=job.bucket_mb)
     optimizer = make_optimizer(model.parameters(), job.train)
     for [(x, y)] in ddp.rank_data(job.train):
         timeline = Timeline()  # a barrier, then t = 0 on every rank

@@ -22,6 +22,10 @@ call returns, so a failing cell never hangs the notebook or leaves processes beh
     out_of_memory        state bigger than the memory cap, as     allocation error
                          the calculator predicted
     straggler            monitored_barrier names the late rank    RankError naming it
+
+Every scenario runs on the backend ``launch`` picks (NCCL on a GPU box, one GPU per rank) with
+its tensors on ``rank_device()``, except the few in ``GLOO_ONLY``, which need gloo for what they
+show and force it: the one place that says which, and why.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from labs.runtime.device import rank_device
 from labs.runtime.errors import LaunchTimeout, RankDied, RankError
 from labs.runtime.launcher import launch
 from labs.runtime.proc import child_pids
@@ -49,13 +54,13 @@ def skipped_collective_rank(steps: int = 3):
     for step in range(steps):
         if dist.get_rank() == 1 and step == steps - 1:
             continue  # the bug
-        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4, device=rank_device()))
     return dist.get_rank()
 
 
 def wrong_shape_rank():
     """Rank 0 all-reduces 4 numbers, the others 5 (say, a ragged last batch)."""
-    dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 5))
+    dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 5, device=rank_device()))
 
 
 def port_in_use_rank(port: int):
@@ -69,7 +74,7 @@ def crashed_rank():
     """Rank 1 dies mid-step (segfault, OOM killer, a node going down: here SIGKILL)."""
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1, device=rank_device()))
 
 
 def _address_space_bytes() -> int:
@@ -77,15 +82,28 @@ def _address_space_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
 
-def out_of_memory_rank(n_params: int, budget_bytes: int):
-    """Cap this rank's memory at ``budget_bytes`` more than it uses now (a stand-in for a GPU's
-    memory), then allocate fp32 parameters, gradients and Adam's two moments: 16 bytes each."""
+def _cap_memory(device: torch.device, budget_bytes: int) -> None:
+    """Let this rank allocate at most ``budget_bytes`` more on ``device``: on a GPU through torch's
+    caching allocator (``set_per_process_memory_fraction``), on the CPU with an address-space
+    limit (a stand-in for a GPU's memory)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        used = torch.cuda.memory_reserved(device)
+        torch.cuda.set_per_process_memory_fraction((used + budget_bytes) / total, device)
+        return
     resource.setrlimit(
         resource.RLIMIT_AS, (_address_space_bytes() + budget_bytes, resource.RLIM_INFINITY)
     )
-    params = torch.zeros(n_params)
-    grads = torch.zeros(n_params)
-    moments = torch.zeros(2 * n_params)
+
+
+def out_of_memory_rank(n_params: int, budget_bytes: int):
+    """Cap this rank's memory at ``budget_bytes`` more than it uses now, then allocate fp32
+    parameters, gradients and Adam's two moments on its device: 16 bytes each."""
+    device = rank_device()
+    _cap_memory(device, budget_bytes)
+    params = torch.zeros(n_params, device=device)
+    grads = torch.zeros(n_params, device=device)
+    moments = torch.zeros(2 * n_params, device=device)
     return params.numel() + grads.numel() + moments.numel()
 
 
@@ -128,33 +146,46 @@ SCENARIOS = (
     "out_of_memory",
     "straggler",
 )
+# The scenarios that run on gloo on every machine, and why (notebook 10 tells the learner).
+GLOO_ONLY = {
+    "wrong_shape": "gloo compares the ranks' sizes and aborts; NCCL does not check them, and a"
+    " mismatched all-reduce may hang or read past the end of a buffer",
+    "straggler": "dist.monitored_barrier exists only on gloo",
+}
 
 
 def reproduce(name: str, timeout: float = 5.0):
     """Run scenario ``name``; it raises the error a learner would see."""
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")
+    backend = "gloo" if name in GLOO_ONLY else "auto"
     if name == "skipped_collective":
-        return launch(skipped_collective_rank, 3, timeout=timeout)
+        return launch(skipped_collective_rank, 3, timeout=timeout, backend=backend)
     if name == "wrong_shape":
-        return launch(wrong_shape_rank, 2, timeout=timeout)
+        return launch(wrong_shape_rank, 2, timeout=timeout, backend=backend)
     if name == "wrong_shape_detail":
         return launch(
-            wrong_shape_rank, 2, timeout=timeout, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+            wrong_shape_rank,
+            2,
+            timeout=timeout,
+            backend=backend,
+            env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
         )
     if name == "port_in_use":
         holder, port = _occupied_port()
         try:
-            return launch(port_in_use_rank, 2, port, timeout=timeout)
+            return launch(port_in_use_rank, 2, port, timeout=timeout, backend=backend)
         finally:
             holder.close()
     if name == "crashed_rank":
-        return launch(crashed_rank, 2, timeout=timeout)
+        return launch(crashed_rank, 2, timeout=timeout, backend=backend)
     if name == "out_of_memory":
         # 16 Mi parameters: 256 MiB of fp32 + AdamW state, in a 128 MiB budget. (Each tensor is
         # over glibc's 32 MiB mmap threshold, so it is fresh address space the cap can refuse.)
-        return launch(out_of_memory_rank, 2, OOM_PARAMS, OOM_BUDGET, timeout=timeout)
-    if name == "straggler":
-        return launch(straggler_rank, 3, 3.0, 1.0, timeout=timeout)
-    raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")
+        return launch(
+            out_of_memory_rank, 2, OOM_PARAMS, OOM_BUDGET, timeout=timeout, backend=backend
+        )
+    return launch(straggler_rank, 3, 3.0, 1.0, timeout=timeout, backend=backend)
 
 
 def diagnose(name: str, timeout: float = 5.0) -> dict:
@@ -215,12 +246,16 @@ def unbalanced_step_rank(steps: int, work: int, slow_rank: int, slowdown: float)
     from labs.measure.timeline import Timeline
 
     rank = dist.get_rank()
-    a = torch.randn(work, work)
-    grad = torch.randn(1 << 16)
+    device = rank_device()
+    a = torch.randn(work, work).to(device)
+    grad = torch.randn(1 << 16).to(device)
     repeats = max(1, round(4 * (slowdown if rank == slow_rank else 1.0)))
     a @ a
     dist.all_reduce(grad)  # warm-up: the first collective also sets up connections
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    # on a GPU the kernels' own time (CUDA activity), not the time to launch them
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    with profile(activities=activities) as prof:
         timeline = Timeline()  # after the profiler started: its start-up is not part of step 0
         for step in range(steps):
             with timeline.span("compute", step=step):
@@ -231,9 +266,11 @@ def unbalanced_step_rank(steps: int, work: int, slow_rank: int, slowdown: float)
     totals = {"compute": 0.0, "communication": 0.0}
     for event in prof.key_averages():
         if event.key == "aten::mm":
-            totals["compute"] += event.self_cpu_time_total / 1e6
+            us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+            totals["compute"] += us / 1e6
         elif "allreduce" in event.key.lower() or "all_reduce" in event.key.lower():
-            totals["communication"] += event.cpu_time_total / 1e6
+            us = event.device_time_total if on_gpu else event.cpu_time_total
+            totals["communication"] += us / 1e6
     return {"events": timeline.events, "profile_s": totals}
 
 

@@ -21,7 +21,7 @@ from labs.experiments.zero import held_bytes
 from labs.measure import CommLedger, Timeline, state_bytes
 from labs.measure.timing import StepTimer
 from labs.models.vision import MultimodalConfig, build_multimodal
-from labs.runtime.device import rank_device
+from labs.runtime.device import ddp_device_ids, deterministic_algorithms, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import report_progress
 from labs.runtime.pipe import pipe_group
@@ -143,7 +143,9 @@ def dp_worker(
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(
-            build_multimodal(cfg, seed=train.seed, device=device), bucket_cap_mb=bucket_mb
+            build_multimodal(cfg, seed=train.seed, device=device),
+            device_ids=ddp_device_ids(device),
+            bucket_cap_mb=bucket_mb,
         )
         optimizer = make_optimizer(ddp.parameters(), train)
         losses = []
@@ -162,7 +164,8 @@ def dp_worker(
 
 def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
     """One tensor-parallel rank: the whole global batch through its decoder shards and its encoder
-    replica."""
+    replica (bit for bit the other ranks' replicas: on a GPU, with deterministic kernels)."""
+    deterministic_algorithms()  # before the first matmul
     device = rank_device()
     model = exercise("multimodal").TensorParallelMultimodal(
         build_multimodal(cfg, seed=train.seed, device=device)

@@ -9,7 +9,8 @@ Checks, for ``naive`` (one forward, inference) and the training schedules ``gpip
 
 * reference: every step's loss, and every gradient after step 1 (by name, on the rank that
   holds it), equal the single-process run on the same global batch (fp32, 1e-5 relative);
-  naive: the logits equal the full model's;
+  naive: the logits equal the full model's (``logits_match``: bit for bit on gloo; on GPUs within
+  the fp32 tolerance, ``labs.train.rule("same_ops", ...)``);
 * theory: bytes each rank sends (ledger) = ``p2p_bytes_per_rank``; the order of F and B on
   each rank = ``schedule_ops``; the peak number of micro-batches whose activations a stage
   holds (saved-tensor accounting, ``labs.experiments.pp_timeline``) = ``in_flight_microbatches``;
@@ -63,6 +64,7 @@ from labs.train import (
     make_optimizer,
     max_rel_diff,
     train_reference,
+    within,
 )
 
 CHOICES = ("naive", "gpipe", "1f1b", "interleaved")
@@ -383,6 +385,10 @@ def summarize(
                 reference.append(loss.item())
             first_x, _ = batches[0]
             summary["max_rel_logit_diff"] = max_rel_diff(last["logits"], model(first_x))
+        # the very ops of the full model: bit for bit on gloo, the fp32 tolerance on GPUs
+        summary["logits_match"] = within(
+            "same_ops", summary["max_rel_logit_diff"], backend=summary["backend"]
+        )
     else:
         reference = ref.losses
         grads = {n: g for r in per_rank for n, g in r["grads"].items()}

@@ -27,6 +27,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from labs.measure import Event, Timeline, idle_fraction
+from labs.runtime.device import synchronize
 
 
 class MeasuredTimeline(Timeline):
@@ -55,6 +56,8 @@ class MeasuredTimeline(Timeline):
         )
         with super().span(name, **meta), hooks:
             yield
+            if self.sync:
+                synchronize(self.device)  # the op's own time, before padding it out
             pad = self.min_time.get(name, 0.0) - (time.perf_counter() - start)
             if pad > 0:
                 time.sleep(pad)

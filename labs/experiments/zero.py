@@ -39,7 +39,7 @@ from labs.measure.memory import optimizer_bytes
 from labs.measure.timing import StepTimer
 from labs.models.toy import AwkwardModel
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import rank_device
+from labs.runtime.device import deterministic_algorithms, rank_device
 from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
@@ -50,6 +50,7 @@ from labs.train import (
     compare_losses,
     make_optimizer,
     max_rel_diff,
+    rule,
     train_reference,
 )
 
@@ -71,6 +72,7 @@ class RunSpec:
     save: str | None = None  # checkpoint folder to write after the last step
     torch_fsdp: bool = False  # train with torch's fully_shard instead of our ZeRO
     dtype: str = "float32"  # float64: parameter checks beyond AdamW's amplified rounding (see run)
+    deterministic: bool = False  # a GPU rank runs deterministic kernels (bit-for-bit reruns)
 
 
 def check_model(model: str, dtype: str = "float32") -> None:
@@ -166,15 +168,17 @@ def held_bytes(model, wrapper) -> dict[str, int]:
     return out
 
 
-def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig):
+def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None):
     """(our wrapper or None, its optimizer) for ``spec``: plain data parallelism (stage 0),
-    ZeRO-``stage``, or torch's FSDP2 ``fully_shard`` on the same units."""
+    ZeRO-``stage``, or torch's FSDP2 ``fully_shard`` on the same units (with ``mp_policy``, a
+    ``MixedPrecisionPolicy``, if given; the lab's fp32 runs give none)."""
     if spec.torch_fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = mp_policy or MixedPrecisionPolicy()
         for _, modules in units_of(model)[:-1]:
-            fully_shard(modules[0])
-        fully_shard(model)  # the root unit: whatever is left (final norm + head)
+            fully_shard(modules[0], mp_policy=policy)
+        fully_shard(model, mp_policy=policy)  # the root unit: whatever is left (norm + head)
         return None, make_optimizer(model.parameters(), cfg)
     if spec.stage == 0:
         w = DataParallel(model, cfg=cfg, units=units_of(model))
@@ -212,6 +216,8 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     rank = dist.get_rank()
     n = dist.get_world_size()
     device = rank_device()
+    if spec.deterministic:
+        deterministic_algorithms()  # before the first matmul
     model = build(spec.model, seed=cfg.seed, dtype=spec.dtype).to(device)
     wrapper, optimizer = wrap_for_zero(model, spec, cfg)
     loaded = None
@@ -398,6 +404,19 @@ def run(
         torch_param_diff = param_diff(t[0]["params"], ref.params)
         s["torch_max_rel_param_diff"] = torch_param_diff["max_rel_param_diff"]
     return s
+
+
+def same_model(s: RunSummary, s0: RunSummary) -> bool:
+    """Whether two ZeRO runs (e.g. stage 3 and stage 0, plain data parallelism) trained the same
+    model, by the tolerance table's "zero_stages" rule for their backend: bit for bit (equal
+    ``params_sha1``) on gloo; on NCCL, both within the parameter tolerance of the reference."""
+    for run_ in (s, s0):
+        if run_["backend"] != s0["backend"]:
+            raise ValueError(f"runs on {run_['backend']} and {s0['backend']}: compare alike")
+    tolerance = rule("zero_stages", None, s0["backend"]).rel
+    if tolerance == 0.0:
+        return s["params_sha1"] == s0["params_sha1"]
+    return max(s["max_rel_param_diff"], s0["max_rel_param_diff"]) <= tolerance
 
 
 def digest(params: dict) -> str:

@@ -2,7 +2,7 @@
 
     timer = StepTimer(device)
     for batch in batches:
-        with timer.step():                 # synchronises the device before and after
+        with timer.step():                 # CUDA events on a GPU, the clock on the CPU
             train_step(batch)
     timer.step_time()                      # median over the steps after the first (warm-up)
 
@@ -13,8 +13,9 @@ allocator caches, connects gloo's pairs, imports lazily) and is left out; ``step
 the median of the others, on each rank. A run of one step has nothing else to report, so its
 one step counts. A lab reports the slowest rank's figure: a step ends when its last rank does.
 
-On a GPU the clock is read after ``synchronize`` (``labs.runtime.device``), so a step's time is
-its kernels' time and not the time to queue them.
+On a GPU a step is timed by CUDA events recorded on the device's current stream before and after
+it (and waited for), so a step's time is the GPU's, from its first kernel to its last, and not the
+time the host took to queue them; on the CPU, by the host's clock (``time.perf_counter``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from labs.runtime.device import synchronize
+from labs.runtime.device import rank_device, synchronize
 
 
 def step_time(times: Sequence[float]) -> float:
@@ -38,8 +39,8 @@ def step_time(times: Sequence[float]) -> float:
 
 
 class StepTimer:
-    """Times each step of a run on ``device`` (default: this rank's), keeping every step's
-    seconds in ``times``."""
+    """Times each step of a run on ``device`` (default: this rank's, ``rank_device()``), keeping
+    every step's seconds in ``times``."""
 
     def __init__(self, device: torch.device | None = None):
         self.device = device
@@ -47,13 +48,24 @@ class StepTimer:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Time the block: the device is synchronised before the clock starts and before it
-        stops."""
-        synchronize(self.device)
-        start = time.perf_counter()
+        """Time the block. On a GPU: between two CUDA events on the current stream, the second
+        waited for before the time is read. On the CPU: by the clock."""
+        device = self.device or rank_device()
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            yield
+            end.record(stream)
+            end.synchronize()
+            self.times.append(start.elapsed_time(end) / 1e3)  # milliseconds -> seconds
+            return
+        synchronize(device)
+        start_s = time.perf_counter()
         yield
-        synchronize(self.device)
-        self.times.append(time.perf_counter() - start)
+        synchronize(device)
+        self.times.append(time.perf_counter() - start_s)
 
     def step_time(self) -> float:
         """``step_time(self.times)``: the median after the warm-up step."""

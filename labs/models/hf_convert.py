@@ -62,7 +62,7 @@ def course_config_from_hf(config: PretrainedConfig) -> ModelConfig:
 
 def course_model_from(model: nn.Module) -> Transformer:
     """``model`` itself if it is the course model, else a course ``Transformer`` holding copies of
-    a ``LlamaForCausalLM``'s weights (same dtype)."""
+    a ``LlamaForCausalLM``'s weights (same dtype, same device)."""
     if isinstance(model, Transformer):
         return model
     config = getattr(model, "config", None)
@@ -71,7 +71,8 @@ def course_model_from(model: nn.Module) -> Transformer:
             f"model must be the course Transformer or a transformers LlamaForCausalLM, "
             f"got {type(model).__name__}"
         )
-    full = Transformer(course_config_from_hf(config)).to(next(model.parameters()).dtype)
+    first = next(model.parameters())
+    full = Transformer(course_config_from_hf(config)).to(device=first.device, dtype=first.dtype)
     state = model.state_dict()
     full.load_state_dict({name: state[hf_llama_name(name)] for name in full.state_dict()})
     return full

@@ -1,6 +1,13 @@
 """Launcher, backend and device choice, the implementation switch, logging."""
 
-from labs.runtime.device import environment_report, one_thread, rank_device, synchronize
+from labs.runtime.device import (
+    ddp_device_ids,
+    environment_report,
+    local_rank,
+    one_thread,
+    rank_device,
+    synchronize,
+)
 from labs.runtime.errors import LaunchTimeout, RankDied, RankError
 from labs.runtime.impl import exercise, implementation, set_implementation
 from labs.runtime.launcher import choose_backend, launch, report_progress, under_torchrun
@@ -11,10 +18,12 @@ __all__ = [
     "RankDied",
     "RankError",
     "choose_backend",
+    "ddp_device_ids",
     "environment_report",
     "exercise",
     "implementation",
     "launch",
+    "local_rank",
     "log",
     "one_thread",
     "rank_device",

@@ -31,8 +31,10 @@ and across nodes.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -47,14 +49,25 @@ from multiprocessing import connection
 import torch
 import torch.distributed as dist
 
+from labs.runtime import audit
+
+# choose_backend lives with the device choice; its name stays importable from here. (The device
+# module also asks torch to count GPUs through NVML, so that this process never initialises CUDA.)
+from labs.runtime.device import BACKENDS, choose_backend, exact_fp32, local_rank
 from labs.runtime.errors import LaunchTimeout, raise_failure, read_stderr
 
-BACKENDS = ("auto", "gloo", "nccl")
-# Count GPUs through NVML, not the CUDA runtime: a CUDA call in this process would make every
-# forked rank's CUDA fail ("initialization error"). torch reads this at each device_count() call.
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+__all__ = [
+    "BACKENDS",
+    "RankResults",
+    "choose_backend",
+    "launch",
+    "report_progress",
+    "under_torchrun",
+]
 # The channel to the parent, set in each launched rank (None under torchrun).
 _parent_conn = None
+# Launches so far in this torchrun worker (all its ranks launch the same sequence).
+_torchrun_launches = itertools.count()
 
 
 class RankResults(list):
@@ -70,21 +83,6 @@ class RankResults(list):
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher that sets RANK)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def choose_backend(nprocs: int, backend: str = "auto") -> str:
-    """'nccl' when asked for or when there is a GPU per rank, else 'gloo'. Validates the choice."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "nccl" and gpus < nprocs:
-        raise ValueError(
-            f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible;"
-            f" use nprocs<={gpus} or backend='gloo'"
-        )
-    if backend == "auto":
-        return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
-    return backend
 
 
 def launch(
@@ -119,6 +117,8 @@ def launch(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if under_torchrun():
         return _join_torchrun_job(fn, nprocs, args, backend, timeout)
+    # The device audit (tests): ranks that would run NCCL on a GPU box, so not a forced gloo.
+    audit_label = audit.lab_label(fn) if audit.requested() and backend != "gloo" else None
     backend = choose_backend(nprocs, backend)
     method = start_method or _default_start_method()
     if method not in ("fork", "spawn"):
@@ -130,7 +130,9 @@ def launch(
         )
     if method == "spawn":
         _check_picklable(fn)
-    return _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}))
+    return _run_ranks(
+        fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
+    )
 
 
 def report_progress(n: int = 1) -> None:
@@ -156,7 +158,9 @@ def _check_picklable(fn) -> None:
         )
 
 
-def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) -> RankResults:
+def _run_ranks(
+    fn, nprocs, args, backend, timeout, method, progress, desc, env, audit_label
+) -> RankResults:
     if method == "fork":
         # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
         # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
@@ -187,6 +191,7 @@ def _run_ranks(fn, nprocs, args, backend, timeout, method, progress, desc, env) 
                         conns + [parent_end],
                         stderr_paths[rank],
                         env,
+                        audit_label,
                     ),
                 )
                 p.start()
@@ -303,9 +308,20 @@ def _progress_bar(total, desc):
 
 
 def _rank_main(
-    fn, args, rank, world_size, store_path, backend, timeout, conn, parent_ends, stderr_path, env
+    fn,
+    args,
+    rank,
+    world_size,
+    store_path,
+    backend,
+    timeout,
+    conn,
+    parent_ends,
+    stderr_path,
+    env,
+    audit_label,
 ):
-    """Entry point of one launched rank."""
+    """Entry point of one launched rank (under the device audit when ``audit_label`` is set)."""
     global _parent_conn
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -332,9 +348,11 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        _init_rank(rank, world_size, backend, timeout, store_path)
-        used = dist.get_backend()  # read now: fn may destroy the process group
-        message = ("ok", _to_cpu(fn(*args)), used)
+        with audit.audited(audit_label, rank) if audit_label else contextlib.nullcontext():
+            _init_rank(rank, world_size, backend, timeout, store_path)
+            used = dist.get_backend()  # read now: fn may destroy the process group
+            result = fn(*args)
+        message = ("ok", _to_cpu(result), used)
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures too
         tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # skip this frame
         message = ("error", type(e).__name__, str(e), "".join(tb))
@@ -373,14 +391,31 @@ def _to_cpu(result):
 
 
 def _init_rank(rank, world_size, backend, timeout, store_path):
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+        device_id=_bind_device(backend),
     )
+
+
+def _bind_device(backend: str) -> torch.device | None:
+    """Prepare this rank for ``backend``; returns the device to bind the process group to.
+
+    NCCL: this rank's GPU (``local_rank()``) becomes the current device, and the process group is
+    bound to it (``device_id``: NCCL connects at once, and no collective has to guess the GPU).
+    gloo: one intra-op thread per rank, so N ranks do not fight over the cores. Both: TF32 off,
+    since the labs compare fp32 results with a reference to 1e-5 (``exact_fp32``)."""
+    exact_fp32()
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(1)
+    return None
 
 
 def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
@@ -389,18 +424,28 @@ def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
         raise ValueError(
             f"nprocs={nprocs} but torchrun started WORLD_SIZE={world} ranks; pass --nproc {world}"
         )
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    audited = audit.requested() and backend != "gloo" and not dist.is_initialized()
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(1)
     joined_here = not dist.is_initialized()
-    if joined_here:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    used = dist.get_backend()
-    result = fn(*args)
+    with audit.audited(audit.lab_label(fn), local_rank()) if audited else contextlib.nullcontext():
+        if joined_here:
+            device = _bind_device(backend)
+            store, rank, world_size = next(dist.rendezvous("env://"))
+            # Each launch of this job meets under a fresh prefix: the previous launch's group
+            # left its keys in torchrun's store, and a rank reading those would connect to a
+            # socket that is closed ("Connection refused"), one launch in a few.
+            store = dist.PrefixStore(f"labs-launch-{next(_torchrun_launches)}", store)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+                device_id=device,
+            )
+        used = dist.get_backend()
+        result = fn(*args)
     gathered = [None] * world
     dist.all_gather_object(gathered, _to_cpu(result))
     if joined_here:

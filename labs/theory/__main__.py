@@ -2,9 +2,14 @@
 
     python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --precision bf16-mixed \
         --zero 3 --dp 8 --json
+    python -m labs.theory memory --preset llama3-8b --experts 8 --top-k 2 --dp 8 --ep 4 --zero 1 \
+        --fp8 --offload --gpu-mem 79.6
     python -m labs.theory bubble --schedule 1f1b --stages 4 --microbatches 8 --json
+    python -m labs.theory bubble --schedule zb-h1 --stages 4 --microbatches 8
     python -m labs.theory plan --preset llama3-70b --seq 32768 --gpus 512 --gpus-per-node 8 \
         --gpu-mem 80 --json
+    python -m labs.theory plan --preset llama3-405b --seq 8192 --gpus 16384 --global-batch 2048 \
+        --recompute selective --layout tp=8,pp=16,cp=1,dp=128,zero=1,v=2
     python -m labs.theory comm --op all_reduce --bytes 1e9 --ranks 8 --json
     python -m labs.theory moe --preset mixtral-8x7b --json
 

@@ -195,7 +195,9 @@ def activation_bytes(
     """The Ultra-Scale Playbook's activation memory per rank, half precision, no recomputation:
     L·s·b·h·(34 + 5·a·s/h) bytes for s = T/CP local tokens. The 5·a·s/h term is the T×T
     attention matrix (scores, softmax, dropout mask); a fused kernel (``flash=True``) never
-    stores it. In ring attention each rank's local s×T scores are not kept either."""
+    stores it. In ring attention each rank's local s×T scores are not kept either. The
+    playbook's estimate for GPT-style layers: the course's own figure is
+    ``long_context_table``'s (the memory calculator)."""
     check_positive(seq_len=seq_len, batch=batch, hidden=hidden, n_head=n_head, n_layer=n_layer)
     check_cp(cp)
     s = seq_len / cp
@@ -203,33 +205,66 @@ def activation_bytes(
     return n_layer * s * batch * hidden * per_token
 
 
+SEQ_LENS = (4096, 16384, 32768, 65536, 131072)
+
+
 def long_context_table(
     *,
-    seq_lens: Iterable[int],
+    seq_lens: Iterable[int] = SEQ_LENS,
     batch: int = 1,
-    hidden: int = 4096,
-    n_head: int = 32,
-    n_layer: int = 32,
+    preset: str = "llama3-8b",
     cps: Iterable[int] = (1, 2, 4, 8, 16),
     flash: bool = True,
 ) -> list[dict]:
-    """Activation GB per rank for each sequence length and CP degree (Llama-3-8B-like defaults)."""
+    """Activation GiB per rank for each sequence length and CP degree, bf16, no recomputation.
+
+    ``flash=True`` (the course's figure): the memory calculator's activations for the whole
+    model (``labs.theory.memory.memory_per_rank``: every layer, the embedding, the final norm
+    and the fp32 loss), the model of notebook 01 that equals the course model's saved tensors to
+    the byte. ``flash=False``: the Ultra-Scale Playbook's formula with eager attention (its
+    5·a·s/h term, the T x T scores), for the same layers, labelled as such by
+    ``format_long_context``."""
+    from labs.theory.memory import GIB, memory_per_rank
+    from labs.theory.presets import preset as get_preset
+
+    spec = get_preset(preset)
     rows = []
     for t in seq_lens:
         row = {"seq_len": t}
         for cp in cps:
-            nbytes = activation_bytes(
-                seq_len=t,
-                batch=batch,
-                hidden=hidden,
-                n_head=n_head,
-                n_layer=n_layer,
-                cp=cp,
-                flash=flash,
-            )
-            row[f"cp={cp}"] = nbytes / 1e9
+            if flash:
+                nbytes = memory_per_rank(spec, seq=t, mbs=batch, cp=cp)["activation_bytes"]
+            else:
+                nbytes = activation_bytes(
+                    seq_len=t,
+                    batch=batch,
+                    hidden=spec.hidden,
+                    n_head=spec.n_heads,
+                    n_layer=spec.n_layers,
+                    cp=cp,
+                    flash=False,
+                )
+            row[f"cp={cp}"] = nbytes / GIB
         rows.append(row)
     return rows
+
+
+def format_long_context(rows: list[dict], *, flash: bool = True) -> str:
+    """``long_context_table``'s rows as a table in GiB per rank, headed by where the numbers come
+    from."""
+    source = (
+        "the memory calculator (flash attention, whole model)"
+        if flash
+        else "the playbook's formula L·s·b·h·(34 + 5as/h), eager attention"
+    )
+    keys = [k for k in rows[0] if k.startswith("cp=")]
+    lines = [
+        f"activations per rank, GiB: {source}",
+        f"{'seq_len':>8}" + "".join(f"{k:>10}" for k in keys),
+    ]
+    for r in rows:
+        lines.append(f"{r['seq_len']:>8}" + "".join(f"{r[k]:>10.3g}" for k in keys))
+    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -198,7 +198,7 @@ def deepspeed_config(
             f"cp={degrees['cp']}: DeepSpeed has no ring-attention context parallelism (its"
             " Ulysses sequence parallelism is another scheme); use the torchrun export or cp=1"
         )
-    mbs = plan.get("assumptions", {}).get("mbs", 1)
+    mbs = plan.get("mbs") or plan.get("assumptions", {}).get("mbs") or 1
     accumulation = plan.get("microbatches", 1)
     zero = plan.get("zero", 3 if degrees["pp"] == 1 else 1)
     if degrees["pp"] > 1 and zero > 1:

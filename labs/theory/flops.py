@@ -8,7 +8,9 @@ probabilities·v) cost 2·2·seq·nh·hd per token forward, three times that wit
     FLOPs per token = 6·P_matmul + 12·L·nh·hd·seq
 
 P_matmul counts the weights that are multiplied: every weight matrix and the output head (tied
-or not), but not the embedding table (a lookup), norm weights or biases (elementwise). The
+or not), but not the embedding table (a lookup), norm weights or biases (elementwise). In a
+mixture of experts a token multiplies the router and its top-k experts only (the active
+parameters of ``labs.theory.moe``). The
 playbook's 6N + 12·L·h·seq uses all N parameters: ~7% high for Llama-3 8B, whose embedding
 has 525 M entries. Causal attention needs only half of the seq x seq products; the usual
 convention (PaLM, Chowdhery et al. 2022, App. B) counts all of them, and so do we. A test
@@ -41,7 +43,9 @@ def matmul_params(spec: ModelSpec) -> int:
     if spec.arch == "gpt":
         per_layer = 4 * h * h + 2 * h * F
     else:
-        per_layer = 2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd + 3 * h * F
+        router = h * spec.n_experts if spec.moe else 0
+        mlp = spec.top_k * 3 * h * F + router  # top_k is 1 for a dense MLP
+        per_layer = 2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd + mlp
     return L * per_layer + spec.vocab_size * h
 
 
@@ -61,7 +65,8 @@ def flops_per_token(
     if recompute == "full":
         # one more forward of every block but its last matmul (the head is not checkpointed)
         layer_weights = matmul_params(spec) - spec.vocab_size * spec.hidden
-        flops += 2 * (layer_weights - spec.n_layers * spec.hidden * spec.ffn) + attention_fwd
+        down = spec.n_layers * spec.top_k * spec.hidden * spec.ffn  # down_proj is not rerun
+        flops += 2 * (layer_weights - down) + attention_fwd
     elif recompute == "selective" and spec.arch == "gpt":
         flops += attention_fwd
     return flops

@@ -18,6 +18,13 @@ Symbols: Ψ parameters, N data-parallel ranks (``dp``), k optimizer bytes per pa
     adam / adamw   8  (first and second moment)
     sgd-momentum   4
     sgd            0
+    (``optimizer_bytes=k`` sets k directly: 2 for an 8-bit Adam, 4 for bf16 moments, ...)
+
+With ``offload`` (ZeRO-Offload, Ren et al. 2021) the optimizer state, fp32 master copy
+included, lives in host memory: ``optimizer_bytes`` on the GPU is 0 and ``offloaded_bytes``
+says what the host holds for this rank. FP8 training (``fp8``) changes activations only
+(``labs.theory.activations``): the weights the GPU keeps stay in bf16 with an fp32 master copy,
+the FP8 copies of a layer's weights live only while it runs.
 
 ZeRO (Rajbhandari et al. 2020, §5) shards the state over the N data-parallel ranks:
 
@@ -35,9 +42,12 @@ and the vocab-parallel embedding and head ceil(V/tp) rows each; norms (and GPT's
 biases and position table) are replicated. Pipeline parallelism gives stage s its layers (the
 first L mod pp stages one extra), the first stage the embedding, the last the final norm and
 the head (a tied head is a second copy there when pp > 1). Context parallelism and sequence
-parallelism split activations only; ZeRO shards over the dp ranks only. Activations come
-from ``labs.theory.activations``, times the micro-batches a stage holds at its peak
-(``labs.theory.pipeline.in_flight_microbatches``: all M for AFAB, min(pp - s, M) for 1F1B).
+parallelism split activations only; ZeRO shards over the dp ranks only. A mixture-of-experts
+model (``ModelSpec.n_experts`` > 1) holds E/ep experts per rank (expert parallelism over the
+data-parallel ranks), replicated over dp/ep ranks, which is what ZeRO shards them over.
+Activations come from ``labs.theory.activations``, times the micro-batches a stage holds at
+its peak (``labs.theory.pipeline.in_flight_microbatches``: all M for AFAB, min(pp - s, M) for
+1F1B, min(pp, M) for ZB-H1; interleaved 1F1B walks the rank's order of chunk operations).
 The rank reported is the stage with the largest total.
 """
 
@@ -45,10 +55,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from labs.theory.activations import RECOMPUTE, stage_activation_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
-from labs.theory.pipeline import in_flight_microbatches
+from labs.theory.pipeline import check_schedule, in_flight_microbatches, interleaved_peak
 
 PRECISIONS = {
     # bytes per parameter: weights the model computes with, their gradients, the fp32 master copy
@@ -79,12 +90,25 @@ class ModelSpec:
     tied_embeddings: bool = False
     max_positions: int = 1024  # gpt only: rows of the learned position table
     head_dim: int | None = None  # None: hidden // n_heads
+    n_experts: int = 1  # > 1: every MLP is this many SwiGLU experts behind a router (llama only)
+    top_k: int = 1  # experts each token runs through (with n_experts > 1)
 
     def __post_init__(self):
         if self.arch not in ("llama", "gpt"):
             raise ValueError(f"arch={self.arch!r} is not one of ('llama', 'gpt')")
         required = ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")
         check_positive(**{n: getattr(self, n) for n in required})
+        check_positive(n_experts=self.n_experts, top_k=self.top_k)
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} is larger than n_experts={self.n_experts}: a token cannot"
+                f" pick more experts than exist; use top_k <= {self.n_experts}"
+            )
+        if self.n_experts > 1 and self.arch != "llama":
+            raise ValueError(
+                f"n_experts={self.n_experts} with arch={self.arch!r}: experts are SwiGLU MLPs;"
+                " use arch='llama'"
+            )
         optional = ("n_kv_heads", "ffn_hidden", "head_dim")  # None: the default above
         check_positive(**{n: getattr(self, n) for n in optional if getattr(self, n) is not None})
         if self.head_dim is None and self.hidden % self.n_heads:
@@ -107,49 +131,26 @@ class ModelSpec:
         """hd: the head dimension."""
         return self.head_dim or self.hidden // self.n_heads
 
+    @property
+    def moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.n_experts > 1
+
 
 def param_counts(spec: ModelSpec) -> dict[str, int]:
     """Exact parameter count by part: ``embedding``, ``per_layer`` (and its ``attention``,
-    ``mlp``, ``norms``), ``final_norm``, ``head`` (0 when tied) and ``total``.
+    ``mlp``, ``norms``), ``final_norm``, ``head`` (0 when tied), ``experts`` (the expert
+    weights of all layers, which expert parallelism splits; 0 for a dense model) and ``total``.
 
     Llama: per layer  h·nh·hd + 2·h·nkv·hd + nh·hd·h   (q, k, v, o)
                     + 3·h·F                             (gate, up, down)
                     + 2·h                               (two RMSNorm weights)
            total    V·h (embedding) + L·per_layer + h (final norm) + V·h (head, untied)
+           MoE      the MLP is E experts of 3·h·F and a router h·E (``labs.theory.moe``)
     GPT:   the playbook's N = h·V + L(12h² + 13h) + 2h when F = 4h, plus the learned
            positions (max_positions·h), which the playbook leaves out.
     """
-    h = spec.hidden
-    V = spec.vocab_size
-    L = spec.n_layers
-    if spec.arch == "llama":
-        q_o = 2 * h * spec.n_heads * spec.hd
-        k_v = 2 * h * spec.kv_heads * spec.hd
-        attention = q_o + k_v
-        mlp = 3 * h * spec.ffn
-        norms = 2 * h
-        embedding = V * h
-        final_norm = h
-    else:
-        # gpt: qkv and output projections with biases, up/down with biases, 2 LayerNorms (w + b)
-        attention = (h * 3 * h + 3 * h) + (h * h + h)
-        mlp = (h * spec.ffn + spec.ffn) + (spec.ffn * h + h)
-        norms = 2 * 2 * h
-        embedding = V * h + spec.max_positions * h
-        final_norm = 2 * h
-    per_layer = attention + mlp + norms
-    head = 0 if spec.tied_embeddings else V * h
-    total = embedding + L * per_layer + final_norm + head
-    return {
-        "embedding": embedding,
-        "attention": attention,
-        "mlp": mlp,
-        "norms": norms,
-        "per_layer": per_layer,
-        "final_norm": final_norm,
-        "head": head,
-        "total": total,
-    }
+    return param_counts_per_rank(spec)
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -157,13 +158,38 @@ def param_count(spec: ModelSpec) -> int:
     return param_counts(spec)["total"]
 
 
-def _check_state_args(n_params: int, precision: str, optimizer: str, zero: int, dp: int) -> None:
-    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
-        raise ValueError(f"n_params must be an integer >= 0, got {n_params!r}")
+def check_training(
+    *,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    recompute: str = "none",
+    schedule: str = "1f1b",
+    optimizer_bytes: float | None = None,
+) -> None:
+    """Raise a ValueError naming the parameter for an unknown precision, optimizer,
+    recomputation or pipeline schedule: the checks the memory calculator and the planner share,
+    with the same messages."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {tuple(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZERS)}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {PP_SCHEDULES}")
+    if optimizer_bytes is not None:
+        number = isinstance(optimizer_bytes, (int, float)) and not isinstance(optimizer_bytes, bool)
+        if not number or optimizer_bytes < 0:
+            raise ValueError(
+                "optimizer_bytes (optimizer state per parameter, fp32 master copy not included)"
+                f" must be a number >= 0, got {optimizer_bytes!r}"
+            )
+
+
+def _check_state_args(n_params: int, precision: str, optimizer: str, zero: int, dp: int) -> None:
+    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
+        raise ValueError(f"n_params must be an integer >= 0, got {n_params!r}")
+    check_training(precision=precision, optimizer=optimizer)
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
     check_positive(dp=dp)
@@ -182,18 +208,22 @@ def state_bytes(
     dp: int = 1,
     fp32_grad_accum: bool = False,
     exact_shards: bool = False,
+    optimizer_bytes: float | None = None,
 ) -> dict[str, float]:
     """Bytes of training state one rank holds between steps, for ``n_params`` parameters.
 
     Returns ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (moments plus the fp32
     master copy, which mixed-precision optimizers own) and ``total_bytes``. ``exact_shards``
     counts a sharded buffer as ceil(Ψ/N) elements, what flat-buffer ZeRO really holds;
-    otherwise Ψ/N, the textbook figure.
+    otherwise Ψ/N, the textbook figure. ``optimizer_bytes`` replaces the optimizer's k (state
+    bytes per parameter, the master copy not included).
     """
     _check_state_args(n_params, precision, optimizer, zero, dp)
+    check_training(optimizer_bytes=optimizer_bytes)
     p = PRECISIONS[precision]
     grad_per_param = p["grad"] + (4 if fp32_grad_accum else 0)
-    opt_per_param = p["master"] + OPTIMIZERS[optimizer]
+    k = OPTIMIZERS[optimizer] if optimizer_bytes is None else optimizer_bytes
+    opt_per_param = p["master"] + k
     shard = math.ceil(n_params / dp) if exact_shards else n_params / dp
     params = n_params * p["param"] if zero < 3 else shard * p["param"]
     grads = n_params * grad_per_param if zero < 2 else shard * grad_per_param
@@ -209,18 +239,31 @@ def state_bytes(
 # ----------------------------------------------------------------------------------------------
 # Per rank under tensor, pipeline, context and data parallelism: the calculator of notebook 01.
 
-PP_SCHEDULES = ("1f1b", "afab", "gpipe")
+PP_SCHEDULES = ("1f1b", "afab", "gpipe", "interleaved", "zb-h1")
 GIB = 2**30
 
 
-def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
-    """``param_counts`` for one tensor-parallel rank (``tp`` must divide heads, kv-heads and F)."""
+def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1, ep: int = 1) -> dict[str, int]:
+    """``param_counts`` for one tensor-parallel rank (``tp`` must divide heads, kv-heads and F) of
+    one expert-parallel group of ``ep`` ranks (each holds n_experts / ep experts)."""
+    return dict(_counts_per_rank(spec, tp, ep))
+
+
+@lru_cache(maxsize=1024)
+def _counts_per_rank(spec: ModelSpec, tp: int, ep: int) -> tuple[tuple[str, int], ...]:
     h = spec.hidden
     V = math.ceil(spec.vocab_size / tp)
     F = spec.ffn
+    L = spec.n_layers
+    experts = 0  # per layer
     if spec.arch == "llama":
         attention = (2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd) // tp
-        mlp = 3 * h * F // tp
+        expert = 3 * h * F // tp
+        if spec.moe:
+            experts = spec.n_experts // ep * expert
+            mlp = experts + h * spec.n_experts  # the router is replicated
+        else:
+            mlp = expert
         norms = 2 * h
         embedding = V * h
         final_norm = h
@@ -234,17 +277,18 @@ def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1) -> dict[str, int]:
         final_norm = 2 * h
     per_layer = attention + mlp + norms
     head = 0 if spec.tied_embeddings else V * h
-    total = embedding + spec.n_layers * per_layer + final_norm + head
-    return {
-        "embedding": embedding,
-        "attention": attention,
-        "mlp": mlp,
-        "norms": norms,
-        "per_layer": per_layer,
-        "final_norm": final_norm,
-        "head": head,
-        "total": total,
-    }
+    total = embedding + L * per_layer + final_norm + head
+    return (
+        ("embedding", embedding),
+        ("attention", attention),
+        ("mlp", mlp),
+        ("norms", norms),
+        ("per_layer", per_layer),
+        ("final_norm", final_norm),
+        ("head", head),
+        ("experts", L * experts),
+        ("total", total),
+    )
 
 
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
@@ -253,7 +297,7 @@ def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
     return n_layers // pp + (1 if stage < n_layers % pp else 0)
 
 
-def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
     """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO), the layers split
     evenly."""
     return layers_params(
@@ -263,16 +307,17 @@ def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0) -
         last=stage == pp - 1,
         pp=pp,
         tp=tp,
+        ep=ep,
     )
 
 
 def layers_params(
-    spec: ModelSpec, *, layers: int, first: bool, last: bool, pp: int, tp: int = 1
+    spec: ModelSpec, *, layers: int, first: bool, last: bool, pp: int, tp: int = 1, ep: int = 1
 ) -> int:
     """Parameters one TP rank of a pipeline stage holds with ``layers`` blocks: the ``first`` stage
     also the embedding, the ``last`` the final norm and the head (and, tied across pp > 1 stages,
     its own copy of the table)."""
-    c = param_counts_per_rank(spec, tp=tp)
+    c = param_counts_per_rank(spec, tp=tp, ep=ep)
     n = layers * c["per_layer"] + (c["embedding"] if first else 0)
     if last:
         tied_copy = (
@@ -288,20 +333,29 @@ def _check_layout(
     seq: int,
     mbs: int,
     precision: str,
+    optimizer: str,
     dp: int,
     tp: int,
     sp: bool,
     pp: int,
     cp: int,
+    ep: int,
     recompute: str,
     microbatches: int | None,
     schedule: str,
+    virtual: int,
     fp32_grad_accum: bool,
+    fp8: bool,
+    optimizer_bytes: float | None,
 ) -> None:
-    check_positive(seq=seq, mbs=mbs)
+    check_positive(seq=seq, mbs=mbs, ep=ep, virtual=virtual)
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)  # every degree an integer >= 1
     dims.check_model(
-        n_head=spec.n_heads, n_kv_head=spec.kv_heads, ffn_hidden=spec.ffn, n_layer=spec.n_layers
+        n_head=spec.n_heads,
+        n_kv_head=spec.kv_heads,
+        ffn_hidden=spec.ffn,
+        n_layer=spec.n_layers,
+        virtual_stages=virtual,
     )
     if sp and tp == 1:
         raise ValueError(
@@ -310,16 +364,99 @@ def _check_layout(
         )
     # tokens split evenly
     check_divides(seq, "seq", cp * tp if sp else cp, "cp*tp" if sp else "cp")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE}")
-    if schedule not in PP_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {PP_SCHEDULES}")
+    check_training(
+        precision=precision,
+        optimizer=optimizer,
+        recompute=recompute,
+        schedule=schedule,
+        optimizer_bytes=optimizer_bytes,
+    )
     if microbatches is not None:
         check_positive(microbatches=microbatches)
+    if pp > 1:
+        check_schedule(schedule, pp, microbatches or pp, virtual)
+    elif virtual > 1:
+        raise ValueError(
+            f"virtual={virtual} splits pipeline stages into chunks but pp=1; use pp >= 2"
+        )
     if fp32_grad_accum and precision != "bf16-mixed":
         raise ValueError(
             f"fp32_grad_accum=True only applies to precision='bf16-mixed', not {precision!r}"
         )
+    if fp8 and precision != "bf16-mixed":
+        raise ValueError(
+            f"fp8=True runs the linear layers in FP8 inside bf16-mixed training, not {precision!r};"
+            " use precision='bf16-mixed'"
+        )
+    if ep > 1:
+        if not spec.moe:
+            raise ValueError(f"ep={ep} spreads experts over ranks but the model has none; use ep=1")
+        check_divides(spec.n_experts, "n_experts", ep, "ep")
+        check_divides(dp, "dp", ep, "ep")  # experts are spread over the data-parallel ranks
+
+
+def _state(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pp: int,
+    ep: int,
+    stage: int,
+    zero: int,
+    dp: int,
+    offload: bool,
+    **state: object,
+) -> dict:
+    """``state_bytes`` of one stage's parameters: the dense ones sharded by ZeRO over the dp
+    ranks, a mixture of experts' expert weights over the dp/ep ranks that hold the same experts;
+    with ``offload`` the optimizer's bytes move to ``offloaded_bytes``."""
+    n = stage_params(spec, tp=tp, pp=pp, stage=stage, ep=ep)
+    layers = layers_on_stage(spec.n_layers, pp, stage)
+    experts = layers * param_counts_per_rank(spec, tp=tp, ep=ep)["experts"] // spec.n_layers
+    dense = state_bytes(n - experts, zero=zero, dp=dp, **state)
+    out = {**dense, "params": n}
+    if experts:
+        expert_dp = dp // ep
+        shared = state_bytes(experts, zero=zero if expert_dp > 1 else 0, dp=expert_dp, **state)
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes"):
+            out[key] += shared[key]
+    out["offloaded_bytes"] = out["optimizer_bytes"] if offload else 0.0
+    if offload:
+        out["total_bytes"] -= out["optimizer_bytes"]
+        out["optimizer_bytes"] = 0.0
+    return out
+
+
+def _stage_activations(
+    spec: ModelSpec,
+    *,
+    stage: int,
+    pp: int,
+    m: int,
+    schedule: str,
+    virtual: int,
+    layers: int,
+    **size: object,
+) -> tuple[float, int, dict]:
+    """(bytes, micro-batches held, one micro-batch's parts) of stage ``stage`` at its peak."""
+    per_mb = stage_activation_bytes(
+        spec, layers=layers, first=stage == 0, last=stage == pp - 1, **size
+    )
+    if pp == 1:
+        return per_mb["total"], 1, per_mb
+    if schedule != "interleaved":
+        held = in_flight_microbatches(schedule, pp, m, stage)
+        return held * per_mb["total"], held, per_mb
+    # interleaved: chunk c holds layers/V of the stage; only the first stage's first chunk keeps
+    # the embedding's, the last stage's last chunk the loss's
+    chunk = stage_activation_bytes(spec, layers=layers / virtual, first=False, last=False, **size)[
+        "total"
+    ]
+    chunk_bytes = [chunk] * virtual
+    chunk_bytes[0] += per_mb["embedding"]
+    chunk_bytes[-1] += per_mb["final_norm"] + per_mb["loss"]
+    peak, held = interleaved_peak(pp, m, stage, virtual, chunk_bytes)
+    return peak, held, per_mb
 
 
 def memory_per_rank(
@@ -340,69 +477,95 @@ def memory_per_rank(
     schedule: str = "1f1b",
     fp32_grad_accum: bool = False,
     exact_shards: bool = False,
+    virtual: int = 1,
+    ep: int = 1,
+    fp8: bool = False,
+    optimizer_bytes: float | None = None,
+    offload: bool = False,
 ) -> dict:
     """Bytes one rank holds at the peak of a training step: parameters, gradients, optimizer
     state and saved activations, for the busiest pipeline stage.
 
     ``microbatches`` (M, default pp) is the number of micro-batches per step: AFAB holds all M
-    at once, 1F1B at most pp - stage. Returns ``params`` (this rank's parameters before ZeRO),
-    ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_bytes``, ``total_bytes``,
-    ``stage``, ``layers``, ``in_flight`` (micro-batches held), ``activations_per_microbatch``
-    (the parts: per_layer, layers, embedding, rotary, final_norm, loss, total) and
-    ``stage_total_bytes`` (every stage's total).
+    at once, 1F1B at most pp - stage, ZB-H1 min(pp, M), interleaved 1F1B (``virtual`` chunks
+    per rank) what its order of chunk operations holds. ``ep``: expert-parallel ranks (a
+    mixture-of-experts spec); ``fp8``: FP8 linear layers; ``optimizer_bytes``: the optimizer's
+    state per parameter instead of ``optimizer``'s; ``offload``: optimizer state on the host.
+    Returns ``params`` (this rank's parameters before ZeRO), ``param_bytes``, ``grad_bytes``,
+    ``optimizer_bytes``, ``activation_bytes``, ``total_bytes`` (on the GPU),
+    ``offloaded_bytes`` (in host memory), ``stage``, ``layers``, ``in_flight`` (micro-batches,
+    or for interleaved chunk micro-batches, held), ``activations_per_microbatch`` (the parts:
+    per_layer, layers, embedding, rotary, final_norm, loss, total) and ``stage_total_bytes``
+    (every stage's total).
     """
     _check_layout(
         spec,
         seq=seq,
         mbs=mbs,
         precision=precision,
+        optimizer=optimizer,
         dp=dp,
         tp=tp,
         sp=sp,
         pp=pp,
         cp=cp,
+        ep=ep,
         recompute=recompute,
         microbatches=microbatches,
         schedule=schedule,
+        virtual=virtual,
         fp32_grad_accum=fp32_grad_accum,
+        fp8=fp8,
+        optimizer_bytes=optimizer_bytes,
     )
     m = microbatches or pp
+    size = dict(
+        seq=seq,
+        mbs=mbs,
+        dtype_bytes=PRECISIONS[precision]["param"],
+        tp=tp,
+        sp=sp,
+        cp=cp,
+        recompute=recompute,
+        fp8=fp8,
+    )
     stages = []
     for stage in range(pp):
-        n = stage_params(spec, tp=tp, pp=pp, stage=stage)
-        state = state_bytes(
-            n,
-            precision=precision,
-            optimizer=optimizer,
+        state = _state(
+            spec,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            stage=stage,
             zero=zero,
             dp=dp,
+            offload=offload,
+            precision=precision,
+            optimizer=optimizer,
             fp32_grad_accum=fp32_grad_accum,
             exact_shards=exact_shards,
+            optimizer_bytes=optimizer_bytes,
         )
         layers = layers_on_stage(spec.n_layers, pp, stage)
-        per_mb = stage_activation_bytes(
+        activations, in_flight, per_mb = _stage_activations(
             spec,
-            seq=seq,
-            mbs=mbs,
-            dtype_bytes=PRECISIONS[precision]["param"],
+            stage=stage,
+            pp=pp,
+            m=m,
+            schedule=schedule,
+            virtual=virtual,
             layers=layers,
-            first=stage == 0,
-            last=stage == pp - 1,
-            tp=tp,
-            sp=sp,
-            cp=cp,
-            recompute=recompute,
+            **size,
         )
-        in_flight = in_flight_microbatches(schedule, pp, m, stage) if pp > 1 else 1
-        activations = in_flight * per_mb["total"]
         stages.append(
             {
-                "params": n,
+                "params": state["params"],
                 "param_bytes": state["param_bytes"],
                 "grad_bytes": state["grad_bytes"],
                 "optimizer_bytes": state["optimizer_bytes"],
                 "activation_bytes": activations,
                 "total_bytes": state["total_bytes"] + activations,
+                "offloaded_bytes": state["offloaded_bytes"],
                 "stage": stage,
                 "layers": layers,
                 "in_flight": in_flight,

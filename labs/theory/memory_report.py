@@ -7,8 +7,12 @@ verdict, sweeps, and ``python -m labs.theory memory``. Pure Python.
     python -m labs.theory memory --layers 2 --hidden 64 --heads 8 --kv-heads 4 --ffn 128 \\
         --vocab 256 --seq 32 --mbs 8 --precision fp32 --json
 
-Dimensions given with a preset override the preset's. Bad input (a degree that does not divide
-the heads, more stages than layers, ZeRO without DP, ...) is one line on stderr and exit status 2.
+Dimensions given with a preset override the preset's (``--experts 8 --top-k 2`` turns a
+preset's MLPs into a mixture of experts; ``--ep`` spreads them). Memory is in GiB (2^30 bytes)
+everywhere, and ``--gpu-mem`` is GiB too: ``--gpu-mem 79.6`` (an H100 "80 GB", as nvidia-smi
+reports it), or with a unit, ``--gpu-mem 79.6GiB`` or ``--gpu-mem 80GB`` (decimal, converted).
+Bad input (a degree that does not divide the heads, more stages than layers, ZeRO without DP,
+...) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import argparse
 import dataclasses
 from collections.abc import Iterable
 
-from labs.theory.activations import layer_terms
+from labs.theory.activations import layer_terms, playbook_layer_bytes, terms_bytes
 from labs.theory.dims import check_positive
 from labs.theory.flops import flops_per_token, mfu
 from labs.theory.memory import (
@@ -31,6 +35,7 @@ from labs.theory.memory import (
     param_count,
     state_bytes,
 )
+from labs.theory.presets import PRESETS
 from labs.theory.presets import preset as get_preset
 
 # CLI / widget name -> ModelSpec field
@@ -41,6 +46,9 @@ DIMS = {
     "kv_heads": "n_kv_heads",
     "ffn": "ffn_hidden",
     "vocab": "vocab_size",
+    "head_dim": "head_dim",
+    "experts": "n_experts",
+    "top_k": "top_k",
 }
 RUN_KEYS = ("seq", "mbs", *memory_per_rank.__kwdefaults__)  # the keywords of memory_per_rank
 
@@ -53,7 +61,8 @@ def model_spec(
     **dims: int | None,
 ) -> tuple[str, ModelSpec]:
     """(name, spec) for a preset with optional overrides, or for free dimensions
-    (``layers``, ``hidden``, ``heads``, ``vocab`` required; ``kv_heads``, ``ffn`` optional)."""
+    (``layers``, ``hidden``, ``heads``, ``vocab`` required; ``kv_heads``, ``ffn``, ``head_dim``,
+    ``experts``, ``top_k`` optional)."""
     unknown = sorted(set(dims) - set(DIMS))
     if unknown:
         raise ValueError(f"unknown model dimension(s) {unknown}; choose from {tuple(DIMS)}")
@@ -80,9 +89,30 @@ def spec_dims(spec: ModelSpec) -> dict:
         "kv_heads": spec.kv_heads,
         "ffn": spec.ffn,
         "vocab": spec.vocab_size,
+        "head_dim": spec.hd,
+        "experts": spec.n_experts,
+        "top_k": spec.top_k,
         "arch": spec.arch,
         "tied": spec.tied_embeddings,
     }
+
+
+def gpu_memory_gib(text: str | float) -> float:
+    """GPU memory in GiB from a number (GiB) or a number with a unit: ``79.6``, ``79.6GiB``,
+    ``80GB`` (decimal gigabytes, 10^9 bytes: 74.5 GiB). The one unit rule: memory in GiB."""
+    raw = str(text).strip()
+    units = {"gib": 1.0, "gb": 1e9 / GIB}
+    unit = next((u for u in units if raw.lower().endswith(u)), None)
+    number = raw[: len(raw) - len(unit)].strip() if unit else raw
+    try:
+        value = float(number) * units.get(unit, 1.0)
+    except ValueError:
+        raise ValueError(
+            f"gpu_mem={text!r} is not a number of GiB; give e.g. 79.6, 79.6GiB or 80GB"
+        ) from None
+    if not value > 0:
+        raise ValueError(f"gpu_mem must be > 0 GiB, got {text!r}")
+    return value
 
 
 def verdict(total_bytes: float, gpu_mem_gib: float) -> str:
@@ -206,6 +236,50 @@ def format_terms(
     return "\n".join(lines)
 
 
+def playbook_comparison(
+    seq: int = 4096, *, precision: str = "bf16-mixed", names: Iterable[str] | None = None
+) -> list[dict]:
+    """Per preset, bytes one layer keeps per token with no recomputation: ours
+    (``labs.theory.activations``, the course's model: flash attention, fp32 norms) beside the
+    playbook's formula s·b·h·(34 + 5·a·s/h) (GPT, eager attention, 16-bit), each also in units
+    of h, and ``ratio`` = playbook / ours. For gpt2-small ours *is* the playbook's formula."""
+    e = PRECISIONS[precision]["param"]
+    rows = []
+    for name in names or PRESETS:
+        spec = get_preset(name)
+        ours = terms_bytes(layer_terms(spec, seq=seq, dtype_bytes=e), seq=1, mbs=1)
+        playbook = playbook_layer_bytes(seq=seq, mbs=1, hidden=spec.hidden, heads=spec.n_heads)
+        playbook /= seq  # per token
+        rows.append(
+            {
+                "model": name,
+                "seq": seq,
+                "ours_bytes_per_token": ours,
+                "playbook_bytes_per_token": playbook,
+                "ours_per_h": ours / spec.hidden,
+                "playbook_per_h": playbook / spec.hidden,
+                "ratio": playbook / ours,
+            }
+        )
+    return rows
+
+
+def format_playbook_comparison(rows: list[dict]) -> str:
+    """``playbook_comparison``'s rows as a table, each column labelled with its source."""
+    lines = [
+        f"bytes one layer keeps per token, no recomputation, seq {rows[0]['seq']}",
+        f"{'':<14}{'ours (calculator)':>21}{'playbook 34 + 5as/h':>28}{'playbook':>12}",
+        f"{'model':<14}{'bytes':>12}{'/ h':>9}{'bytes':>19}{'/ h':>9}{'/ ours':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<14}{r['ours_bytes_per_token']:>12,.0f}{r['ours_per_h']:>9.2f}"
+            f"{r['playbook_bytes_per_token']:>19,.0f}{r['playbook_per_h']:>9.2f}"
+            f"{r['ratio']:>11.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """``--preset`` or free dimensions (``--layers --hidden ...``): the model options every
     calculator shares."""
@@ -216,8 +290,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         "--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b"
     )
     model.add_argument("--arch", default=None, help="llama (default) or gpt, for free dimensions")
+    helps = {
+        "head_dim": "attention head width (default hidden / heads)",
+        "experts": "experts per MoE layer (default 1: a dense MLP)",
+        "top_k": "experts each token runs through (with --experts)",
+    }
     for name in DIMS:
-        model.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+        model.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=None, help=helps.get(name)
+        )
     return model
 
 
@@ -240,14 +321,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mbs", type=int, default=1, help="micro-batch size (sequences per rank per micro-batch)"
     )
     run.add_argument("--precision", default="bf16-mixed", help=" or ".join(PRECISIONS))
+    run.add_argument(
+        "--fp8", action="store_true", help="bf16-mixed with FP8 linear layers (activations)"
+    )
     run.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
+    run.add_argument(
+        "--optimizer-bytes",
+        type=float,
+        default=None,
+        help="optimizer state bytes per parameter, fp32 master copy not included"
+        " (default: the optimizer's, 8 for AdamW)",
+    )
+    run.add_argument(
+        "--offload", action="store_true", help="optimizer state in host memory (ZeRO-Offload)"
+    )
     run.add_argument(
         "--fp32-grad-accum", action="store_true", help="bf16-mixed: accumulate gradients in fp32"
     )
     run.add_argument(
         "--zero", type=int, default=0, help="ZeRO stage 0-3 (shards over the dp ranks)"
     )
-    for degree in ("dp", "tp", "pp", "cp"):
+    for degree in ("dp", "tp", "pp", "cp", "ep"):
         run.add_argument("--" + degree, type=int, default=1, help=f"{degree} degree")
     run.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp >= 2)")
     run.add_argument("--recompute", default="none", help="none, selective or full")
@@ -255,9 +349,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--microbatches", type=int, default=None, help="micro-batches per step (default: pp)"
     )
     run.add_argument("--schedule", default="1f1b", help=", ".join(PP_SCHEDULES))
+    run.add_argument(
+        "--virtual", type=int, default=1, help="model chunks per pipeline rank (interleaved)"
+    )
     gpu = parser.add_argument_group("GPU")
     gpu.add_argument(
-        "--gpu-mem", type=float, default=None, help="GPU memory in GiB: adds 'fits' to the result"
+        "--gpu-mem",
+        type=str,
+        default=None,
+        help="GPU memory in GiB (79.6 for an H100 '80 GB'; or 79.6GiB, 80GB): adds 'fits'",
     )
     gpu.add_argument(
         "--step-time", type=float, default=None, help="measured step time in seconds (for MFU)"
@@ -276,10 +376,11 @@ def cli(args: argparse.Namespace) -> dict:
     config["microbatches"] = args.microbatches or args.pp
     out = {"model": name, "total_params": param_count(spec), **result, "config": config}
     if args.gpu_mem is not None:
+        gpu_mem = gpu_memory_gib(args.gpu_mem)
         out.update(
-            gpu_mem_gib=args.gpu_mem,
-            fits=fits(result["total_bytes"], args.gpu_mem),
-            verdict=verdict(result["total_bytes"], args.gpu_mem),
+            gpu_mem_gib=gpu_mem,
+            fits=fits(result["total_bytes"], gpu_mem),
+            verdict=verdict(result["total_bytes"], gpu_mem),
         )
     out["flops_per_token"] = flops_per_token(spec, seq=args.seq)
     if args.step_time is not None and args.peak_tflops is not None:
@@ -299,10 +400,18 @@ def format_result(r: dict) -> str:
     parallel = " ".join(f"{d}={c[d]}" for d in ("dp", "tp", "pp", "cp"))
     if c["sp"]:
         parallel += " +sp"
+    if c.get("ep", 1) > 1:
+        parallel += f" ep={c['ep']}"
+    schedule = ""
+    if c["pp"] > 1:
+        v = f", V={c['virtual']}" if c["schedule"] == "interleaved" else ""
+        schedule = f", {c['schedule']}{v}, {c['microbatches']} micro-batches"
+    extras = [x for x, on in (("fp8", c.get("fp8")), ("offload", c.get("offload"))) if on]
     lines = [
         f"model       {r['model']}: {r['total_params']:,} parameters, {r['params']:,} on this rank",
         f"run         seq {c['seq']}, mbs {c['mbs']}, {c['precision']}, {c['optimizer']},"
-        f" ZeRO-{c['zero']}, {parallel}, recompute {c['recompute']}",
+        f" ZeRO-{c['zero']}, {parallel}, recompute {c['recompute']}{schedule}"
+        + "".join(f", {x}" for x in extras),
         f"rank        pipeline stage {r['stage']}: {r['layers']} layers,"
         f" {r['in_flight']} micro-batch(es) in flight",
         "",
@@ -316,6 +425,8 @@ def format_result(r: dict) -> str:
         ("total_bytes", "total"),
     ):
         lines.append(f"{label:<22}{r[key] / GIB:>10.2f}")
+    if r.get("offloaded_bytes"):
+        lines.append(f"{'in host memory':<22}{r['offloaded_bytes'] / GIB:>10.2f}")
     if "verdict" in r:
         lines += ["", r["verdict"]]
     if "mfu" in r:

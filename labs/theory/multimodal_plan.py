@@ -16,9 +16,10 @@ then goes where the lab (notebook 11) puts it: on pipeline stage 0, replicated o
 sharded over DP by ZeRO. Memory comes from
 ``labs.theory.multimodal.memory_per_rank_with_encoder``; time from each stage's FLOPs at the
 planner's efficiency, run through 1F1B on paper (``simulate_stages``) with the planner's split and
-with ``balanced_split``'s. The planner's own step time assumes equal stages; the stage table
-shows how far from equal they are (the encoder on the first stage, and a large vocabulary's head
-on the last).
+with ``balanced_split``'s. The planner's own step time knows the decoder's layers and its head
+(it runs at its slowest stage's pace) but not the encoder; the stage table shows how far from
+equal the stages are (the encoder on the first stage, and a large vocabulary's head on the
+last).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def plan_with_encoder(
     ``rebalanced_memory``). Times: FLOPs at ``peak_tflops`` times the planner's efficiency, plus
     the decoder's exposed communication."""
     seq = enc.tokens + text_tokens
+    # the lab's pipeline is 1F1B over micro-batches of one sample unless told otherwise
+    assumptions = {"mbs": 1, "schedule": "1f1b", **assumptions}
     if layout is None:
         p = planner.plan(
             spec,
@@ -293,7 +296,7 @@ def format_result(r: dict) -> str:
             f"   bubble {r[f'{key}bubble']:.1%}, step {r[f'{key}step_time_s']:.3g} s"
         )
     lines.append(
-        f"(the planner's estimate, equal stages: bubble {r['decoder']['bubble']:.1%}, "
+        f"(the planner's estimate, decoder only: bubble {r['decoder']['bubble']:.1%}, "
         f"step {r['decoder']['step_time_s']:.3g} s)"
     )
     return "\n".join(lines)

@@ -16,6 +16,20 @@ Bubble (the Ultra-Scale Playbook, "Pipeline parallelism"; Narayanan et al. 2021,
     interleaved 1F1B:     the idle time shrinks by V:  bubble / ideal = (P-1)/(V M);
                           idle share = (P-1)/(V M + P-1)
     naive (inference):    one forward of the whole batch, device after device: (P-1)/P idle
+    zero bubble, ZB-H1:   the backward splits into B (the gradient for the input, which the
+                          previous stage waits for) and W (the gradient for the weights, which
+                          nothing waits for); stage s postpones its W's by s, so they fill the
+                          cool-down. Idle time per rank (P-1)(t_f + t_b - 2 t_w) with t_w the W
+                          part of t_b (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1,
+                          their (p-1)(T_F + T_B - T_W) with T_B = t_b - t_w, when a W is no
+                          longer than an F or a B); with F = B = W (t_b = 2 t_f, t_w = t_f) the
+                          idle share is (P-1)/(3M + P-1). It needs M >= P.
+    DualPipe (formula):   DeepSeek-V3 (2024), §3.2.1 and Table 2: two pipelines fed from both
+                          ends, forward and backward chunks of different micro-batches overlapped;
+                          idle time (P/2 - 1)(t_fb + t_b - 3 t_w) with t_fb one overlapped
+                          forward-and-backward pair, at twice the parameters and P + 1
+                          micro-batches of activations per rank (``dualpipe_bubble_time``; not a
+                          schedule here: its order of operations is not simulated).
 
 The formulas assume every stage costs the same and an operation starts the moment its
 input exists. ``simulate`` runs each rank's operations in the schedule's order, every
@@ -28,7 +42,11 @@ between a measured bubble and the formula.
 Activation memory: AFAB runs every forward before any backward, so each stage holds
 the activations of all M micro-batches; 1F1B starts backwards after a warm-up of P-s-1
 forwards on stage s (0-based), so stage s holds at most min(P-s, M) (the first stage
-holds the most, P). Interleaved (Megatron-LM's order) counts chunk micro-batches.
+holds the most, P). Interleaved (Megatron-LM's order) counts chunk micro-batches. ZB-H1 keeps
+a micro-batch's activations until its W (the weight gradient needs the layers' inputs): stage
+s holds its 1F1B share plus the s W's it postpones, min(P, M) on every stage. That is an upper
+bound: a B already frees what its W does not need (the loss's log-softmax, for one), so the
+last stages hold less than we count; stage 0 holds P as in 1F1B.
 
 Point-to-point bytes per step: every micro-batch's activation [B/M, T, H] crosses each
 stage boundary forward and its gradient crosses it backward, so a rank sends
@@ -38,11 +56,12 @@ B·T·H·itemsize per boundary it feeds, per direction (``p2p_bytes_per_rank``).
 from __future__ import annotations
 
 import argparse
+from functools import lru_cache
 from statistics import median
 
 from labs.theory.dims import check_positive
 
-SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved", "zb-h1")
 
 
 def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
@@ -62,18 +81,46 @@ def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int =
             "interleaved 1F1B needs microbatches divisible by stages:"
             f" microbatches={microbatches}, stages={stages}; use a multiple of {stages}"
         )
+    if schedule == "zb-h1" and microbatches < stages:
+        raise ValueError(
+            "zb-h1 needs at least as many micro-batches as stages (its W's fill the cool-down):"
+            f" microbatches={microbatches}, stages={stages}; use microbatches >= {stages}"
+        )
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle share of the step's total time on each rank: (P-1)/(V·M + P-1)."""
+    """Idle share of the step's total time on each rank: (P-1)/(V·M + P-1); for zb-h1, with
+    F = B = W, (P-1)/(3M + P-1)."""
     check_schedule(schedule, stages, microbatches, virtual)
+    if schedule == "zb-h1":
+        return (stages - 1) / (3 * microbatches + stages - 1)
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 def bubble_over_ideal(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Bubble time relative to the ideal (bubble-free) time: (P-1)/(V·M)."""
+    """Bubble time relative to the ideal (bubble-free) time: (P-1)/(V·M); zb-h1 (F = B = W):
+    (P-1)/(3M)."""
     check_schedule(schedule, stages, microbatches, virtual)
+    if schedule == "zb-h1":
+        return (stages - 1) / (3 * microbatches)
     return (stages - 1) / (virtual * microbatches)
+
+
+def dualpipe_bubble_time(
+    stages: int, t_f: float, t_b: float, t_w: float, t_fb: float | None = None
+) -> float:
+    """DeepSeek-V3's DualPipe (Table 2): idle time per rank (P/2 - 1)(t_fb + t_b - 3 t_w), beside
+    1F1B's (P-1)(t_f + t_b) and ZB-H1's (P-1)(t_f + t_b - 2 t_w). t_f, t_b: a chunk's forward and
+    full backward; t_w: the weight-gradient part of t_b; t_fb: a forward and a backward chunk run
+    overlapped (default t_f + t_b: no overlap gain, as the paper's schedule figure draws them).
+    P must be even (the two directions share the ranks)."""
+    check_positive(stages=stages)
+    if stages % 2:
+        raise ValueError(f"stages={stages}: DualPipe needs an even number of stages")
+    if not (t_f > 0 and t_b >= t_w >= 0):
+        raise ValueError(f"need t_f > 0 and t_b >= t_w >= 0; got {t_f!r}, {t_b!r}, {t_w!r}")
+    fb = t_f + t_b if t_fb is None else t_fb
+    return (stages / 2 - 1) * (fb + t_b - 3 * t_w)
 
 
 def in_flight_microbatches(
@@ -83,7 +130,8 @@ def in_flight_microbatches(
 
     AFAB: all M. 1F1B: min(P - stage, M). Interleaved: each rank runs V chunks; its
     warm-up is (P - stage - 1)·2 + (V - 1)·P forwards (Megatron-LM's schedule), counted
-    in chunk micro-batches, plus the one in its first steady-state step. Naive: 1.
+    in chunk micro-batches, plus the one in its first steady-state step. ZB-H1: min(P, M)
+    (1F1B's min(P - stage, M) plus the ``stage`` W's it postpones). Naive: 1.
     """
     check_schedule(schedule, stages, microbatches, virtual)
     if not 0 <= stage < stages:
@@ -92,18 +140,78 @@ def in_flight_microbatches(
         return microbatches
     if schedule == "1f1b":
         return min(stages - stage, microbatches)
+    if schedule == "zb-h1":
+        return min(stages, microbatches)
     return min(interleaved_warmup(stages, microbatches, stage, virtual) + 1, virtual * microbatches)
 
 
+def interleaved_peak(
+    stages: int, microbatches: int, stage: int, virtual: int, chunk_bytes: list[float]
+) -> tuple[float, int]:
+    """(peak bytes, chunk micro-batches held at that peak) of rank ``stage`` in interleaved 1F1B,
+    walking its order of operations: a forward of chunk c adds ``chunk_bytes[c]``, its backward
+    frees them. Exact where chunks differ (the first chunk of the first stage also keeps the
+    embedding's, the last chunk of the last stage the loss's)."""
+    check_schedule("interleaved", stages, microbatches, virtual)
+    if len(chunk_bytes) != virtual:
+        raise ValueError(f"chunk_bytes needs one figure per chunk ({virtual}), got {chunk_bytes}")
+    return max(
+        (sum(n * b for n, b in zip(counts, chunk_bytes)), sum(counts))
+        for counts in _held_counts(stages, microbatches, stage, virtual)
+    )
+
+
+def _held_counts(
+    stages: int, microbatches: int, stage: int, virtual: int
+) -> tuple[tuple[int, ...], ...]:
+    """The chunk micro-batches rank ``stage`` holds, per chunk, after each of its interleaved
+    forwards, those another moment does not beat on every chunk: where the peak must be."""
+    return _held_counts_all(stages, microbatches, virtual)[stage]
+
+
+@lru_cache(maxsize=256)
+def _held_counts_all(
+    stages: int, microbatches: int, virtual: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    out = []
+    for ops in schedule_ops("interleaved", stages, microbatches, virtual):
+        counts = [0] * virtual
+        seen = set()
+        for name, _, chunk in ops:
+            counts[chunk] += 1 if name == "F" else -1
+            if name == "F":
+                seen.add(tuple(counts))
+        out.append(
+            tuple(
+                c
+                for c in seen
+                if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in seen)
+            )
+        )
+    return tuple(out)
+
+
 def step_time(
-    schedule: str, stages: int, microbatches: int, t_f: float, t_b: float, virtual: int = 1
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    t_f: float,
+    t_b: float,
+    virtual: int = 1,
+    t_w: float | None = None,
 ) -> float:
     """Time of one step when every stage takes t_f / t_b per micro-batch: the ideal time
-    M (t_f + t_b) plus the bubble (P-1)(t_f + t_b)/V. Naive runs forwards only: P t_f."""
+    M (t_f + t_b) plus the bubble (P-1)(t_f + t_b)/V. Naive runs forwards only: P t_f.
+    ZB-H1: the bubble is (P-1)(t_f + t_b - 2 t_w), t_w (default t_b / 2) the weight-gradient
+    part of t_b; exact when a W is no longer than a forward or the B before it
+    (t_w <= t_f and t_w <= t_b - t_w), as ``simulate`` confirms."""
     check_schedule(schedule, stages, microbatches, virtual)
     if schedule == "naive":
         return stages * t_f
     per_microbatch = t_f + t_b
+    if schedule == "zb-h1":
+        w = t_b / 2 if t_w is None else t_w
+        return microbatches * per_microbatch + (stages - 1) * (per_microbatch - 2 * w)
     return microbatches * per_microbatch + (stages - 1) * per_microbatch / virtual
 
 
@@ -127,9 +235,11 @@ def schedule_ops(
     schedule: str, stages: int, microbatches: int, virtual: int = 1
 ) -> list[list[tuple]]:
     """Each rank's operations in the order it runs them: ``[("F", mb, chunk), ("B", mb, chunk),
-    ...]``.
+    ...]``; zb-h1 also has ("W", mb, 0), each after its B.
 
-    Chunk c of rank r is virtual stage c·P + r (chunk 0 unless interleaved)."""
+    Chunk c of rank r is virtual stage c·P + r (chunk 0 unless interleaved). ZB-H1 is 1F1B's
+    order with every B followed by its W, except that rank r keeps its r latest W's back and runs
+    them once its B's are done: they fill the cool-down, where 1F1B waits."""
     check_schedule(schedule, stages, microbatches, virtual)
     M = microbatches
     order = []
@@ -144,6 +254,8 @@ def schedule_ops(
             for i in range(M - warmup):  # steady state
                 ops += [("F", warmup + i, 0), ("B", i, 0)]
             ops += [("B", i, 0) for i in range(M - warmup, M)]  # cool-down
+        elif schedule == "zb-h1":
+            ops = _zero_bubble_h1(stages, M, r)
         else:
             total = virtual * M
             warmup = interleaved_warmup(stages, M, r, virtual)
@@ -157,10 +269,31 @@ def schedule_ops(
     return order
 
 
+def _zero_bubble_h1(stages: int, microbatches: int, rank: int) -> list[tuple]:
+    """Rank ``rank``'s ZB-H1 order: 1F1B's F's and B's, each B followed by a W, the ``rank``
+    latest W's held back until the end."""
+    warmup = min(stages - rank - 1, microbatches)
+    ops = [("F", i, 0) for i in range(warmup)]
+    order = []  # 1F1B's steady state and cool-down
+    for i in range(microbatches - warmup):
+        order += [("F", warmup + i, 0), ("B", i, 0)]
+    order += [("B", i, 0) for i in range(microbatches - warmup, microbatches)]
+    postponed = []
+    for op in order:
+        ops.append(op)
+        if op[0] == "B":
+            postponed.append(("W", op[1], 0))
+            if len(postponed) > rank:
+                ops.append(postponed.pop(0))
+    return ops + postponed
+
+
 def _needs(name: str, mb: int, vs: int, last: int) -> list[tuple]:
     """The operations whose results (name, micro-batch, virtual stage) an operation needs."""
     if name == "F":
         return [("F", mb, vs - 1)] if vs > 0 else []
+    if name == "W":
+        return [("B", mb, vs)]
     return [("F", mb, vs)] + ([("B", mb, vs + 1)] if vs < last else [])
 
 
@@ -172,12 +305,14 @@ def simulate(
     t_f: float | list = 1.0,
     t_b: float | list = 2.0,
     t_delay: float = 0.0,
+    t_w: float | None = None,
 ) -> dict:
     """Run the schedule on paper: each rank takes its operations in order, each as soon as its
     input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
     (what holds a real operation up: a message's latency, a busy CPU). ``t_f`` / ``t_b``: one rank's
     forward / backward of a micro-batch, the same for every rank or a list with one time per rank.
-    Returns ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
+    zb-h1 splits each backward into B (t_b - t_w) and W (t_w, default t_b / 2). Returns
+    ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
     ``bubble_fraction`` (idle share of ranks x makespan) and ``in_flight`` (peak micro-batches held,
     per rank)."""
     t_fs = list(t_f) if isinstance(t_f, (list, tuple)) else [t_f] * stages
@@ -192,7 +327,15 @@ def simulate(
             f" t_delay={t_delay!r}"
         )
     order = schedule_ops(schedule, stages, microbatches, virtual)
-    cost = {"F": [t / virtual for t in t_fs], "B": [t / virtual for t in t_bs]}  # per rank
+    # per rank; zb-h1's W takes its share of the backward
+    w_share = (0.5 if t_w is None else t_w / t_bs[0]) if schedule == "zb-h1" else 0.0
+    if t_w is not None and (schedule != "zb-h1" or not 0 <= t_w <= min(t_bs)):
+        raise ValueError(f"t_w={t_w!r} needs schedule='zb-h1' and 0 <= t_w <= t_b")
+    cost = {
+        "F": [t / virtual for t in t_fs],
+        "B": [t * (1 - w_share) / virtual for t in t_bs],
+        "W": [t * w_share for t in t_bs],
+    }
     last = stages * virtual - 1
     end = {}  # (name, micro-batch, virtual stage) -> when that operation ended
     free = [0.0] * stages  # when each rank is next free
@@ -234,8 +377,8 @@ def simulate(
 
 
 def idle_share(events: list[dict]) -> float:
-    """1 - busy / (ranks x makespan) over "F"/"B" events: the bubble fraction of a chart."""
-    work = [e for e in events if e["name"] in ("F", "B")]
+    """1 - busy / (ranks x makespan) over "F"/"B"/"W" events: the bubble fraction of a chart."""
+    work = [e for e in events if e["name"] in ("F", "B", "W")]
     ranks = {e["rank"] for e in work}
     span = max(e["end"] for e in work) - min(e["start"] for e in work)
     return 1.0 - sum(e["end"] - e["start"] for e in work) / (len(ranks) * span)
@@ -253,7 +396,7 @@ def fit_timeline(
     last = stages * virtual - 1
     done = {}  # (name, micro-batch, virtual stage) -> its event
     delays = []
-    durations = {"F": [], "B": []}
+    durations = {"F": [], "B": [], "W": []}
     for e in events:
         done[(e["name"], e["microbatch"], e["chunk"] * stages + e["rank"])] = e
         durations[e["name"]].append(e["end"] - e["start"])
@@ -281,12 +424,16 @@ def fit_timeline(
 
 
 def peak_in_flight(ops: list[tuple]) -> int:
-    """Most forwards done whose backward is not: the micro-batches (chunk micro-batches) held at
-    once."""
+    """Most forwards done whose backward is not (with split backwards, whose W is not): the
+    micro-batches (chunk micro-batches) held at once."""
+    release = "W" if any(name == "W" for name, *_ in ops) else "B"
     held = 0
     peak = 0
     for name, *_ in ops:
-        held += 1 if name == "F" else -1
+        if name == "F":
+            held += 1
+        elif name == release:
+            held -= 1
         peak = max(peak, held)
     return peak
 
@@ -507,6 +654,14 @@ def figures(
         if schedule == "naive"
         else bubble_fraction(schedule, stages, max(microbatches, 4 * stages), virtual)
     )
+    step = step_time(schedule, stages, microbatches, t_f, t_b, virtual)
+    if schedule == "zb-h1":  # the formula for any t_b (W = t_b / 2), not only F = B = W
+        ideal = microbatches * (t_f + t_b)
+        bubble = 1 - ideal / step
+        over_ideal = step / ideal - 1
+    else:
+        bubble = bubble_fraction(schedule, stages, microbatches, virtual)
+        over_ideal = bubble_over_ideal(schedule, stages, microbatches, virtual)
     return {
         "schedule": schedule,
         "stages": stages,
@@ -514,10 +669,10 @@ def figures(
         "virtual": virtual,
         "t_forward": t_f,
         "t_backward": t_b,
-        "bubble_fraction": bubble_fraction(schedule, stages, microbatches, virtual),
-        "bubble_over_ideal": bubble_over_ideal(schedule, stages, microbatches, virtual),
+        "bubble_fraction": bubble,
+        "bubble_over_ideal": over_ideal,
         "simulated_bubble_fraction": sim["bubble_fraction"],
-        "step_time": step_time(schedule, stages, microbatches, t_f, t_b, virtual),
+        "step_time": step,
         "simulated_step_time": sim["makespan"],
         "in_flight_microbatches": held,
         # activations held, in units of one micro-batch's activations on one whole stage

@@ -203,18 +203,21 @@ def stage_table(n_params: int, dp: int, precision: str = "bf16-mixed") -> list[d
 
 
 def format_stage_table(
-    n_params: int, dp: int, precision: str = "bf16-mixed", gpu_gib: float = 80.0
+    n_params: int, dp: int, precision: str = "bf16-mixed", gpu_gib: float = 79.6
 ) -> str:
-    """``stage_table`` as text, in GB per rank, with whether the state alone fits in ``gpu_gib``."""
+    """``stage_table`` as text, in GiB per rank (2^30 bytes, the unit of every memory figure in
+    the course), with whether the state alone fits in a ``gpu_gib`` GPU (79.6 GiB: an H100
+    "80 GB", as nvidia-smi reports it)."""
     lines = [
         f"{n_params / 1e9:.2f}B parameters, {precision}, AdamW, {dp} data-parallel ranks"
-        f" ({gpu_gib:g} GiB GPUs)",
+        f" ({gpu_gib:.1f} GiB GPUs)",
         f"{'stage':<8}{'params':>9}{'grads':>9}{'optim':>9}{'total':>9}   state alone fits?",
+        f"{'':<8}{'(GiB per rank)':>36}",
     ]
     for r in stage_table(n_params, dp, precision):
         fits = "yes" if r["total_bytes"] <= gpu_gib * 2**30 else "no"
-        gb = "".join(f"{r[k] / 1e9:>9.1f}" for k in STATE_KEYS)
-        lines.append(f"ZeRO-{r['stage']:<3}{gb}   {fits}")
+        gib = "".join(f"{r[k] / 2**30:>9.1f}" for k in STATE_KEYS)
+        lines.append(f"ZeRO-{r['stage']:<3}{gib}   {fits}")
     return "\n".join(lines)
 
 
@@ -233,6 +236,22 @@ def offload_tradeoff(
         "host_link_bytes": moved,
         "host_link_s": moved / (link_gb_per_s * 1e9),
     }
+
+
+def format_offload_tradeoff(n_params: int, dp: int, **kw: object) -> str:
+    """``offload_tradeoff`` in words: device memory freed and left in GiB, traffic over the host
+    link in GB (10^9 bytes, the unit link speeds are quoted in) and its seconds."""
+    t = offload_tradeoff(n_params, dp, **kw)
+    return "\n".join(
+        [
+            f"device memory freed  {t['freed_device_bytes'] / 2**30:6.2f} GiB per GPU"
+            " (fp32 master + moments)",
+            f"device state left    {t['left_device_bytes'] / 2**30:6.2f} GiB per GPU"
+            " (bf16 weights + gradients)",
+            f"host link per step   {t['host_link_bytes'] / 1e9:6.2f} GB"
+            f" -> {t['host_link_s']:.3f} s if nothing overlaps it",
+        ]
+    )
 
 
 # --- the visualizer's model of one step ------------------------------------------------------

@@ -226,18 +226,19 @@ def plot_memory(rows: list[dict], ax=None):
     return ax
 
 
-def plot_long_context(rows: list[dict], gpu_gb: float = 80.0, ax=None):
-    """Activation GB per rank against sequence length, one line per CP degree, and a GPU's
-    memory."""
+def plot_long_context(rows: list[dict], gpu_gib: float = 79.6, ax=None):
+    """Activation GiB per rank (``labs.theory.context_parallel.long_context_table``'s rows)
+    against sequence length, one line per CP degree, and a GPU's memory in GiB (79.6: an H100
+    "80 GB")."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 3.5))
     seq = [r["seq_len"] for r in rows]
     for key in [k for k in rows[0] if k.startswith("cp=")]:
         ax.loglog(seq, [r[key] for r in rows], "o-", label=key)
-    ax.axhline(gpu_gb, color="red", ls="--", label=f"{gpu_gb:g} GB GPU")
+    ax.axhline(gpu_gib, color="red", ls="--", label=f"{gpu_gib:g} GiB GPU")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("activations per rank (GB)")
+    ax.set_ylabel("activations per rank (GiB)")
     ax.legend(fontsize=8, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
     ax.figure.tight_layout()

@@ -1,7 +1,8 @@
 """Memory calculator (notebook 01): what one GPU holds in a training run, and whether it fits.
 
-    # the widget: presets or free dimensions, every option, a stacked bar per rank, the GPU's
-    # memory, a verdict, a sweep
+    # the widget: presets or free dimensions (head_dim, MoE experts and top-k among them), every
+    # option (FP8, optimizer bytes, CPU offload, EP, interleaved and zero-bubble pipelines), a
+    # stacked bar per rank, the GPU's memory, a verdict, a sweep
     memory_calculator()
     draw_breakdown(result, 80.0)                         # the stacked bar alone, as a figure
     draw_sweep(sweep(spec, "seq", [...]), "seq", 80.0)   # memory against one parameter
@@ -127,12 +128,21 @@ def memory_calculator(preset: str = "llama3-8b", **run):
         "fp32_grad_accum": w.Checkbox(
             value=run.get("fp32_grad_accum", False), description="fp32 grad accumulation"
         ),
+        "fp8": w.Checkbox(value=run.get("fp8", False), description="FP8 linear layers"),
+        "optimizer_bytes": w.Text(
+            value="" if run.get("optimizer_bytes") is None else str(run["optimizer_bytes"]),
+            placeholder="the optimizer's",
+            description="optimizer bytes/param",
+            style=style,
+            layout=w.Layout(width="260px"),
+        ),
+        "offload": w.Checkbox(value=run.get("offload", False), description="optimizer on CPU"),
         "zero": w.Dropdown(
             options=[0, 1, 2, 3], value=run.get("zero", 0), description="ZeRO", layout=layout
         ),
         **{
             d: w.IntText(value=run.get(d, 1), description=d, layout=layout)
-            for d in ("dp", "tp", "pp", "cp")
+            for d in ("dp", "tp", "pp", "cp", "ep")
         },
         "sp": w.Checkbox(value=run.get("sp", False), description="sequence parallel"),
         "recompute": w.Dropdown(
@@ -146,6 +156,9 @@ def memory_calculator(preset: str = "llama3-8b", **run):
         ),
         "schedule": w.Dropdown(
             options=list(PP_SCHEDULES), value=run.get("schedule", "1f1b"), description="schedule"
+        ),
+        "virtual": w.IntText(
+            value=run.get("virtual", 1), description="chunks V", style=style, layout=layout
         ),
         "gpu": w.Dropdown(options=[*GPUS, "custom"], value="H100 80GB", description="GPU"),
         "gpu_mem": w.FloatText(
@@ -180,6 +193,11 @@ def memory_calculator(preset: str = "llama3-8b", **run):
     def settings() -> dict:
         preset_name = None if c["preset"].value == "custom" else c["preset"].value
         dims = {d: c[d].value for d in DIMS}
+        text = c["optimizer_bytes"].value.strip()
+        try:
+            optimizer_bytes = float(text) if text else None
+        except ValueError:
+            optimizer_bytes = text  # memory_per_rank names it in the verdict
         run_now = {
             k: c[k].value
             for k in (
@@ -188,20 +206,25 @@ def memory_calculator(preset: str = "llama3-8b", **run):
                 "precision",
                 "optimizer",
                 "fp32_grad_accum",
+                "fp8",
+                "offload",
                 "zero",
                 "dp",
                 "tp",
                 "pp",
                 "cp",
+                "ep",
                 "sp",
                 "recompute",
                 "schedule",
+                "virtual",
             )
         }
         return dict(
             preset=preset_name,
             dims={**dims, "arch": c["arch"].value, "tied": c["tied"].value},
             microbatches=c["microbatches"].value or None,
+            optimizer_bytes=optimizer_bytes,
             **run_now,
         )
 
@@ -258,10 +281,12 @@ def memory_calculator(preset: str = "llama3-8b", **run):
     box = w.VBox(
         [
             row("preset", "arch", "tied"),
-            row(*DIMS),
-            row("seq", "mbs", "precision", "optimizer", "fp32_grad_accum"),
-            row("zero", "dp", "tp", "sp"),
-            row("pp", "microbatches", "schedule", "cp", "recompute"),
+            row(*list(DIMS)[:6]),
+            row(*list(DIMS)[6:]),
+            row("seq", "mbs", "precision", "fp8", "fp32_grad_accum"),
+            row("optimizer", "optimizer_bytes", "offload"),
+            row("zero", "dp", "tp", "sp", "ep"),
+            row("pp", "microbatches", "schedule", "virtual", "cp", "recompute"),
             row("gpu", "gpu_mem"),
             verdict_box,
             chart,

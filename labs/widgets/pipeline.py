@@ -14,9 +14,9 @@ held.
 
 The numbers and the chart come from ``labs.theory.pipeline`` (``figures``, ``simulate``);
 a measured run comes from ``labs.experiments.pp.run``. This module only draws: rows are
-ranks, time runs to the right, forwards are plain and backwards hatched, colours are
-micro-batches, grey is the bubble. An interleaved chunk's operations are labelled
-``F<mb>.<chunk>``.
+ranks, time runs to the right, forwards are plain and backwards hatched (zero-bubble's
+weight-gradient W's dotted), colours are micro-batches, grey is the bubble. An interleaved
+chunk's operations are labelled ``F<mb>.<chunk>``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from labs.theory import pipeline as theory
 
 MB_COLOURS = plt.get_cmap("tab20")
 MAX_MEASURED_RANKS = 4  # a measured overlay starts this many processes at most (a laptop's worth)
+MEASURABLE = ("naive", "gpipe", "afab", "1f1b", "interleaved")  # what the pipeline lab runs
 
 
 def draw_gantt(
@@ -59,7 +60,7 @@ def draw_gantt(
             color=MB_COLOURS(e["microbatch"] % 20),
             edgecolor="black",
             linewidth=0.4,
-            hatch="//" if e["name"] == "B" else None,
+            hatch={"B": "//", "W": ".."}.get(e["name"]),
             alpha=1.0 - 0.5 * e["chunk"] / virtual,
         )
         if e["end"] - e["start"] >= smallest_label:
@@ -96,9 +97,10 @@ def draw_schedule(
         gridspec_kw={"width_ratios": [5, 1]},
     )
     v = f", V={virtual}" if schedule == "interleaved" else ""
+    formula = "(P-1)(t_f+t_b-2t_w) / step" if schedule == "zb-h1" else "(P-1)/(V·M+P-1)"
     title = (
         f"{schedule}, P={stages}, M={microbatches}{v} (paper):"
-        f" bubble {result['bubble_fraction']:.1%} of the step = (P-1)/(V·M+P-1)"
+        f" bubble {result['bubble_fraction']:.1%} of the step = {formula}"
     )
     draw_gantt(axes[0][0], sim["events"], stages, virtual, title)
     held = result["activation_microbatches_per_stage"]
@@ -131,6 +133,11 @@ def draw_schedule(
         handles=[Patch(color=MB_COLOURS(i % 20), label=f"mb {i}") for i in mbs]
         + [
             Patch(facecolor="white", edgecolor="black", hatch="//", label="backward"),
+            *(
+                [Patch(facecolor="white", edgecolor="black", hatch="..", label="weight grad W")]
+                if schedule == "zb-h1"
+                else []
+            ),
             Patch(color="0.88", label="idle"),
         ],
         fontsize=6,
@@ -249,6 +256,8 @@ def bubble_calculator(
                     note = (
                         f"(no measured run: this machine runs at most {MAX_MEASURED_RANKS} ranks)"
                     )
+                elif overlay.value and sched.value not in MEASURABLE:
+                    note = f"(no measured run: the pipeline lab has no {sched.value} schedule)"
                 elif overlay.value:
                     run_key = key + (0.0 if sched.value == "naive" else tb.value / tf.value,)
                     if run_key not in cache:

@@ -5,11 +5,13 @@
     draw_scaling(scaling(spec, [128, 256, 512], ...))   # compute, bubble, exposed comm by GPUs
     planner_widget("llama3-70b", seq=32768, gpus=512)   # the interactive planner
 
-Every number comes from ``labs.theory.planner`` (``plan``, ``summary``, ``format_result``) and the
-rank grid from ``labs.theory.dims``; this module only draws. Controls carry the CSS classes
-``labs-planner-<name>`` (preset, seq, gpus, gpus-per-node, gpu, ...), the plan text
-``labs-planner-result`` and the chart ``labs-planner-chart``, so a browser test can drive the
-widget.
+Every number comes from ``labs.theory.planner`` (``plan``, ``evaluate_layout``, ``summary``,
+``format_result``) and the rank grid from ``labs.theory.dims``; this module only draws. The
+widget shows the fastest layout, why (against the playbook's rule) and the five fastest; a
+layout typed into its ``layout`` box is evaluated instead. Controls carry the CSS classes
+``labs-planner-<name>`` (preset, seq, gpus, gpus-per-node, gpu, mbs, schedule, layout, ...),
+the plan text ``labs-planner-result`` and the chart ``labs-planner-chart``, so a browser test can
+drive the widget.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import matplotlib.pyplot as plt
 
 from labs.theory.dims import AXES, ParallelDims
 from labs.theory.exports import export
+from labs.theory.memory import PP_SCHEDULES
 from labs.theory.plan_report import format_result, summary
-from labs.theory.planner import ASSUMPTIONS, plan
+from labs.theory.planner import ASSUMPTIONS, evaluate_layout, plan
 from labs.theory.presets import GPUS, PRESETS, preset
 
 AXIS_COLOURS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "cp": "tab:purple"}
@@ -162,6 +165,7 @@ def draw_plan(s: dict):
     comm.set_title("communication (grey: between nodes)", fontsize=9)
     pieces = (
         ("compute", s["compute_s"], "tab:blue"),
+        ("imbalance", s["imbalance_s"], "tab:olive"),
         ("bubble", s["bubble_s"], "tab:orange"),
         ("exposed comm", s["exposed_comm_s"], "tab:red"),
     )
@@ -194,6 +198,7 @@ def draw_scaling(rows: list[dict], *, title: str = ""):
     x = range(len(rows))
     parts = (
         ("compute", "compute_s", "tab:blue"),
+        ("stage imbalance", "imbalance_s", "tab:olive"),
         ("bubble", "bubble_s", "tab:orange"),
         ("exposed communication", "exposed_comm_s", "tab:red"),
     )
@@ -252,6 +257,17 @@ def planner_widget(
         "recompute": w.Dropdown(
             options=["none", "selective", "full"], value=recompute, description="recompute"
         ),
+        "mbs": w.IntText(value=0, description="mbs (0: search)", style=style, layout=narrow),
+        "schedule": w.Dropdown(
+            options=["search", *PP_SCHEDULES], value="search", description="schedule"
+        ),
+        "layout": w.Text(
+            value="",
+            placeholder="tp=8,pp=4,cp=4,dp=4[,zero=1,v=2]",
+            description="layout (empty: plan)",
+            style=style,
+            layout=w.Layout(width="420px"),
+        ),
         "headroom": w.FloatSlider(
             value=ASSUMPTIONS["headroom"], min=0.0, max=0.5, step=0.05, description="headroom"
         ),
@@ -268,8 +284,7 @@ def planner_widget(
     def redraw(*_):
         try:
             gpu = GPUS[c["gpu"].value]
-            p = plan(
-                preset(c["preset"].value),
+            kw = dict(
                 seq=c["seq"].value,
                 gpus=c["gpus"].value,
                 gpus_per_node=c["gpus_per_node"].value,
@@ -280,7 +295,12 @@ def planner_widget(
                 global_batch=c["global_batch"].value or None,
                 recompute=c["recompute"].value,
                 headroom=c["headroom"].value,
+                mbs=c["mbs"].value or None,
+                schedule=None if c["schedule"].value == "search" else c["schedule"].value,
             )
+            spec = preset(c["preset"].value)
+            given = c["layout"].value.strip()
+            p = evaluate_layout(spec, given, **kw) if given else plan(spec, **kw)
         except ValueError as e:
             result.value = f"<b style='color:darkred'>cannot plan: {e}</b>"
             exported.value = ""
@@ -312,6 +332,7 @@ def planner_widget(
             row("preset", "seq", "global_batch"),
             row("gpus", "gpus_per_node", "gpu"),
             row("intra", "inter", "recompute", "headroom"),
+            row("mbs", "schedule", "layout"),
             chart,
             result,
             c["export"],
