@@ -23,15 +23,45 @@ consecutive values of a row, DeepSeek-V3 §3.3) limits the damage to the outlier
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from labs.theory.memory_report import GIB, compare, format_rows
 from labs.theory.presets import preset
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
 E4M3 = torch.float8_e4m3fn  # activations and weights: more precision
 E5M2 = torch.float8_e5m2  # gradients: more range
 BLOCK = 128  # values per scale with per-block scaling (DeepSeek-V3's 1 x 128 tiles)
 SCALE_BYTES = 4  # a scale is an fp32 number
+
+
+# name -> (dtype, exponent bits, mantissa bits), widest first
+FORMATS = {
+    "fp32": (torch.float32, 8, 23),
+    "bf16": (torch.bfloat16, 8, 7),
+    "fp16": (torch.float16, 5, 10),
+    "fp8 e4m3": (E4M3, 4, 3),
+    "fp8 e5m2": (E5M2, 5, 2),
+}
+
+
+def formats_table() -> str:
+    """Each training format's bits, largest value, smallest normal value and relative step
+    (2^-mantissa bits: the gap between 1 and the next value), read from ``torch.finfo``."""
+    lines = [
+        f"{'format':<10}{'bytes':>6}{'exp':>5}{'mant':>6}{'largest':>12}{'smallest':>11}{'step':>10}"
+    ]
+    for name, (dtype, exponent, mantissa) in FORMATS.items():
+        info = torch.finfo(dtype)
+        lines.append(
+            f"{name:<10}{info.bits // 8:>6}{exponent:>5}{mantissa:>6}{info.max:>12.3g}"
+            f"{info.smallest_normal:>11.3g}{info.eps:>10.3g}"
+        )
+    return "\n".join(lines)
 
 
 def fp8_max(dtype: torch.dtype = E4M3) -> float:
@@ -219,3 +249,23 @@ def calculator_table(model: str = "llama3-8b", *, gpu_mem_gib: float = 80.0, **r
             " of the total",
         ]
     )
+
+
+def plot_errors(cases: dict[str, list[dict]], ax: Axes | None = None) -> Axes:
+    """A typical row's relative error per input format (log scale), one group of bars per case
+    of ``matmul_errors`` (e.g. {"N(0, 1)": ..., "gradient-sized": ..., "one outlier": ...})."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.5))
+    formats = [r["format"] for r in next(iter(cases.values()))]
+    width = 0.8 / len(cases)
+    for i, (case, rows) in enumerate(cases.items()):
+        xs = [j + (i - (len(cases) - 1) / 2) * width for j in range(len(formats))]
+        ax.bar(xs, [r["rel_error"] for r in rows], width=width, label=case)
+    ax.set_xticks(range(len(formats)), [f.replace(", ", "\n") for f in formats], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("relative error (typical row)")
+    ax.set_title("one matmul, inputs in each format, against float64")
+    ax.legend(fontsize=8)
+    return ax

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from labs.measure.profile import PROFILED_STEPS, profiling, trace_path
-from labs.measure.trace import format_figures, load_run, median_figures, step_figures
+from labs.measure.trace import format_figures, load_run, median_figures, plot_lanes, step_figures
 
 # Labs whose ranks train with a StepTimer-timed loop (python -m labs.run LAB --profile DIR).
 PROFILED_LABS = ("ddp", "zero", "tp", "pp", "cp", "moe", "mesh", "multimodal")
@@ -104,14 +104,28 @@ def exposed_table(runs: Mapping[str, Mapping]) -> str:
     """Median step, compute, communication and exposed communication per rank, for named
     ``profile_lab`` results side by side (e.g. {"DDP": ..., "ZeRO-3": ...}), in ms."""
     lines = [
-        f"{'run':<10}{'rank':>5}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}"
+        f"{'run':<14}{'rank':>5}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}"
         f"{'exposed ms':>12}{'exposed/step':>14}"
     ]
     for name, run in runs.items():
         for r in run["medians"]:
             share = r["exposed_comm_s"] / r["step_s"] if r["step_s"] else 0.0
             lines.append(
-                f"{name:<10}{r['rank']:>5}{r['step_s'] * 1e3:>10.2f}{r['compute_s'] * 1e3:>12.2f}"
+                f"{name:<14}{r['rank']:>5}{r['step_s'] * 1e3:>10.2f}{r['compute_s'] * 1e3:>12.2f}"
                 f"{r['comm_s'] * 1e3:>10.2f}{r['exposed_comm_s'] * 1e3:>12.2f}{share:>14.0%}"
             )
     return "\n".join(lines)
+
+
+def plot_runs(runs: Mapping[str, Mapping], *, step: int | None = None):
+    """``plot_lanes`` for named ``profile_lab`` results, one panel each, on one time scale."""
+    import matplotlib.pyplot as plt
+
+    heights = [0.6 + 0.9 * len(run["lanes"]) for run in runs.values()]
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(10, sum(heights)), sharex=True, height_ratios=heights, squeeze=False
+    )
+    for ax, (name, run) in zip(axes[:, 0], runs.items()):
+        plot_lanes(run["lanes"], step=step, ax=ax, title=name)
+    fig.tight_layout()
+    return fig
