@@ -215,11 +215,12 @@ def matmul_errors(
 
 
 def format_errors(rows: list[dict]) -> str:
-    """``matmul_errors`` rows as a table."""
-    lines = [f"{'inputs':<28}{'bytes':>9}{'vs bf16':>9}{'error: typical row':>20}{'worst row':>11}"]
+    """``matmul_errors`` rows as a table (bytes also as a multiple of bf16's)."""
+    head = f"{'inputs':<28}{'bytes':>9}{'x bf16':>8}{'error: typical row':>20}{'worst row':>11}"
+    lines = [head]
     for r in rows:
         lines.append(
-            f"{r['format']:<28}{r['bytes']:>9,}{-r['saved_vs_bf16']:>+9.0%}"
+            f"{r['format']:<28}{r['bytes']:>9,}{1 - r['saved_vs_bf16']:>8.2f}"
             f"{r['rel_error']:>20.2e}{r['worst_rel_error']:>11.2e}"
         )
     return "\n".join(lines)

@@ -318,7 +318,8 @@ def plot_lanes(
             Patch(color="tab:orange", label="communication, hidden"),
             Patch(color="tab:red", label="communication, exposed"),
         ],
-        loc="upper right",
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
         fontsize=8,
     )
     return ax
