@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from labs import launch
 from labs.experiments.profiling import PROFILED_LABS, exposed_table, profile_report
-from labs.measure.profile import PROFILE_ENV, profiling, trace_path
+from labs.measure.profile import PROFILE_ENV, WAIT_EVENT, profiling, trace_path
 from labs.measure.timing import StepTimer
 from labs.measure.trace import (
     format_figures,
@@ -89,6 +90,21 @@ def test_cpu_trace_lanes_and_exposed_time():
     assert "rank  step" in format_figures([row])
 
 
+def test_a_wait_inside_an_operator_is_communication():
+    """ZeRO-3 waits for an all-gather inside a backward hook, i.e. inside an autograd operator:
+    the marked wait is cut out of the compute lane and counts as (exposed) communication."""
+    events = [
+        _event("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _event("torch::autograd::AccumulateGrad", 0, 60),
+        _event(WAIT_EVENT, 10, 40, cat="user_annotation"),
+        _event("gloo:all_gather", 5, 45, tid=2, cat="user_annotation"),
+    ]
+    (row,) = step_figures([lanes_of({"traceEvents": events})])
+    assert row["compute_s"] == pytest.approx(20e-6)  # 0-10 and 50-60
+    assert row["comm_s"] == pytest.approx(45e-6)  # 5-50
+    assert row["exposed_comm_s"] == pytest.approx(40e-6)  # 10-50: the wait
+
+
 def test_gpu_trace_uses_kernels():
     """With kernels in the trace the lanes are the device's: NCCL kernels communicate."""
     events = [
@@ -134,28 +150,35 @@ def test_bad_traces_are_named(tmp_path):
 
 
 def _two_loops():
-    """A 2-step loop, then a 4-step one: the rank's trace is the first loop's step 1 only."""
+    """A 2-step loop, then a 4-step one: the rank's trace is the first loop's step 1 only. Returns
+    whether ``Work.wait`` was marked while profiling and restored after."""
+    wait = dist.Work.wait
     first = StepTimer()
+    marked = []
     for _ in range(2):
         with first.step():
             torch.ones(8).sum()
+            dist.all_reduce(torch.ones(8), async_op=True).wait()
+            marked.append(dist.Work.wait is not wait)
     first.step_time()  # the loop ended before step 3: the trace is written here
+    restored = dist.Work.wait is wait
     second = StepTimer()
     for _ in range(4):
         with second.step():
             torch.zeros(8).sum()
     second.step_time()
-    return True
+    return marked == [False, True] and restored
 
 
 def test_step_timer_profiles_the_first_loop_of_each_rank(tmp_path):
     with profiling(tmp_path):
-        launch(_two_loops, 2, timeout=60)
+        assert launch(_two_loops, 2, timeout=60) == [True, True]
     for rank in range(2):
         events = load_trace(trace_path(tmp_path, rank))["traceEvents"]
         names = {e.get("name") for e in events}
         assert "ProfilerStep#1" in names and "ProfilerStep#2" not in names
         assert "aten::ones" in names and "aten::zeros" not in names
+        assert WAIT_EVENT in names and "gloo:all_reduce" in names
     assert PROFILE_ENV not in os.environ  # restored
     with profiling(tmp_path):  # this process is not a rank: never profiled
         timer = StepTimer()

@@ -71,14 +71,11 @@ def profile_report(folder: str | os.PathLike, nproc: int | None = None) -> dict:
 
 
 def profile_lab(lab: str, folder: str | os.PathLike, **options) -> dict:
-    """Run ``lab`` (``labs.run``'s name: "ddp", "zero", ...) with ``options`` (its ``run``'s
+    """Run ``lab`` (one of ``PROFILED_LABS``: "ddp", "zero", ...) with ``options`` (its ``run``'s
     keywords), each rank profiling steps 1-3 into ``folder``; the lab's ``summary`` and
     ``profile_report``'s figures. Notebook 12."""
-    from labs.run import LABS
-
-    if lab not in LABS:
-        raise ValueError(f"lab={lab!r} is not one of {sorted(LABS)}")
-    module = importlib.import_module(LABS[lab])
+    check_profiled(lab, options.get("steps", 5))
+    module = importlib.import_module(f"labs.experiments.{lab}")  # labs.run's LABS entry
     summary = run_profiled(lab, module.run, folder, **options)
     return {"summary": summary, **profile_report(folder, nproc=summary["nproc"])}
 

@@ -18,6 +18,12 @@ so tools that split a trace into steps (``labs.measure.trace``, TensorBoard, HTA
 trace is written when the last of those steps ends, or when the loop asks for its step time
 (``StepTimer.step_time``), whichever comes first. CPU activity always; the GPU's too on a GPU.
 Profiling slows every operator down a little: a profiled run's step times are not for comparing.
+
+One addition to what torch records: ``Work.wait()`` (waiting for an async collective) is not an
+operator, so a rank blocked in it would look idle, or, when the wait runs in an autograd hook
+(ZeRO-3 gathering the next unit in backward), busy inside the operator that ran the hook. While
+the profiler runs, ``wait`` is wrapped in a ``c10d::Work.wait`` range, which ``labs.measure.trace``
+counts as communication like any other collective call.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ PROFILE_ENV = "LABS_PROFILE_DIR"
 PROFILED_STEPS = 3
 # The name of a profiled step's range in the trace, as torch's ``profiler.step()`` writes it.
 STEP_PREFIX = "ProfilerStep#"
+# The range around each ``Work.wait()`` while profiling (a collective call: prefix "c10d::").
+WAIT_EVENT = "c10d::Work.wait"
 
 # Trace files this process has taken on (a rank profiles one loop).
 _claimed: set[Path] = set()
@@ -92,6 +100,8 @@ class StepProfiler:
         if step == self.first:
             self._profile.start()
             self._running = True
+            self._wait = dist.Work.wait
+            dist.Work.wait = _recorded(self._wait)
         if not self._running or step > self.last:
             yield
             return
@@ -105,8 +115,19 @@ class StepProfiler:
         if not self._running:
             return
         self._running = False
+        dist.Work.wait = self._wait
         self._profile.stop()
         self._profile.export_chrome_trace(str(self.path))
+
+
+def _recorded(wait):
+    """``wait`` inside a ``WAIT_EVENT`` range."""
+
+    def recorded_wait(work, *args, **kwargs):
+        with record_function(WAIT_EVENT):
+            return wait(work, *args, **kwargs)
+
+    return recorded_wait
 
 
 def step_profiler(device: torch.device) -> StepProfiler | None:

@@ -14,7 +14,8 @@ disjoint time intervals:
   time that thread spends inside a collective call;
 * **communication**: on a GPU, NCCL's kernels; on the CPU, gloo's work (``gloo:all_reduce``, ...:
   gloo runs a collective on its own threads), and the compute thread's own collective calls
-  (``c10d::*``, ``_c10d_functional::*``: a barrier, a send, the launch of an all-reduce, a wait).
+  (``c10d::*``, ``_c10d_functional::*``: a barrier, a send, the launch of an all-reduce, and
+  ``c10d::Work.wait``, the waits ``labs.measure.profile`` marks).
 
 Then, inside each step's window: compute time = |compute|, communication time = |comm| and
 
@@ -183,9 +184,7 @@ def lanes_of(trace: dict, *, rank: int | None = None, origin_us: float = 0.0) ->
         compute = merge(span(e) for e in kernels if "nccl" not in e["name"].lower())
         device = "cuda"
     else:  # on the CPU: the compute thread's operators, gloo's threads
-        calls = merge(
-            span(e) for e in on_thread if e.get("cat") == "cpu_op" and _is_call(e["name"])
-        )
+        calls = merge(span(e) for e in on_thread if _is_call(e["name"]))  # ops and marked waits
         work = [span(e) for e in events if _is_work(e["name"])]
         comm = merge([*calls, *work])
         ops = merge(
