@@ -214,7 +214,8 @@ def test_labs_run_ddp_profile_writes_traces_and_prints_figures(tmp_path, capsys)
 
 
 def test_labs_run_profile_json_and_refusals(tmp_path, capsys):
-    code = main(["ddp", "--nproc", "2", "--steps", "2", "--json", "--profile", str(tmp_path)])
+    argv = ["ddp", "--nproc", "2", "--steps", "2", "--json", "--impl", "solutions"]
+    code = main([*argv, "--profile", str(tmp_path)])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0
     assert [r["step"] for r in summary["profile"]["steps"]] == [1, 1]
