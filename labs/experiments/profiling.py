@@ -19,6 +19,7 @@ from pathlib import Path
 
 from labs.measure.profile import PROFILED_STEPS, profiling, trace_path
 from labs.measure.trace import format_figures, load_run, median_figures, plot_lanes, step_figures
+from labs.runtime.launcher import under_torchrun
 
 # Labs whose ranks train with a StepTimer-timed loop (python -m labs.run LAB --profile DIR).
 PROFILED_LABS = ("ddp", "zero", "tp", "pp", "cp", "moe", "mesh", "multimodal")
@@ -42,7 +43,7 @@ def run_profiled(lab: str, run: Callable, folder: str | os.PathLike, **options):
     """``run(**options)`` (the lab's ``run``) with each rank profiling its steps into ``folder``.
     Under torchrun this process is one rank and clears only its own old trace."""
     check_profiled(lab, options.get("steps", 2))
-    rank = int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    rank = int(os.environ["RANK"]) if under_torchrun() else None
     with profiling(folder, rank=rank):
         return run(**options)
 
