@@ -5,7 +5,9 @@
     torchrun --nproc-per-node 4 -m labs.run ddp --json        # each torchrun rank is a worker
 
 Options every lab takes: ``--nproc``, ``--steps``, ``--impl solutions|labs`` (overrides
-``LABS_IMPL``), ``--json``, ``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``.
+``LABS_IMPL``), ``--json``, ``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``,
+``--profile DIR`` (a torch.profiler trace per rank, ``DIR/rank<r>.json``, and each profiled step's
+compute, communication and exposed communication: ``labs.experiments.profiling``).
 ``python -m labs.run LAB --help`` lists the lab's own options.
 
 Exit status: 0 when the lab ran, 1 when it failed, 2 for bad arguments, 3 when an
@@ -58,6 +60,13 @@ def build_parser(lab: str | None, module=None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before the run is stopped"
     )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="write each rank's torch.profiler trace of steps 1-3 to DIR/rank<r>.json and print"
+        " each step's compute, communication and exposed communication",
+    )
     if module is not None and hasattr(module, "add_arguments"):
         module.add_arguments(parser.add_argument_group(f"{lab} options"))
     return parser
@@ -78,6 +87,7 @@ def main(argv=None) -> int:
         return 2
     args = build_parser(lab, module).parse_args(argv)
 
+    from labs.experiments import profiling
     from labs.experiments.common import format_summary, to_json
     from labs.runtime.errors import RankError
     from labs.runtime.impl import set_implementation
@@ -87,10 +97,13 @@ def main(argv=None) -> int:
         set_implementation(args.impl)  # ranks inherit the environment
     if args.nproc is None:
         args.nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
-    options = {k: v for k, v in vars(args).items() if k not in ("lab", "impl", "json")}
+    options = {k: v for k, v in vars(args).items() if k not in ("lab", "impl", "json", "profile")}
     is_rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
-        summary = module.run(**options)
+        if args.profile:
+            summary = profiling.run_profiled(lab, module.run, args.profile, **options)
+        else:
+            summary = module.run(**options)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
             print(e.message, file=sys.stderr)
@@ -106,8 +119,15 @@ def main(argv=None) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    report = (
+        profiling.profile_report(args.profile, args.nproc) if is_rank0 and args.profile else None
+    )
+    if report and args.json:
+        summary["profile"] = profiling.json_report(report)
     if is_rank0:
         print(to_json(summary) if args.json else format_summary(summary), flush=True)
+    if report and not args.json:
+        print(profiling.format_report(report), flush=True)
     return 0
 
 

@@ -16,6 +16,10 @@ one step counts. A lab reports the slowest rank's figure: a step ends when its l
 On a GPU a step is timed by CUDA events recorded on the device's current stream before and after
 it (and waited for), so a step's time is the GPU's, from its first kernel to its last, and not the
 time the host took to queue them; on the CPU, by the host's clock (``time.perf_counter``).
+
+Profiling (``python -m labs.run LAB --profile DIR``, ``labs.measure.profile``): the first timer of
+a rank that reaches its second step wraps steps 1-3 in ``torch.profiler`` and writes the rank's
+trace; the profiler starts and stops outside the timed block.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from labs.measure.profile import StepProfiler, around_step, step_profiler
 from labs.runtime.device import rank_device, synchronize
 
 
@@ -45,12 +50,22 @@ class StepTimer:
     def __init__(self, device: torch.device | None = None):
         self.device = device
         self.times: list[float] = []
+        self.profiler: StepProfiler | None = None  # set at step 1 when profiling is on
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Time the block. On a GPU: between two CUDA events on the current stream, the second
-        waited for before the time is read. On the CPU: by the clock."""
+        waited for before the time is read. On the CPU: by the clock. Profiled when profiling is
+        on (``labs.measure.profile``)."""
         device = self.device or rank_device()
+        if len(self.times) == 1:
+            self.profiler = step_profiler(device)
+        with around_step(self.profiler, len(self.times)):
+            with self._timed(device):
+                yield
+
+    @contextmanager
+    def _timed(self, device: torch.device) -> Iterator[None]:
         if device.type == "cuda":
             stream = torch.cuda.current_stream(device)
             start = torch.cuda.Event(enable_timing=True)
@@ -68,7 +83,10 @@ class StepTimer:
         self.times.append(time.perf_counter() - start_s)
 
     def step_time(self) -> float:
-        """``step_time(self.times)``: the median after the warm-up step."""
+        """``step_time(self.times)``: the median after the warm-up step. (The loop is over: a
+        profiled loop shorter than the profiled steps writes its trace now.)"""
+        if self.profiler is not None:
+            self.profiler.finish()
         return step_time(self.times)
 
 
