@@ -596,6 +596,18 @@ class Zero3:
         self.inflight: dict[int, dist.Work] = {}
         self.peak = {"forward": 0, "backward": 0}
         self.host_bytes = 0
+        self.seen: list[ShardedUnit] | None = []  # the first forward's order; None once applied
+
+    def learn_order(self) -> None:
+        """After the first forward: put the units in the order their forwards ran (registration
+        order, the guess until then, need not be it), so prefetching takes the next one run."""
+        order = self.seen + [u for u in self.units if u not in self.seen]
+        self.seen = None
+        moved = {u.index: k for k, u in enumerate(order)}
+        self.inflight = {moved[k]: work for k, work in self.inflight.items()}
+        self.units = order
+        for k, u in enumerate(order):
+            u.index = k
 
     def transfer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` across the device-host link, counted in ``host_bytes``."""
@@ -750,6 +762,8 @@ class Zero3:
             return
         if k == 0:
             self.begin_forward()
+        if self.seen is not None and u not in self.seen:
+            self.seen.append(u)
         self.pre_forward(k)
         self.check_gathered(k, "pre_forward")
         if u.flat is not None:
@@ -759,6 +773,9 @@ class Zero3:
         if torch._C._current_graph_task_id() >= 0:  # recomputation: backward still needs it
             return
         self.post_forward(k)
+        unit = self.units[k]
+        if k == 0 and self.seen is not None:
+            self.learn_order()
         tensors = [
             t
             for t in torch.utils._pytree.tree_leaves(output)
@@ -767,7 +784,7 @@ class Zero3:
         # runs when the first gradient w.r.t. the unit's output arrives: before its backward
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda _: self.before_backward(k), mode="any"
+                tensors, lambda _: self.before_backward(unit.index), mode="any"
             )
 
     def before_backward(self, k: int) -> None:

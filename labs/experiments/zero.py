@@ -354,6 +354,7 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
                 with ledger.phase("step"):
                     optimizer.step()
             losses.append(loss.item())
+            loss_dtype = str(loss.dtype).removeprefix("torch.")  # the course model's: fp32 always
             if step == 0 and spec.torch_impl is None:
                 grads, ranges = named_grads(model, optimizer)
             if step == len(data) - 1:
@@ -375,6 +376,7 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     host = owner.host_bytes if owner else getattr(optimizer, "host_bytes", 0)
     return {
         "losses": losses,
+        "loss_dtype": loss_dtype,
         "step_time_s": timer.step_time(),
         "held": held,
         "params": params,
@@ -515,7 +517,8 @@ def run(
     s["backend"] = per_rank.backend
     net = build(model, seed=cfg.seed, dtype=dtype)
     ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
-    fill_losses(s, mean_losses(per_rank), ref.losses, DTYPES[dtype])
+    s["loss_dtype"] = per_rank[0]["loss_dtype"]
+    fill_losses(s, mean_losses(per_rank), ref.losses, DTYPES[s["loss_dtype"]])
     s.update(param_diff(per_rank[0]["params"], ref.params))
     s["params_sha1"] = digest(per_rank[0]["params"])
     gradless = sum(

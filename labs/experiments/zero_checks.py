@@ -42,7 +42,9 @@ def checks(s, per_rank: list[dict], ref, net, *, units) -> list[Check]:
     names = {p: name for name, p in net.named_parameters()}
     layout = [(name, [names[p] for p in params]) for name, params in units]
     out = [
-        losses_check(s["losses"], s["reference_losses"], value),
+        losses_check(
+            s["losses"], s["reference_losses"], rule("value", DTYPES[s["loss_dtype"]], backend).rel
+        ),
         grads_check(per_rank, ref.grads, value, n),
         params_check(per_rank, ref.params, rule("param", dtype, backend).rel, n, stage, layout),
     ]
