@@ -63,6 +63,7 @@ from labs.train import (
 )
 
 MODELS = ("course", "awkward")
+HARNESS = "harness"  # the ledger's phase for the checks' own collectives
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # PyTorch's counterpart of each stage, for ``vs_torch``
 TORCH = {0: "ddp", 1: "zero_redundancy", 2: "zero_redundancy", 3: "fsdp2"}
@@ -338,7 +339,7 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     )[spec.start :]
     losses = []
     held = None
-    grads = ranges = None
+    grads = ranges = first = None
     calls = []
     timer = StepTimer(device)
     with CommLedger() as ledger:
@@ -357,13 +358,19 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
             loss_dtype = str(loss.dtype).removeprefix("torch.")  # the course model's: fp32 always
             if step == 0 and spec.torch_impl is None:
                 grads, ranges = named_grads(model, optimizer)
+                with ledger.phase(HARNESS):  # the check's all-gathers: not the lab's traffic
+                    first = full_params(model)
             if step == len(data) - 1:
                 # what the calculator counts: state after the step, gradients held
                 if spec.torch_impl is None:
                     held = held_bytes(model, optimizer)
                 else:
                     held = _torch_bytes(module, optimizer)
-                calls = [(r.op, r.payload_bytes) for r in ledger.records[first_call:]]
+                calls = [
+                    (r.op, r.payload_bytes)
+                    for r in ledger.records[first_call:]
+                    if r.phase != HARNESS
+                ]
             optimizer.zero_grad()
             report_progress()
     if spec.save:
@@ -382,10 +389,15 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
         "params": params,
         "grads": grads,
         "grad_ranges": ranges,
+        "params_step1": first,
         "calls_last_step": calls,
         "loaded_params": loaded if rank == 0 else None,
-        "sent_per_step": ledger.sent_bytes() / len(data),
-        "sent_by_op": {op: v["sent_bytes"] / len(data) for op, v in ledger.summary().items()},
+        "sent_per_step": (ledger.sent_bytes() - ledger.sent_bytes(phase=HARNESS)) / len(data),
+        "sent_by_op": {
+            op: (v["sent_bytes"] - ledger.sent_bytes(op, HARNESS)) / len(data)
+            for op, v in ledger.summary().items()
+            if ledger.calls(op) > ledger.calls(op, HARNESS)
+        },
         "peak_param_bytes": dict(owner.peak) if owner else {},
         "host_bytes_per_step": host / len(data),
     }
@@ -552,7 +564,14 @@ def run(
         if len(set(s["theory_state_bytes_per_rank"])) == 1:
             s["theory_state_bytes_per_rank"] = s["theory_state_bytes_per_rank"][0]
     s["step_time_s"] = max(r["step_time_s"] for r in per_rank)
-    s.add_checks(zero_checks.checks(s, per_rank, ref, net, units=unit_params(net)))
+    # the reference after one step: the all-gather's slices are told apart before errors spread
+    one = train_reference(
+        ModelConfig(),
+        replace(cfg, steps=1),
+        dp=nproc,
+        model=build(model, seed=cfg.seed, dtype=dtype),
+    )
+    s.add_checks(zero_checks.checks(s, per_rank, ref, net, units=unit_params(net), first=one))
     if vs_torch:
         _vs_torch(s, spec, cfg, ref, nproc=nproc, backend=backend, timeout=timeout)
     return s
@@ -602,6 +621,52 @@ def zero3_held(net, theory_held: dict, ref_grads: dict, dp: int, rank: int, offl
         out["optimizer"] = moments * itemsize
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def _look(fn) -> str:
+    """What ``fn()`` gives a curious learner: a shape, None, or the error's first line."""
+    try:
+        out = fn()
+    except Exception as e:  # what the learner would see: the error is the answer here
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return "None" if out is None else str(list(out.shape))
+
+
+def _sees_worker(stage: int, cfg: TrainConfig) -> dict[str, str]:
+    """One step of the course model under ``stage``, then what reading one weight gives."""
+    zero = exercise("zero")
+    rank = dist.get_rank()
+    n = dist.get_world_size()
+    model = build("course").to(rank_device())
+    module, optimizer = shard(model, RunSpec(stage=stage), cfg)
+    linear = model.layers[0].attn.q_proj
+    x, y = rank_batches(steps=1, batch_size=2, seq_len=8, rank=rank, world_size=n, seed=0)[0]
+    x = x.to(rank_device())
+    y = y.to(rank_device())
+    seen = {"whole shape": str(list(build("course").layers[0].attn.q_proj.weight.shape))}
+    _, loss = module(x, y)
+    loss.backward()
+    seen["its .grad after backward"] = _look(lambda: linear.weight.grad)
+    optimizer.step()
+    optimizer.zero_grad()
+    seen["the weight between steps"] = _look(lambda: linear.weight.detach().clone())
+    seen["its sum between steps"] = _look(lambda: linear.weight.sum().reshape(1))
+    with zero.summon_full_params(model):
+        seen["inside summon_full_params"] = _look(lambda: linear.weight.detach().clone())
+    seen["its module called alone"] = _look(lambda: linear(torch.zeros(1, 64, device=x.device)))
+    return seen
+
+
+def what_a_rank_sees(nproc: int = 2, *, backend: str = "auto", timeout: float = 120.0) -> dict:
+    """For stages 1-3: what rank 0 reads of one weight (``layers.0.attn.q_proj.weight``) of the
+    course model around a training step: its ``.grad`` after backward, the weight and its sum
+    between steps (a released unit under ZeRO-3: this rank's piece, never freed memory), inside
+    ``summon_full_params``, and its module called on its own. {stage: {what: shape or error}}."""
+    cfg = TrainConfig(steps=1)
+    return {
+        stage: launch(_sees_worker, nproc, stage, cfg, backend=backend, timeout=timeout)[0]
+        for stage in (1, 2, 3)
+    }
 
 
 def same_model(s: RunSummary, s0: RunSummary) -> bool:

@@ -1,12 +1,13 @@
 """Experiment 03's checks: what decides the ZeRO lab's verdict, each with where it was made and,
 when it fails, the classic mistake that most likely explains it.
 
-    checks(summary, per_rank, ref, net, units=unit_params(net))   # -> [Check, ...]
+    checks(summary, per_rank, ref, net, units=unit_params(net), first=ref_after_step_1)
 
 On every rank: the losses of every step; every gradient by name after step 1 (the rank's shard of
-the averaged gradient: a piece of each parameter under ZeRO-1/2/3); every parameter after the last
-step; the bytes of every collective call and of each op per step; the state held after a step;
-ZeRO-3's peak parameter bytes; offload's host traffic. Tolerances come from the course's one table
+the averaged gradient: a piece of each parameter under ZeRO-1/2/3); every parameter after step 1
+(where a wrong all-gather shows slice by slice) and after the last step; the bytes of every
+collective call and of each op per step; the state held after a step; ZeRO-3's peak parameter
+bytes; offload's host traffic. Tolerances come from the course's one table
 (``labs.train.rule``: by quantity, dtype and backend); bytes are exact.
 """
 
@@ -30,15 +31,17 @@ LEDGER_OPS = {
 ROLES = ("params", "grads", "optimizer", "host", "total")
 
 
-def checks(s, per_rank: list[dict], ref, net, *, units) -> list[Check]:
+def checks(s, per_rank: list[dict], ref, net, *, units, first) -> list[Check]:
     """Every check of one ZeRO run (``s``: its summary with the theory's figures filled in;
-    ``per_rank``: what each rank returned; ``ref``: the single-process reference; ``units``:
-    [(name, [parameters])] of the reference model ``net``, in order)."""
+    ``per_rank``: what each rank returned; ``ref``: the single-process reference, ``first``: the
+    same after one step; ``units``: [(name, [parameters])] of the reference model ``net``, in
+    order)."""
     dtype = DTYPES[s["dtype"]]
     backend = s["backend"]
     n = s["nproc"]
     stage = s["stage"]
     value = rule("value", dtype, backend).rel
+    param = rule("param", dtype, backend).rel
     names = {p: name for name, p in net.named_parameters()}
     layout = [(name, [names[p] for p in params]) for name, params in units]
     out = [
@@ -46,7 +49,8 @@ def checks(s, per_rank: list[dict], ref, net, *, units) -> list[Check]:
             s["losses"], s["reference_losses"], rule("value", DTYPES[s["loss_dtype"]], backend).rel
         ),
         grads_check(per_rank, ref.grads, value, n),
-        params_check(per_rank, ref.params, rule("param", dtype, backend).rel, n, stage, layout),
+        params_check(per_rank, first.params, param, n, stage, layout, "params_step1", "step 1"),
+        params_check(per_rank, ref.params, param, n, stage, layout, "params", "the last step"),
     ]
     numels = [sum(p.numel() for p in params) for _, params in units]
     itemsize = dtype.itemsize
@@ -144,23 +148,25 @@ def params_check(
     n: int,
     stage: int,
     layout: list[tuple[str, list[str]]],
+    key: str,
+    when: str,
 ) -> Check:
-    """Each rank's whole parameters after the last step, by name, against the reference's; a
-    failure that is right in some ranks' slices of a unit and wrong in others' names the
-    all-gather."""
+    """Each rank's whole parameters after ``when`` (``per_rank[r][key]``), by name, against the
+    reference's; a failure that is right in some ranks' slices of a unit and wrong in others'
+    names the all-gather."""
     found = []
     for r, got in enumerate(per_rank):
         check = compare_tensors(
-            "parameters after the last step",
-            got["params"],
+            f"parameters after {when}",
+            got[key],
             ref_params,
             tolerance=tolerance,
-            where=f"rank {r}, last step",
+            where=f"rank {r}, {when}",
             world_size=n,
             what="parameters",
         )
         if not check.ok and stage > 0:
-            hint = slices_hint(got["params"], ref_params, layout, n, tolerance, stage)
+            hint = slices_hint(got[key], ref_params, layout, n, tolerance, stage)
             if hint:
                 check = Check(**{**check.to_dict(), "hint": hint})
         found.append(check)

@@ -4,6 +4,7 @@ theory in a figure.
     summary = labs.experiments.zero.run(nproc=4, stage=3)          # notebook 03
     print(report(summary))
     plot_stages([labs.experiments.zero.run(nproc=4, stage=s) for s in (0, 1, 2, 3)])
+    print(format_sees(labs.experiments.zero.what_a_rank_sees()))
 """
 
 from __future__ import annotations
@@ -110,3 +111,15 @@ def plot_stages(sweep: list[RunSummary], axes=None):
         ax.set_xticks(x)
         ax.legend(fontsize=8, markerscale=0.3)
     return axes
+
+
+def format_sees(sees: dict) -> str:
+    """``what_a_rank_sees``'s answers, one line per question, one column per stage."""
+    questions = list(next(iter(sees.values())))
+    width = max(len(q) for q in questions)
+    lines = []
+    for q in questions:
+        lines.append(f"{q:<{width}}")
+        for stage, seen in sees.items():
+            lines.append(f"  ZeRO-{stage}: {seen[q]}")
+    return "\n".join(lines)
