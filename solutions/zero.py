@@ -227,7 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
-            raise NotImplementedError(
+            raise RuntimeError(
                 "ShardedOptimizer cuts each parameter group into shards when it is built: pass"
                 " every group to the constructor (a new ShardedOptimizer for a new group)"
             )
