@@ -63,6 +63,8 @@ INSTRUCTOR_TESTS = (
     "tests/test_grade.py",
     "tests/test_browser.py",
     "tests/test_run_cli.py",
+    "tests/classic_bugs_zero.py",  # the ZeRO lab's classic bugs: solution lines, planted
+    "tests/test_classic_bugs_zero.py",
 )
 REWRITTEN = (
     "conftest.py",
