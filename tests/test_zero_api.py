@@ -318,6 +318,10 @@ def _touch(model: nn.Module, where: str, seen: list) -> None:
     seen.append((where, math.isfinite(total)))
 
 
+def _touch_hook(model: nn.Module, where: str, seen: list, *_) -> None:
+    _touch(model, where, seen)
+
+
 def _touch_worker(stage: int, offload: bool):
     zero = exercise("zero")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -333,10 +337,12 @@ def _touch_worker(stage: int, offload: bool):
             model.parameters(), torch.optim.AdamW, lr=3e-3, shard_grads=stage == 2, offload=offload
         )
     modules = [m for m in model.modules() if m is not model]
-    handles = [
-        m.register_forward_hook(lambda *_, m=m: _touch(model, f"forward {type(m).__name__}", seen))
-        for m in modules
-    ]
+    handles = []
+    for m in modules:  # after each module's forward and after each module's backward
+        handles.append(m.register_forward_hook(partial(_touch_hook, model, f"forward {m}", seen)))
+        handles.append(
+            m.register_full_backward_hook(partial(_touch_hook, model, f"backward {m}", seen))
+        )
     data = _batches(3, 8)
     _touch(model, "before the first step", seen)
     x, y = (t.chunk(n)[rank] for t in data[0])
@@ -411,7 +417,9 @@ def test_every_parameter_can_be_read_at_every_moment(stage, offload):
         launch(_touch_worker, 4, stage, offload, timeout=120)
     ):
         moments = {w for w, _ in seen}
-        assert {"in backward", "after an exception mid-backward", "forward Linear"} <= moments
+        assert {"in backward", "after an exception mid-backward"} <= moments
+        assert sum(w.startswith("backward ") for w in moments) >= 4  # after each module's backward
+        assert sum(w.startswith("forward ") for w in moments) >= 4
         assert all(ok for _, ok in seen), seen
         if stage < 3:
             assert shapes == whole  # whole between steps
