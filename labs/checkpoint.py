@@ -1,14 +1,16 @@
 """Sharded ZeRO checkpoints (notebook 03): save on N ranks, load on M ranks or in one process.
 
-    save(z, path)                        # every rank of the ZeRO wrapper ``z`` writes its shards
-    load(z, path)                        # any number of ranks: each reads the pieces it now owns
+    save(model, optimizer, path)   # every rank writes its shards (ZeRO-1/2: optimizer is a
+                                   # ShardedOptimizer; ZeRO-3: model went through fully_shard)
+    load(model, optimizer, path)   # any number of ranks: each reads the pieces it now owns
     optimizer = load_full(path, model, cfg)   # one process, no torch.distributed:
                                               # a plain model + AdamW
 
 A ZeRO rank owns the slice [r·S_u, (r+1)·S_u) of each unit's flat buffer of Ψ_u elements
-(padding left out). Written as a ``DTensor`` of global shape [Ψ_u] with placement
-``Shard(0)`` (torch.chunk's split: ceil(Ψ_u/N) per rank, the last rank shorter), the slice
-carries its offset, and ``torch.distributed.checkpoint`` (DCP) records it in the
+(padding left out): the ``ShardedOptimizer``'s shard of a parameter group, or the pieces of a
+``fully_shard`` unit's parameters laid end to end. Written as a ``DTensor`` of global shape [Ψ_u]
+with placement ``Shard(0)`` (torch.chunk's split: ceil(Ψ_u/N) per rank, the last rank shorter),
+the slice carries its offset, and ``torch.distributed.checkpoint`` (DCP) records it in the
 checkpoint's metadata. Loading asks for the slices the *loading* layout needs; DCP reads
 the overlapping pieces from whichever files hold them: resharding is free. Saved per unit:
 the parameters and AdamW's two moments; also the step count, the frozen parameters and
@@ -22,9 +24,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,37 +33,103 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from labs.runtime.flat import FlatBuffer
+from labs.runtime.impl import exercise
 from labs.train import TrainConfig, make_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class ZeroOptions(Protocol):
-    """The options of a ZeRO wrapper a checkpoint reads (the exercise's ``ZeroConfig``)."""
+class _Unit:
+    """One unit as a checkpoint sees it: its layout (``flat``), this rank's unpadded elements of
+    the parameters and of each optimizer moment, and how to put loaded ones back."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, flat: FlatBuffer, zero3=None):
+        self.model = model
+        self.optimizer = optimizer
+        self.flat = flat
+        self.zero3 = zero3  # the fully_shard unit, or None (a ShardedOptimizer's group)
+        self.count = max(0, min(flat.hi, flat.numel) - flat.lo)  # this rank's real elements
 
     @property
-    def stage(self) -> int: ...
+    def device(self) -> torch.device:
+        return self.zero3.shard.device if self.zero3 else self.flat.shard_param.device
 
-    @property
-    def offload(self) -> bool: ...
+    def _target(self) -> torch.Tensor:
+        return self.flat.host if self.optimizer.offload else self.flat.shard_param
+
+    def values(self) -> torch.Tensor:
+        if self.zero3:
+            return self.zero3.device_shard()[: self.count]
+        return self.flat.shard_param.detach()[: self.count]
+
+    def moment(self, kind: str) -> torch.Tensor:
+        if self.zero3:
+            parts = []
+            for p, (a, b, _) in zip(self.flat.params, self.flat.piece_bounds()):
+                state = self.optimizer.state.get(p, {})
+                parts.append(state[kind].to(self.device) if kind in state else self._zeros(b - a))
+            return torch.cat(parts) if parts else self._zeros(0)
+        state = self.optimizer.state.get(self._target(), {})
+        return (
+            state[kind][: self.count].to(self.device) if kind in state else self._zeros(self.count)
+        )
+
+    def step(self) -> float:
+        params = self.flat.params if self.zero3 else [self._target()]
+        steps = [
+            float(self.optimizer.state[p]["step"])
+            for p in params
+            if "step" in self.optimizer.state.get(p, {})
+        ]
+        return max(steps, default=0.0)
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=self.flat.params[0].dtype, device=self.device)
+
+    def put(self, values: torch.Tensor, moments: dict[str, torch.Tensor], step: torch.Tensor):
+        """This rank's loaded elements into the shard and the optimizer (under no_grad)."""
+        if self.zero3:
+            u = self.zero3
+            u.shard.zero_()[: self.count] = values
+            if u.offload:
+                u.host.copy_(u.shard)
+            for p, (a, b, o) in zip(self.flat.params, self.flat.piece_bounds()):
+                self.optimizer.state[p] = {"step": step.clone()} | {
+                    kind: m[o : o + b - a].to(p.device).clone() for kind, m in moments.items()
+                }
+            return
+        u = self.flat
+        u.shard_param.zero_()[: self.count] = values
+        target = self._target()
+        state = {"step": step.clone()}
+        for kind, m in moments.items():
+            state[kind] = torch.zeros_like(target)
+            state[kind][: self.count] = m.to(state[kind].device)
+        self.optimizer.state[target] = state
+        if self.optimizer.offload:
+            u.host.copy_(u.shard_param)
+        dist.all_gather_single(u.full, u.full[u.lo : u.hi], group=self.optimizer.group)
 
 
-class ShardedModel(Protocol):
-    """What a checkpoint reads and fills of a ZeRO wrapper (``zero.shard_model``'s result):
-    the model, its units (one flat buffer each, this rank owning ``[lo, hi)``) and the AdamW
-    that updates the units' shards."""
+def _units(model: torch.nn.Module, optimizer) -> tuple[list[_Unit], dist.ProcessGroup | None]:
+    """The units of a ZeRO-1/2 ``ShardedOptimizer`` or of a ``fully_shard``-ed model."""
+    zero = exercise("zero")
+    if isinstance(optimizer, zero.ShardedOptimizer):
+        return [_Unit(model, optimizer, u) for u in optimizer.units], optimizer.group
+    units = [u for u in zero.sharded_units(model) if u.flat is not None]
+    if not units:
+        raise ValueError(
+            "a ZeRO checkpoint needs a ShardedOptimizer or a model sharded with fully_shard"
+        )
+    return [_Unit(model, optimizer, u.flat, u) for u in units], units[0].owner.group
 
-    model: torch.nn.Module
-    units: list[FlatBuffer]
-    optimizer: torch.optim.Optimizer
-    group: dist.ProcessGroup | None
-    zero: ZeroOptions
 
-
-def layout(z: ShardedModel) -> str:
+def layout(model: torch.nn.Module, flats: list[FlatBuffer]) -> str:
     """The units' parameter names and shapes, as JSON: what a checkpoint must match to load."""
-    names = {p: n for n, p in z.model.named_parameters()}
-    return json.dumps([[u.name, [[names[p], list(p.shape)] for p in u.params]] for u in z.units])
+    names = {p: n for n, p in model.named_parameters()}
+    return json.dumps(
+        [[u.name, [[names[p], list(s)] for p, s in zip(u.params, u.shapes)]] for u in flats]
+    )
 
 
 def _frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -79,48 +145,33 @@ def _restore_frozen(model: torch.nn.Module, sd: dict) -> None:
             params[key[len("frozen.") :]].copy_(value)
 
 
-def _sharded(
-    z: ShardedModel, local_of: Callable[[FlatBuffer, str], torch.Tensor]
-) -> dict[str, DTensor]:
-    """One DTensor [Ψ_u] per unit and tensor kind; ``local_of(u, kind)`` is this rank's piece."""
-    mesh = DeviceMesh.from_group(z.group or dist.group.WORLD, z.units[0].shard_param.device.type)
+def _sharded(units: list[_Unit], group, local_of) -> dict[str, DTensor]:
+    """One DTensor [Ψ_u] per unit and tensor kind; ``local_of(unit, kind)`` is this rank's piece."""
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, units[0].device.type)
     out = {}
-    for k, u in enumerate(z.units):
+    for k, u in enumerate(units):
         for kind in ("param",) + MOMENTS:
             out[f"unit{k}.{kind}"] = DTensor.from_local(
-                local_of(u, kind), mesh, [Shard(0)], run_check=False, shape=(u.numel,), stride=(1,)
+                local_of(u, kind),
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=(u.flat.numel,),
+                stride=(1,),
             )
     return out
 
 
-def _owned(u: FlatBuffer) -> slice:
-    """This rank's elements of the unpadded [Ψ_u] (empty past the end)."""
-    return slice(0, max(0, min(u.hi, u.numel) - u.lo))
+def save(model: torch.nn.Module, optimizer, path: str | Path) -> None:
+    """Write the model's and ``optimizer``'s state to the folder ``path`` (every rank calls it)."""
+    units, group = _units(model, optimizer)
 
+    def local(u: _Unit, kind: str) -> torch.Tensor:
+        return u.values() if kind == "param" else u.moment(kind)
 
-def _opt_param(z: ShardedModel, u: FlatBuffer) -> torch.Tensor:
-    return u.host if z.zero.offload else u.shard_param
-
-
-def _step(z: ShardedModel) -> torch.Tensor:
-    states = [z.optimizer.state.get(_opt_param(z, u), {}) for u in z.units]
-    return torch.tensor(float(max((s["step"] for s in states if "step" in s), default=0.0)))
-
-
-def save(z: ShardedModel, path: str | Path) -> None:
-    """Write ``z``'s model and optimizer state to the folder ``path`` (call on every rank)."""
-
-    def local(u: FlatBuffer, kind: str) -> torch.Tensor:
-        if kind == "param":
-            return u.shard_param.detach()[_owned(u)]
-        state = z.optimizer.state.get(_opt_param(z, u), {})
-        return (
-            state[kind][_owned(u)].to(u.shard_param.device)
-            if kind in state
-            else torch.zeros(_owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device)
-        )
-
-    sd = _sharded(z, local) | _frozen(z.model) | {"step": _step(z), "layout": layout(z)}
+    step = torch.tensor(max(u.step() for u in units))
+    lay = layout(model, [u.flat for u in units])
+    sd = _sharded(units, group, local) | _frozen(model) | {"step": step, "layout": lay}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
 
 
@@ -161,38 +212,30 @@ def _check_layout(path: Path, expected: str) -> None:
         )
 
 
-def load(z: ShardedModel, path: str | Path) -> None:
-    """Fill ``z``'s shards and AdamW state from the checkpoint at ``path`` (call on every rank;
-    any rank count). The model's full parameters follow at the next gather (stage 3) or now."""
+def load(model: torch.nn.Module, optimizer, path: str | Path) -> None:
+    """Fill the shards of ``model`` / ``optimizer`` and the optimizer's state from the
+    checkpoint at ``path`` (every rank calls it; any rank count). ZeRO-1/2's whole parameters
+    are all-gathered now; ZeRO-3's are gathered at their next use."""
     path = _check_exists(path)
-    _check_layout(path, layout(z))
+    units, group = _units(model, optimizer)
+    _check_layout(path, layout(model, [u.flat for u in units]))
     pieces = {}
 
-    def local(u: FlatBuffer, kind: str) -> torch.Tensor:
-        pieces[(u, kind)] = torch.zeros(
-            _owned(u).stop, dtype=u.shard_param.dtype, device=u.shard_param.device
-        )
-        return pieces[(u, kind)]
+    def local(u: _Unit, kind: str) -> torch.Tensor:
+        pieces[(id(u), kind)] = torch.zeros(u.count, dtype=u.flat.params[0].dtype, device=u.device)
+        return pieces[(id(u), kind)]
 
     sd = (
-        _sharded(z, local)
-        | {k: torch.empty_like(v) for k, v in _frozen(z.model).items()}
+        _sharded(units, group, local)
+        | {k: torch.empty_like(v) for k, v in _frozen(model).items()}
         | {"step": torch.tensor(0.0)}
     )
     _read(sd, path, no_dist=False)
     with torch.no_grad():
-        for u in z.units:
-            u.shard_param.zero_()[_owned(u)] = pieces[(u, "param")]
-            state = {"step": sd["step"].clone()}
-            for kind in MOMENTS:
-                state[kind] = torch.zeros_like(_opt_param(z, u))
-                state[kind][_owned(u)] = pieces[(u, kind)].to(state[kind].device)
-            z.optimizer.state[_opt_param(z, u)] = state
-            if z.zero.offload:
-                u.host.copy_(u.shard_param)
-            if z.zero.stage < 3:  # whole parameters live in the full buffer: gather them now
-                dist.all_gather_single(u.full, u.full[u.lo : u.hi], group=z.group)
-        _restore_frozen(z.model, sd)
+        for u in units:
+            moments = {kind: pieces[(id(u), kind)] for kind in MOMENTS}
+            u.put(pieces[(id(u), "param")], moments, sd["step"])
+        _restore_frozen(model, sd)
 
 
 def load_full(path: str | Path, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

@@ -122,12 +122,12 @@ def build_mesh(dims: ParallelDims) -> Mesh:
 
 @dataclass
 class Composed:
-    """What one rank trains: ``module`` (the model, or its pipeline stage), ``optimizer`` (a ZeRO
-    wrapper with step() / zero_grad(), or AdamW), ``pipe`` (the PP lab's ``Pipe`` or None) and the
-    ``mesh`` and settings it was built for."""
+    """What one rank trains: ``module`` (the model, or its pipeline stage), ``optimizer`` (lab 03's
+    ``ShardedOptimizer``, or AdamW on the module, sharded or not), ``pipe`` (the PP lab's ``Pipe``
+    or None) and the ``mesh`` and settings it was built for."""
 
     module: torch.nn.Module
-    optimizer: object  # step() and zero_grad(): lab 03's ZeRO wrapper, or AdamW
+    optimizer: torch.optim.Optimizer  # lab 03's ShardedOptimizer, or AdamW
     pipe: Pipe | None
     mesh: Mesh
     microbatches: int
@@ -192,8 +192,10 @@ def compose(
     2. CP: ``apply_context_parallel(model, cp)`` (zig-zag).
     3. PP: ``build_stage(model, plan=[n_layer // pp] * pp, stage=p)``, and ``pipe_group(pp)`` of
        ``labs.runtime.pipe``.
-    4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=course_units(module),
-       group=dp_cp)`` when dp·cp > 1, else ``make_optimizer(module.parameters(), cfg)``.
+    4. DP, when dp·cp > 1, over ``course_units(module)`` on group dp_cp: ZeRO-1/2 a
+       ``ShardedOptimizer`` (AdamW, ``cfg``'s settings, one parameter group per unit), ZeRO-3
+       ``fully_shard`` on each unit and then on ``module``; otherwise (and for ZeRO-3)
+       ``make_optimizer(module.parameters(), cfg)``.
     ``microbatches`` defaults to 2·pp (1 without PP)."""
     d = mesh.dims
     microbatches = microbatches or (2 * d.pp if d.pp > 1 else 1)

@@ -30,9 +30,9 @@ rarely equals a decoder stage's: the slowest stage sets the pace and the others 
     backward  all-reduce of every gradient, the encoder's included
               2(N-1)/N · 4(Ψ_enc + Ψ_proj + Ψ_dec) bytes per rank
 
-or ZeRO-``zero`` (notebook 03's ``shard_model`` over ``model_units``: encoder | projector |
-embedding | each decoder block | norm + head): reduce-scatter + all-gather of the same volume
-(ZeRO-3: a second all-gather, 3(N-1)/N · 4Ψ padded).
+or ZeRO-``zero`` (notebook 03's ``ShardedOptimizer`` or ``fully_shard`` over ``model_units``:
+encoder | projector | embedding | each decoder block | norm + head): reduce-scatter + all-gather of
+the same volume (ZeRO-3: a second all-gather, 3(N-1)/N · 4Ψ padded).
 
 (c) Tensor parallel, ``--mode tp``: the decoder cut by notebook 04's ``apply_tensor_parallel``; the
 encoder and projector *replicated*: each rank runs them on the whole batch. They need no
@@ -172,10 +172,10 @@ def model_units(model: MultimodalModel) -> list[tuple[str, list[nn.Module]]]:
 
 class DataParallelTrainer:
     """The whole model on every rank of ``group``, each training on its share of the batch.
-    ``zero=0``: notebook 02's ``BucketedDDP`` (``bucket_mb``) and ``make_optimizer``; ``zero`` in
-    1..3: notebook 03's ``shard_model`` over ``model_units`` (it owns the optimizer). Attributes:
-    ``model`` (what to call), ``optimizer`` (AdamW, or None under ZeRO), ``sharded`` (the ZeRO
-    wrapper, or None)."""
+    ``zero=0``: notebook 02's ``BucketedDDP`` (``bucket_mb``) and ``make_optimizer``; ``zero`` 1
+    or 2: notebook 03's ``ShardedOptimizer`` (AdamW, one parameter group per ``model_units``
+    unit); 3: notebook 03's ``fully_shard`` on each unit, then on the model, and
+    ``make_optimizer``. Attributes: ``model`` (what to call), ``optimizer`` (what steps it)."""
 
     def __init__(
         self,
@@ -189,8 +189,6 @@ class DataParallelTrainer:
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
         self.zero = zero
-        self.optimizer = None
-        self.sharded = None
         raise NotImplementedError(
             "exercise DataParallelTrainer.__init__ is not written yet: "
             "see its docstring and notebooks/11_multimodal.ipynb"

@@ -321,12 +321,11 @@ def _wrap(mode: str, model, cfg, *, bf16: bool = True):
 
     nothing = contextlib.nullcontext
     if mode in ("zero3", "torch-fsdp2"):  # as the ZeRO lab runs them
-        spec = RunSpec(stage=3, torch_fsdp=mode == "torch-fsdp2")
+        spec = RunSpec(stage=3, torch_impl="fsdp2" if mode == "torch-fsdp2" else None)
         # FSDP2's own bf16 mixed precision, like ours under autocast: bf16 compute, fp32 master
-        # weights and fp32 gradient reduction
-        wrapper, opt = wrap_for_zero(model, spec, cfg, mp_policy=mp_policy)
-        step = wrapper or opt
-        return model, lambda: (step.step(), step.zero_grad()), nothing
+        # weights and fp32 gradient reduction. Ours: fully_shard per unit, the root, then AdamW.
+        module, optimizer = wrap_for_zero(model, spec, cfg, mp_policy=mp_policy)
+        return module, lambda: (optimizer.step(), optimizer.zero_grad()), nothing
     ctx = nothing
     if mode == "ddp":
         model = exercise("ddp").BucketedDDP(model, bucket_mb=25.0)

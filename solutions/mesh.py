@@ -127,12 +127,12 @@ def build_mesh(dims: ParallelDims) -> Mesh:
 
 @dataclass
 class Composed:
-    """What one rank trains: ``module`` (the model, or its pipeline stage), ``optimizer`` (a ZeRO
-    wrapper with step() / zero_grad(), or AdamW), ``pipe`` (the PP lab's ``Pipe`` or None) and the
-    ``mesh`` and settings it was built for."""
+    """What one rank trains: ``module`` (the model, or its pipeline stage), ``optimizer`` (lab 03's
+    ``ShardedOptimizer``, or AdamW on the module, sharded or not), ``pipe`` (the PP lab's ``Pipe``
+    or None) and the ``mesh`` and settings it was built for."""
 
     module: torch.nn.Module
-    optimizer: object  # step() and zero_grad(): lab 03's ZeRO wrapper, or AdamW
+    optimizer: torch.optim.Optimizer  # lab 03's ShardedOptimizer, or AdamW
     pipe: Pipe | None
     mesh: Mesh
     microbatches: int
@@ -197,8 +197,10 @@ def compose(
     2. CP: ``apply_context_parallel(model, cp)`` (zig-zag).
     3. PP: ``build_stage(model, plan=[n_layer // pp] * pp, stage=p)``, and ``pipe_group(pp)`` of
        ``labs.runtime.pipe``.
-    4. DP: ZeRO ``shard_model(module, stage=zero, cfg=cfg, units=course_units(module),
-       group=dp_cp)`` when dp·cp > 1, else ``make_optimizer(module.parameters(), cfg)``.
+    4. DP, when dp·cp > 1, over ``course_units(module)`` on group dp_cp: ZeRO-1/2 a
+       ``ShardedOptimizer`` (AdamW, ``cfg``'s settings, one parameter group per unit), ZeRO-3
+       ``fully_shard`` on each unit and then on ``module``; otherwise (and for ZeRO-3)
+       ``make_optimizer(module.parameters(), cfg)``.
     ``microbatches`` defaults to 2·pp (1 without PP)."""
     d = mesh.dims
     microbatches = microbatches or (2 * d.pp if d.pp > 1 else 1)
@@ -222,11 +224,30 @@ def compose(
         pp_lab = exercise("pipeline_parallel")
         module = pp_lab.build_stage(module, plan=plan, stage=mesh.coords["pp"])
         pipe = pipe_group(g["pp"])
+    optimizer = None
     if mesh.size("dp_cp") > 1:
-        units = course_units(module)
         zero_lab = exercise("zero")
-        optimizer = zero_lab.shard_model(module, stage=zero, cfg=cfg, units=units, group=g["dp_cp"])
-    else:
+        units = course_units(module)
+        if zero == 3:
+            for name, modules in units:
+                zero_lab.fully_shard(modules, name=name, group=g["dp_cp"])
+            zero_lab.fully_shard(module, group=g["dp_cp"])
+        else:
+            groups = [
+                {"params": [p for m in modules for p in m.parameters()], "name": name}
+                for name, modules in units
+            ]
+            optimizer = zero_lab.ShardedOptimizer(
+                groups,
+                torch.optim.AdamW,
+                group=g["dp_cp"],
+                shard_grads=zero == 2,
+                lr=cfg.lr,
+                betas=cfg.betas,
+                weight_decay=cfg.weight_decay,
+                foreach=False,
+            )
+    if optimizer is None:
         optimizer = make_optimizer(module.parameters(), cfg)
     ### END SOLUTION
     return Composed(module, optimizer, pipe, mesh, microbatches, zero)

@@ -28,9 +28,9 @@ rarely equals a decoder stage's: the slowest stage sets the pace and the others 
     backward  all-reduce of every gradient, the encoder's included
               2(N-1)/N · 4(Ψ_enc + Ψ_proj + Ψ_dec) bytes per rank
 
-or ZeRO-``zero`` (notebook 03's ``shard_model`` over ``model_units``: encoder | projector |
-embedding | each decoder block | norm + head): reduce-scatter + all-gather of the same volume
-(ZeRO-3: a second all-gather, 3(N-1)/N · 4Ψ padded).
+or ZeRO-``zero`` (notebook 03's ``ShardedOptimizer`` or ``fully_shard`` over ``model_units``:
+encoder | projector | embedding | each decoder block | norm + head): reduce-scatter + all-gather of
+the same volume (ZeRO-3: a second all-gather, 3(N-1)/N · 4Ψ padded).
 
 (c) Tensor parallel, ``--mode tp``: the decoder cut by notebook 04's ``apply_tensor_parallel``; the
 encoder and projector *replicated*: each rank runs them on the whole batch. They need no
@@ -184,10 +184,10 @@ def model_units(model: MultimodalModel) -> list[tuple[str, list[nn.Module]]]:
 
 class DataParallelTrainer:
     """The whole model on every rank of ``group``, each training on its share of the batch.
-    ``zero=0``: notebook 02's ``BucketedDDP`` (``bucket_mb``) and ``make_optimizer``; ``zero`` in
-    1..3: notebook 03's ``shard_model`` over ``model_units`` (it owns the optimizer). Attributes:
-    ``model`` (what to call), ``optimizer`` (AdamW, or None under ZeRO), ``sharded`` (the ZeRO
-    wrapper, or None)."""
+    ``zero=0``: notebook 02's ``BucketedDDP`` (``bucket_mb``) and ``make_optimizer``; ``zero`` 1
+    or 2: notebook 03's ``ShardedOptimizer`` (AdamW, one parameter group per ``model_units``
+    unit); 3: notebook 03's ``fully_shard`` on each unit, then on the model, and
+    ``make_optimizer``. Attributes: ``model`` (what to call), ``optimizer`` (what steps it)."""
 
     def __init__(
         self,
@@ -201,18 +201,31 @@ class DataParallelTrainer:
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
         self.zero = zero
-        self.optimizer = None
-        self.sharded = None
         ### BEGIN SOLUTION
+        self.model = model
         if zero == 0:
             self.model = exercise("ddp").BucketedDDP(model, bucket_mb=bucket_mb, group=group)
+        elif zero == 3:
+            zero_lab = exercise("zero")
+            for name, modules in model_units(model):
+                zero_lab.fully_shard(modules, name=name, group=group)
+            zero_lab.fully_shard(model, group=group)
+        if zero in (0, 3):
             self.optimizer = make_optimizer(model.parameters(), cfg)
         else:
-            self.model = model
-            units = model_units(model)
-            zero_lab = exercise("zero")
-            self.sharded = zero_lab.shard_model(
-                model, stage=zero, cfg=cfg, units=units, group=group
+            groups = [
+                {"params": [p for m in modules for p in m.parameters()], "name": name}
+                for name, modules in model_units(model)
+            ]
+            self.optimizer = exercise("zero").ShardedOptimizer(
+                groups,
+                torch.optim.AdamW,
+                group=group,
+                shard_grads=zero == 2,
+                lr=cfg.lr,
+                betas=cfg.betas,
+                weight_decay=cfg.weight_decay,
+                foreach=False,
             )
         ### END SOLUTION
 
@@ -222,17 +235,12 @@ class DataParallelTrainer:
         gradients stay held until the next step, as the memory calculator counts them). Returns this
         rank's loss (a float)."""
         ### BEGIN SOLUTION
-        if self.zero == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.sharded.zero_grad()
+        self.optimizer.zero_grad(set_to_none=True)
         _, loss = self.model(images, tokens, targets)
         loss.backward()
         if self.zero == 0:
             self.model.finish_gradient_synchronization()
-            self.optimizer.step()
-        else:
-            self.sharded.step()
+        self.optimizer.step()
         return loss.item()
         ### END SOLUTION
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
-from labs.measure import CommLedger, SavedActivations, state_bytes
+from labs.measure import CommLedger, SavedActivations
 from labs.measure.timing import StepTimer
 from labs.models.transformer import ModelConfig
 from labs.runtime.device import rank_device
@@ -87,27 +87,19 @@ class GradProbe:
         self.held = None
 
     def step(self):
-        units = getattr(self.inner, "units", None)
-        if units is not None:
-            from labs.experiments.zero import held_bytes
+        from labs.experiments.zero import grad_shards, held_bytes
 
-            self.held = held_bytes(self.module, self.inner)["total"]
-        else:
-            self.held = state_bytes(self.module, self.inner)["total"]
-        if units is None and self.grads is None:
+        self.held = held_bytes(self.module, self.inner)["total"]
+        sharded = bool(grad_shards(self.module, self.inner))
+        if not sharded and self.grads is None:
             self.grads = {
                 n: p.grad.detach().clone()
                 for n, p in self.module.named_parameters()
                 if p.grad is not None
             }
         self.inner.step()
-        if units is not None and self.shards is None:
-            self.shards = [
-                (u.full_grad[u.lo : u.hi] if u.full_grad is not None else u.shard_grad)
-                .detach()
-                .clone()
-                for u in units
-            ]
+        if sharded and self.shards is None:
+            self.shards = [(u, g.detach().clone()) for u, g in grad_shards(self.module, self.inner)]
 
     def zero_grad(self):
         self.inner.zero_grad()
@@ -117,7 +109,7 @@ class GradProbe:
             return self.grads
         names = {p: n for n, p in self.module.named_parameters()}
         out = {}
-        for u, shard in zip(self.inner.units, self.shards):
+        for u, shard in self.shards:
             flat = torch.empty(u.padded, dtype=shard.dtype, device=shard.device)
             dist.all_gather_single(flat, shard, group=group)
             out.update({names[p]: v.clone() for p, v in zip(u.params, u.views(flat))})
@@ -160,8 +152,8 @@ def worker(
         with timer.step(), measured, meter:
             losses.append(lab.train_step(c, x, y))
         report_progress()
-    units = getattr(inner, "units", None)
-    if units is not None:
+    units = [u for u, _ in probe.shards or []]
+    if units:
         numels = [u.numel for u in units]
         theory_held = zero_theory.held_bytes(numels, stage=zero, dp=mesh.size("dp_cp"))["total"]
     else:

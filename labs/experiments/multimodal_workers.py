@@ -138,7 +138,7 @@ def dp_worker(
     if zero == 0:
         out["state"] = state_bytes(model, trainer.optimizer)["total"]
     else:
-        out["state"] = held_bytes(model, trainer.sharded)["total"]
+        out["state"] = held_bytes(model, trainer.optimizer)["total"]
     if vs_torch:
         from torch.nn.parallel import DistributedDataParallel
 

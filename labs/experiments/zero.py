@@ -1,25 +1,32 @@
 """Experiment 03: ZeRO stages 0-3 against the single-process reference, the theory and torch's
-FSDP2.
+own (``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``).
 
     summary = run(nproc=4, stage=3)               # notebook 03
+    print(summary.verdict())                      # PASS, or FAIL: what, where, and a hint
     run(nproc=4, stage=2, offload=True)           # ZeRO-2 with the optimizer on the host
     run(nproc=4, stage=3, vs_torch=True)          # + torch's fully_shard (FSDP2) on the same model
     python -m labs.run zero --stage 3 --json
 
 The views of a summary (``report``, ``plot_stages``) are in ``labs.experiments.zero_report``;
-saving and resuming a checkpoint in ``labs.experiments.zero_checkpoint``.
+its checks in ``labs.experiments.zero_checks``; saving and resuming a checkpoint in
+``labs.experiments.zero_checkpoint``.
 
-Every rank trains the same model from the same seed on its share of each global batch;
-stage 0 is plain data parallelism (all-reduce, written here as the baseline), stages 1-3
-come from the exercise module ``zero`` (``exercise("zero").shard_model``). Checks:
+Every rank trains the same model from the same seed on its share of each global batch, with
+the exercise module's public entry points and a plain loop (``loss.backward();
+optimizer.step(); optimizer.zero_grad()``): stage 0 is plain data parallelism (all-reduce,
+written here as the baseline), stages 1 and 2 ``ShardedOptimizer`` (one parameter group per
+unit), stage 3 ``fully_shard`` on each unit, then the root, and AdamW on what is left. Checks
+(``zero_checks``), on every rank:
 
-* reference: per-step losses and the final full parameters (by name) within 1e-5 relative
-  of ``labs.train.train_reference`` on the same global batches;
-* theory, per rank: bytes held after a step (storages counted once, freed buffers as 0)
-  equal ``labs.theory.zero.held_bytes`` (= the memory calculator's figure when N divides
-  every unit); the ledger's bytes sent per step equal ``comm_bytes``; ZeRO-3's peak
-  parameter bytes in forward equal ``peak_param_bytes``; offload's host traffic ``offload_bytes``;
-* torch: ``fully_shard`` on the same units: its step time, state bytes and losses.
+* reference: every step's loss, every gradient by name after step 1 (this rank's shard of it)
+  and every parameter after the last step against ``labs.train.train_reference`` on the same
+  global batches, within the tolerance table (``labs.train.rule``);
+* theory: bytes held after a step (storages counted once, freed buffers as 0) against
+  ``labs.theory.zero.held_bytes`` (= the memory calculator's figure when N divides every unit);
+  the ledger's bytes per call and per op against ``comm_bytes``; ZeRO-3's peak parameter bytes
+  in forward against ``peak_param_bytes``; offload's host traffic against ``offload_bytes``;
+* torch: stage 1-2 against ``ZeroRedundancyOptimizer`` (under torch's DDP), stage 3 against
+  ``fully_shard``: their step time, state bytes and losses.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from labs.measure.memory import optimizer_bytes
 from labs.measure.timing import StepTimer
 from labs.models.toy import AwkwardModel
 from labs.models.transformer import ModelConfig, build_model
-from labs.runtime.device import deterministic_algorithms, rank_device
-from labs.runtime.flat import course_units
+from labs.runtime.device import ddp_device_ids, deterministic_algorithms, rank_device
+from labs.runtime.errors import RankDied, RankError
+from labs.runtime.flat import FlatBuffer, course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
@@ -55,7 +63,15 @@ from labs.train import (
 )
 
 MODELS = ("course", "awkward")
+HARNESS = "harness"  # the ledger's phase for the checks' own collectives
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# PyTorch's counterpart of each stage, for ``vs_torch``
+TORCH = {0: "ddp", 1: "zero_redundancy", 2: "zero_redundancy", 3: "fsdp2"}
+TORCH_NAMES = {
+    "ddp": "DistributedDataParallel",
+    "zero_redundancy": "ZeroRedundancyOptimizer (under DDP)",
+    "fsdp2": "FSDP2 fully_shard",
+}
 
 
 @dataclass(frozen=True)
@@ -70,7 +86,7 @@ class RunSpec:
     start: int = 0
     load: str | None = None  # checkpoint folder to resume from
     save: str | None = None  # checkpoint folder to write after the last step
-    torch_fsdp: bool = False  # train with torch's fully_shard instead of our ZeRO
+    torch_impl: str | None = None  # train with torch's own instead: a key of TORCH_NAMES
     dtype: str = "float32"  # float64: parameter checks beyond AdamW's amplified rounding (see run)
     deterministic: bool = False  # a GPU rank runs deterministic kernels (bit-for-bit reruns)
 
@@ -90,35 +106,35 @@ def build(model: str, seed: int = 0, dtype: str = "float32") -> torch.nn.Module:
 
 
 def units_of(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The ZeRO-3 units: embedding, each block, final norm + head (the course model), or the
+    """The ZeRO units: embedding, each block, final norm + head (the course model), or the
     whole model as one unit (any other model, e.g. the awkward one with its tied weights)."""
     return course_units(model) if hasattr(model, "layers") else [("model", [model])]
 
 
-def unit_numels(model) -> list[int]:
-    """Trainable parameters of each unit (a parameter shared by two units counts in the first)."""
+def unit_params(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """Each unit's trainable parameters, in order (a parameter shared by two units: the first)."""
     seen = set()
     out = []
-    for _, modules in units_of(model):
+    for name, modules in units_of(model):
         params = [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
         seen.update(params)
-        out.append(sum(p.numel() for p in params))
+        out.append((name, params))
     return out
 
 
-class DataParallel:
-    """Stage 0, the baseline: whole state on every rank, gradients all-reduced per unit."""
+def unit_numels(model) -> list[int]:
+    """Trainable parameters of each unit (a parameter shared by two units counts in the first)."""
+    return [sum(p.numel() for p in params) for _, params in unit_params(model)]
 
-    def __init__(self, model, *, cfg, units, group=None):
+
+class DataParallel:
+    """Stage 0, the baseline: whole state on every rank, gradients all-reduced per unit, then
+    AdamW (``step`` and ``zero_grad``, as an optimizer)."""
+
+    def __init__(self, model, *, cfg, group=None):
         self.model = model
         self.group = group
-        self.buckets = []
-        seen = set()
-        for _, modules in units:
-            self.buckets.append(
-                [p for m in modules for p in m.parameters() if p.requires_grad and p not in seen]
-            )
-            seen.update(self.buckets[-1])
+        self.buckets = [params for _, params in unit_params(model)]
         self.optimizer = make_optimizer(model.parameters(), cfg)
 
     def step(self):
@@ -140,17 +156,108 @@ class DataParallel:
         self.optimizer.zero_grad(set_to_none=False)  # keep the buffers, as DDP keeps its buckets
 
 
-def held_bytes(model, wrapper) -> dict[str, int]:
-    """Bytes this rank holds, by role, counting each storage once (a freed one is 0 bytes)."""
-    units = getattr(wrapper, "units", [])
-    offload = getattr(getattr(wrapper, "zero", None), "offload", False)
-    roles = {
-        "params": list(model.parameters())
-        + [u.shard_param for u in units if hasattr(u, "shard_param")],
-        "grads": [p.grad for p in model.parameters()]
-        + [t for u in units for t in (u.full_grad, u.shard_grad)],
-        "host": [t for u in units if offload for t in (u.host, u.host.grad)],
-    }
+def shard(model: torch.nn.Module, spec: RunSpec, cfg: TrainConfig, *, group=None):
+    """(module to call, optimizer) for ZeRO ``spec.stage`` through the exercise's public entry
+    points: stage 0 ``DataParallel`` (the baseline), 1-2 ``ShardedOptimizer`` with one parameter
+    group per unit, 3 ``fully_shard`` on each unit, then the root, and AdamW."""
+    if spec.stage == 0:
+        return model, DataParallel(model, cfg=cfg, group=group)
+    zero = exercise("zero")
+    if spec.stage in (1, 2):
+        groups = [{"params": params, "name": name} for name, params in unit_params(model)]
+        optimizer = zero.ShardedOptimizer(
+            groups,
+            torch.optim.AdamW,
+            group=group,
+            shard_grads=spec.stage == 2,
+            offload=spec.offload,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+            foreach=False,
+        )
+        return model, optimizer
+    units = units_of(model)
+    for name, modules in units:
+        if modules != [model]:
+            zero.fully_shard(
+                modules, name=name, group=group, prefetch=spec.prefetch, offload=spec.offload
+            )
+    zero.fully_shard(model, name="model", group=group, prefetch=spec.prefetch, offload=spec.offload)
+    return model, make_optimizer(model.parameters(), cfg)
+
+
+def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None):
+    """(module to call, optimizer) for ``spec``: ours (``shard``) or, with ``spec.torch_impl``,
+    torch's: DDP and AdamW, ``ZeroRedundancyOptimizer`` under DDP, or FSDP2's ``fully_shard`` on
+    the same units (with ``mp_policy``, a ``MixedPrecisionPolicy``, if given; the lab's fp32 runs
+    give none)."""
+    if spec.torch_impl in ("ddp", "zero_redundancy"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(rank_device()))
+        if spec.torch_impl == "ddp":
+            return ddp, make_optimizer(ddp.parameters(), cfg)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            ddp.parameters(),
+            torch.optim.AdamW,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+            foreach=False,
+        )
+        return ddp, optimizer
+    if spec.torch_impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = mp_policy or MixedPrecisionPolicy()
+        for _, modules in units_of(model)[:-1]:
+            fully_shard(modules, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)  # the root unit: whatever is left (norm + head)
+        return model, make_optimizer(model.parameters(), cfg)
+    if spec.torch_impl is not None:
+        raise ValueError(f"torch_impl={spec.torch_impl!r} is not one of {tuple(TORCH_NAMES)}")
+    return shard(model, spec, cfg)
+
+
+def _zero_parts(model, optimizer):
+    """(the model's fully_shard units with a flat buffer, the ShardedOptimizer or None)."""
+    zero = exercise("zero")
+    units = [u for u in zero.sharded_units(model) if u.flat is not None]
+    sharded = optimizer if isinstance(optimizer, zero.ShardedOptimizer) else None
+    return units, sharded
+
+
+def held_bytes(model, optimizer) -> dict[str, int]:
+    """Bytes this rank holds, by role, counting each storage once (a freed one is 0 bytes):
+    ``params``, ``grads``, ``optimizer`` (device) and ``host`` (offloaded), ``total`` (device).
+    ``optimizer``: whatever steps the model (ours, ``DataParallel``, or a torch optimizer)."""
+    units, sharded = _zero_parts(model, optimizer)
+    roles = {"params": [], "grads": [], "host": []}
+    mine = set()
+    offload = False
+    for u in units:
+        mine.update(u.flat.params)
+        roles["params"] += [u.shard, u.flat.full]
+        if u.offload:
+            offload = True
+            roles["grads"].append(u.grad_shard)
+            roles["host"] += [u.host] + [p.grad for p in u.flat.params]
+        else:
+            roles["grads"] += [p.grad for p in u.flat.params]
+    for p in model.parameters():
+        if p not in mine:
+            roles["params"].append(p)
+            roles["grads"].append(p.grad)
+    if sharded is not None:
+        offload = sharded.offload
+        for u in sharded.units:
+            roles["params"] += [u.full, u.shard_param]
+            roles["grads"] += [u.full_grad, u.shard_grad]
+            if sharded.offload:
+                roles["host"] += [u.host, u.host.grad]
     out = {}
     seen = set()
     for role, tensors in roles.items():
@@ -161,55 +268,51 @@ def held_bytes(model, wrapper) -> dict[str, int]:
                 continue
             seen.add(storage.data_ptr())
             out[role] += storage.nbytes()
-    opt = optimizer_bytes(wrapper.optimizer)
+    opt = optimizer_bytes(getattr(optimizer, "optimizer", optimizer))
     out["optimizer"] = 0 if offload else opt
     out["host"] += opt if offload else 0
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
 
-def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None):
-    """(our wrapper or None, its optimizer) for ``spec``: plain data parallelism (stage 0),
-    ZeRO-``stage``, or torch's FSDP2 ``fully_shard`` on the same units (with ``mp_policy``, a
-    ``MixedPrecisionPolicy``, if given; the lab's fp32 runs give none)."""
-    if spec.torch_fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = mp_policy or MixedPrecisionPolicy()
-        for _, modules in units_of(model)[:-1]:
-            fully_shard(modules[0], mp_policy=policy)
-        fully_shard(model, mp_policy=policy)  # the root unit: whatever is left (norm + head)
-        return None, make_optimizer(model.parameters(), cfg)
-    if spec.stage == 0:
-        w = DataParallel(model, cfg=cfg, units=units_of(model))
-    else:
-        w = exercise("zero").shard_model(
-            model,
-            stage=spec.stage,
-            cfg=cfg,
-            units=units_of(model),
-            offload=spec.offload,
-            prefetch=spec.prefetch,
-        )
-    return w, w.optimizer
-
-
-def full_params(model, wrapper) -> dict[str, torch.Tensor]:
-    """Every parameter by name, whole: ZeRO-3 shards are all-gathered (a harness collective)."""
-    out = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    names = {p: n for n, p in model.named_parameters()}
-    units = getattr(wrapper, "units", None)
-    if wrapper is None or not hasattr(wrapper, "inflight"):  # whole parameters live in the model
-        src = {
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter by name, whole: ZeRO-3's gathered (``summon_full_params``, a collective),
+    FSDP2's DTensors as full tensors."""
+    with exercise("zero").summon_full_params(model):
+        return {
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()
         }
-        return {**src, **out}
-    for u in units:
-        flat = torch.empty(u.padded, dtype=u.shard_param.dtype, device=u.shard_param.device)
-        dist.all_gather_single(flat, u.shard_param.detach())
-        out.update({names[p]: v.clone() for p, v in zip(u.params, u.views(flat))})
-    return out
+
+
+def grad_shards(model, optimizer) -> list[tuple[FlatBuffer, torch.Tensor]]:
+    """(flat unit, this rank's averaged gradient shard [S]) of every ZeRO-1/2/3 unit, after a
+    step's backward (ZeRO-3) or step (ZeRO-1/2)."""
+    units, sharded = _zero_parts(model, optimizer)
+    if sharded is not None:
+        return [
+            (u, u.full_grad[u.lo : u.hi] if u.full_grad is not None else u.shard_grad)
+            for u in sharded.units
+        ]
+    return [(u.flat, u.grad_shard) for u in units]
+
+
+def named_grads(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """This rank's averaged gradient of every parameter, by name (a copy): whole, or for one
+    in a ZeRO unit this rank's piece of it, with the elements [a, b) of the whole flattened
+    gradient the piece is (``ranges``)."""
+    names = {p: n for n, p in model.named_parameters()}
+    grads = {}
+    ranges = {}
+    for u, shard_ in grad_shards(model, optimizer):
+        for p, (a, b, o) in zip(u.params, u.piece_bounds()):
+            if shard_ is not None:
+                grads[names[p]] = shard_[o : o + b - a].detach().clone()
+                ranges[names[p]] = (a, b)
+    for p, n in names.items():
+        if n not in grads and p.grad is not None:
+            grads[n] = p.grad.detach().clone()
+    return grads, ranges
 
 
 def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
@@ -219,13 +322,13 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     if spec.deterministic:
         deterministic_algorithms()  # before the first matmul
     model = build(spec.model, seed=cfg.seed, dtype=spec.dtype).to(device)
-    wrapper, optimizer = wrap_for_zero(model, spec, cfg)
+    module, optimizer = wrap_for_zero(model, spec, cfg)
     loaded = None
     if spec.load:
         from labs.checkpoint import load
 
-        load(wrapper, spec.load)
-        loaded = full_params(model, wrapper)  # what the checkpoint gave, before any training
+        load(model, optimizer, spec.load)
+        loaded = full_params(model)  # what the checkpoint gave, before any training
     data = rank_batches(
         steps=spec.start + spec.steps,
         batch_size=cfg.per_rank_batch(n),
@@ -234,51 +337,76 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
         world_size=n,
         seed=cfg.data_seed,
     )[spec.start :]
-    stepper = wrapper or optimizer  # what steps and zeroes the gradients
     losses = []
     held = None
+    grads = ranges = first = None
+    calls = []
     timer = StepTimer(device)
     with CommLedger() as ledger:
         for step, (x, y) in enumerate(data):
             x = x.to(device)
             y = y.to(device)
+            first_call = len(ledger.records)
             with timer.step():
                 with ledger.phase("forward"):
-                    _, loss = model(x, y)
+                    _, loss = module(x, y)
                 with ledger.phase("backward"):
                     loss.backward()
                 with ledger.phase("step"):
-                    stepper.step()
+                    optimizer.step()
             losses.append(loss.item())
+            loss_dtype = str(loss.dtype).removeprefix("torch.")  # the course model's: fp32 always
+            if step == 0 and spec.torch_impl is None:
+                grads, ranges = named_grads(model, optimizer)
+                with ledger.phase(HARNESS):  # the check's all-gathers: not the lab's traffic
+                    first = full_params(model)
             if step == len(data) - 1:
                 # what the calculator counts: state after the step, gradients held
-                if wrapper is not None:
-                    held = held_bytes(model, wrapper)
+                if spec.torch_impl is None:
+                    held = held_bytes(model, optimizer)
                 else:
-                    held = _torch_bytes(model, optimizer)
-            stepper.zero_grad()
+                    held = _torch_bytes(module, optimizer)
+                calls = [
+                    (r.op, r.payload_bytes)
+                    for r in ledger.records[first_call:]
+                    if r.phase != HARNESS
+                ]
+            optimizer.zero_grad()
             report_progress()
     if spec.save:
         from labs.checkpoint import save
 
-        save(wrapper, spec.save)
-    params = full_params(model, wrapper)
+        save(model, optimizer, spec.save)
+    params = full_params(model)
+    zero3 = exercise("zero").sharded_units(model) if spec.torch_impl is None else []
+    owner = zero3[0].owner if zero3 else None
+    host = owner.host_bytes if owner else getattr(optimizer, "host_bytes", 0)
     return {
         "losses": losses,
+        "loss_dtype": loss_dtype,
         "step_time_s": timer.step_time(),
         "held": held,
-        "params": params if rank == 0 else None,
+        "params": params,
+        "grads": grads,
+        "grad_ranges": ranges,
+        "params_step1": first,
+        "calls_last_step": calls,
         "loaded_params": loaded if rank == 0 else None,
-        "sent_per_step": ledger.sent_bytes() / len(data),
-        "sent_by_op": {op: v["sent_bytes"] / len(data) for op, v in ledger.summary().items()},
-        "peak_param_bytes": dict(getattr(wrapper, "peak", {})),
-        "host_bytes_per_step": getattr(wrapper, "host_bytes", 0) / len(data),
+        "sent_per_step": (ledger.sent_bytes() - ledger.sent_bytes(phase=HARNESS)) / len(data),
+        "sent_by_op": {
+            op: (v["sent_bytes"] - ledger.sent_bytes(op, HARNESS)) / len(data)
+            for op, v in ledger.summary().items()
+            if ledger.calls(op) > ledger.calls(op, HARNESS)
+        },
+        "peak_param_bytes": dict(owner.peak) if owner else {},
+        "host_bytes_per_step": host / len(data),
     }
 
 
 def _torch_bytes(model, optimizer) -> dict[str, int]:
     from labs.measure.memory import state_bytes
 
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
     b = state_bytes(model, optimizer)
     return {
         "params": b["params"],
@@ -291,9 +419,11 @@ def _torch_bytes(model, optimizer) -> dict[str, int]:
 
 def warm_imports(*, fsdp: bool = False) -> None:
     """Import here, once, what every forked rank would otherwise import by itself (seconds each
-    on 2 cores): FSDP2 is large. (``launch`` itself preloads ``torch._dynamo``.)"""
+    on 2 cores): FSDP2 and ZeroRedundancyOptimizer are large. (``launch`` itself preloads
+    ``torch._dynamo``.)"""
     if fsdp:
         importlib.import_module("torch.distributed.fsdp")
+        importlib.import_module("torch.distributed.optim")
 
 
 def check_options(stage, offload, model, nproc, steps, dtype="float32"):
@@ -312,6 +442,26 @@ def check_options(stage, offload, model, nproc, steps, dtype="float32"):
     check_model(model, dtype)
 
 
+def crashed(s: RunSummary, error: RankError | RankDied) -> RunSummary:
+    """``s`` with the verdict of a run a rank did not finish: a FAIL naming the rank and why."""
+    from labs.experiments.checks import Check
+
+    if isinstance(error, RankError):
+        measured = f"{error.exc_type}: {error.message.splitlines()[0] if error.message else ''}"
+        hint = error.message
+    else:
+        measured = f"died ({error.signal_name or error.exit_code})"
+        hint = (
+            "the rank died without a Python error: a segfault is memory read after it was freed"
+            " (a unit's full buffer released while a parameter or a saved tensor still views it)"
+        )
+    s["error"] = str(error)
+    s.add_checks(
+        [Check("run completes", False, measured, "no error", None, f"rank {error.rank}", hint)]
+    )
+    return s
+
+
 def run(
     *,
     nproc: int = 4,
@@ -325,38 +475,33 @@ def run(
     vs_torch: bool = False,
     timeout: float = 300.0,
 ) -> RunSummary:
-    """Train ``steps`` AdamW steps with ZeRO ``stage`` on ``nproc`` ranks; check it three ways.
+    """Train ``steps`` AdamW steps with ZeRO ``stage`` on ``nproc`` ranks; check it three ways
+    and give a verdict (``summary.checks``, ``summary.verdict()``; see ``zero_checks``).
 
     ``matches_reference``: losses within 1e-5 relative of the single-process reference;
     ``params_match_reference``: so are the final parameters. In float32 the parameters hold
     it on 2 ranks but not always on 4, whatever the stage (plain data parallelism and torch's
     FSDP2 miss it alike): AdamW divides each gradient element by its own RMS, so an element
     whose gradient is tiny because large terms cancel moves by ~lr whatever its sign, and the
-    last-bit differences of a sum split over ranks become ~1e-4 relative parameter changes.
-    ``dtype="float64"`` shrinks them below 1e-12 (the tests check parameters that way).
+    last-bit differences of a sum split over ranks become ~1e-4 relative parameter changes
+    (the tolerance table's "param" rule allows 1e-3). ``dtype="float64"`` shrinks them below
+    1e-12 (the tests check parameters that way).
+
+    A rank that raises (other than an unwritten exercise's NotImplementedError) or dies gives a
+    FAIL verdict naming the rank and the error, not an exception.
     """
+    from labs.experiments import zero_checks
+
     check_options(stage, offload, model, nproc, steps, dtype)
     cfg = TrainConfig(steps=steps)
     spec = RunSpec(
         stage=stage, offload=offload, prefetch=prefetch, model=model, steps=steps, dtype=dtype
     )
     warm_imports(fsdp=vs_torch)
-    per_rank = launch(
-        train_worker,
-        nproc,
-        spec,
-        cfg,
-        backend=backend,
-        timeout=timeout,
-        progress=steps,
-        desc=f"ZeRO-{stage}" if stage else "data parallel",
-    )
-    net = build(model, seed=cfg.seed, dtype=dtype)
-    ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
     s = new_summary(
         "zero",
         nproc=nproc,
-        backend=per_rank.backend,
+        backend=backend,
         steps=steps,
         stage=stage,
         offload=offload,
@@ -364,7 +509,28 @@ def run(
         model=model,
         dtype=dtype,
     )
-    fill_losses(s, mean_losses(per_rank), ref.losses)
+    try:
+        per_rank = launch(
+            train_worker,
+            nproc,
+            spec,
+            cfg,
+            backend=backend,
+            timeout=timeout,
+            progress=steps,
+            desc=f"ZeRO-{stage}" if stage else "data parallel",
+        )
+    except RankError as e:
+        if e.exc_type == "NotImplementedError":
+            raise
+        return crashed(s, e)
+    except RankDied as e:
+        return crashed(s, e)
+    s["backend"] = per_rank.backend
+    net = build(model, seed=cfg.seed, dtype=dtype)
+    ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
+    s["loss_dtype"] = per_rank[0]["loss_dtype"]
+    fill_losses(s, mean_losses(per_rank), ref.losses, DTYPES[s["loss_dtype"]])
     s.update(param_diff(per_rank[0]["params"], ref.params))
     s["params_sha1"] = digest(per_rank[0]["params"])
     gradless = sum(
@@ -383,27 +549,124 @@ def run(
         gradless=gradless,
         itemsize=DTYPES[dtype].itemsize,
     )
-    s["step_time_s"] = max(r["step_time_s"] for r in per_rank)
-    if vs_torch:
-        t = launch(
-            train_worker,
-            nproc,
-            replace(spec, torch_fsdp=True),
-            cfg,
-            backend=backend,
-            timeout=timeout,
-            progress=steps,
-            desc="torch fully_shard",
+    if stage == 3:  # the user's optimizer keeps state per piece: no state for padding or unused
+        expected = [
+            zero3_held(net, s["theory_breakdown"], ref.grads, nproc, r, offload, dtype)
+            for r in range(nproc)
+        ]
+        s["theory_breakdown_per_rank"] = expected
+        s["theory_state_bytes_per_rank"] = [e["total"] for e in expected]
+        s["memory_matches_theory"] = all(
+            r["held"][k] == e[k]
+            for r, e in zip(per_rank, expected)
+            for k in ("params", "grads", "optimizer", "host", "total")
         )
-        s["torch_step_time_s"] = max(r["step_time_s"] for r in t)
-        s["torch_state_bytes_per_rank"] = [r["held"]["total"] for r in t]
-        s["torch_state_breakdown"] = t[0]["held"]
-        s["torch_losses"] = mean_losses(t)
-        torch_loss_diff = compare_losses(s["torch_losses"], ref.losses)
-        s["torch_max_rel_loss_diff"] = torch_loss_diff["max_rel_loss_diff"]
-        torch_param_diff = param_diff(t[0]["params"], ref.params)
-        s["torch_max_rel_param_diff"] = torch_param_diff["max_rel_param_diff"]
+        if len(set(s["theory_state_bytes_per_rank"])) == 1:
+            s["theory_state_bytes_per_rank"] = s["theory_state_bytes_per_rank"][0]
+    s["step_time_s"] = max(r["step_time_s"] for r in per_rank)
+    # the reference after one step: the all-gather's slices are told apart before errors spread
+    one = train_reference(
+        ModelConfig(),
+        replace(cfg, steps=1),
+        dp=nproc,
+        model=build(model, seed=cfg.seed, dtype=dtype),
+    )
+    s.add_checks(zero_checks.checks(s, per_rank, ref, net, units=unit_params(net), first=one))
+    if vs_torch:
+        _vs_torch(s, spec, cfg, ref, nproc=nproc, backend=backend, timeout=timeout)
     return s
+
+
+def _vs_torch(s, spec, cfg, ref, *, nproc, backend, timeout) -> None:
+    impl = TORCH[spec.stage]
+    t = launch(
+        train_worker,
+        nproc,
+        replace(spec, torch_impl=impl),
+        cfg,
+        backend=backend,
+        timeout=timeout,
+        progress=spec.steps,
+        desc=f"torch {TORCH_NAMES[impl]}",
+    )
+    s["torch_impl"] = TORCH_NAMES[impl]
+    s["torch_step_time_s"] = max(r["step_time_s"] for r in t)
+    s["torch_state_bytes_per_rank"] = [r["held"]["total"] for r in t]
+    s["torch_state_breakdown"] = t[0]["held"]
+    s["torch_losses"] = mean_losses(t)
+    torch_loss_diff = compare_losses(s["torch_losses"], ref.losses)
+    s["torch_max_rel_loss_diff"] = torch_loss_diff["max_rel_loss_diff"]
+    s["torch_max_rel_param_diff"] = param_diff(t[0]["params"], ref.params)["max_rel_param_diff"]
+
+
+def zero3_held(net, theory_held: dict, ref_grads: dict, dp: int, rank: int, offload: bool, dtype):
+    """What rank ``rank`` holds under ``fully_shard`` with AdamW on the pieces: the theory's
+    figures, except that the optimizer keeps two moments per element of this rank's pieces of
+    the parameters that got a gradient (the flat shard's padding, and unused parameters, have
+    none; with offload the host holds them beside its parameter and gradient shards)."""
+    itemsize = DTYPES[dtype].itemsize
+    names = {p: n for n, p in net.named_parameters()}
+    moments = 0
+    shards = 0
+    for name, params in unit_params(net):
+        flat = FlatBuffer(name, params, rank, dp)
+        shards += flat.shard
+        for p, (a, b, _) in zip(params, flat.piece_bounds()):
+            if names[p] in ref_grads:
+                moments += 2 * (b - a)
+    out = dict(theory_held)
+    if offload:
+        out["host"] = (2 * shards + moments) * itemsize
+    else:
+        out["optimizer"] = moments * itemsize
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def _look(fn) -> str:
+    """What ``fn()`` gives a curious learner: a shape, None, or the error's first line."""
+    try:
+        out = fn()
+    except Exception as e:  # what the learner would see: the error is the answer here
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return "None" if out is None else str(list(out.shape))
+
+
+def _sees_worker(stage: int, cfg: TrainConfig) -> dict[str, str]:
+    """One step of the course model under ``stage``, then what reading one weight gives."""
+    zero = exercise("zero")
+    rank = dist.get_rank()
+    n = dist.get_world_size()
+    model = build("course").to(rank_device())
+    module, optimizer = shard(model, RunSpec(stage=stage), cfg)
+    linear = model.layers[0].attn.q_proj
+    x, y = rank_batches(steps=1, batch_size=2, seq_len=8, rank=rank, world_size=n, seed=0)[0]
+    x = x.to(rank_device())
+    y = y.to(rank_device())
+    seen = {"whole shape": str(list(build("course").layers[0].attn.q_proj.weight.shape))}
+    _, loss = module(x, y)
+    loss.backward()
+    seen["its .grad after backward"] = _look(lambda: linear.weight.grad)
+    optimizer.step()
+    optimizer.zero_grad()
+    seen["the weight between steps"] = _look(lambda: linear.weight.detach().clone())
+    seen["its sum between steps"] = _look(lambda: linear.weight.sum().reshape(1))
+    with zero.summon_full_params(model):
+        seen["inside summon_full_params"] = _look(lambda: linear.weight.detach().clone())
+    seen["its module called alone"] = _look(lambda: linear(torch.zeros(1, 64, device=x.device)))
+    return seen
+
+
+def what_a_rank_sees(nproc: int = 2, *, backend: str = "auto", timeout: float = 120.0) -> dict:
+    """For stages 1-3: what rank 0 reads of one weight (``layers.0.attn.q_proj.weight``) of the
+    course model around a training step: its ``.grad`` after backward, the weight and its sum
+    between steps (a released unit under ZeRO-3: this rank's piece, never freed memory), inside
+    ``summon_full_params``, and its module called on its own. {stage: {what: shape or error}}."""
+    cfg = TrainConfig(steps=1)
+    return {
+        stage: launch(_sees_worker, nproc, stage, cfg, backend=backend, timeout=timeout)[0]
+        for stage in (1, 2, 3)
+    }
 
 
 def same_model(s: RunSummary, s0: RunSummary) -> bool:

@@ -6,7 +6,8 @@
     draw_moment(3, 4, 5)
 
 The moments and the bytes come from ``labs.theory.zero.step_moments`` (pure functions,
-tested headless); this module only draws. Each unit of the model is a column; each rank a
+tested headless); this module only draws. The title names the lab's entry point for the stage
+(``ENTRY_POINTS``). Each unit of the model is a column; each rank a
 row. In a cell, three bars (P parameters, G gradients, O optimizer state) are cut into N
 segments: all filled = the full tensor, one filled (the rank's own, r-th) = its shard,
 hatched = being gathered ahead of use (prefetch), dotted = held on the host (offload),
@@ -22,6 +23,13 @@ from matplotlib.patches import Rectangle
 from labs.theory.zero import course_units, held_bytes, step_moments
 
 COLOURS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
+# How each stage is asked for in the lab (labs/zero.py), the same in a plain training loop
+ENTRY_POINTS = {
+    0: "DDP: every rank holds everything",
+    1: "optimizer = ShardedOptimizer(model.parameters(), AdamW)",
+    2: "optimizer = ShardedOptimizer(model.parameters(), AdamW, shard_grads=True)",
+    3: "fully_shard(each unit); fully_shard(model); optimizer = AdamW(model.parameters())",
+}
 ROWS = (("params", "P"), ("grads", "G"), ("optimizer", "O"))
 
 
@@ -74,8 +82,8 @@ def draw_moment(
     for side in ("right", "bottom", "left"):
         grid.spines[side].set_visible(False)
     grid.set_title(
-        f"ZeRO-{stage}, moment {moment + 1}/{len(frames)}: {frame['label']}\n"
-        f"collective: {frame['collective']}",
+        f"ZeRO-{stage} ({ENTRY_POINTS[stage]})\n"
+        f"moment {moment + 1}/{len(frames)}: {frame['label']}; collective: {frame['collective']}",
         fontsize=10,
         pad=22,
     )
