@@ -8,8 +8,13 @@ Options every lab takes: ``--nproc``, ``--steps``, ``--impl solutions|labs`` (ov
 ``LABS_IMPL``), ``--json``, ``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``.
 ``python -m labs.run LAB --help`` lists the lab's own options.
 
-Exit status: 0 when the lab ran, 1 when it failed, 2 for bad arguments, 3 when an
-exercise is not written yet (one line names the function to write).
+The summary ends with the verdict: one line per check (losses, gradients, parameters, bytes per
+op and call, state, ...), then ``PASS``, or ``FAIL`` with what failed, where, and a hint at the
+likely cause. ``--json`` carries the same as ``passed`` and ``checks``.
+
+Exit status: 0 when every check passed, 1 when a check failed (or the run did: a rank raised, a
+timeout) or the run made no checks, 2 for bad arguments, 3 when an exercise is not written yet
+(one line names the function to write).
 """
 
 from __future__ import annotations
@@ -106,9 +111,12 @@ def main(argv=None) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if is_rank0:
-        print(to_json(summary) if args.json else format_summary(summary), flush=True)
-    return 0
+    if is_rank0 and args.json:
+        print(to_json(summary), flush=True)  # ``passed`` and ``checks`` are in it
+    elif is_rank0:
+        print(format_summary(summary), flush=True)
+        print(f"\n{summary.verdict()}", flush=True)
+    return 0 if summary.passed else 1
 
 
 if __name__ == "__main__":
