@@ -36,6 +36,8 @@ class Bug(NamedTuple):
 # Each lab's run for the catalog: small and quick (about a second each on 2 cores).
 RUNS = {
     "collectives": dict(nproc=2, steps=1, numel=1200),  # N = 2, 3, 4 divide it
+    "ddp": dict(nproc=2, steps=2, variant="all"),
+    "tp": dict(nproc=2, steps=2),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -100,6 +102,155 @@ CATALOG: dict[str, list[Bug]] = {
             "    for s in range(n - 2):\n        send_idx = (me - s) % n",
             "bytes per send",
             "count the rounds of each loop",
+        ),
+    ],
+    "ddp": [
+        Bug(
+            "naive: no division by the world size",
+            "solutions.ddp",
+            "                dist.all_reduce(p.grad, group=self.group)\n"
+            "                p.grad.div_(self.world_size)\n",
+            "                dist.all_reduce(p.grad, group=self.group)\n",
+            "naive: gradients after step 1",
+            "did you divide the sum by the world size?",
+        ),
+        Bug(
+            "overlapped: waits but never divides",
+            "solutions.ddp",
+            "            work.wait()\n            grad.div_(self.world_size)\n",
+            "            work.wait()\n",
+            "overlapped: gradients after step 1",
+            "did you divide the sum by the world size?",
+        ),
+        Bug(
+            "bucketed: the bucket is not divided",
+            "solutions.ddp",
+            "            self.buckets[i].div_(self.world_size)\n",
+            "",
+            "bucketed: gradients after step 1",
+            "did you divide the sum by the world size?",
+        ),
+        Bug(
+            "no broadcast at wrap time",
+            "solutions.ddp",
+            "            dist.broadcast(tensor, src=src, group=group)",
+            "            pass",
+            "naive: weights after wrap equal rank 0's",
+            "broadcast every parameter and buffer",
+        ),
+        Bug(
+            "every rank reads rank 0's data",
+            "solutions.ddp",
+            "        rank=rank,\n        world_size=n,",
+            "        rank=0,\n        world_size=n,",
+            "naive: losses",
+            "its own B/N sequences",
+        ),
+        Bug(
+            "gradients never zeroed between steps",
+            "solutions.ddp",
+            "    optimizer.zero_grad(set_to_none=True)\n    k = len(micro_batches)",
+            "    k = len(micro_batches)",
+            "naive: parameters after step 2",
+            "are the gradients zeroed at the start of every step",
+        ),
+        Bug(
+            "accumulation: micro-batch losses not divided by K",
+            "solutions.ddp",
+            "            (loss / k).backward()",
+            "            loss.backward()",
+            "bucketed: gradients after step 1",
+            "divide each micro-batch's loss by the number of micro-batches",
+            dict(grad_accum=4),
+        ),
+        Bug(
+            "overlapped: one parameter without a hook",
+            "solutions.ddp",
+            "p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params\n"
+            "        ]\n        ### END SOLUTION\n\n    def on_gradient_ready(self, param: nn.Parameter)"
+            " -> None:\n        \"\"\"Autograd calls",
+            "p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params[1:]"
+            "\n        ]\n        ### END SOLUTION\n\n    def on_gradient_ready(self, param: "
+            "nn.Parameter) -> None:\n        \"\"\"Autograd calls",
+            "overlapped: gradients after step 1",
+            "its all-reduce never ran",
+        ),
+        Bug(
+            "bucketed: a bucket closes at twice its capacity",
+            "solutions.ddp",
+            "if size >= self.bucket_bytes:",
+            "if size >= 2 * self.bucket_bytes:",
+            "bucketed: all_reduce bytes per call",
+            "a bucket closes as soon as it holds >= bucket_mb MiB",
+        ),
+        Bug(
+            "overlapped: hooks communicate inside no_sync",
+            "solutions.ddp",
+            "        if self.require_backward_grad_sync:\n            self.pending.append(",
+            "        if True:\n            self.pending.append(",
+            "overlapped: all_reduce bytes per call",
+            "only by the last micro-batch's backward",
+            dict(grad_accum=2),
+        ),
+    ],
+    "tp": [
+        Bug(
+            "f's backward skips the all-reduce",
+            "solutions.tensor_parallel_comm",
+            "return all_reduce_copy(grad, ctx.group), None",
+            "return grad, None",
+            "backward all_reduce bytes per call",
+            "f: identity forward, all-reduce backward",
+        ),
+        Bug(
+            "g's backward all-reduces too",
+            "solutions.tensor_parallel_comm",
+            "        return grad, None\n",
+            "        return all_reduce_copy(grad, None), None\n",
+            "backward all_reduce bytes per call",
+            "g: all-reduce forward, identity backward",
+        ),
+        Bug(
+            "MLP entered without f",
+            "solutions.tensor_parallel",
+            "h = enter_parallel_region(self.mlp_norm(x), self.group, self.sequence_parallel)",
+            "h = self.mlp_norm(x)",
+            "backward all_reduce bytes per call",
+            "attention and the MLP are each entered once",
+        ),
+        Bug(
+            "vocab-parallel embedding: rows of ids held elsewhere not zeroed",
+            "solutions.tensor_parallel",
+            "        x = x.masked_fill(elsewhere[..., None], 0.0)\n",
+            "",
+            "losses",
+            "the vocab-parallel embedding's or loss's mask",
+        ),
+        Bug(
+            "vocab-parallel loss: backward not divided by the tokens",
+            "solutions.tensor_parallel",
+            "return grad_logits * (grad / len(local)), None, None",
+            "return grad_logits * grad, None, None",
+            "gradients after step 1",
+            "must divide (softmax - one_hot) by N",
+        ),
+        Bug(
+            "vocab-parallel loss: no all-reduce of the max",
+            "solutions.tensor_parallel",
+            "        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)\n",
+            "",
+            "forward all_reduce bytes per call",
+            "the loss's two all-reduces (max, then the sums)",
+        ),
+        Bug(
+            "SP: the norms' gradients are not all-reduced",
+            "solutions.tensor_parallel",
+            "        out.weight.register_hook(lambda grad: ReduceFromModelParallelRegion.apply"
+            "(grad, group))\n",
+            "        pass\n",
+            "gradients after step 1",
+            "its weight's gradient is partial",
+            dict(sp=True),
         ),
     ],
 }

@@ -360,6 +360,126 @@ def compare_values(
     return Check(name, ok, measured, expected, tolerance, where, "" if ok else hint)
 
 
+def collectives_checks(
+    measured: Sequence[Sequence[tuple[str, str, float]]],
+    expected: Sequence[Sequence[tuple[str, str, float]]],
+    *,
+    world_size: int | None = None,
+    count_hint: str = "",
+    hint: str = "",
+) -> list[Check]:
+    """Bytes per op and per call: ``measured[r]`` and ``expected[r]`` are rank r's collectives as
+    (phase, op, bytes sent) triples. One check per (phase, op) that either side has, named
+    "<phase> <op> bytes per call", comparing every rank's calls (in increasing size: the order
+    autograd issues them in is not the contract) with ``calls_check``. ``count_hint`` and ``hint``
+    may use ``{phase}`` and ``{op}``."""
+    keys = sorted({(ph, op) for calls in [*measured, *expected] for ph, op, _ in calls})
+    checks = []
+    for phase, op in keys:
+
+        def pick(calls, phase=phase, op=op):
+            return sorted(b for ph, o, b in calls if (ph, o) == (phase, op))
+
+        checks.append(
+            calls_check(
+                f"{phase} {op} bytes per call".strip(),
+                [pick(c) for c in measured],
+                [pick(c) for c in expected],
+                world_size=world_size,
+                count_hint=count_hint.format(phase=phase, op=op),
+                hint=hint.format(phase=phase, op=op),
+            )
+        )
+    return checks
+
+
+def training_checks(
+    *,
+    losses: list[float],
+    reference_losses: list[float],
+    grads: Sequence[Mapping[str, Any] | None] | None,
+    reference_grads: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
+    params: Sequence[Mapping[str, Any] | None] | None = None,
+    reference_params: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    dtype=None,
+    backend: str = "gloo",
+    world_size: int | None = None,
+    prefix: str = "",
+    known_scales: Mapping[float, str] | None = None,
+    absolute: tuple[str, ...] = (),
+    first_step_hint: str = "",
+    grad_hint: str = "",
+) -> list[Check]:
+    """The three checks of a training lab against its single-process reference, with the course's
+    tolerances (``labs.train.rule``: "value" for losses and gradients, "param" for parameters after
+    AdamW steps, by ``dtype`` and ``backend``):
+
+    * ``losses``: every step;
+    * ``gradients after step 1``: every rank's, by parameter name (``grads[r]``: rank r's by name,
+      None where it holds none; ``reference_grads``: one mapping, or one per rank, e.g. the shard a
+      rank holds);
+    * ``parameters after step S``: every rank's, by name (when ``params`` is given).
+
+    AdamW hides a gradient's scale from the losses (it divides by the gradient's own RMS), so a
+    gradient N times too large trains the same model: only the gradient check sees it. ``prefix``
+    names the variant in each check's name ("naive: losses")."""
+    import torch
+
+    from labs.train import rule
+
+    dtype = dtype or torch.float32
+    steps = len(reference_losses)
+    checks = [
+        losses_check(
+            losses,
+            reference_losses,
+            tolerance=rule("value", dtype, backend).rel,
+            name=f"{prefix}losses",
+            first_step_hint=first_step_hint,
+        )
+    ]
+    if grads is not None:
+        checks.append(
+            ranks_check(
+                f"{prefix}gradients after step 1",
+                grads,
+                reference_grads,
+                tolerance=rule("value", dtype, backend).rel,
+                step=1,
+                world_size=world_size,
+                what="gradients",
+                known_scales=known_scales,
+                absolute=absolute,
+                hint=grad_hint,
+            )
+        )
+    if params is not None:
+        check = ranks_check(
+            f"{prefix}parameters after step {steps}",
+            params,
+            reference_params,
+            tolerance=rule("param", dtype, backend).rel,
+            step=steps,
+            world_size=world_size,
+            what="parameters",
+            absolute=absolute,
+        )
+        if not check.ok and grads is not None and checks[-1].ok:
+            check = dataclasses.replace(
+                check,
+                hint=(
+                    "the gradients of step 1 match and the parameters after the last step do not:"
+                    " are the gradients zeroed at the start of every step (or do they pile up),"
+                    " and does every later step synchronise them as step 1 did?"
+                    if steps > 1
+                    else "the gradients match and the parameters after the update do not: does"
+                    " the optimizer step on the synchronised gradients?"
+                ),
+            )
+        checks.append(check)
+    return checks
+
+
 def passed(checks: Iterable[Check]) -> bool:
     """True when there is at least one check and every check passed."""
     checks = list(checks)
