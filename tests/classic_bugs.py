@@ -38,6 +38,7 @@ RUNS = {
     "collectives": dict(nproc=2, steps=1, numel=1200),  # N = 2, 3, 4 divide it
     "ddp": dict(nproc=2, steps=2, variant="all"),
     "tp": dict(nproc=2, steps=2),
+    "pp": dict(nproc=2, steps=2, microbatches=4, layers=2, batch_size=8, op_time=0.0),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -251,6 +252,59 @@ CATALOG: dict[str, list[Bug]] = {
             "gradients after step 1",
             "its weight's gradient is partial",
             dict(sp=True),
+        ),
+    ],
+    "pp": [
+        Bug(
+            "the last stage does not scale the loss by 1/M",
+            "solutions.pipeline_parallel",
+            "    return F.cross_entropy(out.float().flatten(0, 1), targets.flatten()) / n_microbatches",
+            "    return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())",
+            "gradients after step 1",
+            "scale each micro-batch's loss by 1/M",
+        ),
+        Bug(
+            "GPipe: backwards in reverse order",
+            "solutions.pipeline_parallel",
+            "    # all backwards, in the same order\n    for i in range(M):",
+            "    # all backwards, in the same order\n    for i in reversed(range(M)):",
+            "schedule order",
+            "ran B3 before B0",
+            dict(schedule="gpipe"),
+        ),
+        Bug(
+            "1F1B: one forward too many in the warm-up",
+            "solutions.pipeline_parallel",
+            "warmup = min(pipe.size - pipe.rank - 1, M)",
+            "warmup = min(pipe.size - pipe.rank, M)",
+            "schedule order",
+            "a warm-up of min(P - s - 1, M) forwards",
+        ),
+        Bug(
+            "the last stage skips the final norm",
+            "solutions.pipeline_parallel",
+            "            return self.lm_head(self.norm(h))  # [b, T, V]",
+            "            return self.lm_head(h)  # [b, T, V]",
+            "losses",
+            "the final norm or the head left out",
+        ),
+        Bug(
+            "a stage's layers start one layer late",
+            "solutions.pipeline_parallel",
+            "    start = sum(plan[:stage])\n",
+            "    start = sum(plan[:stage]) + (stage < len(plan) - 1)\n",
+            "every parameter on one stage",
+            "exactly once",
+            dict(layers=4),
+        ),
+        Bug(
+            "the loss divided by M twice",
+            "solutions.pipeline_parallel",
+            "targets.flatten()) / n_microbatches",
+            "targets.flatten()) / n_microbatches / n_microbatches",
+            "gradients after step 1",
+            "the loss was divided by M twice",
+            dict(microbatches=2),
         ),
     ],
 }
