@@ -39,6 +39,7 @@ RUNS = {
     "ddp": dict(nproc=2, steps=2, variant="all"),
     "tp": dict(nproc=2, steps=2),
     "pp": dict(nproc=2, steps=2, microbatches=4, layers=2, batch_size=8, op_time=0.0),
+    "cp": dict(nproc=2, steps=2),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -305,6 +306,66 @@ CATALOG: dict[str, list[Bug]] = {
             "gradients after step 1",
             "the loss was divided by M twice",
             dict(microbatches=2),
+        ),
+    ],
+    "cp": [
+        Bug(
+            "merge adds the partial outputs without their log-sum-exp weights",
+            "solutions.context_parallel",
+            "return old_weight * out + block_weight * block_out, new_lse",
+            "return out + block_out, new_lse",
+            "ring attention output",
+            "merges the partial results by their log-sum-exp",
+        ),
+        Bug(
+            "the diagonal block is treated as full (no causal mask)",
+            "solutions.context_parallel",
+            "if not causal or k_chunk < q_chunk:",
+            "if not causal or k_chunk <= q_chunk:",
+            "ring attention output",
+            "masks only the diagonal ones",
+        ),
+        Bug(
+            "zig-zag: the late chunk one off",
+            "solutions.context_parallel",
+            "return (rank, 2 * cp - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)",
+            "return (rank, 2 * cp - 2 - rank) if zigzag else (2 * rank, 2 * rank + 1)",
+            "ring attention output",
+            "zig-zag: r and 2·CP−1−r",
+        ),
+        Bug(
+            "forward: the K/V block of the wrong rank",
+            "solutions.context_parallel",
+            "            k_ids = chunk_ids((ring.rank - s) % cp, cp, zigzag)",
+            "            k_ids = chunk_ids((ring.rank - s - 1) % cp, cp, zigzag)",
+            "ring attention output",
+            "the K/V of rank (r − s) mod CP",
+        ),
+        Bug(
+            "backward: the arriving dK/dV accumulator is dropped",
+            "solutions.context_parallel",
+            "                    dkv += acc_in  # what the ranks before us added to this block's "
+            "gradient\n",
+            "",
+            "ring attention dk, dv",
+            "adds its own contribution to what arrives from r−1",
+            dict(nproc=4),
+        ),
+        Bug(
+            "backward: dq overwritten instead of accumulated",
+            "solutions.context_parallel",
+            "_chunk(dq, a).add_(dq_a)",
+            "_chunk(dq, a).copy_(dq_a)",
+            "ring attention dq",
+            "accumulate, do not overwrite",
+        ),
+        Bug(
+            "the model's attention is not causal",
+            "solutions.context_parallel",
+            "y = ring_attention(q, k, v, self.group, causal=True, zigzag=self.zigzag)",
+            "y = ring_attention(q, k, v, self.group, causal=False, zigzag=self.zigzag)",
+            "losses",
+            "its attention must be causal over the whole sequence",
         ),
     ],
 }
