@@ -40,6 +40,7 @@ RUNS = {
     "tp": dict(nproc=2, steps=2),
     "pp": dict(nproc=2, steps=2, microbatches=4, layers=2, batch_size=8, op_time=0.0),
     "cp": dict(nproc=2, steps=2),
+    "moe": dict(nproc=2, steps=2),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -366,6 +367,64 @@ CATALOG: dict[str, list[Bug]] = {
             "y = ring_attention(q, k, v, self.group, causal=False, zigzag=self.zigzag)",
             "losses",
             "its attention must be causal over the whole sequence",
+        ),
+    ],
+    "moe": [
+        Bug(
+            "gradients summed but not divided by the world size",
+            "solutions.expert_parallel",
+            "        p.grad.div_(world)\n",
+            "",
+            "gradients after step 1",
+            "did you divide the sum by the world size?",
+        ),
+        Bug(
+            "top-2 weights not renormalised",
+            "solutions.expert_parallel",
+            "        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+            "        pass\n",
+            "single-process layer vs Mixtral's block",
+            "renormalised to sum to 1 when k > 1",
+        ),
+        Bug(
+            "capacity: one pair too many per expert",
+            "solutions.expert_parallel",
+            "keep = ((slot < capacity) & (onehot > 0))",
+            "keep = ((slot <= capacity) & (onehot > 0))",
+            "pairs kept per expert within capacity",
+            "check capacity_keep's comparison",
+        ),
+        Bug(
+            "combine ignores the router's weights",
+            "solutions.expert_parallel",
+            "return (weights.unsqueeze(-1) * out.view(n, k, -1)).sum(dim=1)",
+            "return out.view(n, k, -1).sum(dim=1)",
+            "single-process layer vs Mixtral's block",
+            "each expert's output weighted by the router",
+        ),
+        Bug(
+            "the load-balancing loss's P_e detached",
+            "solutions.expert_parallel",
+            "p = probs.view(groups, -1, e).mean(dim=1)",
+            "p = probs.detach().view(groups, -1, e).mean(dim=1)",
+            "load-balancing loss vs Mixtral's",
+            "P_e, the mean probability of e, carries the gradient",
+        ),
+        Bug(
+            "experts' gradients all-reduced over every rank",
+            "solutions.expert_parallel",
+            "dist.all_reduce(p.grad, group=expert_dp_group)",
+            "dist.all_reduce(p.grad, group=group)",
+            "gradients after step 1",
+            "expert_dp_group",
+        ),
+        Bug(
+            "received rows not put back in order after the experts",
+            "solutions.expert_parallel",
+            "        out = out[torch.argsort(by_expert)]  # [M_in, H] by (source, expert)\n",
+            "",
+            "losses",
+            "the regrouping by local expert and its undoing",
         ),
     ],
 }
