@@ -41,6 +41,7 @@ RUNS = {
     "pp": dict(nproc=2, steps=2, microbatches=4, layers=2, batch_size=8, op_time=0.0),
     "cp": dict(nproc=2, steps=2),
     "moe": dict(nproc=2, steps=2),
+    "mesh": dict(nproc=2, steps=2, tp=2),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -425,6 +426,50 @@ CATALOG: dict[str, list[Bug]] = {
             "",
             "losses",
             "the regrouping by local expert and its undoing",
+        ),
+    ],
+    "mesh": [
+        Bug(
+            "groups keyed by their own axes instead of the others",
+            "solutions.mesh",
+            "if axis not in axes)",
+            "if axis in axes)",
+            "groups equal torch's init_device_mesh",
+            "a group holds the ranks whose coordinates differ only along its own axes",
+        ),
+        Bug(
+            "every DP rank trains on the first DP rank's rows",
+            "solutions.mesh",
+            '    x = x.chunk(d.dp)[mesh.coords["dp"]]  # [B/dp, T]',
+            "    x = x.chunk(d.dp)[0]  # [B/dp, T]",
+            "losses",
+            "each DP rank takes its own B/dp rows",
+            dict(tp=1, dp=2),
+        ),
+        Bug(
+            "TP without sequence parallelism where the step expects it",
+            "solutions.mesh",
+            "sequence_parallel=d.pp == 1)",
+            "sequence_parallel=False)",
+            "tp all_reduce bytes per call",
+            "SP's all-gathers and reduce-scatters without PP",
+        ),
+        Bug(
+            "ZeRO over the dp group instead of dp_cp",
+            "solutions.mesh",
+            'units=units, group=g["dp_cp"])',
+            'units=units, group=g["dp"])',
+            "gradients after step 1",
+            "ZeRO averages them over dp_cp",
+            dict(nproc=4, tp=1, dp=2, cp=2),
+        ),
+        Bug(
+            "gradients never zeroed after the step",
+            "solutions.mesh",
+            "    c.optimizer.zero_grad()\n",
+            "",
+            "parameters after step 2",
+            "are the gradients zeroed at the start of every step",
         ),
     ],
 }
