@@ -42,6 +42,7 @@ RUNS = {
     "cp": dict(nproc=2, steps=2),
     "moe": dict(nproc=2, steps=2),
     "mesh": dict(nproc=2, steps=2, tp=2),
+    "infer": dict(nproc=2, steps=1, mode="tp", prompts=2, new_tokens=4),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -470,6 +471,49 @@ CATALOG: dict[str, list[Bug]] = {
             "",
             "parameters after step 2",
             "are the gradients zeroed at the start of every step",
+        ),
+    ],
+    "infer": [
+        Bug(
+            "decode: the slot advances by one after the prefill",
+            "solutions.inference",
+            "        start += idx.shape[1]",
+            "        start += 1",
+            "tp: greedy tokens",
+            "start advances by the tokens fed",
+        ),
+        Bug(
+            "TP greedy: local ids taken for global ones",
+            "solutions.inference",
+            "    token = best + dist.get_rank(group) * logits.shape[-1]  # [B]: global ids",
+            "    token = best  # [B]: global ids",
+            "tp: greedy tokens",
+            "the global id of a rank's best logit is r·V/tp + its local id",
+        ),
+        Bug(
+            "attention without the mask",
+            "solutions.inference",
+            "attn_mask=mask, enable_gqa=True)",
+            "attn_mask=None, enable_gqa=True)",
+            "tp: greedy tokens",
+            "Check the attention mask",
+        ),
+        Bug(
+            "the first slot's logits instead of the last's",
+            "solutions.inference",
+            "logits = part.lm_head(part.norm(x[:, -1:]))[:, 0]",
+            "logits = part.lm_head(part.norm(x[:, :1]))[:, 0]",
+            "tp: greedy tokens",
+            "that the logits are the last slot's",
+        ),
+        Bug(
+            "placement: the slot advances by one after the prefill",
+            "solutions.inference",
+            "        start += t\n        t = 1",
+            "        t = 1\n        start += t",
+            "placement: greedy tokens",
+            "start advances by the tokens fed",
+            dict(mode="placement"),
         ),
     ],
 }

@@ -367,10 +367,11 @@ def collectives_checks(
     world_size: int | None = None,
     count_hint: str = "",
     hint: str = "",
+    prefix: str = "",
 ) -> list[Check]:
     """Bytes per op and per call: ``measured[r]`` and ``expected[r]`` are rank r's collectives as
     (phase, op, bytes sent) triples. One check per (phase, op) that either side has, named
-    "<phase> <op> bytes per call", comparing every rank's calls (in increasing size: the order
+    "<prefix><phase> <op> bytes per call", comparing every rank's calls (in increasing size: the order
     autograd issues them in is not the contract) with ``calls_check``. ``count_hint`` and ``hint``
     may use ``{phase}`` and ``{op}``."""
     keys = sorted({(ph, op) for calls in [*measured, *expected] for ph, op, _ in calls})
@@ -382,7 +383,7 @@ def collectives_checks(
 
         checks.append(
             calls_check(
-                f"{phase} {op} bytes per call".strip(),
+                f"{prefix}{phase} {op} bytes per call".strip(),
                 [pick(c) for c in measured],
                 [pick(c) for c in expected],
                 world_size=world_size,
