@@ -43,6 +43,7 @@ RUNS = {
     "moe": dict(nproc=2, steps=2),
     "mesh": dict(nproc=2, steps=2, tp=2),
     "infer": dict(nproc=2, steps=1, mode="tp", prompts=2, new_tokens=4),
+    "multimodal": dict(nproc=2, steps=2, mode="pp"),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -514,6 +515,59 @@ CATALOG: dict[str, list[Bug]] = {
             "placement: greedy tokens",
             "start advances by the tokens fed",
             dict(mode="placement"),
+        ),
+    ],
+    "multimodal": [
+        Bug(
+            "pipeline: gradients never zeroed",
+            "solutions.multimodal",
+            "    optimizer.zero_grad(set_to_none=True)\n    tokens_mb = tokens.chunk(microbatches)",
+            "    tokens_mb = tokens.chunk(microbatches)",
+            "parameters after step 2",
+            "are the gradients zeroed at the start of every step",
+        ),
+        Bug(
+            "pipeline: images queued in reverse order",
+            "solutions.multimodal",
+            "stage.load(images.chunk(microbatches), tokens_mb)",
+            "stage.load(images.chunk(microbatches)[::-1], tokens_mb)",
+            "losses",
+            "each micro-batch's own images",
+        ),
+        Bug(
+            "pipeline: stage 0 skips its decoder layers",
+            "solutions.multimodal",
+            "        return run_blocks(self.layers.values(), h, self.cfg)",
+            "        return h",
+            "gradients after step 1",
+            "never arrived",
+            dict(split=(1, 3)),
+        ),
+        Bug(
+            "pipeline: no optimizer step",
+            "solutions.multimodal",
+            "    optimizer.step()\n    return loss",
+            "    return loss",
+            "losses",
+            "step 1 matches and step 2 does not",
+        ),
+        Bug(
+            "data parallel: gradients not synchronised",
+            "solutions.multimodal",
+            "            self.model.finish_gradient_synchronization()\n",
+            "",
+            "gradients after step 1",
+            "must be averaged before the optimizer steps",
+            dict(mode="dp"),
+        ),
+        Bug(
+            "data parallel: gradients never zeroed",
+            "solutions.multimodal",
+            "            self.optimizer.zero_grad(set_to_none=True)\n",
+            "            pass\n",
+            "parameters after step 2",
+            "are the gradients zeroed at the start of every step",
+            dict(mode="dp"),
         ),
     ],
 }
