@@ -44,6 +44,7 @@ RUNS = {
     "mesh": dict(nproc=2, steps=2, tp=2),
     "infer": dict(nproc=2, steps=1, mode="tp", prompts=2, new_tokens=4),
     "multimodal": dict(nproc=2, steps=2, mode="pp"),
+    "memory": dict(nproc=2, steps=2),
 }
 
 CATALOG: dict[str, list[Bug]] = {
@@ -568,6 +569,49 @@ CATALOG: dict[str, list[Bug]] = {
             "parameters after step 2",
             "are the gradients zeroed at the start of every step",
             dict(mode="dp"),
+        ),
+    ],
+    # notebook 01 has no exercise module (yet): its classic mistakes are in the measurement itself
+    "memory": [
+        Bug(
+            "gradients summed over the ranks, not averaged",
+            "labs.experiments.memory",
+            "                    p.grad /= world\n",
+            "",
+            "fp32/none: gradients after step 1",
+            "did you divide the sum by the world size?",
+        ),
+        Bug(
+            "selective recomputation keeps nothing",
+            "labs.experiments.memory",
+            "        return CheckpointPolicy.MUST_SAVE",
+            "        return CheckpointPolicy.PREFER_RECOMPUTE",
+            "fp32/selective: activation bytes",
+            "keeps the matmuls' and attention's outputs only",
+        ),
+        Bug(
+            "full recomputation without the checkpoint",
+            "labs.experiments.memory",
+            "        return checkpoint(block, x, cos, sin, use_reentrant=False)",
+            "        return block(x, cos, sin)",
+            "fp32/full: activation bytes",
+            "keeps only each block's input",
+        ),
+        Bug(
+            "the weights counted as saved activations",
+            "labs.experiments.memory",
+            "    with SavedActivations(exclude=model) as meter:",
+            "    with SavedActivations() as meter:",
+            "fp32/none: activation bytes",
+            "except the parameters",
+        ),
+        Bug(
+            "bf16-mixed: the compute copy never refreshed from the masters",
+            "labs.experiments.memory",
+            "                        p.copy_(p32)  # refresh the bf16 compute copy",
+            "                        pass  # refresh the bf16 compute copy",
+            "bf16-mixed/none: losses",
+            "step 1 matches and step 2 does not",
         ),
     ],
 }
