@@ -63,6 +63,8 @@ INSTRUCTOR_TESTS = (
     "tests/test_grade.py",
     "tests/test_browser.py",
     "tests/test_run_cli.py",
+    "tests/classic_bugs.py",  # the catalog of classic mistakes: it quotes solution lines
+    "tests/test_classic_bugs.py",
 )
 REWRITTEN = (
     "conftest.py",

@@ -85,12 +85,8 @@ CATALOG: dict[str, list[Bug]] = {
         Bug(
             "all-gather stores the received chunk one index off",
             "solutions.collectives",
-            "recv_idx = (me - s) % n\n        incoming = torch.empty_like(chunks[recv_idx])\n"
-            "        exchange(chunks[send_idx].contiguous(), incoming, ring.next, ring.prev, group)\n"
-            "        chunks[recv_idx].copy_(incoming)",
-            "recv_idx = (me - s - 1) % n\n        incoming = torch.empty_like(chunks[recv_idx])\n"
-            "        exchange(chunks[send_idx].contiguous(), incoming, ring.next, ring.prev, group)\n"
-            "        chunks[recv_idx].copy_(incoming)",
+            "        recv_idx = (me - s) % n\n",
+            "        recv_idx = (me - s - 1) % n\n",
             "coded integers: every rank, once, in place",
             "stored at another index",
         ),
@@ -173,12 +169,12 @@ CATALOG: dict[str, list[Bug]] = {
         Bug(
             "overlapped: one parameter without a hook",
             "solutions.ddp",
-            "p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params\n"
-            "        ]\n        ### END SOLUTION\n\n    def on_gradient_ready(self, param: nn.Parameter)"
-            " -> None:\n        \"\"\"Autograd calls",
-            "p.register_post_accumulate_grad_hook(self.on_gradient_ready) for p in self.params[1:]"
-            "\n        ]\n        ### END SOLUTION\n\n    def on_gradient_ready(self, param: "
-            "nn.Parameter) -> None:\n        \"\"\"Autograd calls",
+            "for p in self.params\n        ]\n        ### END SOLUTION\n\n"
+            "    def on_gradient_ready(self, param: nn.Parameter) -> None:\n"
+            '        """Autograd calls',
+            "for p in self.params[1:]\n        ]\n        ### END SOLUTION\n\n"
+            "    def on_gradient_ready(self, param: nn.Parameter) -> None:\n"
+            '        """Autograd calls',
             "overlapped: gradients after step 1",
             "its all-reduce never ran",
         ),
@@ -264,8 +260,8 @@ CATALOG: dict[str, list[Bug]] = {
         Bug(
             "the last stage does not scale the loss by 1/M",
             "solutions.pipeline_parallel",
-            "    return F.cross_entropy(out.float().flatten(0, 1), targets.flatten()) / n_microbatches",
-            "    return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())",
+            "targets.flatten()) / n_microbatches\n    ### END SOLUTION",
+            "targets.flatten())\n    ### END SOLUTION",
             "gradients after step 1",
             "scale each micro-batch's loss by 1/M",
         ),

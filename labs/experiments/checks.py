@@ -371,9 +371,9 @@ def collectives_checks(
 ) -> list[Check]:
     """Bytes per op and per call: ``measured[r]`` and ``expected[r]`` are rank r's collectives as
     (phase, op, bytes sent) triples. One check per (phase, op) that either side has, named
-    "<prefix><phase> <op> bytes per call", comparing every rank's calls (in increasing size: the order
-    autograd issues them in is not the contract) with ``calls_check``. ``count_hint`` and ``hint``
-    may use ``{phase}`` and ``{op}``."""
+    "<prefix><phase> <op> bytes per call", comparing every rank's calls with ``calls_check``, in
+    increasing size (the order autograd issues them in is not the contract). ``count_hint`` and
+    ``hint`` may use ``{phase}`` and ``{op}``."""
     keys = sorted({(ph, op) for calls in [*measured, *expected] for ph, op, _ in calls})
     checks = []
     for phase, op in keys:

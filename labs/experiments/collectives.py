@@ -93,7 +93,12 @@ def expected_sends(rank: int, n: int) -> list[dict]:
         for s in range(n - 1)
     ]
     all_gather = [
-        {"phase": "all-gather", "round": s + 1, "chunk": (rank + 1 - s) % n, "ranks": list(range(n))}
+        {
+            "phase": "all-gather",
+            "round": s + 1,
+            "chunk": (rank + 1 - s) % n,
+            "ranks": list(range(n)),
+        }
         for s in range(n - 1)
     ]
     return reduce_scatter + all_gather

@@ -9,7 +9,6 @@ are there, not in any Python exception).
 
 from __future__ import annotations
 
-import os
 import signal
 import traceback
 from collections.abc import Sequence
@@ -55,9 +54,9 @@ def rank_traceback(exc: BaseException) -> tuple[str, str]:
     torch's), not the launcher's."""
     frames = traceback.extract_tb(exc.__traceback__)
     shown = traceback.StackSummary.from_list([f for f in frames if not _in_runtime(f.filename)])
-    text = "".join(
-        ["Traceback (most recent call last):\n"] if shown else []
-    ) + "".join(shown.format())
+    text = "".join(["Traceback (most recent call last):\n"] if shown else []) + "".join(
+        shown.format()
+    )
     text += "".join(traceback.format_exception_only(type(exc), exc))
     return text, exercise_location(frames)
 
