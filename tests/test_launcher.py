@@ -246,9 +246,16 @@ def test_a_rank_error_shows_the_learners_frames_and_names_the_exercise_line():
     assert "labs/runtime" not in err.rank_traceback  # the launcher's frames are left out
 
 
-def test_ipython_hides_the_launchers_frames_in_the_parent():
-    import labs.runtime.errors as errors
+def test_the_parent_sees_no_frame_of_the_launcher_below_launch():
+    import traceback
+
     import labs.runtime.launcher as launcher
 
-    for function in (launcher.launch, launcher._run_ranks, launcher._collect, errors.raise_failure):
+    with pytest.raises(RankError) as info:
+        launch(raise_on_rank_2, 3)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert frames[-1].name == "launch" and frames[-1].filename == launcher.__file__
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    # IPython hides a frame that sets __tracebackhide__ unless it is the last one
+    for function in (launcher.launch, launcher._run_ranks, launcher._collect):
         assert "__tracebackhide__" in function.__code__.co_varnames, function.__name__

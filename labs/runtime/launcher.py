@@ -19,8 +19,9 @@ about the parallelism:
   between forked ranks on our 2-core test machine; the file store never did;
 * failure: a rank that raises makes ``launch`` raise :class:`RankError` with that
   rank's traceback (its own frames: this package's are left out, and an exercise that raised is
-  named by file and line, ``labs/ddp.py:57``; in IPython the launcher's frames in the parent are
-  hidden too, ``__tracebackhide__``); a rank killed by a signal is named with the signal; a run that
+  named by file and line, ``labs/ddp.py:57``), raised from ``launch`` itself: in the parent too
+  the launcher's inner frames are left out (and IPython hides ``launch``'s frame unless it is
+  the last, ``__tracebackhide__``); a rank killed by a signal is named with the signal; a run that
   exceeds ``timeout`` raises :class:`LaunchTimeout` naming the ranks still running.
   In every case (KeyboardInterrupt included) all ranks and their children are
   killed before ``launch`` returns, so the next launch works.
@@ -56,7 +57,14 @@ from labs.runtime import audit
 # choose_backend lives with the device choice; its name stays importable from here. (The device
 # module also asks torch to count GPUs through NVML, so that this process never initialises CUDA.)
 from labs.runtime.device import BACKENDS, choose_backend, exact_fp32, local_rank
-from labs.runtime.errors import LaunchTimeout, raise_failure, rank_traceback, read_stderr
+from labs.runtime.errors import (
+    LaunchTimeout,
+    RankDied,
+    RankError,
+    raise_failure,
+    rank_traceback,
+    read_stderr,
+)
 
 __all__ = [
     "BACKENDS",
@@ -133,9 +141,14 @@ def launch(
         )
     if method == "spawn":
         _check_picklable(fn)
-    return _run_ranks(
-        fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
-    )
+    try:
+        return _run_ranks(
+            fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
+        )
+    except (RankError, RankDied, LaunchTimeout) as failure:
+        # Raised afresh from here: the launcher's frames below this one tell the learner nothing
+        # (the rank's own traceback is in the message).
+        raise failure.with_traceback(None) from None
 
 
 def report_progress(n: int = 1) -> None:
