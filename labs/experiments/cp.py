@@ -2,6 +2,7 @@
 reference.
 
     check = attention_check(nproc=4)          # out, dq, dk, dv vs SDPA; bytes, FLOPs, memory
+    print(attention_verdict(check))           # each case's verdict
     summary = run(nproc=4)                    # notebook 06
     scaling = memory_scaling(cps=(1, 2, 4))   # saved activations per rank fall as 1/CP
     python -m labs.run cp --nproc 4 --json
@@ -202,7 +203,25 @@ def attention_check(
     figures."""
     check_options(nproc, shape.seq_len)
     per_rank = launch(attention_worker, nproc, shape, list(cases), backend=backend, timeout=timeout)
-    return attention_rows_of(per_rank, shape=shape, cases=cases)
+    rows = attention_rows_of(per_rank, shape=shape, cases=cases)
+    for i, (row, (causal, zigzag)) in enumerate(zip(rows, cases)):
+        row["checks"] = attention_checks(
+            per_rank, shape=shape, causal=causal, zigzag=zigzag, row=row, case=i
+        )
+    return rows
+
+
+def attention_verdict(rows: list[dict]) -> str:
+    """The verdict of every case of ``attention_check``, one table each."""
+    from labs.experiments.checks import verdict_table
+
+    return "\n".join(
+        verdict_table(
+            row["checks"],
+            lab=f"ring attention, {'causal' if row['causal'] else 'no mask'}, {row['layout']}",
+        )
+        for row in rows
+    )
 
 
 def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list[dict]:
@@ -460,7 +479,9 @@ RING_HINTS = {
 }
 
 
-def attention_checks(per_rank, *, shape: AttnShape, causal: bool, zigzag: bool, row: dict) -> list:
+def attention_checks(
+    per_rank, *, shape: AttnShape, causal: bool, zigzag: bool, row: dict, case: int = 0
+) -> list:
     """Ring attention on every rank: its share of the output and of dq, dk, dv against full
     attention's (SDPA), the K/V bytes of every message, the blocks computed, the bytes saved."""
     from labs.experiments.checks import calls_check, collectives_checks, compare_values, ranks_check
@@ -472,7 +493,7 @@ def attention_checks(per_rank, *, shape: AttnShape, causal: bool, zigzag: bool, 
         for r in range(n)
     ]
     tol = TOLERANCES[torch.float32]
-    results = [r[0] for r in per_rank]
+    results = [r[case] for r in per_rank]
     checks = [
         ranks_check(
             "ring attention output",
@@ -581,6 +602,15 @@ def model_checks(per_rank, ref, summary, *, kv_per_layer, n_layer, grads_bytes) 
             summary["state_bytes_per_rank"],
             [summary["theory_state_bytes_per_rank"]] * n,
             hint="weights are replicated over the CP group: every rank holds the whole model",
+        )
+    )
+    checks.append(
+        compare_values(
+            "saved activation bytes per rank",
+            summary["saved_activation_bytes_per_rank"],
+            [summary["theory_saved_activation_bytes"]] * n,
+            hint="each rank saves its own T/CP tokens' activations, and ring attention no T×T "
+            "matrix: the memory calculator's figure with cp",
         )
     )
     return checks

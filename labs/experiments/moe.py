@@ -330,6 +330,13 @@ def layer_check(
     return result
 
 
+def layer_verdict(result: dict) -> str:
+    """The verdict table of a ``layer_check`` result."""
+    from labs.experiments.checks import verdict_table
+
+    return verdict_table(result["checks"], lab=f"MoE layer, ep={result['ep']}")
+
+
 def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
     """The verdict of ``layer_check``: outputs, input gradients and every parameter's gradient on
     every rank, the dropped pairs, the all-to-alls call by call."""

@@ -404,6 +404,15 @@ def run(
                 hint="each rank holds 1/tp of every sharded weight and all of the replicated ones "
                 "(the norms): check which dimension each layer cuts",
             ),
+            compare_values(
+                "saved activation bytes per rank",
+                s["saved_activation_bytes"],
+                [s["theory_saved_activation_bytes"]] * nproc,
+                world_size=nproc,
+                what="saved bytes",
+                hint="what a rank saves for backward: inside the regions its shards' activations, "
+                "outside them whole ones (with SP, T/tp of them)",
+            ),
         ]
     )
     if vs_torch:
