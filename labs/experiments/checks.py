@@ -403,6 +403,7 @@ def training_checks(
     params: Sequence[Mapping[str, Any] | None] | None = None,
     reference_params: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
     dtype=None,
+    loss_dtype=None,
     backend: str = "gloo",
     world_size: int | None = None,
     prefix: str = "",
@@ -423,18 +424,20 @@ def training_checks(
 
     AdamW hides a gradient's scale from the losses (it divides by the gradient's own RMS), so a
     gradient N times too large trains the same model: only the gradient check sees it. ``prefix``
-    names the variant in each check's name ("naive: losses")."""
+    names the variant in each check's name ("naive: losses"); ``loss_dtype``: the dtype the loss
+    is computed in, when not the model's (the course model's loss is fp32 whatever its dtype)."""
     import torch
 
     from labs.train import rule
 
     dtype = dtype or torch.float32
+    loss_dtype = loss_dtype or dtype
     steps = len(reference_losses)
     checks = [
         losses_check(
             losses,
             reference_losses,
-            tolerance=rule("value", dtype, backend).rel,
+            tolerance=rule("value", loss_dtype, backend).rel,
             name=f"{prefix}losses",
             first_step_hint=first_step_hint,
         )
