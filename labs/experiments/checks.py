@@ -14,8 +14,19 @@ explains it ("gradients are 4x the reference: did you divide by the world size?"
     summary.add_checks(checks)
     print(verdict_table(summary.checks))     # PASS, or FAIL and what failed, with the hint
 
+What the labs build their verdicts from:
+
+    training_checks(losses=..., grads=[rank 0's, rank 1's, ...], params=[...], ...)
+        # losses every step, every rank's gradients after step 1 and parameters after the last
+        # step by name, with the tolerance table's rules (labs.train.rule)
+    ranks_check(name, per_rank, expected)      # compare_tensors on every rank; names the rank
+    calls_check(name, per_rank_calls, expected)          # counts, then call by call
+    collectives_checks(per_rank_triples, expected)       # per (phase, op): bytes per call
+    losses_check(losses, reference)      # wrong at step 1: the forward; only later: the update
+
 The hints are guesses from the numbers' shape (a ratio near N, near 1/N, near 0, an offset by
-one chunk), not proofs: each names the likely cause and where to look.
+one chunk), not proofs: each names the likely cause and where to look. A lab adds its own where
+the numbers say more (a ring's chunk per round, a schedule's order, where greedy tokens part).
 """
 
 from __future__ import annotations
