@@ -10,8 +10,13 @@ Options every lab takes: ``--nproc``, ``--steps``, ``--impl solutions|labs`` (ov
 compute, communication and exposed communication: ``labs.experiments.profiling``).
 ``python -m labs.run LAB --help`` lists the lab's own options.
 
-Exit status: 0 when the lab ran, 1 when it failed, 2 for bad arguments, 3 when an
-exercise is not written yet (one line names the function to write).
+The summary ends with the verdict: one line per check (losses, gradients, parameters, bytes per
+op and call, state, ...), then ``PASS``, or ``FAIL`` with what failed, where, and a hint at the
+likely cause. ``--json`` carries the same as ``passed`` and ``checks``.
+
+Exit status: 0 when every check passed, 1 when a check failed (or the run did: a rank raised, a
+timeout) or the run made no checks, 2 for bad arguments, 3 when an exercise is not written yet
+(one line names the function to write).
 """
 
 from __future__ import annotations
@@ -124,11 +129,14 @@ def main(argv=None) -> int:
     )
     if report and args.json:
         summary["profile"] = profiling.json_report(report)
-    if is_rank0:
-        print(to_json(summary) if args.json else format_summary(summary), flush=True)
+    if is_rank0 and args.json:
+        print(to_json(summary), flush=True)  # ``passed`` and ``checks`` are in it
+    elif is_rank0:
+        print(format_summary(summary), flush=True)
+        print(f"\n{summary.verdict()}", flush=True)
     if report and not args.json:
         print(profiling.format_report(report), flush=True)
-    return 0
+    return 0 if summary.passed else 1
 
 
 if __name__ == "__main__":

@@ -5,10 +5,15 @@ import torch
 
 from labs.experiments.checks import (
     Check,
+    calls_check,
+    collectives_checks,
     compare_tensors,
     compare_values,
+    losses_check,
     passed,
+    ranks_check,
     scale_hint,
+    training_checks,
     verdict_table,
 )
 from labs.experiments.common import RunSummary
@@ -110,3 +115,90 @@ def test_summary_carries_the_verdict_into_its_json():
         "hint",
     }
     assert "checks" not in dict(s) and s.verdict().endswith("PASS: 1 checks")
+
+
+def test_losses_tell_a_wrong_forward_from_a_wrong_update():
+    ref = [5.0, 4.0, 3.0]
+    assert losses_check([5.0, 4.0, 3.0], ref, tolerance=1e-5).ok
+    forward = losses_check([5.5, 4.0, 3.0], ref, tolerance=1e-5)
+    assert not forward.ok and "step 1" in forward.hint and forward.where == "step 1 of 3"
+    update = losses_check([5.0, 4.0, 3.3], ref, tolerance=1e-5)
+    assert not update.ok and "step 3 does not" in update.hint and update.where == "step 3 of 3"
+    assert not losses_check([5.0], ref, tolerance=1e-5).ok
+
+
+def test_every_rank_is_compared_and_the_failing_one_is_named():
+    good = tensors()
+    expected = tensors()
+    check = ranks_check("gradients", [good, None, tensors(2.0)], expected, tolerance=1e-5, step=1)
+    assert not check.ok and check.where.startswith("rank 2, step 1, ") and "2x" in check.hint
+    assert ranks_check("gradients", [good, good], [expected, expected], tolerance=1e-5).ok
+    missing = dict(good, b=None)  # a gradient that never arrived
+    gone = ranks_check("gradients", [missing], expected, tolerance=1e-5, what="gradients")
+    assert not gone.ok and "never arrived" in gone.hint and gone.where.endswith("b")
+
+
+def test_a_tensor_zero_in_exact_arithmetic_is_compared_to_the_largest():
+    # both sides rounding noise around an exact zero: relative to itself it differs by 200%
+    expected = {"w": torch.ones(3), "k_proj.bias": torch.full((3,), 1e-11)}
+    noise = {"w": torch.ones(3), "k_proj.bias": torch.full((3,), -1e-11)}
+    assert not compare_tensors("g", noise, expected, tolerance=1e-5).ok
+    assert compare_tensors("g", noise, expected, tolerance=1e-5, absolute=("k_proj.bias",)).ok
+
+
+def test_a_lab_names_its_own_factors():
+    check = compare_tensors(
+        "gradients",
+        tensors(256.0),
+        tensors(),
+        tolerance=1e-5,
+        world_size=2,
+        what="gradients",
+        known_scales={256.0: "divide by the tokens"},
+    )
+    assert check.hint == "gradients are 256x the reference: divide by the tokens"
+
+
+def test_calls_are_counted_then_compared_one_by_one():
+    assert calls_check("bytes per call", [[4.0, 4.0], [4.0, 4.0]], [[4.0, 4.0]] * 2).ok
+    count = calls_check("bytes per call", [[4.0, 4.0], [4.0]], [[4.0, 4.0]] * 2, count_hint="2")
+    assert not count.ok and count.where == "rank 1: calls" and count.hint == "2"
+    assert (count.measured, count.expected) == (1, 2)
+    size = calls_check("bytes per call", [[4.0, 8.0]], [[4.0, 4.0]], world_size=4)
+    assert not size.ok and size.where == "rank 0, call 2 of 2" and "2x" in size.hint
+
+
+def test_collectives_are_checked_per_phase_and_op():
+    measured = [[("forward", "all_reduce", 8.0), ("backward", "all_reduce", 8.0)]]
+    expected = [[("forward", "all_reduce", 8.0), ("backward", "all_gather", 4.0)]]
+    checks = {c.name: c for c in collectives_checks(measured, expected, prefix="tp: ")}
+    assert set(checks) == {
+        "tp: backward all_gather bytes per call",
+        "tp: backward all_reduce bytes per call",
+        "tp: forward all_reduce bytes per call",
+    }
+    assert checks["tp: forward all_reduce bytes per call"].ok
+    assert not checks["tp: backward all_gather bytes per call"].ok  # never issued
+    assert not checks["tp: backward all_reduce bytes per call"].ok  # not in the theory
+
+
+def test_training_checks_point_at_the_update_when_only_parameters_differ():
+    ref = tensors()
+    checks = training_checks(
+        losses=[1.0, 2.0],
+        reference_losses=[1.0, 2.0],
+        grads=[ref, ref],
+        reference_grads=ref,
+        params=[ref, tensors(1.5)],
+        reference_params=ref,
+        world_size=2,
+        prefix="naive: ",
+    )
+    assert [c.name for c in checks] == [
+        "naive: losses",
+        "naive: gradients after step 1",
+        "naive: parameters after step 2",
+    ]
+    assert [c.ok for c in checks] == [True, True, False]
+    assert "zeroed at the start of every step" in checks[2].hint
+    assert checks[2].tolerance == 1e-3  # the table's rule for parameters after AdamW steps

@@ -1,6 +1,7 @@
 """The launcher: results in rank order, failures named and shown, timeouts, no leftovers."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,3 +224,38 @@ def test_a_rank_finds_its_gpu_from_local_rank_not_its_global_rank(monkeypatch):
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:
         torch.set_num_threads(threads)
+
+
+def exercise_raises_on_rank_1():
+    import torch
+
+    from labs.runtime import exercise
+
+    tensor = torch.ones(4) if dist.get_rank() == 0 else None  # rank 1 passes nothing
+    exercise("collectives").ring_all_reduce(tensor)
+
+
+def test_a_rank_error_shows_the_learners_frames_and_names_the_exercise_line():
+    with pytest.raises(RankError) as info:
+        launch(exercise_raises_on_rank_1, 2)
+    err = info.value
+    assert re.fullmatch(r"(labs|solutions)/collectives\.py:\d+", err.location), err.location
+    assert str(err).startswith(f"rank 1 raised AttributeError in {err.location}: ")
+    assert "exercise_raises_on_rank_1" in err.rank_traceback  # the caller's frame
+    assert "ring_all_reduce" in err.rank_traceback  # the exercise's frame
+    assert "labs/runtime" not in err.rank_traceback  # the launcher's frames are left out
+
+
+def test_the_parent_sees_no_frame_of_the_launcher_below_launch():
+    import traceback
+
+    import labs.runtime.launcher as launcher
+
+    with pytest.raises(RankError) as info:
+        launch(raise_on_rank_2, 3)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert frames[-1].name == "launch" and frames[-1].filename == launcher.__file__
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    # IPython hides a frame that sets __tracebackhide__ unless it is the last one
+    for function in (launcher.launch, launcher._run_ranks, launcher._collect):
+        assert "__tracebackhide__" in function.__code__.co_varnames, function.__name__

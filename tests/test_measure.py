@@ -124,3 +124,23 @@ def test_timeline_records_each_rank():
     events = [e for rank_events in launch(record_spans, 2) for e in rank_events]
     assert sorted(e.rank for e in events) == [0, 1]
     assert all(e.end >= e.start >= 0 for e in events)
+
+
+def ring_of_sends():
+    """Each rank sends a tensor of its rank id to the next rank and receives from the previous."""
+    from labs.runtime.ring import exchange, ring_neighbours
+
+    ring = ring_neighbours()
+    mine = torch.full((3,), float(ring.rank))
+    incoming = torch.empty(3)
+    with CommLedger(keep_sent=True) as ledger:
+        exchange(mine, incoming, ring.next, ring.prev)
+        dist.all_reduce(torch.ones(4))
+    return ledger.sent_tensors, ledger.calls_by_op()
+
+
+def test_ledger_keeps_what_each_send_carried_and_lists_calls_by_op():
+    for rank, (sent, calls) in enumerate(launch(ring_of_sends, 2)):
+        assert len(sent) == 1 and torch.equal(sent[0], torch.full((3,), float(rank)))
+        # a receive lists the bytes it received; a collective, the bytes it sent
+        assert calls == {"isend": [12.0], "irecv": [12.0], "all_reduce": [16.0]}

@@ -41,6 +41,47 @@ def test_json_summary_has_every_required_key():
     assert summary["backend"] == "gloo"
     assert summary["exact_int"] and summary["bytes_match_theory"]
     assert summary["torch_step_time_s"] > 0
+    assert summary["passed"] is True and all(c["ok"] for c in summary["checks"])
+    assert {"chunk sent in each round", "bytes per send"} <= {c["name"] for c in summary["checks"]}
+
+
+def test_the_summary_ends_with_the_verdict_and_a_failed_check_exits_1(monkeypatch, capsys):
+    from labs.experiments import collectives
+    from labs.experiments.checks import Check
+    from labs.run import main
+
+    def failing_run(**options):
+        s = new_summary("collectives", nproc=options["nproc"], backend="gloo", steps=1)
+        s.add_checks(
+            [
+                Check("bytes per send", True, [8, 8], [8, 8]),
+                Check(
+                    "chunk sent in each round",
+                    False,
+                    "chunk 0",
+                    "chunk 1",
+                    None,
+                    "rank 0",
+                    "check the (r - s) mod N index",
+                ),
+            ]
+        )
+        return s
+
+    monkeypatch.setattr(collectives, "run", failing_run)
+    assert main(["collectives", "--nproc", "2"]) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("hint (chunk sent in each round): check the (r - s) mod N index")
+    assert "collectives: FAIL: 1 of 2 checks failed" in out
+    assert main(["collectives", "--nproc", "2", "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["passed"] is False and summary["checks"][1]["where"] == "rank 0"
+    # a summary without checks has no verdict to give: a FAIL
+    monkeypatch.setattr(
+        collectives, "run", lambda **o: new_summary("collectives", nproc=2, backend="gloo", steps=1)
+    )
+    assert main(["collectives", "--nproc", "2"]) == 1
+    assert "FAIL: the run made no checks" in capsys.readouterr().out
 
 
 def test_summary_reads_like_a_dict_and_writes_flat_json():
@@ -152,6 +193,7 @@ def test_every_lab_runs_under_torchrun(lab, nproc):
     [summary] = json_lines(proc.stdout)  # rank 0 prints, the others do not
     assert summary["lab"] == lab and summary["nproc"] == nproc and summary["backend"] == "gloo"
     assert summary[VERDICT.get(lab, "matches_reference")] is True, summary
+    assert summary["passed"] is True, [c for c in summary["checks"] if not c["ok"]]
 
 
 @pytest.mark.slow

@@ -14,15 +14,26 @@ explains it ("gradients are 4x the reference: did you divide by the world size?"
     summary.add_checks(checks)
     print(verdict_table(summary.checks))     # PASS, or FAIL and what failed, with the hint
 
+What the labs build their verdicts from:
+
+    training_checks(losses=..., grads=[rank 0's, rank 1's, ...], params=[...], ...)
+        # losses every step, every rank's gradients after step 1 and parameters after the last
+        # step by name, with the tolerance table's rules (labs.train.rule)
+    ranks_check(name, per_rank, expected)      # compare_tensors on every rank; names the rank
+    calls_check(name, per_rank_calls, expected)          # counts, then call by call
+    collectives_checks(per_rank_triples, expected)       # per (phase, op): bytes per call
+    losses_check(losses, reference)      # wrong at step 1: the forward; only later: the update
+
 The hints are guesses from the numbers' shape (a ratio near N, near 1/N, near 0, an offset by
-one chunk), not proofs: each names the likely cause and where to look.
+one chunk), not proofs: each names the likely cause and where to look. A lab adds its own where
+the numbers say more (a ring's chunk per round, a schedule's order, where greedy tokens part).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _RATIO_SLACK = 0.02  # a scale within 2% of N (or 1/N, 2, 0) counts as that scale
@@ -50,8 +61,18 @@ def _near(value: float, target: float) -> bool:
     return abs(value - target) <= _RATIO_SLACK * max(abs(target), 1e-12)
 
 
-def scale_hint(what: str, scale: float, world_size: int | None) -> str:
-    """The classic mistake behind ``what`` coming out ``scale`` times the reference."""
+def scale_hint(
+    what: str,
+    scale: float,
+    world_size: int | None,
+    known_scales: Mapping[float, str] | None = None,
+) -> str:
+    """The classic mistake behind ``what`` coming out ``scale`` times the reference.
+    ``known_scales``: a lab's own factors and their causes (e.g. ``{2.0: "did you divide each
+    micro-batch's loss by the number of micro-batches?"}``), tried first."""
+    for factor, cause in (known_scales or {}).items():
+        if _near(scale, factor):
+            return f"{what} are {factor:g}x the reference: {cause}"
     n = world_size or 0
     if _near(scale, 0.0) or abs(scale) < _RATIO_SLACK:
         return (
@@ -99,24 +120,33 @@ def compare_tensors(
     where: str = "",
     world_size: int | None = None,
     what: str = "values",
+    known_scales: Mapping[float, str] | None = None,
+    absolute: tuple[str, ...] = (),
+    hint: str = "",
 ) -> Check:
     """Every tensor of ``expected`` against the one of the same name in ``actual``: the largest
     relative difference (``max |a − e| / max |e|``, per tensor) must be within ``tolerance``.
-    Fails on a missing name or a shape mismatch, naming the tensor; ``what`` names the
-    quantity in the hint ("gradients", "parameters")."""
+    Fails on a missing name (or a None: a gradient that never arrived) or a shape mismatch,
+    naming the tensor; ``what`` names the quantity in the hint ("gradients", "parameters").
+    Tensors whose name ends with one of ``absolute`` are compared against the largest magnitude
+    of all of ``expected`` instead of their own (a quantity that is zero in exact arithmetic, so
+    its computed value is rounding noise). A failure's hint: the classic cause read off the scale
+    (``scale_hint``, with the lab's ``known_scales`` first), else ``hint``, else a line naming the
+    tensor."""
     from labs.train import max_rel_diff
 
-    missing = sorted(set(expected) - set(actual))
+    missing = sorted(k for k in expected if actual.get(k) is None)
     if missing:
         return Check(
             name,
             False,
             measured=f"{len(missing)} missing",
             expected=f"{len(expected)} tensors",
-            where=f"{where}: {', '.join(missing[:4])}".strip(": "),
+            where=f"{where}, {', '.join(missing[:4])}".strip(", "),
             hint=f"{what} of these tensors never arrived: is a parameter skipped (frozen, unused, "
             "tied) or never reduced?",
         )
+    largest = max((float(e.abs().max()) for e in expected.values() if e.numel()), default=1.0)
     worst_name = None
     worst = -1.0
     for key, ref in expected.items():
@@ -128,22 +158,30 @@ def compare_tensors(
                 measured=list(got.shape),
                 expected=list(ref.shape),
                 where=f"{where}, {key}".strip(", "),
-                hint="the shard or the gathered tensor has the wrong shape: check the split "
+                hint=hint
+                or "the shard or the gathered tensor has the wrong shape: check the split "
                 "dimension and the chunk sizes",
             )
-        rel = max_rel_diff(got, ref)
+        if key.endswith(absolute) and absolute:
+            rel = (got.double() - ref.double()).abs().max().item() / (largest or 1.0)
+        else:
+            rel = max_rel_diff(got.double(), ref.double())
         if rel > worst:
             worst = rel
             worst_name = key
     ok = worst <= tolerance
-    hint = ""
+    found = ""
     if not ok:
         scale, residual = tensor_scale(actual[worst_name], expected[worst_name])
         if residual < 1e-3:
-            hint = scale_hint(what, scale, world_size)
-        hint = hint or (
-            f"{worst_name} differs from the reference by more than rounding: check the code "
-            "that reduces or updates it"
+            found = scale_hint(what, scale, world_size, known_scales)
+        found = (
+            found
+            or hint
+            or (
+                f"{worst_name} differs from the reference by more than rounding: check the code "
+                "that reduces or updates it"
+            )
         )
     return Check(
         name,
@@ -152,7 +190,152 @@ def compare_tensors(
         expected=0.0,
         tolerance=tolerance,
         where=f"{where}, {worst_name}".strip(", "),
+        hint=found,
+    )
+
+
+def losses_check(
+    losses: list[float],
+    reference: list[float],
+    *,
+    tolerance: float,
+    name: str = "losses",
+    first_step_hint: str = "",
+    later_step_hint: str = "",
+) -> Check:
+    """Every step's loss against the reference's, relative: the worst step is reported. A failure
+    at step 1 means the forward differs (before any update): ``first_step_hint``; a failure only
+    later means the update does: ``later_step_hint``."""
+    if len(losses) != len(reference):
+        return Check(
+            name,
+            False,
+            len(losses),
+            len(reference),
+            where="steps",
+            hint="the run reported another number of losses than it made steps",
+        )
+    diffs = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, reference)]
+    worst = max(range(len(diffs)), key=diffs.__getitem__)
+    ok = diffs[worst] <= tolerance
+    hint = ""
+    if not ok and diffs[0] > tolerance:
+        hint = first_step_hint or (
+            "the loss differs already at step 1, before any update: the forward pass differs "
+            "(the data each rank reads, the model's split, or how the ranks' losses combine)"
+        )
+    elif not ok:
+        first_bad = next(i for i, d in enumerate(diffs) if d > tolerance)
+        hint = later_step_hint or (
+            f"step 1 matches and step {first_bad + 1} does not: the forward is right, the update"
+            " is not (the gradients that reach the optimizer, their synchronisation, or gradients"
+            " left over from the previous step)"
+        )
+    return Check(
+        name,
+        ok,
+        measured=diffs[worst],
+        expected=0.0,
+        tolerance=tolerance,
+        where=f"step {worst + 1} of {len(diffs)}",
         hint=hint,
+    )
+
+
+def ranks_check(
+    name: str,
+    actual: Sequence[Mapping[str, Any] | None],
+    expected: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+    *,
+    tolerance: float,
+    step: int | None = None,
+    world_size: int | None = None,
+    what: str = "values",
+    known_scales: Mapping[float, str] | None = None,
+    absolute: tuple[str, ...] = (),
+    hint: str = "",
+) -> Check:
+    """``compare_tensors`` on every rank: ``actual[r]`` (None: rank r holds none of them) against
+    ``expected[r]`` (or one mapping for every rank). Returns the first rank's failure, else the
+    worst rank's pass, ``where`` = "rank r, step s, <tensor>"."""
+    checks = []
+    for r, got in enumerate(actual):
+        if got is None:
+            continue
+        want = expected if isinstance(expected, Mapping) else expected[r]
+        at = f"rank {r}" + (f", step {step}" if step is not None else "")
+        checks.append(
+            compare_tensors(
+                name,
+                got,
+                want,
+                tolerance=tolerance,
+                where=at,
+                world_size=world_size,
+                what=what,
+                known_scales=known_scales,
+                absolute=absolute,
+                hint=hint,
+            )
+        )
+    if not checks:
+        return Check(name, False, "nothing", "every rank's", tolerance, hint="no rank reported any")
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        return failed[0]
+    return max(checks, key=lambda c: c.measured)
+
+
+def calls_check(
+    name: str,
+    measured: Sequence[Sequence[float]],
+    expected: Sequence[Sequence[float]],
+    *,
+    world_size: int | None = None,
+    what: str = "bytes",
+    count_hint: str = "",
+    hint: str = "",
+    tolerance: float = 1e-9,
+) -> Check:
+    """Per rank, the figure of every call (e.g. the bytes of each all-reduce, in the order they
+    were issued) against the expected list: first the number of calls, then call by call (within
+    ``tolerance`` relative, for formulas with fractions). Returns the first mismatch, ``where`` =
+    "rank r, call i"; passing, rank 0's lists."""
+    for r, (got, want) in enumerate(zip(measured, expected)):
+        got = list(got)
+        want = list(want)
+        if len(got) != len(want):
+            return Check(
+                name,
+                False,
+                len(got),
+                len(want),
+                where=f"rank {r}: calls",
+                hint=count_hint
+                or f"rank {r} issued {len(got)} calls where {len(want)} were expected: a "
+                "collective skipped, issued twice, or issued per tensor instead of per bucket?",
+            )
+        for i, (m, e) in enumerate(zip(got, want)):
+            if abs(m - e) > tolerance * max(abs(e), 1.0):
+                found = scale_hint(what, m / e, world_size) if e else ""
+                return Check(
+                    name,
+                    False,
+                    m,
+                    e,
+                    where=f"rank {r}, call {i + 1} of {len(want)}",
+                    hint=found
+                    or hint
+                    or f"call {i + 1} on rank {r} moved {m:g} {what} instead of {e:g}: check the "
+                    "tensor (or chunk) it was given",
+                )
+    first = list(measured[0]) if measured else []
+    return Check(
+        name,
+        len(measured) == len(expected),
+        first,
+        list(expected[0]) if expected else [],
+        where=f"{len(measured)} ranks, {len(first)} calls each",
     )
 
 
@@ -188,6 +371,130 @@ def compare_values(
     return Check(name, ok, measured, expected, tolerance, where, "" if ok else hint)
 
 
+def collectives_checks(
+    measured: Sequence[Sequence[tuple[str, str, float]]],
+    expected: Sequence[Sequence[tuple[str, str, float]]],
+    *,
+    world_size: int | None = None,
+    count_hint: str = "",
+    hint: str = "",
+    prefix: str = "",
+) -> list[Check]:
+    """Bytes per op and per call: ``measured[r]`` and ``expected[r]`` are rank r's collectives as
+    (phase, op, bytes sent) triples. One check per (phase, op) that either side has, named
+    "<prefix><phase> <op> bytes per call", comparing every rank's calls with ``calls_check``, in
+    increasing size (the order autograd issues them in is not the contract). ``count_hint`` and
+    ``hint`` may use ``{phase}`` and ``{op}``."""
+    keys = sorted({(ph, op) for calls in [*measured, *expected] for ph, op, _ in calls})
+    checks = []
+    for phase, op in keys:
+
+        def pick(calls, phase=phase, op=op):
+            return sorted(b for ph, o, b in calls if (ph, o) == (phase, op))
+
+        checks.append(
+            calls_check(
+                f"{prefix}{phase} {op} bytes per call".strip(),
+                [pick(c) for c in measured],
+                [pick(c) for c in expected],
+                world_size=world_size,
+                count_hint=count_hint.format(phase=phase, op=op),
+                hint=hint.format(phase=phase, op=op),
+            )
+        )
+    return checks
+
+
+def training_checks(
+    *,
+    losses: list[float],
+    reference_losses: list[float],
+    grads: Sequence[Mapping[str, Any] | None] | None,
+    reference_grads: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
+    params: Sequence[Mapping[str, Any] | None] | None = None,
+    reference_params: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    dtype=None,
+    loss_dtype=None,
+    backend: str = "gloo",
+    world_size: int | None = None,
+    prefix: str = "",
+    known_scales: Mapping[float, str] | None = None,
+    absolute: tuple[str, ...] = (),
+    first_step_hint: str = "",
+    grad_hint: str = "",
+) -> list[Check]:
+    """The three checks of a training lab against its single-process reference, with the course's
+    tolerances (``labs.train.rule``: "value" for losses and gradients, "param" for parameters after
+    AdamW steps, by ``dtype`` and ``backend``):
+
+    * ``losses``: every step;
+    * ``gradients after step 1``: every rank's, by parameter name (``grads[r]``: rank r's by name,
+      None where it holds none; ``reference_grads``: one mapping, or one per rank, e.g. the shard a
+      rank holds);
+    * ``parameters after step S``: every rank's, by name (when ``params`` is given).
+
+    AdamW hides a gradient's scale from the losses (it divides by the gradient's own RMS), so a
+    gradient N times too large trains the same model: only the gradient check sees it. ``prefix``
+    names the variant in each check's name ("naive: losses"); ``loss_dtype``: the dtype the loss
+    is computed in, when not the model's (the course model's loss is fp32 whatever its dtype)."""
+    import torch
+
+    from labs.train import rule
+
+    dtype = dtype or torch.float32
+    loss_dtype = loss_dtype or dtype
+    steps = len(reference_losses)
+    checks = [
+        losses_check(
+            losses,
+            reference_losses,
+            tolerance=rule("value", loss_dtype, backend).rel,
+            name=f"{prefix}losses",
+            first_step_hint=first_step_hint,
+        )
+    ]
+    if grads is not None:
+        checks.append(
+            ranks_check(
+                f"{prefix}gradients after step 1",
+                grads,
+                reference_grads,
+                tolerance=rule("value", dtype, backend).rel,
+                step=1,
+                world_size=world_size,
+                what="gradients",
+                known_scales=known_scales,
+                absolute=absolute,
+                hint=grad_hint,
+            )
+        )
+    if params is not None:
+        check = ranks_check(
+            f"{prefix}parameters after step {steps}",
+            params,
+            reference_params,
+            tolerance=rule("param", dtype, backend).rel,
+            step=steps,
+            world_size=world_size,
+            what="parameters",
+            absolute=absolute,
+        )
+        if not check.ok and grads is not None and checks[-1].ok:
+            check = dataclasses.replace(
+                check,
+                hint=(
+                    "the gradients of step 1 match and the parameters after the last step do not:"
+                    " are the gradients zeroed at the start of every step (or do they pile up),"
+                    " and does every later step synchronise them as step 1 did?"
+                    if steps > 1
+                    else "the gradients match and the parameters after the update do not: does"
+                    " the optimizer step on the synchronised gradients?"
+                ),
+            )
+        checks.append(check)
+    return checks
+
+
 def passed(checks: Iterable[Check]) -> bool:
     """True when there is at least one check and every check passed."""
     checks = list(checks)
@@ -195,6 +502,8 @@ def passed(checks: Iterable[Check]) -> bool:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))  # bytes, counts: exact
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, list) and len(value) > 4:

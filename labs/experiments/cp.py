@@ -2,6 +2,7 @@
 reference.
 
     check = attention_check(nproc=4)          # out, dq, dk, dv vs SDPA; bytes, FLOPs, memory
+    print(attention_verdict(check))           # each case's verdict
     summary = run(nproc=4)                    # notebook 06
     scaling = memory_scaling(cps=(1, 2, 4))   # saved activations per rank fall as 1/CP
     python -m labs.run cp --nproc 4 --json
@@ -173,6 +174,12 @@ def attention_worker(shape: AttnShape, cases) -> list[dict]:
                 "dq": q.grad,
                 "dk": k.grad,
                 "dv": v.grad,
+                "calls": [
+                    (phase, op, b)
+                    for phase in ("forward", "backward")
+                    for op, sent in ledger.calls_by_op(phase).items()
+                    for b in sent
+                ],
                 "sent_forward": ledger.sent_bytes("isend", "forward"),
                 "sent_backward": ledger.sent_bytes("isend", "backward"),
                 "flops_forward": fwd.flops,
@@ -196,12 +203,29 @@ def attention_check(
     figures."""
     check_options(nproc, shape.seq_len)
     per_rank = launch(attention_worker, nproc, shape, list(cases), backend=backend, timeout=timeout)
-    return attention_rows_of(per_rank, shape=shape, cases=cases)
+    rows = attention_rows_of(per_rank, shape=shape, cases=cases)
+    for i, (row, (causal, zigzag)) in enumerate(zip(rows, cases)):
+        row["checks"] = attention_checks(
+            per_rank, shape=shape, causal=causal, zigzag=zigzag, row=row, case=i
+        )
+    return rows
+
+
+def attention_verdict(rows: list[dict]) -> str:
+    """The verdict of every case of ``attention_check``, one table each."""
+    from labs.experiments.checks import verdict_table
+
+    return "\n".join(
+        verdict_table(
+            row["checks"],
+            lab=f"ring attention, {'causal' if row['causal'] else 'no mask'}, {row['layout']}",
+        )
+        for row in rows
+    )
 
 
 def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list[dict]:
     """``attention_check``'s rows from the ranks' results of ``attention_worker``."""
-    cpm = exercise("context_parallel")
     nproc = len(per_rank)
     chunk = shape.seq_len // (2 * nproc)
     block_flops = theory.block_flops(
@@ -214,7 +238,7 @@ def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list
         ref = reference_attention(shape, causal)
         diffs = {
             name: max_rel_diff(
-                cpm.unsplit_sequence([r[name] for r in ranks], zigzag=zigzag, dim=2), ref[name]
+                reassemble([r[name] for r in ranks], zigzag=zigzag, dim=2), ref[name]
             )
             for name in ("out", "dq", "dk", "dv")
         }
@@ -272,8 +296,18 @@ def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict
                 with ledger.phase("gradients"):
                     cpm.all_reduce_gradients(model, group)
             if step == 0:
-                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                grads = {
+                    n: None if p.grad is None else p.grad.clone()
+                    for n, p in model.named_parameters()
+                }
                 first_saved = saved.bytes
+                calls = [
+                    (phase, op, b)
+                    for phase in ("forward", "backward", "gradients")
+                    for op, sent in ledger.calls_by_op(phase).items()
+                    for b in sent
+                    if op not in ("irecv", "recv")  # what a rank sends
+                ]
             optimizer.step()
             if step == 0:
                 state = state_bytes(model, optimizer)["total"]
@@ -286,6 +320,8 @@ def train_worker(model_cfg: ModelConfig, cfg: TrainConfig, zigzag: bool) -> dict
     return {
         "losses": losses,
         "grads": grads,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "calls": calls,
         "step_time_s": timer.step_time(),
         "saved_bytes": first_saved,
         "sent": {ph: ledger.sent_bytes(phase=ph) for ph in ("forward", "backward", "gradients")},
@@ -323,6 +359,9 @@ def run(
         attention=check,
         attention_matches_reference=check["matches_reference"],
     )
+    summary.add_checks(
+        attention_checks(attention, shape=shape, causal=causal, zigzag=zigzag, row=check)
+    )
     if not causal:  # the course model is a causal language model: no reference to train against
         summary["training"] = (
             "skipped: the course model is causal; --no-causal checks attention only"
@@ -344,7 +383,8 @@ def run(
     ref = train_reference(model_cfg, cfg, return_grads=True)
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
     grad_diff = max(
-        max_rel_diff(r["grads"][name].double(), g.double())  # by name, every rank, after step 1
+        # by name, every rank, after step 1
+        max_rel_diff(r["grads"][name].double(), g.double()) if r["grads"][name] is not None else 1
         for r in per_rank
         for name, g in ref.grads.items()
     )
@@ -392,7 +432,188 @@ def run(
     summary["bytes_match_theory"] = all(
         abs(b - summary["theory_comm_bytes_per_rank"]) < 1 for b in summary["comm_bytes_per_rank"]
     )
+    summary.add_checks(
+        model_checks(
+            per_rank,
+            ref,
+            summary,
+            kv_per_layer=kv,
+            n_layer=model_cfg.n_layer,
+            grads_bytes=grads_theory,
+        )
+    )
     return summary
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+def own_chunks(t: torch.Tensor, *, cp: int, rank: int, zigzag: bool, dim: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens of a full tensor, computed here independently of the lab's
+    ``split_sequence`` (so the check does not trust the code it checks): chunks r and 2·CP−1−r
+    of 2·CP (zig-zag), or 2r and 2r+1."""
+    chunks = t.chunk(2 * cp, dim=dim)
+    ids = (rank, 2 * cp - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
+    return torch.cat([chunks[i] for i in ids], dim=dim)
+
+
+def reassemble(parts: list[torch.Tensor], *, zigzag: bool, dim: int) -> torch.Tensor:
+    """The full tensor from the ranks' shares (``own_chunks``'s inverse, independent of the lab's
+    ``unsplit_sequence``)."""
+    cp = len(parts)
+    pieces = {}
+    for rank, part in enumerate(parts):
+        ids = (rank, 2 * cp - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
+        pieces.update(zip(ids, part.chunk(2, dim=dim)))
+    return torch.cat([pieces[i] for i in range(2 * cp)], dim=dim)
+
+
+RING_HINTS = {
+    "out": "the merged output differs: at step s a rank holds the K/V of rank (r − s) mod CP; it "
+    "skips the chunk pairs a causal mask hides entirely, masks only the diagonal ones "
+    "(block_kind), and merges the partial results by their log-sum-exp (merge_partials). Its "
+    "tokens are the chunks chunk_ids names (zig-zag: r and 2·CP−1−r)",
+    "dq": "dq adds up, locally, every step's contribution of each chunk pair (computed with the "
+    "saved global out and lse): accumulate, do not overwrite",
+    "dkv": "each K/V block's gradient accumulator travels one hop behind its block: a rank adds "
+    "its own contribution to what arrives from r−1 before passing it on to r+1, and the "
+    "accumulator ends at the block's owner",
+}
+
+
+def attention_checks(
+    per_rank, *, shape: AttnShape, causal: bool, zigzag: bool, row: dict, case: int = 0
+) -> list:
+    """Ring attention on every rank: its share of the output and of dq, dk, dv against full
+    attention's (SDPA), the K/V bytes of every message, the blocks computed, the bytes saved."""
+    from labs.experiments.checks import calls_check, collectives_checks, compare_values, ranks_check
+
+    n = len(per_rank)
+    ref = reference_attention(shape, causal)
+    mine = [
+        {k: own_chunks(v, cp=n, rank=r, zigzag=zigzag, dim=2) for k, v in ref.items()}
+        for r in range(n)
+    ]
+    tol = TOLERANCES[torch.float32]
+    results = [r[case] for r in per_rank]
+    checks = [
+        ranks_check(
+            "ring attention output",
+            [{"out": r["out"]} for r in results],
+            [{"out": m["out"]} for m in mine],
+            tolerance=tol,
+            what="outputs",
+            hint=RING_HINTS["out"],
+        ),
+        ranks_check(
+            "ring attention dq",
+            [{"dq": r["dq"]} for r in results],
+            [{"dq": m["dq"]} for m in mine],
+            tolerance=tol,
+            what="gradients",
+            hint=RING_HINTS["dq"],
+        ),
+        ranks_check(
+            "ring attention dk, dv",
+            [{"dk": r["dk"], "dv": r["dv"]} for r in results],
+            [{"dk": m["dk"], "dv": m["dv"]} for m in mine],
+            tolerance=tol,
+            what="gradients",
+            hint=RING_HINTS["dkv"],
+        ),
+    ]
+    message = shape.kv_bytes() / n  # this rank's K and V, stacked
+    expected = [("forward", "isend", message)] * (n - 1) + [("backward", "isend", message)] * (
+        2 * (n - 1)
+    )
+    checks += collectives_checks(
+        [[c for c in r["calls"] if c[1] in ("isend", "send")] for r in results],
+        [expected] * n,
+        world_size=n,
+        count_hint="the {phase} pass sent another number of messages than the ring's: forward, "
+        "CP−1 hops of the local K/V; backward, CP−1 hops of K/V and CP−1 of their gradients",
+        hint="a message is this rank's K and V, stacked, unrepeated (nkv heads): "
+        "[2, B, nkv, T/cp, hd]",
+    )
+    checks.append(
+        calls_check(
+            "blocks computed per rank (forward, backward)",
+            [
+                [row["blocks_measured_forward"][r], row["blocks_measured_backward"][r]]
+                for r in range(n)
+            ],
+            [[row["blocks_theory"][r]] * 2 for r in range(n)],
+            what="blocks",
+            hint="a causal mask hides the chunk pairs whose keys all come after the queries: skip "
+            "them (block_kind 'masked') and compute the others once each",
+        )
+    )
+    checks.append(
+        compare_values(
+            "bytes saved for backward per rank",
+            row["saved_bytes"],
+            [row["theory_saved_bytes"]] * n,
+            hint="ring attention saves its local q, k, v, out and lse, never a T×T matrix "
+            "(the backward recomputes each block's scores)",
+        )
+    )
+    return checks
+
+
+def model_checks(per_rank, ref, summary, *, kv_per_layer, n_layer, grads_bytes) -> list:
+    """The context-parallel course model on every rank: losses, gradients after step 1 and
+    parameters after the last step by name, every message and the gradients' all-reduce, state."""
+    from labs.experiments.checks import collectives_checks, compare_values, training_checks
+
+    n = len(per_rank)
+    checks = training_checks(
+        losses=per_rank[0]["losses"],
+        reference_losses=ref.losses,
+        grads=[r["grads"] for r in per_rank],
+        reference_grads=ref.grads,
+        params=[r["params"] for r in per_rank],
+        reference_params=ref.params,
+        backend=summary["backend"],
+        world_size=n,
+        known_scales={
+            float(n): "each rank's loss is a mean over its T/CP tokens: weight it by its token "
+            "share before backward, then sum the gradients over the CP group (or divide the sum "
+            "by CP)"
+        },
+        first_step_hint="the context-parallel model's loss differs at step 1: its attention "
+        "must be causal over the whole sequence, each rank's tokens at their own (zig-zag) "
+        "positions (shard_inputs)",
+    )
+    message = kv_per_layer / n
+    expected = (
+        [("forward", "isend", message)] * (n_layer * (n - 1))
+        + [("backward", "isend", message)] * (n_layer * 2 * (n - 1))
+        + [("gradients", "all_reduce", grads_bytes)]
+    )
+    checks += collectives_checks(
+        [r["calls"] for r in per_rank],
+        [expected] * n,
+        world_size=n,
+        count_hint="the {phase} phase issued another number of {op} calls than the theory: per "
+        "layer CP−1 K/V hops forward, 2 (CP−1) backward (K/V and their gradients), then one "
+        "all-reduce of every gradient",
+    )
+    checks.append(
+        compare_values(
+            "state bytes per rank",
+            summary["state_bytes_per_rank"],
+            [summary["theory_state_bytes_per_rank"]] * n,
+            hint="weights are replicated over the CP group: every rank holds the whole model",
+        )
+    )
+    checks.append(
+        compare_values(
+            "saved activation bytes per rank",
+            summary["saved_activation_bytes_per_rank"],
+            [summary["theory_saved_activation_bytes"]] * n,
+            hint="each rank saves its own T/CP tokens' activations, and ring attention no T×T "
+            "matrix: the memory calculator's figure with cp",
+        )
+    )
+    return checks
 
 
 def calculator_activation_bytes(model_cfg: ModelConfig, *, seq: int, batch: int, cp: int) -> float:

@@ -25,6 +25,7 @@ Checks, for every variant and every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from labs.data import TokenWindows
+from labs.experiments.checks import Check, calls_check, compare_values, ranks_check, training_checks
 from labs.experiments.common import RunSummary, fill_losses, new_summary
 from labs.measure import CommLedger
 from labs.measure.memory import state_bytes
@@ -46,7 +48,7 @@ from labs.runtime.launcher import launch, report_progress
 from labs.theory import memory as memory_theory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
-from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls
+from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import (
     PARAM_TOLERANCES,
     TOLERANCES,
@@ -82,14 +84,12 @@ class TorchDDP(DistributedDataParallel):
         pass
 
 
-def build(job: Job, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The job's model (same seed, same weights everywhere) in its dtype, on ``device``: a rank
-    passes ``rank_device()``, the single-process reference keeps the default CPU."""
-    model = (
-        build_awkward(job.train.seed)
-        if job.model == "awkward"
-        else build_model(job.model_cfg, seed=job.train.seed)
-    )
+def build(job: Job, device: torch.device | str = "cpu", seed: int | None = None) -> torch.nn.Module:
+    """The job's model (same seed, same weights everywhere; ``seed`` overrides the job's) in its
+    dtype, on ``device``: a rank passes ``rank_device()``, the single-process reference keeps the
+    default CPU."""
+    seed = job.train.seed if seed is None else seed
+    model = build_awkward(seed) if job.model == "awkward" else build_model(job.model_cfg, seed=seed)
     return model.to(device=device, dtype=getattr(torch, job.dtype))
 
 
@@ -113,13 +113,17 @@ def backward_order_bytes(model: torch.nn.Module) -> list[int]:
 
 
 def train_variant(variant: str, job: Job, group=None) -> dict:
-    """Train one variant on this rank; the ledger labels the wrap and each step."""
+    """Train one variant on this rank; the ledger labels the wrap and each step. Every rank but the
+    group's first builds its model from another seed: wrapping must give it the first rank's
+    weights (a DDP that forgot the broadcast would otherwise go unnoticed)."""
     ddp = exercise("ddp")
     device = rank_device()
-    model = build(job, device)
+    me = dist.get_rank(group)
+    model = build(job, device, seed=None if me == 0 else job.train.seed + 1000 + me)
     with CommLedger() as ledger:
         with ledger.phase("wrap"):
             wrapped = wrap(variant, model, bucket_mb=job.bucket_mb, group=group)
+        after_wrap = {n: t.detach().clone() for n, t in model.state_dict().items()}
         optimizer = make_optimizer(wrapped.parameters(), job.train)
         data = ddp.rank_data(job.train, group=group, grad_accum=job.grad_accum)
         losses = []
@@ -142,6 +146,9 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
         "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None),
         "calls": [ledger.calls("all_reduce", ph) for ph in phases],
         "sent": [ledger.sent_bytes("all_reduce", ph) for ph in phases],
+        "sent_per_call": [ledger.calls_by_op(ph).get("all_reduce", []) for ph in phases],
+        "broadcast_per_call": ledger.calls_by_op("wrap").get("broadcast", []),
+        "after_wrap": after_wrap,
         "other_calls": [ledger.calls(None, ph) - ledger.calls("all_reduce", ph) for ph in phases],
         "broadcasts": ledger.calls("broadcast", "wrap"),
         "wrap_calls": ledger.calls(None, "wrap"),
@@ -214,13 +221,18 @@ def theory_for(
     get a gradient; ``trainable_bytes``: every trainable tensor in backward order (a bucket
     reserves room, and sends bytes, for each of them, used or not)."""
     if variant == "bucketed":
+        buckets = bucket_layout(trainable_bytes, bucket_mb * MiB)
         return {
             "calls": all_reduce_calls(variant, trainable_bytes, bucket_mb * MiB),
             "bytes": all_reduce_bytes(sum(trainable_bytes), nproc),
+            "per_call": [
+                all_reduce_bytes(sum(trainable_bytes[i] for i in b), nproc) for b in buckets
+            ],
         }
     return {
         "calls": all_reduce_calls(variant, grad_bytes),
         "bytes": all_reduce_bytes(sum(grad_bytes), nproc),
+        "per_call": [all_reduce_bytes(b, nproc) for b in grad_bytes],
     }
 
 
@@ -313,6 +325,19 @@ def run(
                 bucket_mb=bucket_mb,
             ),
         )
+    for v in job.variants:
+        summary.add_checks(
+            variant_checks(
+                v,
+                [r["variants"][v] for r in per_rank],
+                ref,
+                nproc=nproc,
+                theory=summary["variants"][v],
+                broadcast=broadcast_bytes(ref_model, nproc),
+                grad_accum=grad_accum,
+                backend=per_rank.backend,
+            )
+        )
     rows = summary["variants"].values()
     row = summary["variants"][job.variants[-1]]
     runs = [r["variants"][job.variants[-1]] for r in per_rank]
@@ -333,6 +358,20 @@ def run(
         theory_state_bytes_per_rank=state_theory["total_bytes"] * itemsize // 4,
         step_time_s=row["step_time_s"],
     )
+    if model == "course":  # the theory's 16 bytes per parameter: the awkward model has frozen ones
+        summary.add_checks(
+            [
+                compare_values(
+                    "state bytes per rank",
+                    summary["state_bytes_per_rank"],
+                    [summary["theory_state_bytes_per_rank"]] * nproc,
+                    hint="parameters, gradients and AdamW's two moments: every rank holds the whole"
+                    " model's, 16 bytes per fp32 parameter",
+                    world_size=nproc,
+                    what="state bytes",
+                )
+            ]
+        )
     if vs_torch:
         timing = [r["vs_torch"] for r in per_rank]
         ours = max(t["step_time_s"]["ours"] for t in timing)
@@ -377,6 +416,7 @@ def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) ->
         ),
         all_reduce_calls_per_step=runs[0]["calls"],
         theory_all_reduce_calls=theory["calls"],
+        theory_all_reduce_bytes_per_call=theory["per_call"],
         comm_bytes_per_rank_per_step=[r["sent"] for r in runs],
         theory_comm_bytes_per_rank=theory["bytes"],
         calls_match_theory=all(c == theory["calls"] for r in runs for c in r["calls"]),
@@ -389,6 +429,128 @@ def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) ->
         step_time_s=max(r["step_time_s"] for r in runs),
     )
     return row
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+def broadcast_bytes(model: torch.nn.Module, nproc: int) -> list[float]:
+    """Bytes each rank sends per broadcast at wrap time: one per parameter and buffer."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return [(nproc - 1) / nproc * t.numel() * t.element_size() for t in tensors]
+
+
+def _unsynchronised(runs: list[dict], name: str) -> bool:
+    return any(not torch.equal(r["first_grads"][name], runs[0]["first_grads"][name]) for r in runs)
+
+
+def variant_checks(
+    variant: str,
+    runs: list[dict],
+    ref,
+    *,
+    nproc: int,
+    theory: dict,  # the variant's row: ``theory_all_reduce_bytes_per_call``
+    broadcast: list[float],
+    grad_accum: int,
+    backend: str,
+) -> list[Check]:
+    """One variant's checks, on every rank: the weights after the wrap's broadcast, losses,
+    gradients after step 1 and parameters after the last step by name, the ranks' replicas, and
+    the collectives call by call (the wrap's broadcasts, each step's all-reduces)."""
+    dtype = next(iter(ref.params.values())).dtype
+    prefix = f"{variant}: "
+    known = {}
+    if grad_accum > 1:
+        known[float(grad_accum)] = (
+            f"did you divide each micro-batch's loss by the number of micro-batches "
+            f"(loss / {grad_accum})?"
+            + (
+                f" (or the sum by the world size: here both are {grad_accum})"
+                if grad_accum == nproc
+                else ""
+            )
+        )
+    checks = [
+        ranks_check(
+            f"{prefix}weights after wrap equal rank 0's",
+            [r["after_wrap"] for r in runs],
+            runs[0]["after_wrap"],
+            tolerance=0.0,
+            what="weights",
+            hint="each rank started from other weights and wrapping must overwrite them with "
+            "the group's first rank's: broadcast every parameter and buffer from it at wrap time "
+            "(broadcast_parameters)",
+        )
+    ]
+    checks += training_checks(
+        losses=_mean_losses([r["losses"] for r in runs]),
+        reference_losses=ref.losses,
+        grads=[r["first_grads"] for r in runs],
+        reference_grads=ref.grads,
+        params=[r["params"] for r in runs],
+        reference_params=ref.params,
+        dtype=dtype,
+        loss_dtype=torch.float32,  # the course model computes its loss in fp32 (logits.float())
+        backend=backend,
+        world_size=nproc,
+        prefix=prefix,
+        known_scales=known,
+        first_step_hint="the loss (the mean of the ranks') differs at step 1, before any update: "
+        "does each rank train on its own B/N sequences of the global batch (rank_data), from "
+        "rank 0's weights?",
+    )
+    grads = checks[2]
+    if not grads.ok and not grads.hint.startswith("gradients are"):  # no scale explains it
+        name = grads.where.rpartition(", ")[2]
+        if name in ref.grads and _unsynchronised(runs, name):
+            checks[2] = dataclasses.replace(
+                grads,
+                hint=f"the ranks hold different gradients for {name} after the synchronisation: "
+                "its all-reduce never ran (a hook not registered, a bucket never launched) or ran "
+                "on a tensor that is not its .grad",
+            )
+    checks.append(
+        Check(
+            f"{prefix}ranks hold identical parameters",
+            all(
+                torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params
+            ),
+            measured="after the last step",
+            expected="bit for bit",
+            where=f"{nproc} ranks",
+            hint="the replicas drifted apart: every rank must apply the same averaged gradient",
+        )
+    )
+    steps = len(runs[0]["sent_per_call"])
+    checks.append(
+        calls_check(
+            f"{prefix}broadcast bytes per call at wrap",
+            [sorted(r["broadcast_per_call"]) for r in runs],
+            [sorted(broadcast)] * nproc,
+            world_size=nproc,
+            count_hint="wrapping broadcasts every parameter and buffer once (a tied weight once)",
+        )
+    )
+    unit = "bucket" if variant == "bucketed" else "gradient tensor"
+    checks.append(
+        calls_check(
+            f"{prefix}all_reduce bytes per call",
+            [[b for step in r["sent_per_call"] for b in sorted(step)] for r in runs],
+            [sorted(theory["theory_all_reduce_bytes_per_call"]) * steps] * nproc,
+            world_size=nproc,
+            count_hint=f"one all-reduce per {unit} per step "
+            f"({len(theory['theory_all_reduce_bytes_per_call'])})"
+            + (
+                ": a bucket closes as soon as it holds >= bucket_mb MiB, walking the parameters in"
+                " backward order;"
+                if variant == "bucketed"
+                else ","
+            )
+            + " issued only by the last micro-batch's backward (no_sync before)",
+            hint=f"an all-reduce carried another size than its {unit}"
+            + (": check where a bucket closes (>= bucket_mb MiB)" if variant == "bucketed" else ""),
+        )
+    )
+    return checks
 
 
 # --- DistributedSampler ---------------------------------------------------------------------

@@ -443,9 +443,20 @@ def run(
         backend=one.backend,
     )
     per_mode = {}
+    mode_checks = {}
     for m in MODES if mode == "both" else (mode,):
         per_rank = job(
             nproc, full, batch, new_tokens, m, steps, cfg.n_embd, desc=f"{m} on {nproc} ranks"
+        )
+        mode_checks[m] = checks_of_mode(
+            per_rank,
+            mode=m,
+            spec=course_spec(cfg),
+            reference=reference,
+            prompts=batch,
+            new_tokens=new_tokens,
+            backend=per_rank.backend,
+            prefix=f"{m}: ",
         )
         per_mode[m] = mode_summary(
             per_rank,
@@ -485,6 +496,11 @@ def run(
         with one_thread():  # a warm-up generation, then ``steps`` timed, as ours
             s["torch_step_time_s"] = time_steps(torch_generation, steps + 1)
         s["torch_tokens_per_s"] = prompts * new_tokens / s["torch_step_time_s"]
+    s.add_checks(
+        [tokens_check(one[:1], reference, name="one rank: greedy tokens", backend=one.backend)]
+    )
+    for checks in mode_checks.values():
+        s.add_checks(checks)
     if mode != "both":
         s.update(per_mode[mode])
         s["mode"] = mode
@@ -505,6 +521,147 @@ def run(
     ):
         s[key] = {m: v[key] for m, v in per_mode.items()}
     return s
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+PREFILL_HINT = (
+    "the first token (the prefill's) differs: the prompt's forward. Check the attention mask (no "
+    "key after the query's slot, none on a left pad), that the logits are the last slot's, and "
+    "under TP the greedy pick: the global id of a rank's best logit is r·V/tp + its local id"
+)
+DECODE_HINT = (
+    "the tokens agree up to step {i} and then part: the decode steps. Each feeds the previous "
+    "token at the next slot (start advances by the tokens fed: T0 after the prefill, then 1), and "
+    "the cache must return every earlier slot's K and V"
+)
+
+
+def tokens_check(per_rank: list[dict], reference, *, name: str, backend: str):
+    """The greedy tokens of every rank that holds them against the reference, by the tolerance
+    table's "greedy_tokens" rule; a failure names the rank, prompt and step where they part."""
+    from labs.experiments.checks import Check
+
+    holders = [(i, r["tokens"]) for i, r in enumerate(per_rank) if r["tokens"] is not None]
+    if not holders:
+        return Check(name, False, "no rank", "tokens", hint="no rank returned the tokens")
+    for rank, tokens in holders:
+        if tokens_agree(tokens, reference.tokens, reference.margins, backend=backend):
+            continue
+        if tokens.shape != reference.tokens.shape:
+            return Check(
+                name,
+                False,
+                list(tokens.shape),
+                list(reference.tokens.shape),
+                where=f"rank {rank}",
+                hint="the tokens are [B, new_tokens]: one per prompt per step",
+            )
+        b, i = (tokens != reference.tokens).nonzero()[0].tolist()
+        return Check(
+            name,
+            False,
+            tokens[b, : i + 1].tolist(),
+            reference.tokens[b, : i + 1].tolist(),
+            where=f"rank {rank}, prompt {b}, token {i}",
+            hint=PREFILL_HINT if i == 0 else DECODE_HINT.format(i=i),
+        )
+    return Check(
+        name,
+        True,
+        "equal",
+        "the reference's",
+        where=f"{len(holders)} ranks, {tuple(reference.tokens.shape)}",
+    )
+
+
+def _per_call(rows: dict) -> list[tuple[str, float]]:
+    """(op, payload) of every call of a theory row {op: {"calls", "payload_bytes", ...}}."""
+    return [
+        (op, row["payload_bytes"] / row["calls"])
+        for op, row in rows.items()
+        for _ in range(int(row["calls"]))
+    ]
+
+
+def checks_of_mode(
+    per_rank: list[dict],
+    *,
+    mode: str,
+    spec,
+    reference,
+    prompts,
+    new_tokens: int,
+    backend: str,
+    prefix: str = "",
+) -> list:
+    """One mode's checks on every rank: the tokens, the messages of the prefill and of every decode
+    step call by call (payload bytes), KV-cache and weight bytes."""
+    from labs.experiments.checks import Check, collectives_checks, compare_values
+
+    nproc = len(per_rank)
+    batch = len(prompts)
+    t0 = max(len(p) for p in prompts)
+    comm = dict(mode=mode, degree=nproc, batch=batch, dtype_bytes=4)
+    prefill = theory.forward_comm(spec, tokens=t0, **comm)
+    decode = theory.forward_comm(spec, tokens=1, **comm)
+    expected = [
+        [("prefill", op, b) for op, b in _per_call(prefill[r])]
+        + [("decode", op, b) for op, b in _per_call(decode[r])] * (new_tokens - 1)
+        for r in range(nproc)
+    ]
+    measured = [
+        [("prefill", op, payload) for op, payload, _ in r["prefill"]]
+        + [("decode", op, payload) for step in r["decode"] for op, payload, _ in step]
+        for r in per_rank
+    ]
+    holders = [i for i, r in enumerate(per_rank) if r["tokens"] is not None]
+    want = list(range(nproc)) if mode == "tp" else sorted({0, nproc - 1})
+    checks = [
+        tokens_check(per_rank, reference, name=f"{prefix}greedy tokens", backend=backend),
+        Check(
+            f"{prefix}ranks returning the tokens",
+            holders == want,
+            holders,
+            want,
+            hint="TP: every rank computes every token; placement: the first stage (it embeds "
+            "them next) and the last (it picks them) hold the tokens, the others return None",
+        ),
+    ]
+    checks += collectives_checks(
+        measured,
+        expected,
+        world_size=nproc,
+        count_hint="the {phase} forward issued another number of {op} calls than the theory: "
+        "TP, 2L + 1 all-reduces (the embedding's g, o_proj's and down_proj's per layer) and "
+        "one all-gather of each rank's best (logit, id); placement, one send and one receive "
+        "per stage",
+        prefix=prefix,
+    )
+    kv = dict(
+        batch=batch, seq=t0 + new_tokens, tp=1 if mode == "placement" else nproc, dtype_bytes=4
+    )
+    stages = nproc if mode == "placement" else 1
+    checks += [
+        compare_values(
+            f"{prefix}KV-cache bytes per rank",
+            [r["kv_cache_bytes"] for r in per_rank],
+            [
+                theory.kv_cache_bytes_per_rank(spec, stage=r if stages > 1 else 0, pp=stages, **kv)
+                for r in range(nproc)
+            ],
+            hint="a rank's cache holds K and V of its own layers and heads (TP: nkv/tp heads), "
+            "for T0 + new_tokens slots",
+            world_size=nproc,
+        ),
+        compare_values(
+            f"{prefix}weight bytes per rank",
+            [r["weight_bytes"] for r in per_rank],
+            theory.weight_bytes_per_rank(spec, mode=mode, degree=nproc, dtype_bytes=4),
+            hint="TP: 1/tp of every matrix, the norms whole; placement: the stage's layers",
+            world_size=nproc,
+        ),
+    ]
+    return checks
 
 
 # --- notebook 09's views --------------------------------------------------------------------------

@@ -209,6 +209,8 @@ def measure_rank(
                 for p in model.parameters():  # data parallel: average the gradients over the ranks
                     dist.all_reduce(p.grad)
                     p.grad /= world
+            if step == 0:  # the averaged gradients of step 1, as the optimizer receives them
+                first_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
             if master is not None and fp32_grad_accum:
                 for p32, p in zip(master, model.parameters()):
                     p32.grad.add_(p.grad)
@@ -222,6 +224,11 @@ def measure_rank(
                     "activation_bytes": act_bytes,
                     "regions": regions,
                     "comm_bytes": ledger.sent_bytes(),
+                    "comm_per_call": ledger.calls_by_op().get("all_reduce", []),
+                    "expected_per_call": [
+                        all_reduce_bytes(p.numel() * p.element_size(), world)
+                        for p in model.parameters()
+                    ],
                 }
             if master is not None:
                 for p32, p in zip(master, model.parameters()):
@@ -241,9 +248,13 @@ def measure_rank(
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         report_progress()
+    names = [n for n, _ in model.named_parameters()]
+    final = master if master is not None else list(model.parameters())  # fp32 masters, if any
     return {
         **out,
         "losses": losses,
+        "first_grads": first_grads,
+        "params": {n: p.detach().float().clone() for n, p in zip(names, final)},
         "step_time_s": timer.step_time(),
         "device": device.type,
     }
@@ -322,7 +333,8 @@ def run(
         progress=steps * len(configs),
         desc="steps",
     )
-    reference = train_reference(model_cfg, train_cfg, dp=nproc).losses
+    ref = train_reference(model_cfg, train_cfg, dp=nproc, return_grads=True)
+    reference = ref.losses
     spec = course_spec(model_cfg)
     b = train_cfg.per_rank_batch(nproc)
     # bytes to the byte on gloo; 5% on GPUs (the table's "activation_bytes" rule says why)
@@ -402,7 +414,108 @@ def run(
             for c in r["comm_bytes_per_rank"]
         ),
     )
+    summary.add_checks(memory_checks(per_rank, configs, rows, ref, summary, act_tol=act_tol))
     return summary
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+RECOMPUTE_HINTS = {
+    "none": "every tensor autograd saves for backward counts, except the parameters (state, "
+    "counted apart): the calculator lists each one",
+    "selective": "selective recomputation keeps the matmuls' and attention's outputs only "
+    "(SaveMatmuls says MUST_SAVE for them) and recomputes the rest",
+    "full": "full recomputation keeps only each block's input (torch.utils.checkpoint around the "
+    "block) and reruns the block in backward",
+}
+
+
+def memory_checks(per_rank, configs, rows, ref, summary, *, act_tol: float) -> list:
+    """Per precision: losses and every rank's gradients after step 1 against the fp32 reference
+    (the bf16 tolerance for bf16-mixed), and in fp32 the parameters after the last step; per
+    configuration: the
+    state bytes and the saved activations against the calculator (on every rank), the gradients'
+    all-reduces call by call; recomputation changes no loss."""
+    from labs.experiments.checks import Check, calls_check, compare_values, training_checks
+
+    backend = summary["backend"]
+    n = len(per_rank)
+    checks = []
+    seen = set()
+    for i, ((precision, recompute), row) in enumerate(zip(configs, rows)):
+        measured = [r[i] for r in per_rank]
+        prefix = f"{precision}/{recompute}: "
+        if precision not in seen:
+            seen.add(precision)
+            checks += training_checks(
+                losses=row["losses"],
+                reference_losses=ref.losses,
+                grads=[m["first_grads"] for m in measured],
+                reference_grads=ref.grads,
+                # bf16-mixed against the fp32 reference: AdamW turns the bf16 rounding of a
+                # near-zero gradient into a whole step of lr, so its parameters are compared
+                # through the losses (the tolerance table has no rule for it)
+                params=[m["params"] for m in measured] if precision == "fp32" else None,
+                reference_params=ref.params,
+                dtype=DTYPES[precision],
+                backend=backend,
+                world_size=n,
+                prefix=prefix,
+                first_step_hint="the loss differs at step 1: the forward (and its bf16 copy of "
+                "the weights) is not the reference's",
+            )
+        checks.append(
+            _list_check(
+                f"{prefix}state bytes (params, grads, optimizer)",
+                [[m[k] for k in STATE_KEYS] for m in measured],
+                [row["predicted"][k] for k in STATE_KEYS],
+                hint="parameters, gradients and optimizer state are counted from the real "
+                "tensors: bf16-mixed holds bf16 weights and gradients, fp32 masters and AdamW's "
+                "two fp32 moments",
+            )
+        )
+        acts = [m["activation_bytes"] for m in measured]
+        want = row["predicted"]["activation_bytes"]
+        checks.append(
+            compare_values(
+                f"{prefix}activation bytes",
+                acts,
+                [want] * n,
+                tolerance=act_tol or None,
+                hint=RECOMPUTE_HINTS[recompute],
+            )
+        )
+        checks.append(
+            calls_check(
+                f"{prefix}all_reduce bytes per call",
+                [m["comm_per_call"] for m in measured],
+                [m["expected_per_call"] for m in measured],
+                world_size=n,
+                count_hint="data parallelism all-reduces every gradient once per step",
+            )
+        )
+    changed = summary["recompute_changes_loss"]
+    checks.append(
+        Check(
+            "recomputation changes no loss",
+            not changed,
+            "changed" if changed else "unchanged",
+            "unchanged",
+            where="every recompute setting, per precision",
+            hint="recomputation reruns the same ops on the same inputs: the losses must be bit "
+            "for bit those without it",
+        )
+    )
+    return checks
+
+
+def _list_check(name: str, per_rank: list[list[int]], expected: list[int], *, hint: str):
+    """Every rank's figures equal ``expected`` exactly; the first rank that differs is named."""
+    from labs.experiments.checks import Check
+
+    for rank, got in enumerate(per_rank):
+        if got != expected:
+            return Check(name, False, got, expected, where=f"rank {rank}", hint=hint)
+    return Check(name, True, per_rank[0], expected, where=f"{len(per_rank)} ranks")
 
 
 def add_arguments(parser) -> None:

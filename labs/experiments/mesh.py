@@ -61,6 +61,25 @@ def groups_table(**degrees) -> dict[str, list[list[int]]]:
     return {name: lab.group_ranks(dims, axes) for name, axes in lab.GROUPS.items()}
 
 
+def axis_of(group, mesh) -> str:
+    """The mesh axis (tp, cp, pp, dp_cp; "dp" for the drawn dp group) a process group is, else
+    "world"."""
+    return next((name for name, g in mesh.groups.items() if g is not None and g is group), "world")
+
+
+def calls_by_axis(ledger: CommLedger, mesh) -> list[tuple[str, str, float]]:
+    """(axis, op, bytes sent) of every collective and send this rank issued (receives left out)."""
+    return [
+        (
+            axis_of(group, mesh),
+            r.op.replace("_single", "").replace("_into_tensor", ""),
+            r.sent_bytes,
+        )
+        for group, r in zip(ledger.groups, ledger.records)
+        if r.op not in ("recv", "irecv")
+    ]
+
+
 def sent_by_axis(ledger: CommLedger, mesh) -> dict[str, float]:
     """Bytes this rank sent on each mesh axis (tp, cp, pp, dp_cp), from the group of each
     collective."""
@@ -107,11 +126,23 @@ class GradProbe:
     def gathered(self, group) -> dict[str, torch.Tensor]:
         if self.grads is not None:
             return self.grads
+        return self._whole(self.shards, group)
+
+    def gathered_params(self, *, zero3: bool) -> dict[str, torch.Tensor]:
+        """Whole (TP-local) parameters by name, now: under ZeRO-3 (``zero3``) gathered over the
+        units' group with the ZeRO module's public ``summon_full_params``, else the module's own
+        (whole on every rank)."""
+        if not zero3:
+            return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+        with exercise("zero").summon_full_params(self.module):
+            return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+    def _whole(self, shards, group) -> dict[str, torch.Tensor]:
         names = {p: n for n, p in self.module.named_parameters()}
         out = {}
-        for u, shard in self.shards:
+        for u, shard in shards:
             flat = torch.empty(u.padded, dtype=shard.dtype, device=shard.device)
-            dist.all_gather_single(flat, shard, group=group)
+            dist.all_gather_single(flat, shard.contiguous(), group=group)
             out.update({names[p]: v.clone() for p, v in zip(u.params, u.views(flat))})
         return out
 
@@ -160,6 +191,7 @@ def worker(
         numels = [sum(p.numel() for p in c.module.parameters())]
         theory_held = 16 * numels[0]  # fp32 parameters and gradients, AdamW's two moments
     grads = probe.gathered(mesh.groups["dp_cp"])  # collective over dp_cp: every rank takes part
+    params = probe.gathered_params(zero3=zero == 3 and mesh.size("dp_cp") > 1)
     # the others hold the same averaged gradient
     keep = mesh.coords["dp"] == 0 and mesh.coords["cp"] == 0
     return {
@@ -169,7 +201,9 @@ def worker(
         "torch_ranks": torch_ranks,
         "losses": losses,
         "grads": grads if keep else None,
+        "params": params if keep else None,
         "sent_by_axis": sent_by_axis(ledger, mesh),
+        "calls": calls_by_axis(ledger, mesh),
         "unit_numels": numels,
         "layers": [int(k) for k in getattr(c.module, "layers", {}).keys()] if dims.pp > 1 else None,
         "microbatches": c.microbatches,
@@ -349,7 +383,173 @@ def run(
         abs(m.get(a, 0.0) - t[a]) < 1 for m, t in zip(measured, theory) for a in AXIS_NAMES
     ) and all(m.get("world", 0.0) == 0 for m in measured)
     s["state_matches_theory"] = s["state_bytes_per_rank"] == s["theory_state_bytes_per_rank"]
+    s.add_checks(mesh_checks(per_rank, ref, s, dims=dims, model_cfg=model_cfg, cfg=cfg))
     return s
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+def local_reference(reference: dict, local: dict | None, tp: int, t: int) -> dict | None:
+    """The reference's tensors as rank (tp coordinate ``t``) holds them: its TP block where the
+    shapes differ (along that dimension, tp order), the whole tensor where replicated."""
+    if local is None:
+        return None
+    out = {}
+    for name, got in local.items():
+        ref = reference[name]
+        dims = [i for i, (a, b) in enumerate(zip(got.shape, ref.shape)) if a != b]
+        out[name] = ref.chunk(tp, dims[0])[t] if dims else ref
+    return out
+
+
+MESH_GROUP_HINT = (
+    "a group holds the ranks whose coordinates differ only along its own axes: two ranks share the "
+    "tp group when their dp, pp and cp coordinates agree (ParallelDims.coords), listed in "
+    "increasing rank"
+)
+
+
+def mesh_checks(per_rank, ref, s: RunSummary, *, dims, model_cfg, cfg) -> list:
+    """Groups against torch's device mesh, losses, gradients after step 1 and parameters after the
+    last step (every rank with dp = cp = 0, its TP shard and its stage, by name), bytes on every
+    axis (per call for tp, cp and pp), nothing on the world group, state."""
+    from labs.experiments.checks import Check, collectives_checks, compare_values, training_checks
+
+    n = len(per_rank)
+    bad = [
+        r["rank"]
+        for r in per_rank
+        if {k: r["ranks"][k] for k in r["torch_ranks"]} != r["torch_ranks"]
+    ]
+    checks = [
+        Check(
+            "groups equal torch's init_device_mesh",
+            not bad,
+            "differ on rank " + str(bad[0]) if bad else "equal",
+            "equal",
+            where=f"{n} ranks" + (f": {per_rank[bad[0]]['ranks']}" if bad else ""),
+            hint=MESH_GROUP_HINT,
+        )
+    ]
+    checks += training_checks(
+        losses=s["losses"],
+        reference_losses=ref.losses,
+        grads=[r["grads"] for r in per_rank],
+        reference_grads=[
+            local_reference(ref.grads, r["grads"], dims.tp, r["coords"]["tp"]) or {}
+            for r in per_rank
+        ],
+        params=[r["params"] for r in per_rank],
+        reference_params=[
+            local_reference(ref.params, r["params"], dims.tp, r["coords"]["tp"]) or {}
+            for r in per_rank
+        ],
+        backend=s["backend"],
+        world_size=dims.dp * dims.cp,
+        known_scales={
+            float(dims.dp * dims.cp): "ZeRO must average (not sum) the gradients over dp_cp",
+        }
+        if dims.dp * dims.cp > 1
+        else None,
+        first_step_hint="the composed model's loss differs at step 1: each DP rank takes its own "
+        "B/dp rows of the global batch, CP its zig-zag tokens, and the layers are the earlier "
+        "labs' (TP with SP without PP; with PP, whole logits from the head)",
+        grad_hint="the gradients of the composed model differ: ZeRO averages them over dp_cp, the "
+        "ranks that hold the same weights (dp and cp), and only there",
+    )
+    holders = {n_ for r in per_rank if r["grads"] is not None for n_ in r["grads"]}
+    checks.append(
+        Check(
+            "every gradient assembled",
+            holders == set(ref.grads),
+            len(holders),
+            len(ref.grads),
+            where="dp = cp = 0 ranks",
+            hint="some parameters are on no stage or got no gradient",
+        )
+    )
+    theory = s["theory_comm_bytes_by_axis"]
+    for axis in AXIS_NAMES:
+        checks.append(
+            compare_values(
+                f"bytes sent on the {axis} group",
+                [m.get(axis, 0.0) for m in s["comm_bytes_by_axis"]],
+                [t[axis] for t in theory],
+                tolerance=1e-9,
+                world_size=n,
+                what="bytes",
+                hint=f"the {axis} axis carries another volume than its lab's theory: is each "
+                "collective issued on its own group (tp, cp, pp, dp_cp)?",
+            )
+        )
+    checks.append(
+        compare_values(
+            "bytes sent on the world group",
+            [m.get("world", 0.0) for m in s["comm_bytes_by_axis"]],
+            [0.0] * n,
+            hint="every collective of the composed step runs on one axis's group, none on the "
+            "default (world) group or the drawn dp group: gradients over dp_cp",
+        )
+    )
+    expected = [expected_calls(r, dims, model_cfg, cfg) for r in per_rank]
+    measured = [
+        [(axis, op, b) for axis, op, b in r["calls"] if axis in ("tp", "cp", "pp")]
+        for r in per_rank
+    ]
+    checks += collectives_checks(
+        measured,
+        expected,
+        world_size=n,
+        count_hint="the {phase} group carries another number of {op} calls than its lab's "
+        "theory (tp: SP's all-gathers and reduce-scatters without PP, all-reduces with PP)",
+    )
+    checks.append(
+        compare_values(
+            "state bytes per rank",
+            s["state_bytes_per_rank"],
+            s["theory_state_bytes_per_rank"],
+            hint="ZeRO's shards over dp_cp of the rank's TP shard of its stage",
+        )
+    )
+    return checks
+
+
+def expected_calls(r: dict, dims, model_cfg, cfg) -> list[tuple[str, str, float]]:
+    """(axis, op, bytes) of every tp, cp and pp call rank ``r`` should issue in a step."""
+    spec = course_spec(model_cfg)
+    b = cfg.batch_size // dims.dp
+    T = cfg.seq_len
+    m = r["microbatches"]
+    out = []
+    p = r["coords"]["pp"]
+    if dims.tp > 1 and dims.pp == 1:
+        calls = tp_theory.collectives(spec, tp=dims.tp, sp=True, batch=b, seq=T // dims.cp)
+        out += [("tp", x["op"], x["sent_bytes"]) for x in calls]
+    elif dims.tp > 1:
+        calls = tp_theory.collectives(spec, tp=dims.tp, sp=False, batch=b // m, seq=T)
+        mine = [
+            x
+            for x in calls
+            if any(x["where"].startswith(f"layers.{i}.") for i in r["layers"])
+            or (p == 0 and x["where"] == "tok_emb")
+            or (p == dims.pp - 1 and x["where"] == "lm_head input")
+        ]
+        out += [("tp", x["op"], x["sent_bytes"]) for x in mine] * m
+        if p == dims.pp - 1:  # the head's whole logits
+            gather = all_gather_bytes(b // m * T * model_cfg.vocab_size * 4, dims.tp)
+            out += [("tp", "all_gather", gather)] * m
+    if dims.cp > 1:
+        kv = cp_theory.kv_bytes(
+            batch=b,
+            seq_len=T,
+            n_kv_head=model_cfg.n_kv_head // dims.tp,
+            head_dim=model_cfg.head_dim,
+        )
+        out += [("cp", "isend", kv / dims.cp)] * (3 * (dims.cp - 1) * model_cfg.n_layer)
+    if dims.pp > 1:
+        message = b // m * T * model_cfg.n_embd * 4
+        directions = (p < dims.pp - 1) + (p > 0)
+        out += [("pp", "isend", float(message))] * (directions * m)
+    return out
 
 
 def add_arguments(parser) -> None:
@@ -423,7 +623,7 @@ def compare_axes(*, steps: int = 2, timeout: float = 120.0) -> list[dict]:
                 "activation_bytes": max(a or 0 for a in s["activation_bytes_per_rank"]) or None,
                 "sent_bytes": {k: v for k, v in s["comm_bytes_by_axis"][0].items() if v},
                 "step_time_s": s["step_time_s"],
-                "correct": s["matches_reference"] and s["grads_match_reference"],
+                "correct": s.passed,  # every check of the run's verdict
             }
         )
     return rows

@@ -24,6 +24,7 @@ instead.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -193,12 +194,20 @@ def mixtral_check(*, n_experts: int = 4, tokens: int = 30, seed: int = 0) -> dic
         ours = layer(x)
         theirs = block(x)
         logits = layer.router(x[0])
-        aux = 2 * xp.load_balancing_loss(logits.softmax(-1), layer.routing["chosen"])
-        hf_aux = load_balancing_loss_func((logits,), n_experts, 2)
+    # the aux loss and its gradient with respect to the router's logits (it trains the router)
+    logits = logits.detach().requires_grad_()
+    aux = 2 * xp.load_balancing_loss(logits.softmax(-1), layer.routing["chosen"])
+    hf_aux = load_balancing_loss_func((logits,), n_experts, 2)
+    grads = [
+        torch.autograd.grad(loss, logits, allow_unused=True)[0] if loss.requires_grad else None
+        for loss in (aux, hf_aux)
+    ]
+    grads = [torch.zeros_like(logits) if g is None else g for g in grads]
     return {
         "max_rel_output_diff": max_rel_diff(ours, theirs),
         "aux_loss_times_k": aux.item(),
         "hf_aux_loss": hf_aux.item(),
+        "max_rel_aux_grad_diff": max_rel_diff(grads[0], grads[1]),
         "z_loss": xp.router_z_loss(logits).item(),
         "z_loss_formula": torch.log(logits.double().exp().sum(-1)).pow(2).mean().item(),
     }
@@ -317,7 +326,78 @@ def layer_check(
     result.update(
         _bytes_vs_theory(per_rank, [[r["counts"]] for r in per_rank], ep, experts, LAYER_CFG.n_embd)
     )
+    result["checks"] = layer_checks(result, per_rank, ref_grads)
     return result
+
+
+def layer_verdict(result: dict) -> str:
+    """The verdict table of a ``layer_check`` result."""
+    from labs.experiments.checks import verdict_table
+
+    return verdict_table(result["checks"], lab=f"MoE layer, ep={result['ep']}")
+
+
+def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
+    """The verdict of ``layer_check``: outputs, input gradients and every parameter's gradient on
+    every rank, the dropped pairs, the all-to-alls call by call."""
+    from labs.experiments.checks import Check, calls_check, ranks_check
+
+    tol = TOLERANCES[torch.float32]
+    n = len(per_rank)
+    grads = ranks_check(
+        "parameter gradients",
+        [r["grads"] for r in per_rank],
+        [{k: ref_grads[k] for k in r["grads"]} for r in per_rank],
+        tolerance=tol,
+        what="gradients",
+        world_size=n,
+    )
+    if not grads.ok and not grads.hint.startswith("gradients are"):
+        found = routing_hint(grads.where.rpartition(", ")[2])
+        grads = dataclasses.replace(grads, hint=found or grads.hint)
+    checks = [
+        Check(
+            "layer outputs",
+            result["max_rel_output_diff"] <= tol,
+            result["max_rel_output_diff"],
+            0.0,
+            tol,
+            where="every rank's tokens",
+            hint=MOE_FORWARD_HINT.replace("at step 1", "for these tokens"),
+        ),
+        Check(
+            "input gradients",
+            result["max_rel_input_grad_diff"] <= tol,
+            result["max_rel_input_grad_diff"],
+            0.0,
+            tol,
+            where="every rank's tokens",
+            hint="the tokens' gradients come back through the combine and the two all-to-alls' "
+            "backwards (the reverse exchange, splits swapped)",
+        ),
+        grads,
+        Check(
+            "same pairs dropped as the single-process layer",
+            result["same_drops"],
+            result["dropped_pairs"],
+            "the reference's",
+            where=f"capacity {result['capacity']}",
+            hint="capacity is decided per group (a rank's tokens): every first choice in token "
+            "order before any second choice, at most C pairs per expert",
+        ),
+    ]
+    for phase in ("forward", "backward"):
+        checks.append(
+            calls_check(
+                f"{phase} all_to_all bytes per call",
+                [m[phase] for m in result["a2a_bytes_per_rank"]],
+                [t[phase] for t in result["theory_a2a_bytes_per_rank"]],
+                world_size=n,
+                count_hint=A2A_COUNT_HINT,
+                hint=A2A_HINT,
+            )
+        )
+    return checks
 
 
 def _bytes_vs_theory(per_rank, counts, ep, experts, hidden) -> dict:
@@ -405,7 +485,24 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
                     xp.allreduce_gradients(model, expert_dp_group=expert_dp)
             if step == 0:
                 out.update(
-                    grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                    grads={
+                        n: None if p.grad is None else p.grad.clone()
+                        for n, p in model.named_parameters()
+                    },
+                    grad_sync_per_call=[
+                        b for b in ledger.calls_by_op("grad_sync").get("all_reduce", []) if b
+                    ],
+                    expected_grad_sync=[
+                        b
+                        for p in model.parameters()
+                        for b in [
+                            all_reduce_bytes(
+                                p.numel() * p.element_size(),
+                                world // ep if getattr(p, "expert_parallel", False) else world,
+                            )
+                        ]
+                        if b
+                    ],
                     counts=[routing_counts(layer, moe.n_experts) for layer in model.moe_layers()],
                     forward_a2a=_a2a_bytes(ledger, "forward"),
                     backward_a2a=_a2a_bytes(ledger, "backward"),
@@ -433,6 +530,7 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
     return {
         **out,
         "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "step_time_s": timer.step_time(),
         "n_params": count_params(model),
     }
@@ -498,7 +596,11 @@ def run(
         capacity_factor=capacity_factor,
     )
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
-    grad_diff = max(max_rel_diff(g, ref.grads[n]) for r in per_rank for n, g in r["grads"].items())
+    grad_diff = max(
+        max_rel_diff(g, ref.grads[n]) if g is not None else 1.0
+        for r in per_rank
+        for n, g in r["grads"].items()
+    )
     summary.update(
         max_rel_grad_diff=grad_diff,
         grads_match_reference=grad_diff <= TOLERANCES[torch.float32],
@@ -539,7 +641,156 @@ def run(
         chosen_per_expert=[[c["chosen"] for c in r["counts"]] for r in per_rank],
         kept_per_expert=[[c["kept"] for c in r["counts"]] for r in per_rank],
     )
+    summary.add_checks(moe_checks(per_rank, ref, summary))
+    summary.add_checks(layer_vs_mixtral(mixtral_check(n_experts=4, seed=seed)))
     return summary
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+A2A_COUNT_HINT = (
+    "per MoE layer the forward runs 3 all-to-alls (the counts, the dispatch, the combine) and the "
+    "backward the two token all-to-alls in reverse (AllToAll.backward)"
+)
+A2A_HINT = (
+    "dispatch sends each kept pair's row to the rank holding its expert (rows sorted by expert, "
+    "so by destination: counts.view(ep, E/ep).sum(1) rows to each rank) and combine sends the "
+    "same rows back: check the splits and which pairs were kept"
+)
+MOE_FORWARD_HINT = (
+    "the MoE forward differs at step 1: the routing (top-k experts, weights renormalised to sum "
+    "to 1 when k > 1), the capacity dropping (first choices before second, at most C pairs per "
+    "expert), the combine (each expert's output weighted by the router), or where the rows travel "
+    "(dispatch, the regrouping by local expert and its undoing, combine)"
+)
+
+
+def routing_hint(name: str) -> str:
+    """What a wrong gradient of ``name`` most likely means in an MoE model."""
+    if name.startswith("router") or ".router." in name:
+        return (
+            f"the router's gradient differs ({name}): it reaches the router through the combine's"
+            " weights, the load-balancing loss's P_e (the mean probabilities: f_e is a count, "
+            "without gradient) and the z-loss"
+        )
+    if ".experts." in name:
+        return (
+            f"an expert's gradient differs ({name}): expert parameters are summed over the ranks "
+            "holding the same experts only (expert_dp_group), everything else over all ranks, "
+            "then divided by the world size"
+        )
+    return ""
+
+
+def layer_vs_mixtral(m: dict) -> list:
+    """The single-process layer's building blocks against ``transformers``' Mixtral block
+    (``mixtral_check``): the EP run is compared with this very layer, so a mistake in the routing,
+    the combine or the losses would be in both; this is where it shows."""
+    from labs.experiments.checks import Check
+
+    tol = TOLERANCES[torch.float32]
+    aux_diff = abs(m["aux_loss_times_k"] - m["hf_aux_loss"]) / abs(m["hf_aux_loss"])
+    return [
+        Check(
+            "single-process layer vs Mixtral's block",
+            m["max_rel_output_diff"] <= tol,
+            m["max_rel_output_diff"],
+            0.0,
+            tol,
+            where="top-2, no capacity",
+            hint="the layer's output differs from transformers' MixtralSparseMoeBlock on the same "
+            "weights: route (softmax, top-k, the k weights renormalised to sum to 1 when k > 1) "
+            "and combine (each expert's output weighted by the router, summed per token)",
+        ),
+        Check(
+            "load-balancing loss vs Mixtral's",
+            aux_diff <= tol and m["max_rel_aux_grad_diff"] <= tol,
+            [aux_diff, m["max_rel_aux_grad_diff"]],
+            [0.0, 0.0],
+            tol,
+            where="value x k, and its gradient to the router's logits",
+            hint="E·Σ_e f_e·P_e per group: f_e, the share of the pairs choosing e, is a count (no "
+            "gradient); P_e, the mean probability of e, carries the gradient to the router",
+        ),
+        Check(
+            "router z-loss vs its formula",
+            abs(m["z_loss"] - m["z_loss_formula"]) <= tol * abs(m["z_loss_formula"]),
+            m["z_loss"],
+            m["z_loss_formula"],
+            tol,
+            hint="the mean over tokens of logsumexp(logits)², computed with logsumexp (stable)",
+        ),
+    ]
+
+
+def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
+    """Losses, every rank's gradients after step 1 and parameters after the last step by name
+    (its own experts and the replicated rest), the all-to-alls call by call against the routing,
+    the gradients' all-reduces call by call, capacity, state."""
+    from labs.experiments.checks import Check, calls_check, compare_values, training_checks
+
+    n = len(per_rank)
+    checks = training_checks(
+        losses=summary["losses"],
+        reference_losses=ref.losses,
+        grads=[r["grads"] for r in per_rank],
+        reference_grads=[{k: ref.grads[k] for k in r["grads"]} for r in per_rank],
+        params=[r["params"] for r in per_rank],
+        reference_params=[{k: ref.params[k] for k in r["params"]} for r in per_rank],
+        backend=summary["backend"],
+        world_size=n,
+        first_step_hint=MOE_FORWARD_HINT,
+    )
+    grads = checks[1]
+    if not grads.ok and not grads.hint.startswith("gradients are"):
+        found = routing_hint(grads.where.rpartition(", ")[2])
+        if found:
+            checks[1] = dataclasses.replace(grads, hint=found)
+    for phase in ("forward", "backward"):
+        checks.append(
+            calls_check(
+                f"{phase} all_to_all bytes per call",
+                [m[phase] for m in summary["a2a_bytes_per_rank"]],
+                [t[phase] for t in summary["theory_a2a_bytes_per_rank"]],
+                world_size=n,
+                count_hint=A2A_COUNT_HINT,
+                hint=A2A_HINT,
+            )
+        )
+    checks.append(
+        calls_check(
+            "gradient all_reduce bytes per call",
+            [sorted(r["grad_sync_per_call"]) for r in per_rank],
+            [sorted(r["expected_grad_sync"]) for r in per_rank],
+            world_size=n,
+            count_hint="one all-reduce per parameter with a gradient: experts over the ranks "
+            "holding the same experts (expert_dp_group), the rest over all ranks",
+            hint="an all-reduce ran on another group than its parameter's: experts over "
+            "expert_dp_group, the rest over all ranks",
+        )
+    )
+    capacity = summary["capacity"]
+    if capacity is not None:
+        kept = max(k for r in summary["kept_per_expert"] for layer in r for k in layer)
+        checks.append(
+            Check(
+                "pairs kept per expert within capacity",
+                kept <= capacity,
+                kept,
+                capacity,
+                where="the busiest expert, step 1",
+                hint="an expert keeps at most C = ceil(cf·k·N/E) pairs of a group (slots 0 .. C-1"
+                " in priority order): check capacity_keep's comparison",
+            )
+        )
+    checks.append(
+        compare_values(
+            "state bytes per rank",
+            summary["state_bytes_per_rank"],
+            [summary["theory_state_bytes_per_rank"]] * n,
+            hint="a rank holds E/ep experts and all of the replicated rest",
+        )
+    )
+    return checks
 
 
 # --- load balance over a short run ----------------------------------------------------------------

@@ -35,12 +35,17 @@ def reference_name(name: str) -> str:
 
 
 def _grads(module, rename=lambda n: n) -> dict:
-    """Gradients by name, on the CPU (results travel to the parent by pickle)."""
+    """Gradients by name, on the CPU (results travel to the parent by pickle); None where a
+    parameter got none."""
     return {
-        rename(n): p.grad.detach().cpu().clone()
+        rename(n): None if p.grad is None else p.grad.detach().cpu().clone()
         for n, p in module.named_parameters()
-        if p.grad is not None
     }
+
+
+def _params(module, rename=lambda n: n) -> dict:
+    """Parameters by name, on the CPU."""
+    return {rename(n): p.detach().cpu().clone() for n, p in module.named_parameters()}
 
 
 def _on(device, batches) -> list[tuple]:
@@ -88,6 +93,8 @@ def pp_worker(
                 )
             if step == 0:
                 run["sent"] = ledger.sent_bytes()
+                calls = ledger.calls_by_op()
+                run["sent_per_call"] = calls.get("isend", []) + calls.get("send", [])
                 run["grads"] = _grads(run["stage"], reference_name)
             if loss is not None:
                 run["losses"].append(float(loss))
@@ -95,6 +102,7 @@ def pp_worker(
                 run["timelines"].append(timeline.events)
         report_progress()
     for run in runs:
+        run["final_params"] = _params(run["stage"], reference_name)
         run["state"] = state_bytes(run["stage"], run.pop("optimizer"))["total"]
         run["params"] = sum(p.numel() for p in run.pop("stage").parameters())
         run["step_time_s"] = run.pop("timer").step_time()
@@ -131,10 +139,13 @@ def dp_worker(
             out["losses"].append(trainer.step(*batch))
         if step == 0:
             out["sent"] = ledger.sent_bytes()
+            out["sent_per_call"] = ledger.calls_by_op().get("all_reduce", [])
             # ZeRO keeps gradient shards, not .grad
             out["grads"] = _grads(model) if zero == 0 else {}
         report_progress()
     out["step_time_s"] = timer.step_time()
+    # ZeRO-3 keeps shards of the parameters: compared through the losses
+    out["final_params"] = _params(model) if zero == 0 else None
     if zero == 0:
         out["state"] = state_bytes(model, trainer.optimizer)["total"]
     else:
@@ -203,6 +214,7 @@ def tp_worker(cfg: MultimodalConfig, train: TrainConfig) -> dict:
         report_progress()
     out["step_time_s"] = timer.step_time()
     out["state"] = state_bytes(model, optimizer)["total"]
+    out["final_params"] = _params(model)
     out["replicated"] = {
         n: p.detach().cpu().clone()
         for n, p in model.named_parameters()

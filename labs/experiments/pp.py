@@ -63,6 +63,7 @@ from labs.train import (
     data_for,
     make_optimizer,
     max_rel_diff,
+    rule,
     train_reference,
     within,
 )
@@ -140,9 +141,11 @@ def pipeline_worker(
                     logits = result.float().flatten(0, 1)  # [B·T, V]
                     result = F.cross_entropy(logits, y.to(result.device).flatten()).item()
             else:
-                if first:
+                if first:  # None where a parameter got no gradient
                     out["grads"] = {
-                        n: p.grad.clone() for c in chunks for n, p in c.named_parameters()
+                        n: None if p.grad is None else p.grad.clone()
+                        for c in chunks
+                        for n, p in c.named_parameters()
                     }
                 optimizer.step()
                 if step == len(data) - 1:
@@ -150,14 +153,17 @@ def pipeline_worker(
                 optimizer.zero_grad(set_to_none=True)
         out["losses"].append(result)
         if first:
+            calls = ledger.calls_by_op()
             out.update(
                 sent_bytes=ledger.sent_bytes(),
+                sent_per_call=calls.get("isend", []) + calls.get("send", []),
                 held=timeline.peak_held,
                 held_bytes=timeline.peak_bytes,
                 order=[(e.name, e.meta["microbatch"], e.meta["chunk"]) for e in timeline.events],
             )
         report_progress()
     out["step_time_s"] = timer.step_time()
+    out["params"] = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     out["raw_events"] = clock_record(timeline)  # the last step's
     if schedule == "naive":
         out["state_bytes"] = state_bytes(params)["total"]
@@ -391,7 +397,7 @@ def summarize(
         )
     else:
         reference = ref.losses
-        grads = {n: g for r in per_rank for n, g in r["grads"].items()}
+        grads = {n: g for r in per_rank for n, g in r["grads"].items() if g is not None}
         missing = sorted(set(ref.grads) - set(grads))
         summary["max_rel_grad_diff"] = max(
             max_rel_diff(grads[n], g) for n, g in ref.grads.items() if n in grads
@@ -451,6 +457,18 @@ def summarize(
     summary["comm_matches_theory"] = (
         summary["comm_bytes_per_rank"] == summary["theory_comm_bytes_per_rank"]
     )
+    summary.add_checks(
+        pp_checks(
+            per_rank,
+            ref,
+            summary,
+            schedule=schedule,
+            order=order,
+            microbatches=microbatches,
+            batch=cfg.batch_size,
+            message_bytes=cfg.batch_size // microbatches * cfg.seq_len * model_cfg.n_embd * 4,
+        )
+    )
     if vs_torch and "torch_step_time_s" in last:
         summary["torch_step_time_s"] = max(r["torch_step_time_s"] for r in per_rank)
         summary["torch_losses"] = last["torch_losses"]
@@ -461,6 +479,177 @@ def summarize(
             "torch_skipped", "torch.distributed.pipelining has no naive placement"
         )
     return summary
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+SCHEDULE_RULES = {
+    "naive": "one forward of the whole batch, stage after stage",
+    "gpipe": "all M forwards, then all M backwards in the same order (micro-batch 0 first)",
+    "afab": "all M forwards, then all M backwards in the same order (micro-batch 0 first)",
+    "1f1b": "stage s runs a warm-up of min(P - s - 1, M) forwards, then one forward and one "
+    "backward (the oldest micro-batch's) in turn, then the cool-down's backwards",
+    "interleaved": "the k-th forward and backward are on (micro-batch, chunk) = "
+    "interleaved_op(k, P, V, forward), after interleaved_warmup(P, M, rank, V) forwards",
+}
+
+
+def _op_name(op, virtual: int) -> str:
+    name, mb, chunk = op
+    return f"{name}{mb}" + (f" (chunk {chunk})" if virtual > 1 else "")
+
+
+def order_check(per_rank: list[dict], order: list[list[tuple]], schedule: str, virtual: int):
+    """Each stage's operations in the order the schedule names them; the first stage that departs
+    from it is named with the two operations (``SCHEDULE_RULES`` says what the order must be)."""
+    from labs.experiments.checks import Check
+
+    for r in per_rank:
+        got = [tuple(op) for op in r["order"]]
+        want = order[r["rank"]]
+        if got == want:
+            continue
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        ran = _op_name(got[i], virtual) if i < len(got) else "nothing more"
+        expected = _op_name(want[i], virtual) if i < len(want) else "nothing more"
+        if i < len(want) and want[i] in got[i + 1 :]:
+            what = f"stage {r['rank']} ran {ran} before {expected}"
+        else:
+            what = f"stage {r['rank']} ran {ran} where the schedule runs {expected}"
+        return Check(
+            "schedule order",
+            False,
+            " ".join(_op_name(op, virtual) for op in got[: i + 1]),
+            " ".join(_op_name(op, virtual) for op in want[: i + 1]),
+            where=f"stage {r['rank']}, operation {i + 1}",
+            hint=what + f": {SCHEDULE_RULES[schedule]}",
+        )
+    return Check(
+        "schedule order",
+        True,
+        "as labs.theory.pipeline.schedule_ops",
+        schedule,
+        where=f"{len(per_rank)} stages",
+    )
+
+
+def pp_checks(
+    per_rank,
+    ref,
+    summary: RunSummary,
+    *,
+    schedule: str,
+    order: list[list[tuple]],
+    microbatches: int,
+    batch: int,
+    message_bytes: int,
+) -> list:
+    """Losses, every stage's gradients after step 1 and parameters after the last step (by name,
+    each on the stage holding it), the schedule's order on every stage, the bytes of every message,
+    the micro-batches a stage holds at its peak and its state bytes."""
+    from labs.experiments.checks import (
+        Check,
+        calls_check,
+        compare_values,
+        losses_check,
+        training_checks,
+    )
+
+    backend = summary["backend"]
+    P = len(per_rank)
+    virtual = summary["virtual"]
+    if schedule == "naive":
+        checks = [
+            Check(
+                "logits equal the unsplit model's",
+                summary["logits_match"],
+                summary["max_rel_logit_diff"],
+                0.0,
+                rule("same_ops", None, backend).rel,
+                where="last stage",
+                hint="the stages must run the full model's layers in order, each exactly once: "
+                "check which layers each stage holds (build_stage) and what it sends on",
+            ),
+            losses_check(
+                summary["losses"],
+                summary["reference_losses"],
+                tolerance=rule("same_ops", None, backend).rel,
+            ),
+        ]
+    else:
+        checks = training_checks(
+            losses=per_rank[-1]["losses"],
+            reference_losses=ref.losses,
+            grads=[r["grads"] for r in per_rank],
+            reference_grads=[{n: ref.grads[n] for n in r["grads"]} for r in per_rank],
+            params=[r["params"] for r in per_rank],
+            reference_params=[{n: ref.params[n] for n in r["params"]} for r in per_rank],
+            backend=backend,
+            known_scales={
+                float(microbatches): "the loss of a step is the mean over all M micro-batches: the "
+                "last stage must scale each micro-batch's loss by 1/M (n_microbatches)",
+                1 / microbatches: "the loss was divided by M twice, or only one of the M "
+                "micro-batches' backwards reached the gradients",
+            },
+            first_step_hint="the loss differs at step 1: the stages' model is not the reference's"
+            " (a layer skipped or run twice, the final norm or the head left out) or the loss is "
+            "not the mean over the micro-batches",
+        )
+        held = [n for r in per_rank for n in r["params"]]
+        odd = sorted(set(ref.params) ^ set(held)) + sorted({n for n in held if held.count(n) > 1})
+        checks.append(
+            Check(
+                "every parameter on one stage",
+                not odd,
+                len(held),
+                len(ref.params),
+                where=f"{P} stages" + (f": {', '.join(odd[:3])}" if odd else ""),
+                hint="the stages together must hold every layer of the model exactly once: "
+                "check the layers each stage gets (build_stage)",
+            )
+        )
+    checks.append(order_check(per_rank, order, schedule, virtual))
+    expected = [
+        [message_bytes]
+        * (
+            theory.p2p_bytes_per_rank(
+                schedule, P, r, batch=batch, seq_len=1, hidden=1, itemsize=1, virtual=virtual
+            )
+            // batch
+            * microbatches
+        )
+        for r in range(P)
+    ]
+    checks.append(
+        calls_check(
+            "p2p bytes per send",
+            [r["sent_per_call"] for r in per_rank],
+            expected,
+            world_size=P,
+            count_hint="a stage sends one activation [B/M, T, H] per micro-batch to the next stage "
+            "and one gradient back to the previous (per chunk it holds, when interleaved)",
+            hint="a message carried another size than one micro-batch's activation [B/M, T, H]",
+        )
+    )
+    if schedule != "naive":
+        checks.append(
+            compare_values(
+                "micro-batches held at the peak",
+                summary["microbatches_held"],
+                summary["theory_microbatches_held"],
+                hint="AFAB holds all M micro-batches' activations; 1F1B at most P - s on stage s: "
+                "a backward frees its micro-batch's activations, so running it later holds more",
+            )
+        )
+    checks.append(
+        compare_values(
+            "state bytes per rank",
+            summary["state_bytes_per_rank"],
+            summary["theory_state_bytes_per_rank"],
+            hint="a stage holds only its own layers' parameters (and, training, their gradients "
+            "and AdamW's moments)",
+        )
+    )
+    return checks
 
 
 def add_arguments(parser) -> None:

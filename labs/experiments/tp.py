@@ -22,12 +22,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labs.experiments.checks import (
+    Check,
+    collectives_checks,
+    compare_values,
+    ranks_check,
+    training_checks,
+)
 from labs.experiments.common import (
     COMM_HEADER,
     RunSummary,
@@ -52,6 +60,7 @@ from labs.train import (
     data_for,
     make_optimizer,
     max_rel_diff,
+    rule,
     train_reference,
 )
 
@@ -372,6 +381,40 @@ def run(
     s["saved_activation_bytes"] = [r["saved_bytes"] for r in per_rank]
     s["theory_saved_activation_bytes"] = theory.saved_activation_bytes(spec, **size)["total"]
     s["step_time_s"] = max(r["step_time_s"] for r in per_rank)
+    s.add_checks(
+        tp_checks(
+            per_rank,
+            ref,
+            ref_logits,
+            model=model,
+            sp=sp,
+            backend=per_rank.backend,
+            calls=theory.collectives(spec, **size),
+            tokens=batch_size * seq_len,
+        )
+    )
+    s.add_checks(
+        [
+            compare_values(
+                "parameter bytes per rank",
+                s["param_bytes_per_rank"],
+                [s["theory_param_bytes_per_rank"]] * nproc,
+                world_size=nproc,
+                what="parameter bytes",
+                hint="each rank holds 1/tp of every sharded weight and all of the replicated ones "
+                "(the norms): check which dimension each layer cuts",
+            ),
+            compare_values(
+                "saved activation bytes per rank",
+                s["saved_activation_bytes"],
+                [s["theory_saved_activation_bytes"]] * nproc,
+                world_size=nproc,
+                what="saved bytes",
+                hint="what a rank saves for backward: inside the regions its shards' activations, "
+                "outside them whole ones (with SP, T/tp of them)",
+            ),
+        ]
+    )
     if vs_torch:
         theirs = [r["torch"] for r in per_rank]
         s["torch_step_time_s"] = max(t["step_time_s"] for t in theirs)
@@ -382,6 +425,105 @@ def run(
             torch.cat([t["logits"] for t in theirs], -1), logits
         )
     return s
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+def shards_of(per_rank: list[dict], reference: dict, model: str) -> list[dict]:
+    """Each rank's expected tensors: the reference's block along ``partition_dim`` (rank r's r-th
+    of tp), or the whole tensor where it is replicated, under the TP model's names."""
+    n = len(per_rank)
+    dims = per_rank[0]["partition_dims"]
+    return [
+        {
+            name: reference[reference_name(name, model)]
+            if d is None
+            else reference[reference_name(name, model)].chunk(n, d)[r]
+            for name, d in dims.items()
+        }
+        for r in range(n)
+    ]
+
+
+COMM_COUNT_HINT = (
+    "the {phase} pass issued another number of {op} calls than the theory counts. Per block, "
+    "attention and the MLP are each entered once (f: identity forward, all-reduce backward; with "
+    "SP an all-gather forward, a reduce-scatter backward) and left once through a row-parallel "
+    "layer (g: all-reduce forward, identity backward; with SP a reduce-scatter forward, an "
+    "all-gather backward); outside the blocks the embedding's g, the head's f and the loss's two "
+    "all-reduces (max, then the sums); with SP each norm weight's gradient is all-reduced"
+)
+
+
+def tp_checks(
+    per_rank: list[dict],
+    ref,
+    ref_logits: torch.Tensor,
+    *,
+    model: str,
+    sp: bool,
+    backend: str,
+    calls: list[dict],
+    tokens: int,
+) -> list[Check]:
+    """Every rank's step-1 logits (its V/tp slice), losses, gradients after step 1 and parameters
+    after the last step (its shards, by name), the collectives call by call per phase and op."""
+    n = len(per_rank)
+    checks = [
+        ranks_check(
+            "logits of step 1",
+            [{"logits": r["logits"]} for r in per_rank],
+            [{"logits": ref_logits.chunk(n, -1)[r]} for r in range(n)],
+            tolerance=rule("value", backend=backend).rel,
+            what="logits",
+            hint="rank r's logits are the reference's vocabulary slice r: the forward differs "
+            "(a layer cut along the wrong dim, a missing g after a row-parallel layer, or the "
+            "vocab-parallel embedding looking up the wrong ids)",
+        )
+    ]
+    checks += training_checks(
+        losses=per_rank[0]["losses"],
+        reference_losses=ref.losses,
+        grads=[r["grads"] for r in per_rank],
+        reference_grads=shards_of(per_rank, ref.grads, model),
+        params=[r["params"] for r in per_rank],
+        reference_params=shards_of(per_rank, ref.params, model),
+        backend=backend,
+        world_size=n,
+        known_scales={
+            float(tokens): "the vocab-parallel loss is a mean over its N = B·T tokens: its backward"
+            " must divide (softmax - one_hot) by N"
+        },
+        first_step_hint="the loss differs at step 1: the tensor-parallel forward differs (see the "
+        "logits: a shard cut along the wrong dim, a missing g, or the vocab-parallel embedding's "
+        "or loss's mask of the ids a rank holds, [r·V/tp, (r+1)·V/tp))",
+    )
+    grads = checks[2]
+    worst = grads.where.rpartition(", ")[2]
+    if not grads.ok and sp and worst.endswith("norm.weight"):
+        checks[2] = dataclasses.replace(
+            grads,
+            hint=f"{worst}: with SP a norm sees T/tp tokens, so its weight's gradient is partial "
+            "and must be all-reduced over the group (sequence_parallel_norm's hook)",
+        )
+    checks.append(
+        Check(
+            "losses equal on every rank",
+            all(r["losses"] == per_rank[0]["losses"] for r in per_rank),
+            "equal" if all(r["losses"] == per_rank[0]["losses"] for r in per_rank) else "differ",
+            "equal",
+            where=f"{n} ranks",
+            hint="every rank must compute the same global loss: the vocab-parallel loss "
+            "all-reduces the max, then the sums of exp and of the target logits",
+        )
+    )
+    expected = [(c["phase"], c["op"], c["sent_bytes"]) for c in calls]
+    checks += collectives_checks(
+        [[(phase, op, sent) for op, phase, _, sent in r["comm"]] for r in per_rank],
+        [expected] * n,
+        world_size=n,
+        count_hint=COMM_COUNT_HINT,
+    )
+    return checks
 
 
 def add_arguments(parser) -> None:

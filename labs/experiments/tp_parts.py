@@ -8,7 +8,10 @@
 Each check runs on ``nproc`` ranks and compares with what one process computes from every rank's
 inputs (every rank can rebuild every other rank's seeded inputs, so the expected values need no
 communication). It returns ``{part: {"forward": max rel diff, "backward": max rel diff}}``; the
-notebook stops at the first part that is not written yet (``NotImplementedError`` names it).
+notebook stops at the first part that is not written yet (``NotImplementedError`` names it), and
+prints the verdict of each part:
+
+    print(parts_verdict(check_operators(nproc=4), dtype=torch.float64, lab="operators"))
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labs.experiments.checks import Check, verdict_table
 from labs.models.transformer import ModelConfig, build_model, rotary_cos_sin
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch
-from labs.train import max_rel_diff
+from labs.train import max_rel_diff, rule
 
 
 def split_matmul_demo(*, tp: int = 2, seed: int = 0) -> dict:
@@ -253,3 +257,73 @@ def check_layers(*, nproc: int = 2, sp: bool = False, seed: int = 0, timeout: fl
         name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")}
         for name in per_rank[0]
     }
+
+
+# --- the verdict of each part ---------------------------------------------------------------------
+# What each part's direction must do, said where it fails.
+PART_HINTS = {
+    ("CopyToModelParallelRegion", "backward"): "f's backward: every rank used the same input for "
+    "its own columns, so the input's gradient is the sum of the ranks' terms: all-reduce it",
+    ("ReduceFromModelParallelRegion", "backward"): "g's backward is the identity: every partial "
+    "sum receives the whole output gradient, with no collective",
+    ("GatherFromModelParallelRegion", "backward"): "the adjoint of an all-gather along the last "
+    "dim keeps this rank's slice of it (split_along(grad, -1))",
+    ("ScatterToModelParallelRegion", "backward"): "the adjoint of keeping a slice is an all-gather "
+    "along the last dim",
+    ("GatherFromSequenceParallelRegion", "backward"): "the adjoint of an all-gather along T is a "
+    "reduce-scatter along T (SEQ_DIM)",
+    (
+        "ReduceScatterToSequenceParallelRegion",
+        "backward",
+    ): "the adjoint of a reduce-scatter along T is an all-gather along T (SEQ_DIM)",
+    ("ColumnParallelLinear", "forward"): "rank r computes X A_r with its block of output rows of "
+    "the weight: enter the region first (copy_input)",
+    ("RowParallelLinear", "forward"): "each rank's X_r A_r is a partial sum: leave the region "
+    "through g (exit_parallel_region)",
+    ("VocabParallelEmbedding", "forward"): "look up only the ids [r·V/tp, (r+1)·V/tp) this rank "
+    "holds, zero the rows of the others, then g",
+    (
+        "VocabParallelCrossEntropy",
+        "forward",
+    ): "all-reduce the max of each row, then the sums of exp "
+    "and of the target logits (the target's logit lives on one rank)",
+    (
+        "VocabParallelCrossEntropy",
+        "backward",
+    ): "(softmax - one_hot) / N on the local slice, one_hot only where this rank holds the target",
+}
+
+
+def part_checks(
+    results: dict, *, dtype: torch.dtype = torch.float32, backend: str = "gloo"
+) -> list:
+    """One check per part and direction of ``check_operators`` or ``check_layers``'s result,
+    within the course's tolerance for ``dtype``, with what that part must do when it fails."""
+    tolerance = rule("value", dtype, backend).rel
+    checks = []
+    for part, diffs in results.items():
+        for direction in ("forward", "backward"):
+            base = part.split(" (")[0]
+            checks.append(
+                Check(
+                    f"{part} {direction}",
+                    diffs[direction] <= tolerance,
+                    diffs[direction],
+                    0.0,
+                    tolerance,
+                    where="worst rank",
+                    hint=PART_HINTS.get(
+                        (base, direction),
+                        f"{base}'s {direction} differs from the unsharded layer's: check its "
+                        "shards and the collectives around it",
+                    ),
+                )
+            )
+    return checks
+
+
+def parts_verdict(
+    results: dict, *, dtype: torch.dtype = torch.float32, backend: str = "gloo", lab: str = ""
+) -> str:
+    """The verdict table of a part of the lab (``part_checks``)."""
+    return verdict_table(part_checks(results, dtype=dtype, backend=backend), lab=lab)

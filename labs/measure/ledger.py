@@ -5,6 +5,7 @@
     ledger.sent_bytes()                  # bytes this rank put on the wire, ring model
     ledger.calls("all_reduce")           # how many all-reduces
     ledger.summary()                     # {op: {"calls", "payload_bytes", "sent_bytes"}}
+    ledger.calls_by_op()                 # {op: [bytes sent by call 1, call 2, ...]}
 
 While the ``with`` block runs, the ``torch.distributed`` functions below are wrapped,
 so lab code keeps calling plain ``dist.all_reduce(...)``. Each call records:
@@ -72,6 +73,9 @@ RECORDED_OPS = (
 )
 
 
+_RECEIVES = ("recv", "irecv")
+
+
 @dataclass(frozen=True)
 class CommRecord:
     """One collective on one rank."""
@@ -109,8 +113,12 @@ class CommLedger:
 
     _active: CommLedger | None = None
 
-    def __init__(self):
+    def __init__(self, *, keep_sent: bool = False):
+        """``keep_sent``: also keep a CPU copy of what every send carries, in ``sent_tensors``
+        (in call order), so a check can tell *which* data travelled, not only how many bytes."""
         self.records: list[CommRecord] = []
+        self.keep_sent = keep_sent
+        self.sent_tensors: list[torch.Tensor] = []
         # the ProcessGroup of each record (None: the default group), in-process only
         self.groups: list[dist.ProcessGroup | None] = []
         self._phase = ""
@@ -178,9 +186,18 @@ class CommLedger:
             out[r.op]["sent_bytes"] += r.sent_bytes
         return dict(out)
 
+    def calls_by_op(self, phase: str | None = None) -> dict[str, list[float]]:
+        """Per op, the bytes this rank sent in each call, in call order (receives: the bytes
+        received): what the labs check call by call."""
+        out: dict[str, list[float]] = {}
+        for r in self._select(None, phase):
+            out.setdefault(r.op, []).append(r.recv_bytes if r.op in _RECEIVES else r.sent_bytes)
+        return out
+
     def clear(self) -> None:
         self.records.clear()
         self.groups.clear()
+        self.sent_tensors.clear()
 
     def _select(self, op: str | None, phase: str | None) -> list[CommRecord]:
         return [
@@ -261,6 +278,8 @@ class CommLedger:
     def _record_p2p(self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """A send counts its tensor as sent, a receive as received (group size 2: a pair)."""
         k = _nbytes(tensor)
+        if self.keep_sent and op in ("send", "isend"):
+            self.sent_tensors.append(tensor.detach().to("cpu", copy=True))
         sent = k if op in ("send", "isend") else 0
         received = k if op in ("recv", "irecv") else 0
         self._add(op, 2, k, sent, received, group)

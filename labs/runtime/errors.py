@@ -10,8 +10,14 @@ are there, not in any Python exception).
 from __future__ import annotations
 
 import signal
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
+
+# The launcher's own code: its frames are plumbing, not the learner's story.
+RUNTIME_DIR = Path(__file__).resolve().parent
+ROOT = RUNTIME_DIR.parent.parent  # the repository: labs/ and solutions/ sit here
 
 
 class RankFailure(NamedTuple):
@@ -19,7 +25,40 @@ class RankFailure(NamedTuple):
 
     exc_type: str  # e.g. "NotImplementedError"
     message: str
-    traceback: str  # the text of the rank's traceback
+    traceback: str  # the text of the rank's traceback, the launcher's frames left out
+    location: str = ""  # "labs/ddp.py:57": the exercise file and line where it raised, if any
+
+
+def _in_runtime(filename: str) -> bool:
+    try:
+        return Path(filename).resolve().is_relative_to(RUNTIME_DIR)
+    except (OSError, ValueError):
+        return False
+
+
+def exercise_location(frames: Sequence[traceback.FrameSummary]) -> str:
+    """The deepest frame in an exercise module (``labs/<exercise>.py`` or
+    ``solutions/<exercise>.py``) as "labs/ddp.py:57", or "" when none is on the stack."""
+    from labs.runtime.impl import EXERCISES
+
+    for frame in reversed(frames):
+        path = Path(frame.filename)
+        if path.stem in EXERCISES and path.parent.name in ("labs", "solutions"):
+            return f"{path.parent.name}/{path.name}:{frame.lineno}"
+    return ""
+
+
+def rank_traceback(exc: BaseException) -> tuple[str, str]:
+    """(the traceback of ``exc`` as text without the frames in ``labs/runtime``, where it raised
+    in an exercise module): what a failed rank reports. A learner reads their own frames (and
+    torch's), not the launcher's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    shown = traceback.StackSummary.from_list([f for f in frames if not _in_runtime(f.filename)])
+    text = "".join(["Traceback (most recent call last):\n"] if shown else []) + "".join(
+        shown.format()
+    )
+    text += "".join(traceback.format_exception_only(type(exc), exc))
+    return text, exercise_location(frames)
 
 
 class RankError(RuntimeError):
@@ -34,12 +73,15 @@ class RankError(RuntimeError):
         rank_traceback: str,
         others: str = "",
         stderr_tail: str = "",
+        location: str = "",
     ):
         self.rank = rank
         self.exc_type = exc_type
         self.message = message
         self.rank_traceback = rank_traceback
-        text = f"rank {rank} raised {exc_type}: {message}"
+        self.location = location  # "labs/ddp.py:57" when an exercise raised it
+        where = f" in {location}" if location else ""
+        text = f"rank {rank} raised {exc_type}{where}: {message}"
         if others:
             text += f"\n({others})"
         text += f"\n\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
@@ -114,7 +156,9 @@ def raise_failure(
 ) -> None:
     """Raise for the root cause: a rank's own exception first, then a death, and only then
     the errors that ranks raise when a peer vanished from under them. ``errors``: rank -> the
-    (exc_type, message, traceback) it sent (a ``RankFailure``); ``deaths``: rank -> exit code."""
+    (exc_type, message, traceback[, location]) it sent (a ``RankFailure``); ``deaths``: rank ->
+    exit code."""
+    __tracebackhide__ = True  # IPython: the learner's error, not this frame
     failures = {rank: RankFailure(*sent) for rank, sent in sorted(errors.items())}
     primary = [
         rank
@@ -134,6 +178,7 @@ def raise_failure(
             failure.traceback,
             others="; ".join(others + context),
             stderr_tail=read_stderr(stderr_paths[rank], max_lines=15),
+            location=failure.location,
         )
     rank = min(deaths)
     others = [f"rank {r} then raised {f.exc_type}" for r, f in failures.items()]

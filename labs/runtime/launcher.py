@@ -18,7 +18,10 @@ about the parallelism:
   ports the OS picks). A ``TCPStore`` hosted here failed about one launch in ten
   between forked ranks on our 2-core test machine; the file store never did;
 * failure: a rank that raises makes ``launch`` raise :class:`RankError` with that
-  rank's traceback; a rank killed by a signal is named with the signal; a run that
+  rank's traceback (its own frames: this package's are left out, and an exercise that raised is
+  named by file and line, ``labs/ddp.py:57``), raised from ``launch`` itself: in the parent too
+  the launcher's inner frames are left out (and IPython hides ``launch``'s frame unless it is
+  the last, ``__tracebackhide__``); a rank killed by a signal is named with the signal; a run that
   exceeds ``timeout`` raises :class:`LaunchTimeout` naming the ranks still running.
   In every case (KeyboardInterrupt included) all ranks and their children are
   killed before ``launch`` returns, so the next launch works.
@@ -54,7 +57,14 @@ from labs.runtime import audit
 # choose_backend lives with the device choice; its name stays importable from here. (The device
 # module also asks torch to count GPUs through NVML, so that this process never initialises CUDA.)
 from labs.runtime.device import BACKENDS, choose_backend, exact_fp32, local_rank
-from labs.runtime.errors import LaunchTimeout, raise_failure, read_stderr
+from labs.runtime.errors import (
+    LaunchTimeout,
+    RankDied,
+    RankError,
+    raise_failure,
+    rank_traceback,
+    read_stderr,
+)
 
 __all__ = [
     "BACKENDS",
@@ -109,6 +119,7 @@ def launch(
     replayed here, prefixed with the rank, when the run ends, and the failing rank's last
     lines are part of the error.
     """
+    __tracebackhide__ = True  # IPython shows the rank's error, not the launcher's frames
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -130,9 +141,14 @@ def launch(
         )
     if method == "spawn":
         _check_picklable(fn)
-    return _run_ranks(
-        fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
-    )
+    try:
+        return _run_ranks(
+            fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
+        )
+    except (RankError, RankDied, LaunchTimeout) as failure:
+        # Raised afresh from here: the launcher's frames below this one tell the learner nothing
+        # (the rank's own traceback is in the message).
+        raise failure.with_traceback(None) from None
 
 
 def report_progress(n: int = 1) -> None:
@@ -161,6 +177,7 @@ def _check_picklable(fn) -> None:
 def _run_ranks(
     fn, nprocs, args, backend, timeout, method, progress, desc, env, audit_label
 ) -> RankResults:
+    __tracebackhide__ = True
     if method == "fork":
         # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
         # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
@@ -224,6 +241,7 @@ def _replay_stderr(paths) -> None:
 
 def _collect(procs, conns, timeout, bar, stderr_paths) -> RankResults:
     """Wait for every rank's result; raise on the first failure or on timeout."""
+    __tracebackhide__ = True
     n = len(procs)
     results = [None] * n
     backends = [None] * n
@@ -354,8 +372,9 @@ def _rank_main(
             result = fn(*args)
         message = ("ok", _to_cpu(result), used)
     except BaseException as e:  # SystemExit and KeyboardInterrupt are failures too
-        tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # skip this frame
-        message = ("error", type(e).__name__, str(e), "".join(tb))
+        # the learner's frames and torch's; this launcher's are left out
+        tb, location = rank_traceback(e)
+        message = ("error", type(e).__name__, str(e), tb, location)
     try:
         payload = pickle.dumps(message)
     except Exception as e:  # an unpicklable result is the rank's error, not a mystery
