@@ -67,8 +67,6 @@ INSTRUCTOR_TESTS = (
     "tests/test_browser.py",
     "tests/test_run_cli.py",
     "tests/test_readme_figures.py",  # reads the notebooks' outputs, which the release clears
-    "tests/classic_bugs_zero.py",  # the ZeRO lab's classic bugs: solution lines, planted
-    "tests/test_classic_bugs_zero.py",
     "tests/classic_bugs.py",  # the catalog of classic mistakes: it quotes solution lines
     "tests/test_classic_bugs.py",
 )

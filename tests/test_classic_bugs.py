@@ -13,8 +13,7 @@ from tests.classic_bugs import CATALOG, RUNS, all_bugs, edited_source, planted
 
 pytestmark = pytest.mark.slow
 
-# The zero lab's catalog belongs with its own checks (issue 20's ZeRO part).
-LABS_WITH_CATALOG = sorted(set(LABS) - {"zero"})
+LABS_WITH_CATALOG = sorted(LABS)
 
 
 def run_lab(lab: str, options: dict | None = None):
