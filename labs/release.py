@@ -74,16 +74,17 @@ REWRITTEN = (
 USES_SOLUTIONS = re.compile(
     r"(^|\W)(import|from)\s+solutions\b|[\"']solutions[\"']|LABS_IMPL\W{0,4}solutions", re.M
 )
-RELEASE_CONFTEST = '''"""Test settings of the student release: your code in labs/ runs (LABS_IMPL defaults to labs)."""
+RELEASE_CONFTEST = '''"""Test settings of the student release: your code in labs/ runs
+(LABS_IMPL defaults to labs)."""
 
 import os
 
 os.environ.setdefault("LABS_IMPL", "labs")
 '''
 README_BANNER = (
-    "> **Student release.** The reference solutions are not included: every exercise module in `labs/` "
-    "is yours to write, and the tests and notebooks run your code (`LABS_IMPL=labs`, the default). "
-    "`bash scripts/test.sh` runs the public tests.\n\n"
+    "> **Student release.** The reference solutions are not included: every exercise module in "
+    "`labs/` is yours to write, and the tests and notebooks run your code (`LABS_IMPL=labs`, the "
+    "default). `bash scripts/test.sh` runs the public tests.\n\n"
 )
 
 
@@ -165,7 +166,8 @@ def learner_test_script(text: str) -> str:
     new = re.sub(r"against the reference\s+solutions", "against your code in labs/", new)
     if new == text:
         raise ValueError(
-            "scripts/test.sh no longer sets LABS_IMPL=solutions; update labs.release.learner_test_script"
+            "scripts/test.sh no longer sets LABS_IMPL=solutions; "
+            "update labs.release.learner_test_script"
         )
     return new
 
@@ -193,14 +195,15 @@ def _transform(rel: str, text: str) -> str:
     return text
 
 
-def release_plan() -> dict[str, str | Path]:
+def release_plan(exclude: tuple[str, ...] = ()) -> dict[str, str | Path]:
     """Release path -> its text (a transformed or generated file) or the source Path to copy as
-    is."""
+    is. ``exclude``: more folders (relative to the repository) to leave out, such as the
+    submissions and the report of ``labs.grade`` when they are inside the repository."""
     exercises = exercise_names()
     stub_names = {f"labs/{name}.py" for name in EXERCISES}
     plan: dict[str, str | Path] = {}
     for rel in source_files():
-        not_shipped = any(rel.startswith(d + "/") for d in NOT_SHIPPED_DIRS)
+        not_shipped = any(rel.startswith(d + "/") for d in (*NOT_SHIPPED_DIRS, *exclude))
         if not_shipped or rel in INSTRUCTOR_TOOLS or rel in stub_names:
             continue
         path = ROOT / rel
@@ -245,9 +248,9 @@ def _commit(root: Path) -> dict:
         return {"commit": None, "dirty": None}
 
 
-def build_release(out: Path, force: bool = False) -> dict:
+def build_release(out: Path, force: bool = False, exclude: tuple[str, ...] = ()) -> dict:
     """Write the student release into the empty or missing folder ``out`` (``force``: replace what
-    is there); returns its manifest."""
+    is there; ``exclude``: see ``release_plan``); returns its manifest."""
     out = Path(out).resolve()
     if ROOT.is_relative_to(out):
         raise ValueError(
@@ -257,7 +260,7 @@ def build_release(out: Path, force: bool = False) -> dict:
         shutil.rmtree(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"OUT_DIR={out} is not empty; remove it or pass --force")
-    plan = release_plan()
+    plan = release_plan(exclude)
     for rel, content in plan.items():
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -330,8 +333,8 @@ def main(argv=None) -> int:
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr)
     print(
-        f"wrote {out}: {len(manifest['exercises'])} exercise stubs, {len(manifest['notebooks'])} notebooks, "
-        f"{len(manifest['public_tests'])} public test files"
+        f"wrote {out}: {len(manifest['exercises'])} exercise stubs, "
+        f"{len(manifest['notebooks'])} notebooks, {len(manifest['public_tests'])} public test files"
     )
     if args.archive:
         archive = shutil.make_archive(str(out), "zip", root_dir=out.parent, base_dir=out.name)
