@@ -220,6 +220,9 @@ def discover_labs(template: Path, hidden: Path | None = None) -> list[Lab]:
 
 
 def _pytest_argv(course: str, files, test_timeout: float, *more: str) -> list[str]:
+    """pytest on ``files``, tests marked exercise, with the grader's plugin and pytest-timeout
+    only (the items run with PYTEST_DISABLE_PLUGIN_AUTOLOAD: nbval, anyio ... cost a second a
+    run and grade nothing)."""
     return [
         sys.executable,
         "-m",
@@ -227,6 +230,10 @@ def _pytest_argv(course: str, files, test_timeout: float, *more: str) -> list[st
         *files,
         "-m",
         "exercise",
+        "-o",
+        "addopts=--strict-markers",
+        "-p",
+        "pytest_timeout",
         "-p",
         "labs_grade_plugin",
         "-p",
@@ -300,6 +307,7 @@ def collect_tests(session: Session) -> dict[str, list[str]]:
         log=log,
         results_limit=RESULTS_LIMIT,
         PYTHONPATH=_pythonpath(session, item),
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
     )
     first = done.results.split(b"\n", 1)[0]
     try:
@@ -445,6 +453,7 @@ def grade_tests(
             log=log,
             results_limit=RESULTS_LIMIT,
             PYTHONPATH=_pythonpath(session, item),
+            PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
             MPLBACKEND="Agg",
             LABS_GRADE_CHECK=check,
             LABS_GRADE_MAX_TIMEOUTS=str(args.max_timeouts),
@@ -571,24 +580,21 @@ def grade_student(session: Session, name: str) -> list[Result]:
     """Every lab of one student, each item in its own sandbox; the feedback page. Whatever goes
     wrong becomes this student's rows ("grading error: ..."), and grading goes on."""
     shown = submission.display(name)
-    labs = session.labs
     if name in REPORT_FILES:
         why = f"grading error: a folder named {shown} would replace a file of the report; rename it"
-        return [Result(shown, lab.name, lab.notebook, grading_error=why) for lab in labs]
+        return _error_rows(session, shown, why)
     if (session.submissions / name).is_symlink():
         target = submission.display(os.readlink(session.submissions / name))
-        why = f"grading error: the folder is a symlink to {target}; it is not followed"
-        return [Result(shown, lab.name, lab.notebook, grading_error=why) for lab in labs]
+        return _error_rows(session, shown, f"grading error: the folder is a symlink to {target}")
     out = session.report / name
     t0 = time.perf_counter()
     try:
         student = read_student(session, name)
         (out / "logs").mkdir(parents=True, exist_ok=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable submission becomes a row
-        why = f"grading error: the submission cannot be read ({exc})"
-        return [Result(shown, lab.name, lab.notebook, grading_error=why) for lab in labs]
+        return _error_rows(session, shown, f"grading error: the submission cannot be read ({exc})")
     results = []
-    for lab in labs:
+    for lab in session.labs:
         res = Result(shown, lab.name, lab.notebook)
         try:
             if session.expected[lab.name]:
@@ -612,6 +618,19 @@ def grade_student(session: Session, name: str) -> list[Result]:
         session.fingerprints[name] = (student.fingerprints, student.links)
     _say(session, f"{shown}: done in {time.perf_counter() - t0:.1f} s")
     return results
+
+
+def _error_rows(session: Session, shown: str, why: str) -> list[Result]:
+    """A student who cannot be graded: every lab's row says why, with no checks passed."""
+    _say(session, f"{shown}: {why}")
+    rows = []
+    for lab in session.labs:
+        expected = session.expected[lab.name]
+        hidden = sum(n.startswith("hidden_tests/") for n in expected)
+        rows.append(
+            Result(shown, lab.name, lab.notebook, 0, len(expected), 0, hidden, grading_error=why)
+        )
+    return rows
 
 
 def _say(session: Session, line: str) -> None:
