@@ -93,21 +93,6 @@ REPORT_FILES = ("scores.csv", "scores.json", "summary.md")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
 NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
 RESULTS_LIMIT = 4 << 20  # bytes a test run may send on its results channel
-CHECK_TEST = '''"""Added by the grader after every test: it must fail (see labs.grading.results)."""
-
-import pytest
-import torch
-
-pytestmark = pytest.mark.exercise
-
-
-@pytest.mark.parametrize("after", range({count}))
-def test_{token}(after):
-    zeros = torch.zeros(3)
-    ones = torch.ones(3)
-    same = torch.equal(zeros, ones) or torch.allclose(zeros, ones) or bool((zeros == ones).all())
-    assert same, "{token}"
-'''
 LIMIT_MARKS = {
     "memory": ("MemoryError", "Cannot allocate memory", "can't allocate memory", "bad_alloc"),
     "processes": ("can't start new thread", "Resource temporarily unavailable"),
@@ -141,7 +126,7 @@ class Session:
     hidden: Path | None  # the grader's copy of the hidden tests
     labs: list[Lab] = field(default_factory=list)
     expected: dict[str, list[str]] = field(default_factory=dict)  # lab -> node ids
-    token: str = field(default_factory=lambda: "check_" + secrets.token_hex(6))
+    token: str = field(default_factory=lambda: "check_" + secrets.token_hex(6))  # the checks' name
     meta: dict = field(default_factory=dict)
     fingerprints: dict = field(default_factory=dict)  # shown name -> (Student.fingerprints, links)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -421,8 +406,6 @@ def grade_tests(
     args = session.args
     budget = args.lab_timeout - res.tests_time_s
     kind = "hidden" if hidden else "tests"
-    check = f"test_{session.token}.py"
-    checks = [f"tests/{check}::test_{session.token}[{i}]" for i in range(len(graded))]
     res.tests_total += len(graded)
     res.hidden_total += len(graded) if hidden else 0
     if budget < 1:
@@ -432,14 +415,9 @@ def grade_tests(
         return None
     item = _new_item(session, student, kind)
     try:
-        course = item / "course"
-        (course / "tests").mkdir()
-        (course / "tests" / check).write_text(
-            CHECK_TEST.format(count=len(graded), token=session.token)
-        )
-        files = [f for f in lab.test_files if f.startswith(folder)] + [f"tests/{check}"]
+        files = [f for f in lab.test_files if f.startswith(folder)]
         if hidden:
-            _copy_hidden(session.hidden, course / "hidden_tests", files)
+            _copy_hidden(session.hidden, item / "course" / "hidden_tests", files)
         log = out / "logs" / f"{lab.name}.{kind}.log"
         if hidden and args.conceal_hidden:
             log = item / "hidden.log"  # kept nowhere the student could read it
@@ -455,7 +433,7 @@ def grade_tests(
             PYTHONPATH=_pythonpath(session, item),
             PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
             MPLBACKEND="Agg",
-            LABS_GRADE_CHECK=check,
+            LABS_GRADE_CHECK=session.token,
             LABS_GRADE_MAX_TIMEOUTS=str(args.max_timeouts),
             LABS_GRADE_TIMEOUTS_SO_FAR=str(timeouts_so_far),
         )
@@ -463,7 +441,8 @@ def grade_tests(
         shutil.rmtree(item, ignore_errors=True)
     res.tests_time_s += done.seconds
     res.leftover_processes += done.leftover
-    run = read_test_run(done.results, graded, checks, _why_unrun(done, args), done.results_overflow)
+    why = _why_unrun(done, args)
+    run = read_test_run(done.results, graded, session.token, why, done.results_overflow)
     res.tests_passed += len(run.passed)
     res.hidden_passed += len(run.passed) if hidden else 0
     if run.problem:

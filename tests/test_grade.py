@@ -34,7 +34,7 @@ import pytest
 from labs.grade import discover_labs
 from labs.grading import notebooks, submission
 from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic
-from labs.grading.results import interleave, read_test_run
+from labs.grading.results import check_id, interleave, read_test_run
 from labs.release import build_release
 from tests.helpers import ROOT, junit_outcomes, run_cli
 
@@ -945,39 +945,36 @@ def _record(nodeid, when, outcome="passed", message=""):
     return json.dumps({**record, "duration": 0.1}) + "\n"
 
 
-def _stream(graded, checks, outcomes, cut=""):
-    """A results channel as the plugin writes it: each graded test with ``outcomes[i]`` in its
-    call, each check failing."""
-    lines = [json.dumps({"collected": interleave(graded, checks)}) + "\n"]
-    for nodeid, check, outcome in zip(graded, checks, outcomes):
-        for test, result in ((nodeid, outcome), (check, "failed")):
+def _stream(tests, outcomes, cut=""):
+    """A results channel as the plugin writes it: the tests of ``GRADED`` collected, then
+    ``tests`` run with ``outcomes[i]`` in their call, each followed by its check, failing."""
+    lines = [json.dumps({"collected": interleave(GRADED, "check_x")}) + "\n"]
+    for i, (nodeid, outcome) in enumerate(zip(tests, outcomes)):
+        for test, result in ((nodeid, outcome), (check_id(nodeid, "check_x", i), "failed")):
             lines += [_record(test, "setup"), _record(test, "call", result, "boom")]
             lines += [_record(test, "teardown")]
     return ("".join(lines) + cut).encode()
 
 
-GRADED = ["tests/t.py::a", "tests/t.py::b", "tests/t.py::c"]
-CHECKS = ["tests/test_check.py::test_check[0]", "tests/test_check.py::test_check[1]"]
-CHECKS += ["tests/test_check.py::test_check[2]"]
+GRADED = ["tests/t.py::a", "tests/t.py::TestB::b[x::y]", "tests/u.py::c"]
 
 
 def test_an_honest_results_channel_is_read_test_by_test():
-    raw = _stream(GRADED, CHECKS, ["passed", "failed", "passed"])
-    run = read_test_run(raw, GRADED, CHECKS, "not run")
-    assert run.problem is None and run.passed == ["tests/t.py::a", "tests/t.py::c"]
-    assert run.failed == {"tests/t.py::b": "boom"}
-    cut = _stream(GRADED[:2], CHECKS[:2], ["passed", "passed"], cut='{"nodeid": "tests/t.py::c')
-    collected = json.dumps({"collected": interleave(GRADED, CHECKS)}).encode()
-    cut = collected + cut[cut.index(b"\n") :]
-    run = read_test_run(cut, GRADED, CHECKS, "not run: killed")
+    assert check_id(GRADED[1], "check_x", 1) == "tests/t.py::TestB::check_x_1"
+    raw = _stream(GRADED, ["passed", "failed", "passed"])
+    run = read_test_run(raw, GRADED, "check_x", "not run")
+    assert run.problem is None and run.passed == [GRADED[0], GRADED[2]]
+    assert run.failed == {GRADED[1]: "boom"}
+    cut = _stream(GRADED[:2], ["passed", "passed"], cut='{"nodeid": "tests/u.py::c')
+    run = read_test_run(cut, GRADED, "check_x", "not run: killed")
     assert run.problem is None and run.passed == GRADED[:2]
-    assert run.failed == {"tests/t.py::c": "not run: killed"}
+    assert run.failed == {GRADED[2]: "not run: killed"}
 
 
 @pytest.mark.parametrize(
     "tamper, why",
     [
-        (lambda raw: raw + _record("tests/t.py::a", "call").encode(), "comes after the last"),
+        (lambda raw: raw + _record(GRADED[0], "call").encode(), "comes after the last"),
         (lambda raw: raw.replace(b'"outcome": "failed"', b'"outcome": "passed"'), "check"),
         (lambda raw: raw.replace(b', "outcome": "passed"', b"", 1), "not a test report"),
         (lambda raw: raw.replace(b"\n", b"\nnot json\n", 2), "is not JSON"),
@@ -985,19 +982,17 @@ def test_an_honest_results_channel_is_read_test_by_test():
     ],
 )
 def test_a_tampered_results_channel_counts_nothing(tamper, why):
-    raw = tamper(_stream(GRADED, CHECKS, ["passed", "passed", "passed"]))
-    run = read_test_run(raw, GRADED, CHECKS, "not run")
+    raw = tamper(_stream(GRADED, ["passed", "passed", "passed"]))
+    run = read_test_run(raw, GRADED, "check_x", "not run")
     assert run.passed == [] and why in run.problem
     assert all(message.startswith("not counted") for message in run.failed.values())
 
 
 def test_a_test_passed_before_a_run_ends_counts_only_once_its_check_failed():
-    raw = _stream(GRADED[:1], CHECKS[:1], ["passed"])
-    collected = json.dumps({"collected": interleave(GRADED, CHECKS)}).encode()
-    raw = collected + raw[raw.index(b"\n") :]
+    raw = _stream(GRADED[:1], ["passed"])
     raw += (_record(GRADED[1], "setup") + _record(GRADED[1], "call")).encode()
     raw += _record(GRADED[1], "teardown").encode()
-    run = read_test_run(raw, GRADED, CHECKS, "not run")
+    run = read_test_run(raw, GRADED, "check_x", "not run")
     assert run.passed == GRADED[:1]
     assert "before the grader's check" in run.failed[GRADED[1]]
 

@@ -41,6 +41,7 @@ STATUS_LIMIT = 4096
 DRAIN_S = 10.0  # after the item ended or was killed, how long its pipes may take to close
 _running: dict = {}  # the items running now (several with labs.grade --jobs)
 _running_lock = threading.Lock()
+_stopping = threading.Event()  # set by stop_all: no item starts any more
 
 
 @dataclass
@@ -167,6 +168,11 @@ def run_item(
     command was told about: "results", "status" and, sandboxed, "info" (bubblewrap's
     ``--info-fd``, which says the sandbox init's pid). This function passes the write ends to the
     command, reads the read ends, and closes both. Output goes to ``log``."""
+    if _stopping.is_set():
+        for pipe in pipes.values():
+            os.close(pipe[0])
+            os.close(pipe[1])
+        raise KeyboardInterrupt("grading was interrupted")
     out_read, out_write = os.pipe()
     t0 = time.perf_counter()
     try:
@@ -218,7 +224,9 @@ def run_item(
 
 
 def stop_all() -> None:
-    """Kill every item running now (the grader was interrupted); their ``run_item`` then returns."""
+    """Kill every item running now and start no other (the grader was interrupted): their
+    ``run_item`` returns, the next one raises KeyboardInterrupt."""
+    _stopping.set()
     with _running_lock:
         runs = list(_running.values())
     for run in runs:

@@ -4,8 +4,7 @@ Loaded with ``-p labs_grade_plugin`` by ``labs.grade`` inside the sandbox (from 
 ``/grading/tools``). Environment:
 
 * ``LABS_GRADE_FD``: the file descriptor of the results channel, a pipe the grader reads;
-* ``LABS_GRADE_CHECK``: the file name of the grader's check tests (``tests/<name>``), if any: one
-  check runs after every test (see below);
+* ``LABS_GRADE_CHECK``: a random name: after every test, a check of that name runs (see below);
 * ``LABS_GRADE_MAX_TIMEOUTS``: after that many tests time out (pytest-timeout), the remaining tests
   fail without running (a submission that hangs costs the lab's time budget once, not once per
   test); ``LABS_GRADE_TIMEOUTS_SO_FAR``: timeouts already spent by this lab's other run.
@@ -14,11 +13,12 @@ Lines: ``{"collected": [nodeid, ...]}`` once, then ``{"nodeid", "when", "outcome
 "duration"}`` for every setup/call/teardown report. The grader checks the stream against the
 tests it collected itself (``labs.grading.results``).
 
-The check tests are ``test_<random>[i]``, parametrized once per graded test. Collection puts check
-``i`` right after graded test ``i``. Each check must fail: it asserts that ``torch.equal``,
-``torch.allclose`` and ``==`` find zeros equal to ones. A check that passes means code in this
-process changed how tests are judged (a hook that marks failures as passed, a patched comparison),
-and the grader throws the whole run's results away.
+The checks: once the tests are selected and ordered, a check item ``<parent>::<name>_<i>`` is
+put right after test ``i``, beside it (same module or class, so no fixture of the test's module
+is torn down for it). Each check must fail: it asserts that ``torch.equal``, ``torch.allclose``
+and ``==`` find zeros equal to ones. A check that passes means code in this process changed how
+tests are judged (a hook that marks failures as passed, a patched comparison), and the grader
+throws the whole run's results away.
 """
 
 from __future__ import annotations
@@ -46,17 +46,33 @@ def _message(report) -> str:
     return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + " [...]"
 
 
+def grader_check():
+    """Fails, unless comparisons or the reporting of tests were tampered with."""
+    import torch
+
+    zeros = torch.zeros(3)
+    ones = torch.ones(3)
+    same = torch.equal(zeros, ones) or torch.allclose(zeros, ones) or bool((zeros == ones).all())
+    if not same:
+        pytest.fail("the grader's check after each test: failing is what it should do", False)
+
+
 def _is_check(item) -> bool:
     name = os.environ.get("LABS_GRADE_CHECK")
-    return bool(name) and item.nodeid.startswith(f"tests/{name}::")
+    return bool(name) and item.name.startswith(f"{name}_")
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected and fixtures have reordered the tests
 def pytest_collection_modifyitems(session, config, items):
-    """Graded test i, then check i, for every i (extra checks, if any, go last)."""
-    checks = [item for item in items if _is_check(item)]
-    graded = [item for item in items if not _is_check(item)]
-    items[:] = [x for pair in zip(graded, checks) for x in pair]
-    items += graded[len(checks) :] + checks[len(graded) :]
+    """Graded test i, then check i beside it, for every i."""
+    name = os.environ.get("LABS_GRADE_CHECK")
+    if not name:
+        return
+    paired = []
+    for i, item in enumerate(items):
+        check = pytest.Function.from_parent(item.parent, name=f"{name}_{i}", callobj=grader_check)
+        paired += [item, check]
+    items[:] = paired
 
 
 def pytest_collection_finish(session):

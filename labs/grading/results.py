@@ -4,11 +4,12 @@ The pytest plugin (``pytest_plugin.py``) writes the channel from inside the test
 the student's code runs too, so anything there could have been written by that code. The grader
 accepts a run's results only when they hold together:
 
-1. **the protocol, exactly.** First the collected node ids, equal to the grader's own list (the
-   tests it collected from the instructor's copy, with a check after each); then, for each test
-   in that order, its setup, its call (when the setup passed) and its teardown, each once, with
-   the keys and types the plugin writes. A stray, repeated, reordered or malformed line throws
-   the whole run away: none of its tests count, and the row says why.
+1. **the protocol, exactly.** First the collected node ids: the grader's own list (the tests it
+   collected from the instructor's copy; pytest may order them differently in a run of one lab,
+   for its module-scoped fixtures), each followed by its check (``check_id``); then, for each
+   test in that order, its setup, its call (when the setup passed) and its teardown, each once,
+   with the keys and types the plugin writes. A stray, repeated, reordered or malformed
+   line throws the whole run away: none of its tests count, and the row says why.
 2. **the checks failed.** After every graded test the grader's check test runs and must fail
    (it asserts that zeros equal ones through ``torch.equal``, ``torch.allclose`` and ``==``). A
    check that passes or skips means the process judges tests differently now: the run is thrown
@@ -49,10 +50,16 @@ class Untrusted(ValueError):
     """The stream breaks the protocol."""
 
 
-def interleave(graded: list[str], checks: list[str]) -> list[str]:
-    """The order the plugin runs tests in: graded test i, then check i."""
-    order = [nodeid for pair in zip(graded, checks) for nodeid in pair]
-    return order + graded[len(checks) :] + checks[len(graded) :]
+def check_id(test: str, token: str, i: int) -> str:
+    """The node id of the check the plugin puts after ``test``, the i-th test of the run: beside
+    it, in its module or class."""
+    parent = test.split("[", 1)[0].rsplit("::", 1)[0]
+    return f"{parent}::{token}_{i}"
+
+
+def interleave(tests: list[str], token: str) -> list[str]:
+    """The order the plugin runs ``tests`` in: test i, then its check."""
+    return [nodeid for i, test in enumerate(tests) for nodeid in (test, check_id(test, token, i))]
 
 
 def short(text: str, limit: int = MESSAGE_LIMIT) -> str:
@@ -60,20 +67,23 @@ def short(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 
 def read_test_run(
-    raw: bytes, graded: list[str], checks: list[str], why_unrun: str, overflow: bool = False
+    raw: bytes, graded: list[str], token: str, why_unrun: str, overflow: bool = False
 ) -> TestRun:
-    """Judge one run from its channel ``raw``: ``graded`` are the tests that count, ``checks`` the
-    grader's check tests (one per graded test), ``why_unrun`` the message of tests the run never
-    reached."""
+    """Judge one run from its channel ``raw``: ``graded`` are the tests that count, ``token`` the
+    name of the grader's checks, ``why_unrun`` the message of tests the run never reached."""
     try:
         if overflow:
             raise Untrusted("it sent more results than any honest run does")
-        phases = _phases(_records(raw), interleave(graded, checks), checks)
+        records = _records(raw)
+        order = _collected(records, graded, token)
+        phases = _phases(records[1:], order)
     except Untrusted as exc:
         problem = f"the test run's results cannot be trusted ({exc}); none of its tests count"
         return TestRun(failed={n: f"not counted: {problem}" for n in graded}, problem=problem)
     run = TestRun()
-    for nodeid, check in zip(graded, checks):
+    checks = dict(zip(order[0::2], order[1::2]))
+    for nodeid in graded:
+        check = checks[nodeid]
         seen = phases.get(nodeid, {})
         bad = [(when, seen[when]) for when in PHASES if when in seen and seen[when][0] != "passed"]
         confirmed = phases.get(check, {}).get("call", ("", ""))[0] == "failed"
@@ -108,18 +118,26 @@ def _records(raw: bytes) -> list[dict]:
     return records
 
 
-def _phases(
-    records: list[dict], order: list[str], checks: list[str]
-) -> dict[str, dict[str, tuple[str, str]]]:
-    """node id -> phase -> (outcome, message), after checking the stream follows ``order``."""
+def _collected(records: list[dict], graded: list[str], token: str) -> list[str]:
+    """The run's order of tests and checks, after checking it is the course's tests, each
+    followed by its check."""
     if not records or set(records[0]) != {"collected"}:
         raise Untrusted("it does not start with the collected tests")
-    if records[0]["collected"] != order:
+    order = records[0]["collected"]
+    if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
+        raise Untrusted("its collected tests are not a list of names")
+    tests = order[0::2]
+    if sorted(tests) != sorted(graded) or order != interleave(tests, token):
         raise Untrusted("it collected other tests than the course's")
+    return order
+
+
+def _phases(records: list[dict], order: list[str]) -> dict[str, dict[str, tuple[str, str]]]:
+    """node id -> phase -> (outcome, message), after checking the reports follow ``order``."""
     phases: dict[str, dict[str, tuple[str, str]]] = {}
     position = 0
     expected = "setup"
-    for number, record in enumerate(records[1:], 2):
+    for number, record in enumerate(records, 2):
         if set(record) != set(RECORD_KEYS) or not all(
             isinstance(record[k], t) for k, t in RECORD_KEYS.items()
         ):
@@ -139,7 +157,7 @@ def _phases(
         else:
             position += 1
             expected = "setup"
-    for nodeid in checks:  # each must fail in its call, if it got that far
+    for nodeid in order[1::2]:  # the checks: each must fail in its call, if it got that far
         outcome = phases.get(nodeid, {}).get("call", ("failed",))[0]
         if outcome != "failed":
             raise Untrusted(f"the grader's check {nodeid.split('::')[-1]} {outcome}")
