@@ -328,8 +328,8 @@ def read_student(session: Session, name: str) -> Student:
     student.notes += submission.link_notes(found.links, folder)
     student.notes += [f"`{submission.display(p)}`: not looked at" for p in found.not_looked_at]
     student.notes += [f"`{submission.display(p)}`: not a file or folder" for p in found.odd]
-    for name_ in exercise_names():
-        rel = f"labs/{name_}.py"
+    for exercise in exercise_names():
+        rel = f"labs/{exercise}.py"
         if rel not in found.files:
             continue
         try:
@@ -337,8 +337,8 @@ def read_student(session: Session, name: str) -> Student:
         except submission.Unreadable as exc:
             student.notes.append(f"`{rel}` was not graded: {exc}")
             continue
-        student.modules[name_] = data
-        student.fingerprints[name_] = (submission.digest(data), info.st_dev, info.st_ino)
+        student.modules[exercise] = data
+        student.fingerprints[exercise] = (submission.digest(data), info.st_dev, info.st_ino)
     student.ignored = _ignored_changes(folder, found, session.release)
     student.notes = _release_notes(folder, session.meta.get("commit")) + student.notes
     return student
@@ -447,13 +447,20 @@ def grade_tests(
     res.hidden_passed += len(run.passed) if hidden else 0
     if run.problem:
         what = "hidden tests" if hidden else "tests"
-        res.grading_error = f"grading error: the {what}' results were thrown away: {run.problem}"
-    if not (hidden and args.conceal_hidden):
+        _add_error(res, f"the {what}' results were thrown away: {run.problem}")
+    shown = not (hidden and args.conceal_hidden)
+    if shown:
         res.failures += [[n, message] for n, message in run.failed.items()]
-        res.notes += _limit_notes(session, done, list(run.failed.values()))
-    else:
-        res.notes += _limit_notes(session, done, [])
+    _add_notes(res, _limit_notes(session, done, list(run.failed.values()) if shown else []))
     return done
+
+
+def _add_error(res: Result, why: str) -> None:
+    res.grading_error = (f"{res.grading_error}; " if res.grading_error else "grading error: ") + why
+
+
+def _add_notes(res: Result, notes: list[str]) -> None:
+    res.notes += [note for note in notes if note not in res.notes]
 
 
 def _copy_hidden(hidden: Path | None, dst: Path, files: list[str]) -> None:
@@ -544,7 +551,7 @@ def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, ou
     res.notebook_executed = "yes" if executed else "no"
     res.notebook_detail = detail
     end = report["end"] or {}
-    res.notes += _limit_notes(session, done, [] if executed else [detail])
+    _add_notes(res, _limit_notes(session, done, [] if executed else [detail]))
     if end.get("cut"):
         res.notes.append(
             f"**limit hit**: notebook output: {end['cut'] / 1e6:.1f} MB of outputs were dropped, "
@@ -552,7 +559,10 @@ def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, ou
         )
     if report["notebook"] is not None:
         (out / "notebooks").mkdir(exist_ok=True)
-        nbformat.write(report["notebook"], out / "notebooks" / lab.notebook)
+        try:
+            nbformat.write(report["notebook"], out / "notebooks" / lab.notebook)
+        except Exception as exc:  # noqa: BLE001 - the runner's copy is a courtesy, not a grade
+            res.notes.append(f"the executed notebook could not be saved ({type(exc).__name__})")
 
 
 def grade_student(session: Session, name: str) -> list[Result]:
@@ -582,7 +592,7 @@ def grade_student(session: Session, name: str) -> list[Result]:
             if lab.notebook and not session.args.no_notebooks:
                 grade_notebook(session, student, lab, res, out)
         except Exception as exc:  # noqa: BLE001 - the grader's own failure costs this row only
-            res.grading_error = f"grading error: {type(exc).__name__}: {exc}"[:500]
+            _add_error(res, f"{type(exc).__name__}: {exc}"[:500])
         _say(
             session,
             f"{shown} · {lab.name}: {res.tests_passed}/{res.tests_total} tests, notebook ran: "

@@ -31,7 +31,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labs.grade import discover_labs
+from labs.grade import _inside_repository, discover_labs
 from labs.grading import notebooks, submission
 from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic
 from labs.grading.results import check_id, interleave, read_test_run
@@ -458,7 +458,9 @@ def _remove_deep(folder: Path) -> None:
 def _start_tmux(socket: Path) -> dict | None:
     """A tmux server the grader runs 'inside', as an instructor's terminal would be."""
     if shutil.which("tmux") is None:
-        return None
+        if os.environ.get("CI"):
+            pytest.fail("tmux is not installed: .ci/run installs it")
+        return None  # the escape through tmux is then tried without a server to reach
     subprocess.run(
         ["tmux", "-S", str(socket), "new-session", "-d", "-s", "grading", "sleep 900"],
         check=True,
@@ -510,6 +512,10 @@ GRADER_OPTIONS = [
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
+    if shutil.which("bwrap") is None:
+        if os.environ.get("CI"):
+            pytest.fail("bubblewrap is not installed: .ci/run installs it")
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
     root = tmp_path_factory.mktemp("grading")
     report = root / "report"
     socket = root / "tmux.sock"
@@ -1125,6 +1131,14 @@ def test_bad_arguments_exit_2_naming_the_problem(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not (ROOT / "labs" / "r").exists()
+
+
+def test_a_report_folder_of_its_own_may_be_inside_the_repository():
+    """The README's `--out report/` from the repository root; not inside a folder of the course."""
+    assert _inside_repository(ROOT / "report") is None
+    assert _inside_repository(ROOT.parent / "elsewhere") is None
+    assert "labs/" in _inside_repository(ROOT / "labs" / "r")
+    assert "is the course repository itself" in _inside_repository(ROOT)
 
 
 def test_without_bubblewrap_the_grader_refuses(tmp_path):
