@@ -5,18 +5,20 @@ it ended.
 
 ``labs.grade`` starts this as PID 1 of the sandbox's PID namespace (``bwrap --as-pid-1``), from the
 standard library only (``-I -S``: no site-packages, no ``PYTHONPATH``, nothing a submission could
-have put on the path). SPEC (see ``labs.grading.sandbox.item_spec``) says what to do:
+have put on the path). SPEC (written by ``labs.grading.sandbox.Sandbox.command``) says what to
+do:
 
 1. ``copy``: [source, destination] folders, copied in order (the course release, then the files of
-   this item over it: the student's exercise modules, a notebook, the grader's check tests) into
-   the sandbox's ``/tmp``, a tmpfs the size of the disk limit; ``mkdir``: folders to create;
+   this item over it: the student's exercise modules, a notebook, hidden tests) into the
+   sandbox's ``/tmp``, a tmpfs the size of the disk limit; ``mkdir``: folders to create;
 2. this process makes itself non-dumpable, so the item's code cannot ptrace it, read its memory or
    open its file descriptors; as the PID namespace's init it also gets no signal from the item's
    processes (the kernel drops those it has no handler for);
 3. ``argv``, from ``cwd``, runs in a child with the limits of ``limits`` (``setrlimit``: address
    space per process, processes and threads, file size; no core files); the child closes the status
    channel (``status_fd``) before it starts the item, so only this process holds it;
-4. every ``poll_s`` seconds this process adds up the resident memory and the threads of every
+4. every ``poll_s`` seconds this process adds up the memory (proportional set size, read only
+   when the cheaper resident sizes add up to more than the limit) and the threads of every
    process in the sandbox; over ``limits.memory_bytes`` or ``limits.processes`` it kills them all
    and says which limit was hit (the kernel enforces ``RLIMIT_NPROC`` only for a grader that is not
    root, so this check is the one that always holds);

@@ -5,7 +5,8 @@ Each item (a lab's public tests, its hidden tests, a notebook) gets a fresh sand
 
 ==================  ===========================================================================
 namespaces          its own user, PID, network (loopback only), IPC, UTS and cgroup namespaces;
-                    no new user namespace inside (``--disable-userns``)
+                    no new user namespace inside (``--disable-userns``, bubblewrap 0.8 and later;
+                    the grader needs 0.7 or later)
 user                uid 1000 inside, no capabilities. Outside it is the grader's uid: for a root
                     grader, root without any capability, which the read-only whitelist below
                     leaves nothing to use
@@ -15,8 +16,8 @@ filesystem          a whitelist, read-only: the system (``/usr`` and its links),
                     base prefix), and the grader's files for this item under ``/grading``:
                     ``tools`` (this package's ``inside.py``, ``run_notebook.py`` and the pytest
                     plugin), ``release`` (the course as released) and ``item`` (the student's
-                    exercise modules and notebook, the grader's check tests, for a hidden run
-                    that lab's hidden tests). Writable: only ``/tmp`` and ``/dev/shm``, tmpfs of
+                    exercise modules and notebook; for a hidden run, that lab's hidden tests).
+                    Writable: only ``/tmp`` and ``/dev/shm``, tmpfs of
                     ``Limits.disk_mib`` each, gone when the sandbox ends. The course copy is
                     ``/tmp/course``, ``$HOME`` is ``/tmp/home``. ``/proc`` is the sandbox's own,
                     read-only
@@ -43,16 +44,20 @@ reach, and only the time, file-size and address-space limits hold.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from labs.grading.processes import run_item
 
+BWRAP_AT_LEAST = (0, 7)  # --size for a tmpfs
+DISABLE_USERNS_SINCE = (0, 8)  # older: a user namespace may be nested inside the sandbox
 SANDBOX_UID = 1000
 HOSTNAME = "grading"
 TOOLS = "/grading/tools"
@@ -127,6 +132,16 @@ class Layout:
 
 def bwrap_path() -> str | None:
     return shutil.which("bwrap")
+
+
+@functools.cache
+def bwrap_version() -> tuple[int, ...]:
+    """bubblewrap's version, e.g. (0, 8, 0); () when it cannot say."""
+    try:
+        out = subprocess.run([bwrap_path() or "bwrap", "--version"], capture_output=True, text=True)
+        return tuple(int(n) for n in out.stdout.split()[-1].split("."))
+    except (OSError, ValueError, IndexError):
+        return ()
 
 
 class Sandbox:
@@ -212,7 +227,9 @@ class Sandbox:
 
     def _bwrap(self, item_dir: Path, info_fd: int | None) -> list[str]:
         disk = str(int(self.limits.disk_mib * MIB))
-        argv = [bwrap_path() or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
+        argv = [bwrap_path() or "bwrap", "--unshare-all", "--unshare-user"]
+        if bwrap_version() >= DISABLE_USERNS_SINCE:
+            argv.append("--disable-userns")
         argv += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", HOSTNAME]
         argv += ["--die-with-parent", "--new-session", "--as-pid-1"]
         if info_fd is not None:
@@ -285,6 +302,11 @@ def check(sandbox: Sandbox, private: Path) -> str | None:
         return None
     if bwrap_path() is None:
         return f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
+    version = bwrap_version()
+    if version < BWRAP_AT_LEAST:
+        found = ".".join(map(str, version)) or "of unknown version"
+        need = ".".join(map(str, BWRAP_AT_LEAST))
+        return f"bubblewrap {found} is too old: the grader needs {need} or later; {INSTALL_HINT}"
     item = private / "probe"
     (item / "course").mkdir(parents=True, exist_ok=True)
     pipes = {"results": os.pipe(), "status": os.pipe()}
