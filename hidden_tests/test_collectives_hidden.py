@@ -34,7 +34,8 @@ def test_ring_all_reduce_on_a_subgroup_equals_dist_all_reduce(members):
         if r["member"]:
             assert r["same_object"], "ring_all_reduce must work in place and return its argument"
             assert torch.equal(r["ours"], r["expected"]), (
-                f"rank {r['rank']} in group {members}: got {r['ours'].tolist()}, expected {r['expected'].tolist()}"
+                f"rank {r['rank']} in group {members}: got {r['ours'].tolist()}, "
+                f"expected {r['expected'].tolist()}"
             )
 
 

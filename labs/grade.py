@@ -1,49 +1,51 @@
-"""Grade students from their labs and their executed notebooks: one command, one scorecard.
+"""Grade students from their labs and their executed notebooks: one command, one scorecard, every
+submission's code in a sandbox of its own.
 
     python -m labs.grade SUBMISSIONS_DIR --out REPORT_DIR
-    python -m labs.grade subs --out report --labs collectives ddp --cell-timeout 60
-    --notebook-timeout 300
+    python -m labs.grade subs --out report --labs collectives ddp --jobs 2 --conceal-hidden
 
 SUBMISSIONS_DIR holds one folder per student, each a copy of the student release
-(``python -m labs.release``) with their work in it. For every student and every lab:
+(``python -m labs.release``) with their work in it. For every student and every lab, three
+items, each in a fresh bubblewrap sandbox (``labs.grading.sandbox``):
 
-1. **tests**: the lab's tests marked ``exercise`` (public and hidden, always the instructor's
-   copies) run with pytest against the student's ``labs/``, per-test timeout (pytest-timeout), a
-   time budget for the lab, and after ``--max-timeouts`` timed-out tests the rest of the lab fails
-   unrun;
-2. **notebook**: the student's copy of the lab's notebook runs headless (nbclient) with a per-cell
-   and a per-notebook timeout; "executed" means every cell ran (``raises-exception`` cells may
-   fail).
+1. **public tests**: the lab's released tests marked ``exercise`` (the instructor's copies) run
+   with pytest against the student's ``labs/``, per-test timeout (pytest-timeout), a time budget
+   for the lab, and after ``--max-timeouts`` timed-out tests the rest of the lab fails unrun;
+2. **hidden tests**: the lab's hidden tests, the same way, in a run of their own that only they
+   and the student's modules are in; with ``--conceal-hidden`` only how many passed leaves it;
+3. **notebook**: the student's notebook runs headless (nbclient) with a per-cell and a
+   per-notebook timeout; "executed" means every code cell of the release, matched by cell id, ran
+   in order to the end with the release's tags (``labs.grading.notebooks``).
 
 What a lab is, found at run time from what the course has:
 
-==============  ============================================================================
+==============  ==========================================================================
 lab             an exercise of ``labs.runtime.impl.EXERCISES`` that has ``solutions/<lab>.py``
 module          ``labs/<lab>.py``, the student's
 notebook        the one the solution module names (``NOTEBOOK = "NN_x.ipynb"``)
-public tests    ``tests/test_<lab>.py`` and ``tests/test_<lab>_*.py`` as the release ships them;
-                another released test file that calls ``exercise("<lab>")`` counts too (one that
-                calls several exercises counts for the latest of them in course order)
-hidden tests    ``hidden_tests/test_<lab>.py``, ``hidden_tests/test_<lab>_*.py`` (``--hidden-tests``)
+public tests    ``tests/test_<lab>.py`` and ``tests/test_<lab>_*.py`` as the release ships
+                them; another released test file that calls ``exercise("<lab>")`` counts too
+                (one that calls several exercises counts for the latest of them in course
+                order)
+hidden tests    ``hidden_tests/test_<lab>.py``, ``hidden_tests/test_<lab>_*.py``
+                (``--hidden-tests``)
 score           tests passed / tests collected, marked ``exercise``, public + hidden
-==============  ============================================================================
+==============  ==========================================================================
 
 A released notebook that no exercise names is graded as a row of its own (notebook only, no tests).
 
-Isolation. Each item (a lab's tests, a notebook) runs in a fresh temporary copy of the
-instructor's release plus the hidden tests, into which only the student's exercise modules
-(``labs/<exercise>.py``) and, for a notebook, that notebook are copied: every other file (tests,
-``labs/runtime``, conftest, pytest config, scripts) is the instructor's, and any other file the
-student changed is listed in the feedback as ignored. ``import solutions`` fails there. Each item
-runs in its own process group with ``LABS_IMPL=labs``, ``PYTHONPATH`` and cwd the copy; afterwards
-the group and every process it left behind are killed (the grader is a Linux child subreaper, so
-even daemonised processes come back to it). A submission that hangs, exits, raises on import,
-deletes files or leaves processes costs that item only. Nothing is written to the course
-repository or to the submissions: only to REPORT_DIR and temporary folders. This is isolation
-against accidents and simple tricks, not a security sandbox: grade untrusted code in a container.
+What an item sees: the instructor's release, with only the student's exercise modules
+(``labs/<exercise>.py``) and, for a notebook, that notebook laid over it; every other file
+(tests, ``labs/runtime``, conftest, pytest config) is the instructor's, and any other file the
+student changed is listed in the feedback as ignored. ``import solutions`` fails there; the
+repository, other students, the report and the network are not there at all. Results come back
+on a channel the grader checks against its own list of tests (``labs.grading.results``). The
+submission folders are read without following any link (``labs.grading.submission``). Without
+bubblewrap the grader refuses to run, unless told ``--unsafe-no-sandbox``.
 
-REPORT_DIR gets ``scores.csv`` (student x lab), ``summary.md``, ``scores.json``, and per student
-``feedback.md`` (each failed check with its message), the executed notebooks and the logs.
+REPORT_DIR gets ``scores.csv`` (student x lab), ``summary.md``, ``scores.json``, rewritten whole
+after each student, and per student ``feedback.md`` (each failed check with its message), the
+executed notebooks and the logs.
 """
 
 from __future__ import annotations
@@ -52,22 +54,57 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import nbformat
 
-from labs.grading.processes import become_subreaper, kill_leftovers, run_item
-from labs.grading.report import Result, feedback_page, write_reports
-from labs.release import ROOT, build_release, exercise_names, exercise_notebook, lab_of_test_file
+from labs.grading import notebooks, sandbox, submission
+from labs.grading.processes import (
+    LOG_KEEP_BYTES,
+    Finished,
+    become_subreaper,
+    kill_leftovers,
+    run_item,
+    stop_all,
+)
+from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic, write_reports
+from labs.grading.results import read_test_run
+from labs.grading.sandbox import Limits, Sandbox
+from labs.release import (
+    ROOT,
+    build_release,
+    exercise_names,
+    exercise_notebook,
+    lab_of_test_file,
+    source_files,
+)
 
 GRADING = Path(__file__).resolve().parent / "grading"
 SOLUTIONS_SHIM = 'raise ImportError("the reference solutions are not available while grading")\n'
-SKIP_PARTS = {".git", "__pycache__", ".ipynb_checkpoints", ".venv", "venv", ".pytest_cache", "out"}
+REPORT_FILES = ("scores.csv", "scores.json", "summary.md")
+MODULE_LIMIT = 2 << 20  # bytes of one exercise module
+NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
+RESULTS_LIMIT = 4 << 20  # bytes a test run may send on its results channel
+LIMIT_MARKS = {
+    "memory": ("MemoryError", "Cannot allocate memory", "can't allocate memory", "bad_alloc"),
+    "processes": ("can't start new thread", "Resource temporarily unavailable"),
+    "file size": ("File too large",),
+    "disk": ("No space left on device",),
+}
+LIMIT_NOTES = {
+    "memory": "memory: more than {memory_gib:g} GiB in all (`--memory-limit`)",
+    "processes": "processes: more than {processes} processes and threads (`--max-processes`)",
+    "file size": "file size: a file over {file_mib:g} MiB (`--max-file-size`)",
+    "disk": "disk: more than {disk_mib:g} MiB in /tmp or /dev/shm (`--disk-limit`)",
+}
 
 
 @dataclass(frozen=True)
@@ -77,31 +114,63 @@ class Lab:
     test_files: tuple[str, ...]  # relative to the graded copy: tests/..., hidden_tests/...
 
 
-# ---- the course side: labs, the graded copy, the tests' names
+@dataclass
+class Session:
+    """What every student's grading shares."""
+
+    args: argparse.Namespace
+    sandbox: Sandbox
+    private: Path  # the grader's temporary folder: release/, tools/, hidden/, items/
+    report: Path
+    submissions: Path
+    hidden: Path | None  # the grader's copy of the hidden tests
+    labs: list[Lab] = field(default_factory=list)
+    expected: dict[str, list[str]] = field(default_factory=dict)  # lab -> node ids
+    token: str = field(default_factory=lambda: "check_" + secrets.token_hex(6))  # the checks' name
+    meta: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)  # shown name -> (Student.fingerprints, links)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def release(self) -> Path:
+        return self.private / "release"
+
+
+@dataclass
+class Student:
+    """One submission, as the grader read it."""
+
+    name: str  # the folder's name
+    shown: str  # the name as reports write it
+    folder: Path
+    modules: dict[str, bytes] = field(default_factory=dict)  # exercise -> its module's bytes
+    fingerprints: dict[str, tuple] = field(default_factory=dict)  # exercise -> (sha256, dev, ino)
+    notes: list[str] = field(default_factory=list)  # for the top of the feedback
+    ignored: list[str] = field(default_factory=list)  # files differing from the release
+    links: dict[str, str] = field(default_factory=dict)  # symlink -> target
+
+
+# ---- the course side: the release, the labs, the tests' names
 # ----------------------------------------------
 
 
-def build_template(dst: Path, hidden: Path | None) -> None:
-    """The instructor's release, plus the hidden tests, plus a ``solutions`` that cannot be
-    imported."""
-    build_release(dst)
-    if hidden is not None:
-        shutil.copytree(
-            hidden, dst / "hidden_tests", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-        )
+def build_template(dst: Path, exclude: tuple[str, ...] = ()) -> None:
+    """The instructor's release, plus a ``solutions`` that cannot be imported."""
+    build_release(dst, exclude=exclude)
     (dst / "solutions").mkdir()
     (dst / "solutions" / "__init__.py").write_text(SOLUTIONS_SHIM)
 
 
-def discover_labs(template: Path) -> list[Lab]:
+def discover_labs(template: Path, hidden: Path | None = None) -> list[Lab]:
     """The labs of this course (see the module docstring), in course order, then notebook-only
-    rows."""
+    rows. ``hidden``: the hidden tests' folder (default: ``template/hidden_tests``)."""
+    hidden = hidden if hidden is not None else template / "hidden_tests"
     exercises = exercise_names()
-    notebooks = {name: exercise_notebook(name) for name in exercises}
-    order = {name: (notebooks[name] or "99", i) for i, name in enumerate(exercises)}
+    notebooks_of = {name: exercise_notebook(name) for name in exercises}
+    order = {name: (notebooks_of[name] or "99", i) for i, name in enumerate(exercises)}
     files: dict[str, list[str]] = {name: [] for name in exercises}
-    for folder in ("tests", "hidden_tests"):
-        for path in sorted((template / folder).glob("test_*.py")):
+    for folder, where in (("tests", template / "tests"), ("hidden_tests", hidden)):
+        for path in sorted(where.glob("test_*.py")):
             lab = lab_of_test_file(path, exercises)
             if lab is None:
                 called = set(
@@ -112,12 +181,13 @@ def discover_labs(template: Path) -> list[Lab]:
                 files[lab].append(f"{folder}/{path.name}")
             elif folder == "hidden_tests":
                 print(
-                    f"warning: hidden_tests/{path.name} belongs to no lab (name it test_<exercise>_*.py)",
+                    f"warning: hidden_tests/{path.name} belongs to no lab "
+                    "(name it test_<exercise>_*.py)",
                     file=sys.stderr,
                 )
     labs = []
     for name in sorted(exercises, key=order.get):
-        notebook = notebooks[name]
+        notebook = notebooks_of[name]
         if not (template / "notebooks" / str(notebook)).exists():
             notebook = None
         if notebook in {lab.notebook for lab in labs}:
@@ -132,21 +202,10 @@ def discover_labs(template: Path) -> list[Lab]:
     return labs
 
 
-def _env(work: Path, private: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LABS_", "JPY_"))}
-    env.update(
-        LABS_IMPL="labs",
-        PYTHONPATH=f"{work}{os.pathsep}{private}",
-        PYTHONHASHSEED="0",
-        PYTHONDONTWRITEBYTECODE="1",
-        JUPYTER_RUNTIME_DIR=str(private / "jupyter"),
-        IPYTHONDIR=str(private / "ipython"),
-        **extra,
-    )
-    return env
-
-
-def _pytest_cmd(work: Path, files, test_timeout: float, *more) -> list[str]:
+def _pytest_argv(course: str, files, test_timeout: float, *more: str) -> list[str]:
+    """pytest on ``files``, tests marked exercise, with the grader's plugin and pytest-timeout
+    only (the items run with PYTEST_DISABLE_PLUGIN_AUTOLOAD: nbval, anyio ... cost a second a
+    run and grade nothing)."""
     return [
         sys.executable,
         "-m",
@@ -154,278 +213,472 @@ def _pytest_cmd(work: Path, files, test_timeout: float, *more) -> list[str]:
         *files,
         "-m",
         "exercise",
+        "-o",
+        "addopts=--strict-markers",
+        "-p",
+        "pytest_timeout",
         "-p",
         "labs_grade_plugin",
         "-p",
         "no:cacheprovider",
         "-q",
         "-rN",
-        f"--rootdir={work}",
+        f"--rootdir={course}",
         "-c",
-        str(work / "pyproject.toml"),
+        f"{course}/pyproject.toml",
         f"--timeout={test_timeout}",
         "--timeout-method=signal",
         *more,
     ]
 
 
-def _read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut short by a kill
-    return records
+def run_sandboxed(
+    session: Session,
+    item: Path,
+    argv_for,
+    *,
+    cwd: str,
+    timeout: float,
+    log: Path,
+    results_limit: int,
+    **env: str,
+) -> Finished:
+    """Run one item whose own files are in ``item/course``; ``argv_for(layout)`` gives its
+    command, with the paths the item sees."""
+    box = session.sandbox
+    layout = box.layout(item)
+    pipes = {"results": os.pipe(), "status": os.pipe()}
+    if box.isolated:
+        pipes["info"] = os.pipe()
+    results_fd = pipes["results"][1]
+    command = box.command(
+        item,
+        argv_for(layout),
+        cwd=f"{layout.course}/{cwd}",
+        results_fd=results_fd,
+        status_fd=pipes["status"][1],
+        info_fd=pipes["info"][1] if box.isolated else None,
+    )
+    return run_item(
+        command,
+        env=box.env(layout, LABS_GRADE_FD=str(results_fd), **env),
+        timeout=timeout,
+        log=log,
+        results_limit=results_limit,
+        sandboxed=box.isolated,
+        pipes=pipes,
+    )
 
 
-def collect_tests(template: Path, private: Path, labs: list[Lab]) -> dict[str, list[str]]:
-    """lab -> node ids of its tests marked ``exercise``, collected once on the instructor's copy."""
-    files = [f for lab in labs for f in lab.test_files]
+def collect_tests(session: Session) -> dict[str, list[str]]:
+    """lab -> node ids of its tests marked ``exercise``, collected once on the instructor's copy
+    (no student code in it)."""
+    files = [f for lab in session.labs for f in lab.test_files]
     if not files:
-        return {lab.name: [] for lab in labs}
-    results = private / "collect.jsonl"
-    rc, _, _ = run_item(
-        _pytest_cmd(template, files, 60, "--collect-only"),
-        cwd=template,
-        env=_env(template, private, LABS_GRADE_RESULTS=str(results)),
+        return {lab.name: [] for lab in session.labs}
+    item = session.private / "items" / "collect"
+    if session.hidden is not None:
+        shutil.copytree(session.hidden, item / "course" / "hidden_tests")
+    (item / "course").mkdir(parents=True, exist_ok=True)
+    log = session.private / "collect.log"
+    done = run_sandboxed(
+        session,
+        item,
+        lambda layout: _pytest_argv(layout.course, files, 60, "--collect-only"),
+        cwd=".",
         timeout=600,
-        log=private / "collect.log",
+        log=log,
+        results_limit=RESULTS_LIMIT,
+        PYTHONPATH=_pythonpath(session, item),
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
     )
-    collected = next((r["collected"] for r in _read_records(results) if "collected" in r), None)
-    if (
-        rc not in (0, 5) or collected is None
-    ):  # 5: nothing selected, e.g. a lab with no exercise tests
+    first = done.results.split(b"\n", 1)[0]
+    try:
+        collected = json.loads(first)["collected"]
+    except (ValueError, KeyError, TypeError):
+        collected = None
+    if done.exit_code not in (0, 5) or collected is None:  # 5: nothing selected
         raise RuntimeError(
-            f"the instructor's tests do not collect (exit {rc}):\n"
-            + (private / "collect.log").read_text()[-3000:]
+            f"the instructor's tests do not collect (exit {done.exit_code}):\n"
+            + log.read_text(errors="replace")[-3000:]
         )
-    return {lab.name: [n for n in collected if n.split("::")[0] in lab.test_files] for lab in labs}
+    return {
+        lab.name: [n for n in collected if n.split("::")[0] in lab.test_files]
+        for lab in session.labs
+    }
 
 
-# ---- one student
-# -----------------------------------------------------------------------------------------
+def _pythonpath(session: Session, item: Path) -> str:
+    layout = session.sandbox.layout(item)
+    return f"{layout.course}{os.pathsep}{layout.tools}"
 
 
-def _graded_copy(template: Path, submission: Path, dst: Path, notebook: str | None = None) -> None:
-    """A fresh copy of the template with the student's exercise modules (and ``notebook``) in it."""
-    shutil.copytree(template, dst)
-    for name in exercise_names():
-        mine = submission / "labs" / f"{name}.py"
-        if mine.is_file() and not mine.is_symlink():
-            shutil.copyfile(mine, dst / "labs" / f"{name}.py")
-    if notebook:
-        shutil.copyfile(submission / "notebooks" / notebook, dst / "notebooks" / notebook)
+# ---- one student's submission
+# ----------------------------------------------------------------------------
 
 
-def grade_tests(res: Result, lab: Lab, expected: list[str], ctx: dict) -> None:
-    work = ctx["private"] / "work"
-    results = ctx["private"] / f"{res.student}-{lab.name}.jsonl"
-    _graded_copy(ctx["template"], ctx["submission"], work)
-    env = _env(
-        work,
-        ctx["private"],
-        LABS_GRADE_RESULTS=str(results),
-        MPLBACKEND="Agg",
-        LABS_GRADE_MAX_TIMEOUTS=str(ctx["max_timeouts"]),
-    )
-    rc, res.tests_time_s, left = run_item(
-        _pytest_cmd(work, lab.test_files, ctx["test_timeout"]),
-        cwd=work,
-        env=env,
-        timeout=ctx["lab_timeout"],
-        log=ctx["logs"] / f"{lab.name}.tests.log",
-    )
-    shutil.rmtree(work, ignore_errors=True)
-    res.leftover_processes += left
-    outcome: dict[str, list[dict]] = {}
-    for record in _read_records(results):
-        if "nodeid" in record:
-            outcome.setdefault(record["nodeid"], []).append(record)
-    why_unrun = (
-        f"not run: the lab's time budget of {ctx['lab_timeout']:g} s ran out"
-        if rc is None
-        else f"not run: pytest stopped (exit code {rc}) before this test"
-    )
-    for nodeid in expected:
-        reports = outcome.get(nodeid, [])
-        bad = [r for r in reports if r["outcome"] != "passed"]
-        passed = reports and not bad and any(r["when"] == "call" for r in reports)
-        hidden = nodeid.startswith("hidden_tests/")
-        res.tests_total += 1
-        res.hidden_total += hidden
-        if passed:
-            res.tests_passed += 1
-            res.hidden_passed += hidden
-        else:
-            message = (
-                why_unrun
-                if not bad
-                else (
-                    ("" if bad[0]["when"] == "call" else f"in {bad[0]['when']}: ")
-                    + (bad[0]["outcome"] + ": " if bad[0]["outcome"] == "skipped" else "")
-                    + bad[0]["message"]
-                )
-            )
-            res.failures.append([nodeid, message.replace(f"{work}/", "")])
+def read_student(session: Session, name: str) -> Student:
+    """The student's folder read without trusting it (``labs.grading.submission``)."""
+    folder = session.submissions / name
+    student = Student(name, submission.display(name), folder)
+    found = submission.scan(folder)
+    student.links = found.links
+    student.notes += submission.link_notes(found.links, folder)
+    student.notes += [f"`{submission.display(p)}`: not looked at" for p in found.not_looked_at]
+    student.notes += [f"`{submission.display(p)}`: not a file or folder" for p in found.odd]
+    for exercise in exercise_names():
+        rel = f"labs/{exercise}.py"
+        if rel not in found.files:
+            continue
+        try:
+            data, info = submission.read_file(folder, rel, MODULE_LIMIT)
+        except submission.Unreadable as exc:
+            student.notes.append(f"`{rel}` was not graded: {exc}")
+            continue
+        student.modules[exercise] = data
+        student.fingerprints[exercise] = (submission.digest(data), info.st_dev, info.st_ino)
+    student.ignored = _ignored_changes(folder, found, session.release)
+    student.notes = _release_notes(folder, session.meta.get("commit")) + student.notes
+    return student
 
 
-def _changed_cells(mine: Path, released: Path) -> int:
-    """Code cells of the released notebook that the student's copy no longer has verbatim."""
-    try:
-        have = {
-            c.source.strip()
-            for c in nbformat.read(mine, as_version=4).cells
-            if c.cell_type == "code"
-        }
-    except Exception:  # noqa: BLE001 - an unreadable notebook: every cell counts as changed
-        have = set()
-    ref = [
-        c.source.strip()
-        for c in nbformat.read(released, as_version=4).cells
-        if c.cell_type == "code"
-    ]
-    return sum(src not in have for src in ref)
-
-
-def grade_notebook(res: Result, lab: Lab, ctx: dict) -> None:
-    mine = ctx["submission"] / "notebooks" / lab.notebook
-    if not mine.is_file() or mine.is_symlink():
-        res.notebook_executed = "no"
-        res.notebook_detail = f"missing: the submission has no notebooks/{lab.notebook}"
-        return
-    work = ctx["private"] / "work"
-    result = ctx["private"] / "notebook.json"
-    result.unlink(missing_ok=True)
-    _graded_copy(ctx["template"], ctx["submission"], work, lab.notebook)
-    res.cells_changed = _changed_cells(mine, ctx["template"] / "notebooks" / lab.notebook)
-    (ctx["out"] / "notebooks").mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        str(GRADING / "run_notebook.py"),
-        str(work / "notebooks" / lab.notebook),
-        str(ctx["out"] / "notebooks" / lab.notebook),
-        str(result),
-        str(ctx["cell_timeout"]),
-    ]
-    env = _env(work, ctx["private"], MPLBACKEND="module://matplotlib_inline.backend_inline")
-    rc, res.notebook_time_s, left = run_item(
-        cmd,
-        cwd=work / "notebooks",
-        env=env,
-        timeout=ctx["notebook_timeout"],
-        log=ctx["logs"] / f"{lab.name}.notebook.log",
-    )
-    shutil.rmtree(work, ignore_errors=True)
-    res.leftover_processes += left
-    info = (
-        json.loads(result.read_text())
-        if result.exists()
-        else {"status": "did not start", "cell": None}
-    )
-    res.notebook_executed = "yes" if info["status"] == "ok" and rc == 0 else "no"
-    where = _cell_text(mine, info.get("cell"))
-    if rc is None:
-        res.notebook_detail = (
-            f"timeout: over {ctx['notebook_timeout']:g} s in all; it was running {where}"
-        )
-    elif info["status"] == "ok":
-        res.notebook_detail = "ok"
-    elif info["status"] in ("running", "starting", "did not start"):
-        res.notebook_detail = f"stopped: the notebook runner exited with code {rc} in {where}"
-    else:
-        evalue = (info.get("evalue") or "").strip().replace(f"{work}/", "")
-        res.notebook_detail = f"{info['status']} in {where}: {info.get('ename', '')}: {evalue}"[
-            :3000
-        ]
-
-
-def _cell_text(notebook: Path, index: int | None) -> str:
-    """ "cell 7 (`first line of its code`)", as a reader finds it in JupyterLab."""
-    if index is None:
-        return "no cell (the kernel did not start)"
-    try:
-        first = next(
-            (
-                line
-                for line in nbformat.read(notebook, as_version=4).cells[index].source.splitlines()
-                if line.strip() and not line.startswith("#")
-            ),
-            "",
-        )
-    except Exception:  # noqa: BLE001 - only a nicer message is lost
-        first = ""
-    return f"cell {index + 1}" + (f" (`{first[:80]}`)" if first else "")
-
-
-def ignored_changes(submission: Path, template: Path) -> list[str]:
+def _ignored_changes(folder: Path, found: submission.Scan, release: Path) -> list[str]:
     """Files of the submission, other than exercise modules and notebooks, that differ from the
-    release."""
+    release (links are listed on their own)."""
     graded = {f"labs/{name}.py" for name in exercise_names()}
     ignored = []
-    for folder, dirs, names in os.walk(submission):  # symlinked folders are not followed
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_PARTS)
-        for name in sorted(names):
-            path = Path(folder) / name
-            key = path.relative_to(submission).as_posix()
-            if (
-                name.endswith(".pyc")
-                or key in graded
-                or key == ".release.json"
-                or (key.startswith("notebooks/") and key.endswith(".ipynb"))
-            ):
-                continue
-            ref = template / key
-            if (
-                path.is_symlink()
-                or not path.is_file()
-                or not ref.is_file()
-                or ref.read_bytes() != path.read_bytes()
-            ):
-                ignored.append(key)
+    for rel, info in sorted(found.files.items()):
+        if (
+            rel.endswith(".pyc")
+            or rel in graded
+            or rel == ".release.json"
+            or (rel.startswith("notebooks/") and rel.endswith(".ipynb"))
+        ):
+            continue
+        ref = release / rel
+        same = ref.is_file() and not ref.is_symlink() and ref.stat().st_size == info.st_size
+        if same:
+            try:
+                same = submission.read_file(folder, rel)[0] == ref.read_bytes()
+            except submission.Unreadable:
+                same = False
+        if not same:
+            ignored.append(submission.display(rel))
     return ignored
 
 
-def _release_notes(submission: Path, commit: str | None) -> list[str]:
+def _release_notes(folder: Path, commit: str | None) -> list[str]:
     try:
-        theirs = json.loads((submission / ".release.json").read_text()).get("commit")
-    except (OSError, ValueError, AttributeError):
+        data, _ = submission.read_file(folder, ".release.json", 1 << 20)
+        theirs = json.loads(data).get("commit")
+    except (submission.Unreadable, ValueError, AttributeError):
         return [
             "Your submission has no readable `.release.json`: was it made from the course release?"
         ]
     if commit and theirs and theirs != commit:
         return [
-            f"Your copy of the course came from commit {theirs[:12]}; it was graded with {commit[:12]}."
+            f"Your copy of the course came from commit {str(theirs)[:12]}; it was graded with "
+            f"{commit[:12]}."
         ]
     return []
 
 
-def grade_student(
-    student: str, submission: Path, labs: list[Lab], expected: dict, ctx: dict
-) -> list[Result]:
-    ctx = dict(ctx, submission=submission, out=ctx["report"] / student)
-    ctx["logs"] = ctx["out"] / "logs"
-    ctx["logs"].mkdir(parents=True, exist_ok=True)
+def _new_item(session: Session, student: Student, kind: str) -> Path:
+    """A fresh item folder holding the student's exercise modules under ``course/labs``."""
+    item = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=session.private / "items"))
+    labs = item / "course" / "labs"
+    labs.mkdir(parents=True)
+    for name, data in student.modules.items():
+        (labs / f"{name}.py").write_bytes(data)
+    return item
+
+
+def grade_tests(
+    session: Session, student: Student, lab: Lab, res: Result, out: Path, hidden: bool
+) -> Finished | None:
+    """Run the lab's public (or hidden) tests in a sandbox and add what they prove to ``res``."""
+    folder = "hidden_tests/" if hidden else "tests/"
+    graded = [n for n in session.expected[lab.name] if n.startswith(folder)]
+    if not graded:
+        return None
+    args = session.args
+    budget = args.lab_timeout - res.tests_time_s
+    kind = "hidden" if hidden else "tests"
+    res.tests_total += len(graded)
+    res.hidden_total += len(graded) if hidden else 0
+    if budget < 1:
+        why = f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
+        if not (hidden and args.conceal_hidden):
+            res.failures += [[n, why] for n in graded]
+        return None
+    item = _new_item(session, student, kind)
+    try:
+        files = [f for f in lab.test_files if f.startswith(folder)]
+        if hidden:
+            _copy_hidden(session.hidden, item / "course" / "hidden_tests", files)
+        log = out / "logs" / f"{lab.name}.{kind}.log"
+        if hidden and args.conceal_hidden:
+            log = item / "hidden.log"  # kept nowhere the student could read it
+        timeouts_so_far = sum("Timeout (>" in message for _, message in res.failures)
+        done = run_sandboxed(
+            session,
+            item,
+            lambda layout: _pytest_argv(layout.course, files, args.test_timeout),
+            cwd=".",
+            timeout=budget,
+            log=log,
+            results_limit=RESULTS_LIMIT,
+            PYTHONPATH=_pythonpath(session, item),
+            PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+            MPLBACKEND="Agg",
+            LABS_GRADE_CHECK=session.token,
+            LABS_GRADE_MAX_TIMEOUTS=str(args.max_timeouts),
+            LABS_GRADE_TIMEOUTS_SO_FAR=str(timeouts_so_far),
+        )
+    finally:
+        shutil.rmtree(item, ignore_errors=True)
+    res.tests_time_s += done.seconds
+    res.leftover_processes += done.leftover
+    why = _why_unrun(done, args)
+    run = read_test_run(done.results, graded, session.token, why, done.results_overflow)
+    res.tests_passed += len(run.passed)
+    res.hidden_passed += len(run.passed) if hidden else 0
+    if run.problem:
+        what = "hidden tests" if hidden else "tests"
+        _add_error(res, f"the {what}' results were thrown away: {run.problem}")
+    shown = not (hidden and args.conceal_hidden)
+    if shown:
+        res.failures += [[n, message] for n, message in run.failed.items()]
+    _add_notes(res, _limit_notes(session, done, list(run.failed.values()) if shown else []))
+    return done
+
+
+def _add_error(res: Result, why: str) -> None:
+    res.grading_error = (f"{res.grading_error}; " if res.grading_error else "grading error: ") + why
+
+
+def _add_notes(res: Result, notes: list[str]) -> None:
+    res.notes += [note for note in notes if note not in res.notes]
+
+
+def _copy_hidden(hidden: Path | None, dst: Path, files: list[str]) -> None:
+    """The hidden tests this run needs, and the hidden folder's other files (conftest, helpers)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    wanted = {Path(f).name for f in files if f.startswith("hidden_tests/")}
+    for path in sorted(hidden.iterdir()) if hidden else []:
+        if path.is_file() and (path.name in wanted or not path.name.startswith("test_")):
+            shutil.copyfile(path, dst / path.name)
+
+
+def _why_unrun(done: Finished, args) -> str:
+    if done.timed_out:
+        return f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
+    if done.limit:
+        return f"not run: the sandbox stopped the run (over its {done.limit} limit)"
+    if done.signal:
+        return f"not run: pytest was killed by signal {done.signal} before this test"
+    return f"not run: pytest stopped (exit code {done.exit_code}) before this test"
+
+
+def _limit_notes(session: Session, done: Finished, messages: list[str]) -> list[str]:
+    """Lines for the feedback: the sandbox limits this item hit, and output cut from its log."""
+    hit = [done.limit] if done.limit else []
+    for kind, marks in LIMIT_MARKS.items():
+        if kind not in hit and any(mark in m for m in messages for mark in marks):
+            hit.append(kind)
+    limits = asdict(session.sandbox.limits)
+    notes = [f"**limit hit**: {LIMIT_NOTES[kind].format(**limits)}" for kind in hit]
+    if done.output_bytes > 2 * LOG_KEEP_BYTES:
+        notes.append(
+            f"your code printed {done.output_bytes / 1e6:.1f} MB; the log keeps its first and "
+            "last 100 kB"
+        )
+    return notes
+
+
+def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, out: Path) -> None:
+    """Run the student's notebook in a sandbox; "executed" as ``labs.grading.notebooks`` says."""
+    args = session.args
+    rel = f"notebooks/{lab.notebook}"
+    res.notebook_executed = "no"
+    try:
+        mine, _ = submission.read_file(student.folder, rel, NOTEBOOK_LIMIT)
+    except submission.Unreadable as exc:
+        res.notebook_detail = f"missing: {exc}"
+        return
+    released = nbformat.read(session.release / rel, as_version=4)
+    prepared = notebooks.prepare(mine, released)
+    res.cells_changed = prepared.changed
+    if prepared.notebook is None:
+        res.notebook_detail = prepared.problems[0]
+        return
+    limit = int(session.sandbox.limits.notebook_output_mib * sandbox.MIB)
+    item = _new_item(session, student, "notebook")
+    try:
+        (item / "course" / "notebooks").mkdir()
+        nbformat.write(prepared.notebook, item / "course" / rel)
+        done = run_sandboxed(
+            session,
+            item,
+            lambda layout: [
+                sys.executable,
+                "-I",
+                f"{layout.tools}/run_notebook.py",
+                f"{layout.course}/{rel}",
+                str(args.cell_timeout),
+                str(limit),
+            ],
+            cwd="notebooks",
+            timeout=args.notebook_timeout,
+            log=out / "logs" / f"{lab.name}.notebook.log",
+            results_limit=limit + 3 * len(mine) + (4 << 20),
+            MPLBACKEND="module://matplotlib_inline.backend_inline",
+        )
+    finally:
+        shutil.rmtree(item, ignore_errors=True)
+    res.notebook_time_s = done.seconds
+    res.leftover_processes += done.leftover
+    report = notebooks.read_report(done.results)
+    executed, detail = notebooks.judge(prepared, report)
+    if done.timed_out:
+        where = notebooks.where(prepared.notebook, report["cell"])
+        detail = f"timeout: over {args.notebook_timeout:g} s in all; it was running {where}"
+        executed = False
+    elif done.limit and not executed:
+        detail = f"stopped by the sandbox (over its {done.limit} limit): {detail}"
+    res.notebook_executed = "yes" if executed else "no"
+    res.notebook_detail = detail
+    end = report["end"] or {}
+    _add_notes(res, _limit_notes(session, done, [] if executed else [detail]))
+    if end.get("cut"):
+        res.notes.append(
+            f"**limit hit**: notebook output: {end['cut'] / 1e6:.1f} MB of outputs were dropped, "
+            f"over {session.sandbox.limits.notebook_output_mib:g} MiB (`--max-notebook-output`)"
+        )
+    if report["notebook"] is not None:
+        (out / "notebooks").mkdir(exist_ok=True)
+        try:
+            nbformat.write(report["notebook"], out / "notebooks" / lab.notebook)
+        except Exception as exc:  # noqa: BLE001 - the runner's copy is a courtesy, not a grade
+            res.notes.append(f"the executed notebook could not be saved ({type(exc).__name__})")
+
+
+def grade_student(session: Session, name: str) -> list[Result]:
+    """Every lab of one student, each item in its own sandbox; the feedback page. Whatever goes
+    wrong becomes this student's rows ("grading error: ..."), and grading goes on."""
+    shown = submission.display(name)
+    if name in REPORT_FILES:
+        why = f"grading error: a folder named {shown} would replace a file of the report; rename it"
+        return _error_rows(session, shown, why)
+    if (session.submissions / name).is_symlink():
+        target = submission.display(os.readlink(session.submissions / name))
+        return _error_rows(session, shown, f"grading error: the folder is a symlink to {target}")
+    out = session.report / name
+    t0 = time.perf_counter()
+    try:
+        student = read_student(session, name)
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable submission becomes a row
+        return _error_rows(session, shown, f"grading error: the submission cannot be read ({exc})")
     results = []
-    for lab in labs:
-        res = Result(student, lab.name, lab.notebook)
-        if expected[lab.name]:
-            grade_tests(res, lab, expected[lab.name], ctx)
-        if lab.notebook and ctx["notebooks"]:
-            grade_notebook(res, lab, ctx)
-        print(
-            f"{student} · {lab.name}: {res.tests_passed}/{res.tests_total} tests, notebook ran: "
+    for lab in session.labs:
+        res = Result(shown, lab.name, lab.notebook)
+        try:
+            if session.expected[lab.name]:
+                grade_tests(session, student, lab, res, out, hidden=False)
+                grade_tests(session, student, lab, res, out, hidden=True)
+            if lab.notebook and not session.args.no_notebooks:
+                grade_notebook(session, student, lab, res, out)
+        except Exception as exc:  # noqa: BLE001 - the grader's own failure costs this row only
+            _add_error(res, f"{type(exc).__name__}: {exc}"[:500])
+        _say(
+            session,
+            f"{shown} · {lab.name}: {res.tests_passed}/{res.tests_total} tests, notebook ran: "
             f"{res.notebook_executed}, {res.tests_time_s + res.notebook_time_s:.1f} s",
-            flush=True,
         )
         results.append(res)
+    page = feedback_page(
+        shown, results, student.ignored, session.meta, session.args.conceal_hidden, student.notes
+    )
+    write_atomic(out / "feedback.md", page)
+    with session.lock:
+        session.fingerprints[name] = (student.fingerprints, student.links)
+    _say(session, f"{shown}: done in {time.perf_counter() - t0:.1f} s")
     return results
+
+
+def _error_rows(session: Session, shown: str, why: str) -> list[Result]:
+    """A student who cannot be graded: every lab's row says why, with no checks passed."""
+    _say(session, f"{shown}: {why}")
+    rows = []
+    for lab in session.labs:
+        expected = session.expected[lab.name]
+        hidden = sum(n.startswith("hidden_tests/") for n in expected)
+        rows.append(
+            Result(shown, lab.name, lab.notebook, 0, len(expected), 0, hidden, grading_error=why)
+        )
+    return rows
+
+
+def _say(session: Session, line: str) -> None:
+    with session.lock:
+        print(line, flush=True)
+
+
+def copies(session: Session) -> list[str]:
+    """Exercise files that are the same across students: identical bytes (other than the
+    release's stub), one file hard-linked into several folders, or a symlink into a classmate's
+    folder. Identical to the reference solution is said too."""
+    seen = session.fingerprints
+    lines = []
+    for name in exercise_names():
+        stub = submission.digest((session.release / "labs" / f"{name}.py").read_bytes())
+        solution = submission.digest((ROOT / "solutions" / f"{name}.py").read_bytes())
+        by_digest: dict[str, list[str]] = {}
+        by_inode: dict[tuple, list[str]] = {}
+        for student, (prints, _) in sorted(seen.items()):
+            if name not in prints:
+                continue
+            digest, dev, ino = prints[name]
+            if digest != stub:
+                by_digest.setdefault(digest, []).append(submission.display(student))
+            by_inode.setdefault((dev, ino), []).append(submission.display(student))
+        for digest, students in by_digest.items():
+            reference = " to the reference solution" if digest == solution else ""
+            if len(students) > 1 or reference:
+                lines.append(f"`labs/{name}.py` is identical{reference} in: {', '.join(students)}")
+        for students in by_inode.values():
+            if len(students) > 1:
+                lines.append(f"`labs/{name}.py` is one file hard-linked in: {', '.join(students)}")
+    root = session.submissions
+    for student, (_, links) in sorted(seen.items()):
+        for rel, target in sorted(links.items()):
+            pointed = submission.link_target(root / student, rel, target)
+            if pointed.is_relative_to(root) and pointed != root:
+                other = pointed.relative_to(root).parts[0]
+                if other != student:
+                    lines.append(
+                        f"`{submission.display(rel)}` of {submission.display(student)} is a "
+                        f"symlink into {submission.display(other)}'s folder"
+                    )
+    return lines
 
 
 # ---- command line
 # ----------------------------------------------------------------------------------------
+
+
+def _inside_repository(path: Path) -> str | None:
+    """Why the report folder ``path`` may not be where it is, or None."""
+    if not path.is_relative_to(ROOT):
+        return None
+    if path == ROOT:
+        return "is the course repository itself"
+    first = path.relative_to(ROOT).parts[0]
+    shipped = {rel.split("/")[0] for rel in source_files() if "/" in rel}
+    if first in shipped | {".git", ".venv", "solutions", "hidden_tests", ".ci"}:
+        return f"is inside the course repository's {first}/; use a folder of its own (report/)"
+    return None
 
 
 def _check_paths(parser, submissions: Path, report: Path, hidden: Path | None) -> None:
@@ -437,55 +690,168 @@ def _check_paths(parser, submissions: Path, report: Path, hidden: Path | None) -
         parser.error(
             f"--out {report} and SUBMISSIONS_DIR={submissions} must not contain each other"
         )
-    if report.is_relative_to(ROOT) and not report.is_relative_to(ROOT / "out"):
-        parser.error(
-            f"--out {report} is inside the course repository; use a folder outside it or under out/"
-        )
+    why = _inside_repository(report)
+    if why:
+        parser.error(f"--out {report} {why}")
+    if report.exists() and not report.is_dir():
+        parser.error(f"--out {report} is a file, not a folder")
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m labs.grade", description=__doc__.splitlines()[0]
     )
-    parser.add_argument(
-        "submissions", type=Path, metavar="SUBMISSIONS_DIR", help="one folder per student"
-    )
-    parser.add_argument(
-        "--out", type=Path, required=True, metavar="REPORT_DIR", help="where the scorecard goes"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("submissions", type=Path, metavar="SUBMISSIONS_DIR", help="one folder per student")
+    add("--out", type=Path, required=True, metavar="REPORT_DIR", help="where the scorecard goes")
+    add(
         "--hidden-tests",
         type=Path,
         default=None,
         metavar="DIR",
         help="extra tests, never released (default: hidden_tests/ when it exists)",
     )
-    parser.add_argument("--no-hidden", action="store_true", help="grade with the public tests only")
-    parser.add_argument(
-        "--labs", nargs="+", metavar="LAB", help="grade only these labs (default: all)"
-    )
-    parser.add_argument("--students", nargs="+", metavar="NAME", help="grade only these students")
-    parser.add_argument(
-        "--cell-timeout", type=float, default=120, metavar="S", help="per notebook cell"
-    )
-    parser.add_argument(
-        "--notebook-timeout", type=float, default=600, metavar="S", help="per notebook, in all"
-    )
-    parser.add_argument("--test-timeout", type=float, default=120, metavar="S", help="per test")
-    parser.add_argument(
-        "--lab-timeout", type=float, default=900, metavar="S", help="per lab's tests, in all"
-    )
-    parser.add_argument(
+    add("--no-hidden", action="store_true", help="grade with the public tests only")
+    add("--labs", nargs="+", metavar="LAB", help="grade only these labs (default: all)")
+    add("--students", nargs="+", metavar="NAME", help="grade only these students")
+    add("--cell-timeout", type=float, default=120, metavar="S", help="per notebook cell")
+    add("--notebook-timeout", type=float, default=600, metavar="S", help="per notebook, in all")
+    add("--test-timeout", type=float, default=120, metavar="S", help="per test")
+    add("--lab-timeout", type=float, default=900, metavar="S", help="per lab's tests, in all")
+    add(
         "--max-timeouts",
         type=int,
         default=2,
         metavar="N",
         help="after N timed-out tests the lab's other tests fail unrun (0: never)",
     )
-    parser.add_argument("--no-notebooks", action="store_true", help="run the tests only")
-    parser.add_argument(
-        "--conceal-hidden", action="store_true", help="feedback hides hidden tests' names"
+    add("--no-notebooks", action="store_true", help="run the tests only")
+    add(
+        "--conceal-hidden",
+        action="store_true",
+        help="only how many hidden tests passed leaves their run: no names, messages or log",
     )
+    add("--jobs", type=int, default=1, metavar="N", help="grade N students at once")
+    defaults = Limits()
+    add(
+        "--memory-limit",
+        type=float,
+        default=defaults.memory_gib,
+        metavar="GIB",
+        help="memory of one item's processes together",
+    )
+    add(
+        "--max-processes",
+        type=int,
+        default=defaults.processes,
+        metavar="N",
+        help="processes and threads of one item",
+    )
+    add(
+        "--max-file-size",
+        type=float,
+        default=defaults.file_mib,
+        metavar="MIB",
+        help="the largest file an item may write",
+    )
+    add(
+        "--disk-limit",
+        type=float,
+        default=defaults.disk_mib,
+        metavar="MIB",
+        help="size of an item's /tmp and of its /dev/shm (each in memory)",
+    )
+    add(
+        "--max-notebook-output",
+        type=float,
+        default=defaults.notebook_output_mib,
+        metavar="MIB",
+        help="outputs kept in an executed notebook, in all",
+    )
+    add(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run submissions without bubblewrap, as your own user (only for code you trust)",
+    )
+    return parser
+
+
+def _students(parser, args, submissions: Path) -> list[str]:
+    names = sorted(
+        entry.name
+        for entry in os.scandir(submissions)
+        if not entry.name.startswith(".")
+        and (entry.is_dir(follow_symlinks=False) or entry.is_symlink())
+    )
+    if args.students:
+        unknown = sorted(set(args.students) - set(names))
+        if unknown:
+            parser.error(f"--students: no submission for {unknown}; choose from {names}")
+        names = [s for s in names if s in args.students]
+    if not names:
+        parser.error(f"SUBMISSIONS_DIR={submissions} has no student folders")
+    return names
+
+
+def _limits(parser, args) -> Limits:
+    try:
+        return Limits(
+            memory_gib=args.memory_limit,
+            processes=args.max_processes,
+            file_mib=args.max_file_size,
+            disk_mib=args.disk_limit,
+            notebook_output_mib=args.max_notebook_output,
+        )
+    except ValueError as exc:
+        parser.error(f"a limit must be > 0: {exc}")
+
+
+def _validate(parser, args) -> None:
+    for name in ("cell_timeout", "notebook_timeout", "test_timeout", "lab_timeout"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    if args.unsafe_no_sandbox and args.jobs > 1:
+        parser.error(
+            "--jobs > 1 needs the sandbox: without it, the processes of students graded at once "
+            "cannot be told apart (drop --unsafe-no-sandbox or use --jobs 1)"
+        )
+    if not args.unsafe_no_sandbox and sandbox.bwrap_path() is None:
+        parser.error(f"bubblewrap (bwrap) is not installed: {sandbox.INSTALL_HINT}")
+
+
+def _prepare(parser, session: Session, hidden_source: Path | None) -> None:
+    """Tools, release and hidden tests in the private folder; the labs and their tests."""
+    tools = session.sandbox.tools
+    tools.mkdir()
+    for name in ("inside.py", "run_notebook.py"):
+        shutil.copyfile(GRADING / name, tools / name)
+    shutil.copyfile(GRADING / "pytest_plugin.py", tools / "labs_grade_plugin.py")
+    (session.private / "items").mkdir()
+    exclude = tuple(
+        p.relative_to(ROOT).as_posix()
+        for p in (session.submissions, session.report, hidden_source)
+        if p is not None and p.is_relative_to(ROOT) and p != ROOT
+    )
+    try:
+        build_template(session.release, exclude)
+    except ValueError as exc:  # a solution module that does not parse: no release, no grading
+        parser.exit(1, f"error: {exc}\n")
+    if hidden_source is not None:
+        session.hidden = session.private / "hidden"
+        shutil.copytree(
+            hidden_source,
+            session.hidden,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
+    problem = sandbox.check(session.sandbox, session.private)
+    if problem:
+        parser.exit(2, f"error: {problem}\n")
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     submissions = args.submissions.resolve()
     report = args.out.resolve()
@@ -493,97 +859,81 @@ def main(argv=None) -> int:
     hidden = None if args.no_hidden else (args.hidden_tests or default_hidden)
     hidden = hidden.resolve() if hidden else None
     _check_paths(parser, submissions, report, hidden)
-    for name in ("cell_timeout", "notebook_timeout", "test_timeout", "lab_timeout"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
-    students = sorted(
-        p.name for p in submissions.iterdir() if p.is_dir() and not p.name.startswith(".")
-    )
-    if args.students:
-        unknown = sorted(set(args.students) - set(students))
-        if unknown:
-            parser.error(f"--students: no submission for {unknown}; choose from {students}")
-        students = [s for s in students if s in args.students]
-    if not students:
-        parser.error(f"SUBMISSIONS_DIR={submissions} has no student folders")
-    run_notebooks = not args.no_notebooks
+    _validate(parser, args)
+    limits = _limits(parser, args)
+    students = _students(parser, args, submissions)
+    if args.unsafe_no_sandbox:
+        print(f"warning: {NOT_ISOLATED}", file=sys.stderr)
     become_subreaper()
     report.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="labs-grade-") as tmp:
         private = Path(tmp)
-        shutil.copyfile(GRADING / "pytest_plugin.py", private / "labs_grade_plugin.py")
-        template = private / "template"
-        try:
-            build_template(template, hidden)
-            labs = discover_labs(template)
-        except ValueError as exc:  # a solution module that does not parse: no release, no grading
-            parser.exit(1, f"error: {exc}\n")
+        hide = [p for p in (ROOT, submissions, report, hidden, private) if p is not None]
+        box = Sandbox(private, limits, not args.unsafe_no_sandbox, hide)
+        session = Session(args, box, private, report, submissions, None)
+        _prepare(parser, session, hidden)
+        session.labs = discover_labs(session.release, session.hidden or private / "no-hidden")
         if args.labs:
-            valid = [lab.name for lab in labs]
+            valid = [lab.name for lab in session.labs]
             unknown = sorted(set(args.labs) - set(valid))
             if unknown:
                 parser.error(f"--labs: unknown {unknown}; choose from {valid}")
-            labs = [lab for lab in labs if lab.name in args.labs]
+            session.labs = [lab for lab in session.labs if lab.name in args.labs]
         try:
-            expected = collect_tests(template, private, labs)
+            session.expected = collect_tests(session)
         except RuntimeError as exc:
             parser.exit(1, f"error: {exc}\n")
-        idle = [
-            lab.name
-            for lab in labs
-            if not expected[lab.name] and not (lab.notebook and run_notebooks)
-        ]
-        if idle:
-            why = "no notebook" if run_notebooks else "--no-notebooks"
-            print(
-                f"nothing to grade in {', '.join(idle)}: no tests marked exercise, {why}",
-                file=sys.stderr,
-            )
-        labs = [lab for lab in labs if lab.name not in idle]
-        meta = {
+        _drop_idle_labs(session)
+        session.meta = {
             "graded_at": time.strftime("%Y-%m-%d %H:%M"),
-            "commit": json.loads((template / ".release.json").read_text())["commit"],
-            "labs": [asdict(lab) for lab in labs],
+            "commit": json.loads((session.release / ".release.json").read_text())["commit"],
+            "labs": [asdict(lab) for lab in session.labs],
             "hidden_tests": str(hidden) if hidden else None,
+            "isolated": box.isolated,
+            "limits": asdict(limits),
         }
-        ctx = {
-            "template": template,
-            "private": private,
-            "report": report,
-            "notebooks": run_notebooks,
-            **{
-                k: getattr(args, k)
-                for k in (
-                    "cell_timeout",
-                    "notebook_timeout",
-                    "test_timeout",
-                    "lab_timeout",
-                    "max_timeouts",
-                )
-            },
-        }
-        results = []
-        try:
-            for student in students:
-                t0 = time.perf_counter()
-                mine = grade_student(student, submissions / student, labs, expected, ctx)
-                ignored = ignored_changes(submissions / student, template)
-                page = feedback_page(
-                    student,
-                    mine,
-                    ignored,
-                    meta,
-                    args.conceal_hidden,
-                    notes=_release_notes(submissions / student, meta["commit"]),
-                )
-                (report / student / "feedback.md").write_text(page)
-                print(f"{student}: done in {time.perf_counter() - t0:.1f} s", flush=True)
-                results += mine
-        finally:
-            kill_leftovers()
-            write_reports(report, results, meta)
+        _grade_all(session, students)
     print(f"wrote {report / 'scores.csv'}, {report / 'summary.md'} and a feedback.md per student")
     return 0
+
+
+def _drop_idle_labs(session: Session) -> None:
+    run_notebooks = not session.args.no_notebooks
+    idle = [
+        lab.name
+        for lab in session.labs
+        if not session.expected[lab.name] and not (lab.notebook and run_notebooks)
+    ]
+    if idle:
+        why = "no notebook" if run_notebooks else "--no-notebooks"
+        print(
+            f"nothing to grade in {', '.join(idle)}: no tests marked exercise, {why}",
+            file=sys.stderr,
+        )
+    session.labs = [lab for lab in session.labs if lab.name not in idle]
+
+
+def _grade_all(session: Session, students: list[str]) -> None:
+    """Every student, ``--jobs`` at a time; the reports rewritten after each one."""
+    graded: dict[str, list[Result]] = {}
+
+    def one(name: str) -> None:
+        results = grade_student(session, name)
+        with session.lock:
+            graded[name] = results
+            ordered = [r for s in students if s in graded for r in graded[s]]
+            write_reports(session.report, ordered, session.meta, copies(session))
+
+    pool = ThreadPoolExecutor(max_workers=session.args.jobs)
+    try:
+        for future in [pool.submit(one, name) for name in students]:
+            future.result()
+    finally:  # on Ctrl-C too: students not started are dropped, running items are killed
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop_all()
+        pool.shutdown(wait=True)
+        if not session.sandbox.isolated:
+            kill_leftovers()
 
 
 if __name__ == "__main__":

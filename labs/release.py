@@ -202,14 +202,15 @@ def _transform(rel: str, text: str) -> str:
     return text
 
 
-def release_plan() -> dict[str, str | Path]:
+def release_plan(exclude: tuple[str, ...] = ()) -> dict[str, str | Path]:
     """Release path -> its text (a transformed or generated file) or the source Path to copy as
-    is."""
+    is. ``exclude``: more folders (relative to the repository) to leave out, such as the
+    submissions and the report of ``labs.grade`` when they are inside the repository."""
     exercises = exercise_names()
     stub_names = {f"labs/{name}.py" for name in EXERCISES}
     plan: dict[str, str | Path] = {}
     for rel in source_files():
-        not_shipped = any(rel.startswith(d + "/") for d in NOT_SHIPPED_DIRS)
+        not_shipped = any(rel.startswith(d + "/") for d in (*NOT_SHIPPED_DIRS, *exclude))
         if not_shipped or rel in INSTRUCTOR_TOOLS or rel in stub_names:
             continue
         path = ROOT / rel
@@ -254,9 +255,9 @@ def _commit(root: Path) -> dict:
         return {"commit": None, "dirty": None}
 
 
-def build_release(out: Path, force: bool = False) -> dict:
+def build_release(out: Path, force: bool = False, exclude: tuple[str, ...] = ()) -> dict:
     """Write the student release into the empty or missing folder ``out`` (``force``: replace what
-    is there); returns its manifest."""
+    is there; ``exclude``: see ``release_plan``); returns its manifest."""
     out = Path(out).resolve()
     if ROOT.is_relative_to(out):
         raise ValueError(
@@ -266,7 +267,7 @@ def build_release(out: Path, force: bool = False) -> dict:
         shutil.rmtree(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"OUT_DIR={out} is not empty; remove it or pass --force")
-    plan = release_plan()
+    plan = release_plan(exclude)
     for rel, content in plan.items():
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)

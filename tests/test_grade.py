@@ -1,46 +1,73 @@
 """`python -m labs.grade` on synthetic submissions made from the student release.
 
-Eight students, one per way a submission goes right or wrong: the reference code (all points), the
-stubs untouched (no points, no crash), an infinite loop, ``sys.exit`` on import, an exception on
-import, edited tests (and conftest, pytest config, runtime) with the stubs, reference code that
-deletes files and leaves a daemon running, and a missing notebook. One grading run
-(collectives lab, short timeouts) serves every test of the slow part; the rest checks the pieces
-without running anything.
+One grading run (lab 00, short timeouts, small sandbox limits, two students at a time) serves
+every slow test here. Its students:
+
+* eight ways a submission goes right or wrong by accident: the reference code (all points), the
+  stubs untouched, an infinite loop, ``sys.exit`` or an exception on import, edited tests and
+  configuration, reference code that deletes files and leaves a daemon, a missing notebook;
+* ``TestHostileSubmissions``: one student per attack of issue 21 and a few more, each built on
+  the stubs (so the score it deserves is 0) with the attack appended to its module or notebook.
+
+The rest checks the pieces without running a submission.
 """
 
 from __future__ import annotations
 
+import base64
 import csv
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from labs.grade import discover_labs
-from labs.grading.report import Result, feedback_page
+from labs.grade import _inside_repository, discover_labs
+from labs.grading import notebooks, submission
+from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic
+from labs.grading.results import check_id, interleave, read_test_run
 from labs.release import build_release
 from tests.helpers import ROOT, junit_outcomes, run_cli
 
-TOKEN = f"labs-grade-orphan-{uuid.uuid4().hex[:12]}"
+TOKEN = f"labs-grade-{uuid.uuid4().hex[:12]}"
+MARK = f"PWNED-{TOKEN}"  # what a hostile submission writes wherever it can
+NOTEBOOK = "00_setup_and_collectives.ipynb"
+HIDDEN_SECRET = "subgroup_case"  # in the hidden tests only
+DEEP = 1500
+
+# ---- accidents
+# ------------------------------------------------------------------------------------------
+
 INFINITE = "\n\ndef ring_all_reduce(tensor, group=None):\n    while True:\n        pass\n"
 EXITS = "\nimport sys\nsys.exit(0)\n"
 RAISES = '\nraise RuntimeError("this module is broken on purpose")\n'
-VANDAL = f'''
+DELETES_AND_DAEMON = f'''
 import pathlib, shutil, subprocess, sys
 _here = pathlib.Path(__file__).resolve().parents[1]
 if not (_here / ".spawned").exists():  # once per graded copy: a daemon in its own session
     (_here / ".spawned").touch()
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "{TOKEN}"], start_new_session=True,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)", "{TOKEN}"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 shutil.rmtree(_here / "tests", ignore_errors=True)
 shutil.rmtree(_here / "hidden_tests", ignore_errors=True)
 '''
-CHEAT_TEST = "import pytest\n\npytestmark = pytest.mark.exercise\n\n\ndef test_ring_all_reduce():\n    pass\n"
+CHEAT_TEST = (
+    "import pytest\n\npytestmark = pytest.mark.exercise\n\n\n"
+    "def test_ring_all_reduce():\n    pass\n"
+)
 CHEAT_CONFTEST = """import os
 import pytest
 os.environ["LABS_IMPL"] = "solutions"
@@ -57,8 +84,245 @@ for _f in (pathlib.Path(__file__).resolve().parents[1] / "tests").glob("test_*.p
     _f.write_text("def test_nothing():\\n    pass\\n")
 """
 
+# ---- attacks (issue 21), appended to the stub module; the lab's tests import it in each rank
+# ----
 
-def make_submissions(root: Path) -> Path:
+FORGE = """
+import gc as _gc, json as _json, os as _os, signal as _signal
+
+def _forge():
+    ids = [i.nodeid for o in _gc.get_objects() if type(o).__name__ == "Session"
+           for i in getattr(o, "items", [])]
+    lines = "".join(
+        _json.dumps({"nodeid": n, "when": w, "outcome": "passed", "message": "", "duration": 0.0})
+        + "\\n" for n in ids for w in ("setup", "call", "teardown")).encode()
+    print("ATTACK forge", len(ids), "tests", flush=True)
+    for fd in range(3, 64):
+        try:
+            _os.write(fd, lines)
+        except OSError:
+            pass
+    for value in list(_os.environ.values()):
+        if value.startswith("/"):
+            try:
+                with open(value, "ab") as f:
+                    f.write(lines)
+            except OSError:
+                pass
+    _os.killpg(_os.getpgrp(), _signal.SIGKILL)
+
+_forge()
+"""
+HOOK = """
+import gc as _gc, pytest as _pytest, torch as _torch
+
+class _Forge:
+    @_pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        outcome.get_result().outcome = "passed"
+        outcome.get_result().longrepr = None
+
+for _o in _gc.get_objects():
+    if type(_o).__name__ == "Config" and hasattr(_o, "pluginmanager"):
+        if not _o.pluginmanager.has_plugin("forge"):
+            _o.pluginmanager.register(_Forge(), "forge")
+_torch.equal = lambda *a, **k: True
+_torch.allclose = lambda *a, **k: True
+print("ATTACK hook registered", flush=True)
+"""
+ANSWERS = """
+import glob as _glob, os as _os, re as _re, sys as _sys
+
+def _answers():
+    roots = [{repo!r}, "/work/main", "/", _os.path.expanduser("~")]
+    for pid in [p for p in _os.listdir("/proc") if p.isdigit()]:
+        for link in ("cwd", "root"):
+            try:
+                roots.append(_os.readlink(f"/proc/{{pid}}/{{link}}"))
+            except OSError:
+                pass
+        try:
+            env = open(f"/proc/{{pid}}/environ", "rb").read().split(b"\\0")
+            roots += [p for e in env if e.startswith(b"PYTHONPATH=")
+                      for p in e[11:].decode().split(":")]
+        except OSError:
+            pass
+    for finder in _glob.glob(_sys.prefix + "/lib/python3*/site-packages/__editable__*finder.py"):
+        roots += [_os.path.dirname(p) for p in _re.findall(r"'(/[^']+)'", open(finder).read())]
+    for root in dict.fromkeys(roots):
+        path = _os.path.join(root, "solutions", "collectives.py")
+        try:
+            code = open(path).read()
+        except OSError:
+            continue
+        exec(compile(code, path, "exec"), globals())
+        return path
+    return None
+
+print("ATTACK answers", _answers(), flush=True)
+"""
+LEAK = """
+import base64 as _b64, os as _os
+
+def _loot():
+    found = []
+    for top in ("/tmp/course/hidden_tests", "/grading", {hidden!r}, {solutions!r}):
+        for folder, _, names in _os.walk(top):
+            for name in sorted(names):
+                try:
+                    found.append(open(_os.path.join(folder, name)).read())
+                except (OSError, UnicodeDecodeError):
+                    pass
+    return _b64.b64encode("\\n".join(found).encode()).decode()
+
+_LOOT = _loot()
+
+def ring_all_reduce(tensor, group=None):
+    raise AssertionError(f"LOOT {{len(_LOOT)}} {{_LOOT[:3000]}}")
+"""
+VANDAL = """
+import glob as _glob, os as _os, sys as _sys
+
+_targets = {targets!r}
+_targets += [p + "/zz_{token}.pth" for p in _glob.glob(_sys.prefix + "/lib/python3*/site-packages")]
+_targets += [p + "/labs_grade_plugin.py" for p in _os.environ.get("PYTHONPATH", "").split(":")
+             if p and not p.startswith("/tmp")]
+for _i, _t in enumerate(_targets):
+    try:
+        with open(_t, "a") as _f:
+            _f.write("import sys; print({mark!r})\\n")
+        print("ATTACK vandal WROTE", _i, flush=True)
+    except OSError as _e:
+        print("ATTACK vandal blocked", _i, _e.errno, flush=True)
+"""
+HOPPER = """
+import os, sys, time
+end = time.time() + 90
+while time.time() < end:
+    if os.fork():
+        os._exit(0)
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    try:
+        with open(sys.argv[1], "a") as f:
+            f.write("escaper,collectives,17,17,3,3\\n")
+    except OSError:
+        pass
+    time.sleep(0.005)
+"""
+ESCAPE = """
+import os as _os, subprocess as _sp, sys as _sys
+
+if not _os.path.exists("/tmp/escaped"):
+    open("/tmp/escaped", "w").close()
+    _argv = [_sys.executable, "-c", {hopper!r}, {scores!r}, {token!r}]
+    _sp.Popen(_argv, start_new_session=True, stdin=_sp.DEVNULL, stdout=_sp.DEVNULL,
+              stderr=_sp.DEVNULL)
+    for _how in (["-S", {socket!r}], []):
+        try:
+            _r = _sp.run(["tmux", *_how, "new-session", "-d", *_argv], capture_output=True,
+                         text=True, timeout=10)
+            print("ATTACK escape tmux", _r.returncode, _r.stderr.strip()[:80], flush=True)
+        except (OSError, _sp.SubprocessError) as _e:
+            print("ATTACK escape tmux", _e, flush=True)
+    print("ATTACK escape TMUX in env:", "TMUX" in _os.environ, flush=True)
+"""
+MALFORMED = """
+import os as _os
+_os.write(int(_os.environ["LABS_GRADE_FD"]),
+          b'{"nodeid": "tests/test_collectives.py::test_x", "when": "call"}\\n')
+print("ATTACK malformed written", flush=True)
+"""
+MEMORY_BOMB = """
+try:
+    _huge = bytearray(64 << 30)
+    print("ATTACK memory: 64 GiB at once", flush=True)
+except MemoryError:
+    print("ATTACK memory: MemoryError for 64 GiB at once", flush=True)
+_chunks = []
+while len(_chunks) < 40:  # 2.5 GiB per process: over the limit the test sets, however many ranks
+    _chunks.append(b"x" * (64 << 20))
+"""
+DISK_BOMB = """
+import os as _os
+_errors = []
+try:
+    with open("/tmp/big", "wb") as _f:
+        for _ in range(4096):
+            _f.write(b"x" * (1 << 20))
+except OSError as _e:
+    _errors.append(str(_e))
+try:
+    for _i in range(100000):
+        with open(f"/tmp/fill{_i}", "wb") as _f:
+            _f.write(b"x" * (4 << 20))
+except OSError as _e:
+    _errors.append(str(_e))
+for _name in _os.listdir("/tmp"):  # room again for pytest's own files
+    if _name == "big" or _name.startswith("fill"):
+        _os.remove("/tmp/" + _name)
+raise RuntimeError("ATTACK disk: " + " | ".join(_errors))
+"""
+OUTPUT_BOMB = """
+import os as _os
+if not _os.path.exists("/tmp/printed"):
+    open("/tmp/printed", "w").close()
+    print("y" * (30 << 20), flush=True)
+"""
+FORK_BOMB = """
+import os as _os
+_n = 0
+while True:
+    if _os.fork() == 0:
+        _os.execv("/bin/sh", ["sh", "-c", "sleep 60", {token!r}])
+    _n += 1
+"""
+# Cells put first in the student's notebook
+KILL_RUNNER = """import os, signal
+runner = os.getppid()
+try:
+    fds = os.listdir(f"/proc/{runner}/fd")
+except OSError as e:
+    fds = []
+    print("ATTACK runner: cannot list its fds", e.errno)
+for fd in fds:
+    try:
+        with open(f"/proc/{runner}/fd/{fd}", "w") as f:
+            f.write('{"end": "ok", "ename": "", "evalue": "", "cut": 0}\\n{"notebook": 1}\\n')
+        print("ATTACK runner WROTE", fd)
+    except OSError as e:
+        print("ATTACK runner blocked", fd, e.errno)
+os.kill(runner, signal.SIGKILL)
+"""
+PRINT_100_MB = 'print("z" * (100 << 20))'
+
+
+def _modules(paths: dict) -> dict[str, str | None]:
+    """student -> what is appended to the stub module (None: the reference solution)."""
+    return {
+        "- forger": FORGE,
+        "hook_forger": HOOK,
+        "lecteur réponses ü": ANSWERS.format(repo=str(ROOT)),
+        "leaker": LEAK.format(hidden=str(ROOT / "hidden_tests"), solutions=str(ROOT / "solutions")),
+        "vandal": VANDAL.format(targets=paths["vandal_targets"], token=TOKEN, mark=MARK),
+        "escaper": ESCAPE.format(
+            hopper=HOPPER, scores=paths["scores"], token=TOKEN, socket=str(paths["socket"])
+        ),
+        os.fsdecode(b"malformed-\xff"): MALFORMED,
+        "memory_bomb": MEMORY_BOMB,
+        "disk_bomb": DISK_BOMB,
+        "output_bomb": OUTPUT_BOMB,
+        "fork_bomb": FORK_BOMB.format(token=TOKEN),
+        "runner_killer": "",
+        "all_raises": "",
+        "deep": "",
+    }
+
+
+def make_submissions(root: Path, paths: dict) -> Path:
     """A student release under ``root/release`` and one folder per synthetic student under
     ``root/subs``."""
     release = root / "release"
@@ -66,17 +330,17 @@ def make_submissions(root: Path) -> Path:
     solution = (ROOT / "solutions" / "collectives.py").read_text()
     stub = (release / "labs" / "collectives.py").read_text()
     subs = root / "subs"
-    modules = {
+    accidents = {
         "correct": solution,
         "stubs": None,
         "infinite_loop": solution + INFINITE,
         "sys_exit": solution + EXITS,
         "import_error": stub + RAISES,
         "edits_tests": stub + REWRITES_TESTS,
-        "deletes_and_daemon": solution + VANDAL,
+        "deletes_and_daemon": solution + DELETES_AND_DAEMON,
         "missing_notebook": solution,
     }
-    for student, module in modules.items():
+    for student, module in accidents.items():
         shutil.copytree(release, subs / student)
         if module is not None:
             (subs / student / "labs" / "collectives.py").write_text(module)
@@ -88,85 +352,251 @@ def make_submissions(root: Path) -> Path:
     (cheat / "hidden_tests" / "test_collectives_hidden.py").write_text(CHEAT_TEST)
     impl = cheat / "labs" / "runtime" / "impl.py"
     impl.write_text(impl.read_text().replace('os.environ.get(IMPL_ENV, "labs")', '"solutions"'))
-    (subs / "missing_notebook" / "notebooks" / "00_setup_and_collectives.ipynb").unlink()
+    for student in ("missing_notebook", "sys_exit", "import_error", "edits_tests"):
+        (subs / student / "notebooks" / NOTEBOOK).unlink()  # their tests are what matters
+    (subs / "deletes_and_daemon" / "notebooks" / NOTEBOOK).unlink()
+    with_notebook = {"runner_killer", "all_raises", "output_bomb"}
+    for student, attack in _modules(paths).items():
+        shutil.copytree(release, subs / student)
+        (subs / student / "labs" / "collectives.py").write_text(stub + attack)
+        if student not in with_notebook:
+            (subs / student / "notebooks" / NOTEBOOK).unlink()
+    _edit_notebook(subs / "runner_killer", first_cell=KILL_RUNNER)
+    _edit_notebook(subs / "output_bomb", first_cell=PRINT_100_MB)
+    _edit_notebook(subs / "all_raises", tag_all=True)
+    deep = subs / "deep" / "deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    for _ in range(DEEP):  # 1500 folders, one inside the other, made relative to each other
+        os.mkdir("d", dir_fd=fd)
+        fd_next = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = fd_next
+    os.close(fd)
+    (subs / "labs_to_solutions").mkdir()
+    (subs / "labs_to_solutions" / "labs").symlink_to(ROOT / "solutions")
+    (subs / "labs_to_classmate").mkdir()
+    (subs / "labs_to_classmate" / "labs").symlink_to("../correct/labs")
+    shutil.copytree(release, subs / "scores.csv")
+    shutil.copytree(release, subs / "copycat")
+    (subs / "copycat" / "notebooks" / NOTEBOOK).unlink()
+    (subs / "copycat" / "labs" / "collectives.py").unlink()
+    os.link(subs / "- forger" / "labs" / "collectives.py", subs / "copycat/labs/collectives.py")
     return subs
 
 
-def snapshot(folder: Path) -> dict[str, str]:
-    return {
-        p.relative_to(folder).as_posix(): hashlib.sha1(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+def _edit_notebook(folder: Path, first_cell: str | None = None, tag_all: bool = False) -> None:
+    path = folder / "notebooks" / NOTEBOOK
+    nb = nbformat.read(path, as_version=4)
+    if first_cell:
+        nb.cells.insert(0, nbformat.v4.new_code_cell(first_cell))
+    for cell in nb.cells:
+        if tag_all and cell.cell_type == "code":
+            cell.metadata["tags"] = ["raises-exception"]
+    nbformat.write(nb, path)
 
 
-def orphans() -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and TOKEN.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            pass
+def _walk(folder: Path):
+    """Every path under ``folder``, without recursion or following links (deep trees too)."""
+    stack = [folder]
+    while stack:
+        here = stack.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                yield Path(entry.path), entry
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+
+
+def snapshot(folder: Path, skip=()) -> dict[str, str]:
+    """relative path -> sha1 of a file, or the target of a link."""
+    found = {}
+    for path, entry in _walk(folder):
+        rel = path.relative_to(folder).as_posix()
+        if any(part in skip for part in path.relative_to(folder).parts):
+            continue
+        if entry.is_symlink():
+            found[rel] = "-> " + os.readlink(path)
+        elif entry.is_file(follow_symlinks=False):
+            found[rel] = hashlib.sha1(path.read_bytes()).hexdigest()
     return found
 
 
-INSTRUCTOR_FILES = [
-    "labs/collectives.py",
-    "tests/test_collectives.py",
-    "notebooks/00_setup_and_collectives.ipynb",
-    "hidden_tests/test_collectives_hidden.py",
-    "conftest.py",
-    "labs/runtime/impl.py",
+def site_packages() -> dict[str, str]:
+    """The virtual environment's site-packages: every entry's name and size, .pth files' sha1."""
+    found = {}
+    for folder in Path(sys.prefix).glob("lib/python3*/site-packages"):
+        for entry in os.scandir(folder):
+            info = entry.stat(follow_symlinks=False)
+            found[entry.name] = str(info.st_size)
+            if entry.name.endswith(".pth"):
+                found[entry.name] += hashlib.sha1(Path(entry.path).read_bytes()).hexdigest()
+    return found
+
+
+def processes_with(*needles: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and any(n.encode() in cmdline for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
+def _remove_deep(folder: Path) -> None:
+    """Remove a chain of folders too deep for shutil.rmtree's recursion, deepest first."""
+    chain = [folder]
+    while (chain[-1] / "d").is_dir():
+        chain.append(chain[-1] / "d")
+    for here in reversed(chain):
+        here.rmdir()
+
+
+def _start_tmux(socket: Path) -> dict | None:
+    """A tmux server the grader runs 'inside', as an instructor's terminal would be."""
+    if shutil.which("tmux") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tmux is not installed: .ci/run installs it")
+        return None  # the escape through tmux is then tried without a server to reach
+    subprocess.run(
+        ["tmux", "-S", str(socket), "new-session", "-d", "-s", "grading", "sleep 900"],
+        check=True,
+        timeout=30,
+    )
+    pid = subprocess.run(
+        ["tmux", "-S", str(socket), "display-message", "-p", "#{pid}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
+    return {"TMUX": f"{socket},{pid},0", "TMUX_PANE": "%0"}
+
+
+def tmux_sessions(socket: Path) -> list[str]:
+    proc = subprocess.run(
+        ["tmux", "-S", str(socket), "list-sessions", "-F", "#{session_name}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return proc.stdout.split()
+
+
+GRADER_OPTIONS = [
+    "--labs",
+    "collectives",
+    "--jobs",
+    "2",
+    "--conceal-hidden",
+    "--test-timeout",
+    "10",
+    "--cell-timeout",
+    "20",
+    "--notebook-timeout",
+    "120",
+    "--lab-timeout",
+    "180",
+    "--memory-limit",
+    "1.5",
+    "--max-processes",
+    "128",
+    "--max-file-size",
+    "32",
+    "--disk-limit",
+    "128",
 ]
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
+    if shutil.which("bwrap") is None:
+        if os.environ.get("CI"):
+            pytest.fail("bubblewrap is not installed: .ci/run installs it")
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
     root = tmp_path_factory.mktemp("grading")
-    subs = make_submissions(root)
-    before = snapshot(subs)
-    instructor = {rel: (ROOT / rel).read_bytes() for rel in INSTRUCTOR_FILES}
-    listing = sorted(p.name for p in (ROOT / "hidden_tests").iterdir() if p.name != "__pycache__")
+    report = root / "report"
+    socket = root / "tmux.sock"
+    home = Path.home() / f"pwned-{TOKEN}"
+    paths = {
+        "scores": str(report / "scores.csv"),
+        "socket": socket,
+        "vandal_targets": [
+            str(ROOT / "labs" / "collectives.py"),
+            str(ROOT / "hidden_tests" / "test_collectives_hidden.py"),
+            str(ROOT / "hidden_tests" / f"test_collectives_{TOKEN}.py"),
+            str(ROOT / "solutions" / "collectives.py"),
+            str(home),
+            str(root / "subs" / "correct" / "labs" / "collectives.py"),
+            str(report / "correct" / "feedback.md"),
+            str(report / "scores.csv"),
+        ],
+    }
+    subs = make_submissions(root, paths)
+    tmux = _start_tmux(socket)
+    tmp = root / "tmp"
+    tmp.mkdir()
+    skip = {".git", ".venv", "__pycache__", ".pytest_cache", "out", ".ipynb_checkpoints"}
+    before = {
+        "repo": snapshot(ROOT, skip),
+        "subs": snapshot(subs),
+        "venv": site_packages(),
+        "tmux": tmux_sessions(socket) if tmux else [],
+    }
+    t0 = time.perf_counter()
     proc = run_cli(
         "-m",
         "labs.grade",
         str(subs),
         "--out",
-        str(root / "report"),
-        "--labs",
-        "collectives",
-        "--test-timeout",
-        "10",
-        "--cell-timeout",
-        "20",
-        "--notebook-timeout",
-        "120",
-        "--lab-timeout",
-        "180",
+        str(report),
+        *GRADER_OPTIONS,
+        env={"TMPDIR": str(tmp), **(tmux or {})},
         timeout=1800,
     )
+    seconds = time.perf_counter() - t0
+    after_exit = snapshot(report)
+    time.sleep(3)  # anything that escaped would write now
     rows = {}
-    if (root / "report" / "scores.csv").exists():
-        with open(root / "report" / "scores.csv") as f:
+    if (report / "scores.csv").is_file():
+        with open(report / "scores.csv", encoding="utf-8") as f:
             rows = {row["student"]: row for row in csv.DictReader(f)}
     yield {
         "proc": proc,
+        "seconds": seconds,
         "rows": rows,
-        "report": root / "report",
+        "report": report,
         "subs": subs,
+        "home": home,
         "before": before,
-        "instructor": instructor,
-        "listing": listing,
-        "orphans": orphans(),
+        "after": {
+            "repo": snapshot(ROOT, skip),
+            "subs": snapshot(subs),
+            "venv": site_packages(),
+            "tmux": tmux_sessions(socket) if tmux else [],
+            "report_at_exit": after_exit,
+            "report_later": snapshot(report),
+        },
+        "tmux": tmux is not None,
+        "left": processes_with(TOKEN, str(tmp)),
     }
-    # only if the grader failed to; test_deleting_files_and_leaving_a_daemon_is_contained says so
-    for pid in orphans():
+    for pid in processes_with(TOKEN, str(tmp)):  # only if the grader failed to; a test says so
         os.kill(pid, signal.SIGKILL)
+    if tmux:
+        subprocess.run(["tmux", "-S", str(socket), "kill-server"], timeout=30)
+    _remove_deep(subs / "deep" / "deep")
 
 
 def feedback(graded, student) -> str:
-    return (graded["report"] / student / "feedback.md").read_text()
+    return (graded["report"] / student / "feedback.md").read_text(encoding="utf-8")
+
+
+def item_log(graded, student) -> str:
+    return (graded["report"] / student / "logs" / "collectives.tests.log").read_text(
+        encoding="utf-8", errors="replace"
+    )
 
 
 def scores_json(graded) -> dict:
@@ -176,15 +606,29 @@ def scores_json(graded) -> dict:
     }
 
 
+def report_texts(graded):
+    for path, entry in _walk(graded["report"]):
+        if entry.is_file(follow_symlinks=False):
+            yield path, path.read_bytes().decode("utf-8", "replace")
+
+
+# ---- the run as a whole, and the accidents
+# --------------------------------------------------------------
+
+
 @pytest.mark.slow
 def test_grading_finishes_and_scores_every_student(graded):
     proc = graded["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(graded["rows"]) == sorted(p.name for p in graded["subs"].iterdir())
+    expected = {submission.display(p.name) for p in graded["subs"].iterdir()}
+    assert set(graded["rows"]) == expected
     for student, row in graded["rows"].items():
         assert row["lab"] == "collectives" and int(row["tests_total"]) >= 16, row
         assert int(row["hidden_total"]) >= 3, row
-        assert (graded["report"] / student / "feedback.md").exists()
+        folder = next(
+            p.name for p in graded["subs"].iterdir() if submission.display(p.name) == student
+        )
+        assert student == "scores.csv" or (graded["report"] / folder / "feedback.md").exists()
 
 
 @pytest.mark.slow
@@ -194,8 +638,9 @@ def test_reference_code_gets_every_point_and_runs_its_notebook(graded):
         row["tests_passed"] == row["tests_total"] and row["hidden_passed"] == row["hidden_total"]
     ), row
     assert row["notebook_executed"] == "yes" and row["notebook_detail"] == "ok", row
+    assert not row["grading_error"], row
     assert "failed" not in feedback(graded, "correct")
-    assert (graded["report"] / "correct" / "notebooks" / "00_setup_and_collectives.ipynb").exists()
+    assert (graded["report"] / "correct" / "notebooks" / NOTEBOOK).exists()
 
 
 @pytest.mark.slow
@@ -203,7 +648,9 @@ def test_untouched_stubs_get_no_points_and_say_what_to_write(graded):
     row = graded["rows"]["stubs"]
     assert row["tests_passed"] == "0" and row["notebook_executed"] == "no", row
     assert "NotImplementedError" in row["notebook_detail"]
-    assert "exercise ring_all_reduce is not written yet" in feedback(graded, "stubs")
+    text = feedback(graded, "stubs")
+    assert "exercise ring_all_reduce is not written yet" in text
+    assert "hidden checks**: 0 of 3 passed" in text
 
 
 @pytest.mark.slow
@@ -225,7 +672,7 @@ def test_infinite_loop_costs_the_time_budget_once(graded):
 )
 def test_exit_or_exception_on_import_gets_no_points(graded, student, message):
     row = graded["rows"][student]
-    assert row["tests_passed"] == "0" and row["notebook_executed"] == "no", row
+    assert row["tests_passed"] == "0", row
     assert message in feedback(graded, student)
 
 
@@ -248,17 +695,12 @@ def test_edited_tests_config_and_runtime_are_ignored(graded):
 def test_deleting_files_and_leaving_a_daemon_is_contained(graded):
     """Deleting files in its graded copy and leaving a daemon: the daemon is killed, others
     unaffected."""
-    assert graded["orphans"] == [], "a process the submission started outlived grading"
+    assert graded["left"] == [], "a process the submission started outlived grading"
     assert scores_json(graded)["deletes_and_daemon"]["leftover_processes"] >= 1
+    row = graded["rows"]["deletes_and_daemon"]
+    assert row["tests_passed"] == row["tests_total"], row
     text = feedback(graded, "deletes_and_daemon")
     assert "process(es) started while grading this lab were still running" in text
-    students = sorted(graded["rows"])
-    after = students[students.index("deletes_and_daemon") + 1 :]
-    assert after, "this student should not be graded last"
-    assert all(
-        int(graded["rows"][s]["tests_total"]) == int(graded["rows"]["correct"]["tests_total"])
-        for s in after
-    )
 
 
 @pytest.mark.slow
@@ -269,14 +711,169 @@ def test_missing_notebook_costs_the_notebook_only(graded):
 
 
 @pytest.mark.slow
-def test_grading_writes_nothing_into_submissions_or_the_course(graded):
-    assert snapshot(graded["subs"]) == graded["before"]
-    for rel, content in graded["instructor"].items():
-        assert (ROOT / rel).read_bytes() == content, f"grading changed {rel}"
-    assert (
-        sorted(p.name for p in (ROOT / "hidden_tests").iterdir() if p.name != "__pycache__")
-        == graded["listing"]
+def test_reports_are_complete_files(graded):
+    """scores.csv, scores.json and summary.md are whole (written by rename), nothing temporary is
+    left, and summary.md starts with the scorecard (the sandbox was on)."""
+    report = graded["report"]
+    assert not [p for p in report.iterdir() if p.name.endswith(".tmp")]
+    summary = (report / "summary.md").read_text(encoding="utf-8")
+    assert summary.startswith("# Scorecard") and NOT_ISOLATED not in summary
+    assert json.loads((report / "scores.json").read_text())["isolated"] is True
+
+
+# ---- hostile submissions
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+class TestHostileSubmissions:
+    """Each attack of issue 21 (and a few more) against the sandboxed grader. For every one:
+    the score it deserves (0: each is built on the stubs), nothing outside its sandbox changed
+    (the instructor repository, the other submissions, the virtual environment, $HOME, the report
+    after the grader exited), no process left, grader exit 0 (``test_the_grader_...``), and the
+    reference code beside them still gets every point
+    (``test_reference_code_gets_every_point_and_runs_its_notebook``)."""
+
+    def row(self, graded, student):
+        row = graded["rows"][student]
+        assert row["tests_passed"] == "0" and row["hidden_passed"] == "0", row
+        return row
+
+    def test_the_grader_exits_0_and_leaves_nothing_changed_or_running(self, graded):
+        proc = graded["proc"]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        before = graded["before"]
+        after = graded["after"]
+        assert after["repo"] == before["repo"], "the instructor repository changed"
+        assert after["subs"] == before["subs"], "a submission changed"
+        assert after["venv"] == before["venv"], "the virtual environment changed"
+        assert after["report_later"] == after["report_at_exit"], "the report changed afterwards"
+        assert not graded["home"].exists(), "$HOME was written"
+        assert graded["left"] == [], "processes outlived grading"
+
+    def test_forging_the_results_channel_and_killing_its_session(self, graded):
+        row = self.row(graded, "- forger")
+        assert "results were thrown away" in row["grading_error"], row
+        assert "ATTACK forge" in item_log(graded, "- forger")
+
+    def test_a_pytest_hook_and_patched_comparisons_are_caught_by_the_checks(self, graded):
+        row = self.row(graded, "hook_forger")
+        assert "ATTACK hook registered" in item_log(graded, "hook_forger")
+        assert "hidden tests' results were thrown away" in row["grading_error"], row
+        assert "the grader's check" in row["grading_error"], row
+
+    def test_reading_the_answers_through_proc_or_the_editable_install(self, graded):
+        self.row(graded, "lecteur réponses ü")
+        assert "ATTACK answers None" in item_log(graded, "lecteur réponses ü")
+
+    @pytest.mark.parametrize("student", ["labs_to_solutions", "labs_to_classmate"])
+    def test_a_labs_folder_linked_to_the_answers_or_a_classmate(self, graded, student):
+        self.row(graded, student)
+        text = feedback(graded, student)
+        assert "`labs` -> `" in text and "not followed" in text
+        if student == "labs_to_solutions":
+            assert "points outside your folder" in text
+        else:
+            summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
+            assert "`labs` of labs_to_classmate is a symlink into correct's folder" in summary
+
+    def test_hidden_tests_do_not_leak_through_failure_messages(self, graded):
+        self.row(graded, "leaker")
+        assert "LOOT" in feedback(graded, "leaker"), "the attack did not run"
+        assert not (graded["report"] / "leaker" / "logs" / "collectives.hidden.log").exists()
+        for path, text in report_texts(graded):
+            assert HIDDEN_SECRET not in text, path
+            assert "test_ring_all_reduce_on_a_subgroup" not in text, path
+            for run in re.findall(r"[A-Za-z0-9+/]{100,}", text):
+                decoded = base64.b64decode(run[: len(run) // 4 * 4])
+                assert HIDDEN_SECRET.encode() not in decoded, path
+        for line in feedback(graded, "leaker").splitlines():
+            assert len(line) < 1200, "a failure message longer than the grader's bound"
+
+    def test_writing_outside_its_sandbox(self, graded):
+        """The instructor repository, hidden_tests/, $HOME, another student's submission and
+        feedback, scores.csv, the virtual environment (a .pth) and the grader's plugin on
+        PYTHONPATH: every write is refused, and nothing else changed (first test)."""
+        self.row(graded, "vandal")
+        log = item_log(graded, "vandal")
+        assert "ATTACK vandal WROTE" not in log
+        assert log.count("ATTACK vandal blocked") >= 10, log[-3000:]
+        for path, text in report_texts(graded):
+            assert MARK not in text, path
+        assert graded["rows"]["correct"]["tests_passed"] == graded["rows"]["correct"]["tests_total"]
+        assert graded["rows"]["stubs"]["tests_passed"] == "0"
+
+    def test_a_fork_hopping_daemon_and_tmux_do_not_escape(self, graded):
+        row = self.row(graded, "escaper")
+        log = item_log(graded, "escaper")
+        assert "ATTACK escape tmux" in log and "TMUX in env: False" in log
+        assert graded["left"] == []
+        with open(graded["report"] / "scores.csv", encoding="utf-8") as f:
+            escaper_rows = [r for r in csv.DictReader(f) if r["student"] == "escaper"]
+        assert escaper_rows == [row]
+        if graded["tmux"]:
+            assert graded["after"]["tmux"] == graded["before"]["tmux"] == ["grading"]
+
+    def test_a_malformed_results_line(self, graded):
+        row = self.row(graded, "malformed-\ufffd")
+        assert "is not a test report" in row["grading_error"], row
+        assert (graded["report"] / os.fsdecode(b"malformed-\xff") / "feedback.md").exists()
+
+    def test_a_notebook_that_kills_its_runner(self, graded):
+        row = self.row(graded, "runner_killer")
+        assert row["notebook_executed"] == "no", row
+        assert "without a report" in row["notebook_detail"], row
+        executed = graded["report"] / "runner_killer" / "notebooks" / NOTEBOOK
+        assert not executed.exists(), "the runner was killed: there is no executed notebook"
+
+    def test_raises_exception_on_every_cell_does_not_make_it_executed(self, graded):
+        row = self.row(graded, "all_raises")
+        assert row["notebook_executed"] == "no", row
+        assert "NotImplementedError" in row["notebook_detail"], row
+
+    def test_a_folder_named_scores_csv(self, graded):
+        row = graded["rows"]["scores.csv"]
+        assert "grading error" in row["grading_error"] and row["tests_passed"] == "0", row
+        assert (graded["report"] / "scores.csv").is_file()
+
+    def test_a_folder_1500_deep(self, graded):
+        self.row(graded, "deep")
+        assert "more than 32 folders deep" in feedback(graded, "deep")
+
+    @pytest.mark.parametrize(
+        "student, limit",
+        [
+            ("memory_bomb", "memory: more than 1.5 GiB"),
+            ("disk_bomb", "disk: more than 128 MiB"),
+            ("disk_bomb", "file size: a file over 32 MiB"),
+            ("fork_bomb", "processes: more than 128"),
+        ],
     )
+    def test_bombs_stop_at_a_limit_the_feedback_names(self, graded, student, limit):
+        self.row(graded, student)
+        assert f"**limit hit**: {limit}" in feedback(graded, student)
+
+    def test_an_output_bomb_is_cut(self, graded):
+        row = self.row(graded, "output_bomb")
+        assert row["notebook_executed"] == "no", row
+        folder = graded["report"] / "output_bomb"
+        assert (folder / "logs" / "collectives.tests.log").stat().st_size < 300_000
+        assert (folder / "notebooks" / NOTEBOOK).stat().st_size < 3_000_000
+        text = feedback(graded, "output_bomb")
+        printed = re.search(r"your code printed ([0-9.]+) MB", text)
+        assert printed and float(printed.group(1)) >= 30, text
+        assert "**limit hit**: notebook output" in text
+
+    def test_identical_and_hard_linked_exercise_files_are_flagged(self, graded):
+        self.row(graded, "copycat")
+        summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
+        assert "`labs/collectives.py` is identical in: - forger, copycat" in summary
+        assert "`labs/collectives.py` is one file hard-linked in: - forger, copycat" in summary
+        assert "`labs/collectives.py` is identical to the reference solution in:" in summary
+
+
+# ---- the pieces, without running submissions
+# -------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -306,10 +903,6 @@ def test_hidden_tests_pass_on_the_solutions_and_fail_on_the_stubs(tmp_path):
             assert outcome == expect, f"LABS_IMPL={impl}: {name} {outcome}"
 
 
-# ---- without running submissions
-# ---------------------------------------------------------------------------
-
-
 def test_labs_are_discovered_from_the_course(tmp_path):
     template = tmp_path / "t"
     build_release(template)
@@ -318,7 +911,7 @@ def test_labs_are_discovered_from_the_course(tmp_path):
     (template / "tests" / "test_extra_checks.py").write_text('exercise("collectives")\n')
     labs = {lab.name: lab for lab in discover_labs(template)}
     lab = labs["collectives"]
-    assert lab.notebook == "00_setup_and_collectives.ipynb"
+    assert lab.notebook == NOTEBOOK
     assert lab.test_files == (
         "tests/test_collectives.py",
         "tests/test_extra_checks.py",
@@ -349,8 +942,151 @@ def test_feedback_groups_identical_failures_and_can_conceal_hidden_tests():
         "ann", [r], ["pytest.ini"], {"graded_at": "now", "commit": "abc"}, conceal=True
     )
     assert page.count("NotImplementedError: x") == 1 and "`tests/t.py::a`, `tests/t.py::b`" in page
-    assert "secret" not in page and "hidden check 3" in page
+    assert "secret" not in page and "hidden checks**: 0 of 1 passed" in page
     assert "ValueError: bad" in page and "`pytest.ini`" in page and "0/3 checks passed" in page
+
+
+def _record(nodeid, when, outcome="passed", message=""):
+    record = {"nodeid": nodeid, "when": when, "outcome": outcome, "message": message}
+    return json.dumps({**record, "duration": 0.1}) + "\n"
+
+
+def _stream(tests, outcomes, cut=""):
+    """A results channel as the plugin writes it: the tests of ``GRADED`` collected, then
+    ``tests`` run with ``outcomes[i]`` in their call, each followed by its check, failing."""
+    lines = [json.dumps({"collected": interleave(GRADED, "check_x")}) + "\n"]
+    for i, (nodeid, outcome) in enumerate(zip(tests, outcomes)):
+        for test, result in ((nodeid, outcome), (check_id(nodeid, "check_x", i), "failed")):
+            lines += [_record(test, "setup"), _record(test, "call", result, "boom")]
+            lines += [_record(test, "teardown")]
+    return ("".join(lines) + cut).encode()
+
+
+GRADED = ["tests/t.py::a", "tests/t.py::TestB::b[x::y]", "tests/u.py::c"]
+
+
+def test_an_honest_results_channel_is_read_test_by_test():
+    assert check_id(GRADED[1], "check_x", 1) == "tests/t.py::TestB::check_x_1"
+    raw = _stream(GRADED, ["passed", "failed", "passed"])
+    run = read_test_run(raw, GRADED, "check_x", "not run")
+    assert run.problem is None and run.passed == [GRADED[0], GRADED[2]]
+    assert run.failed == {GRADED[1]: "boom"}
+    cut = _stream(GRADED[:2], ["passed", "passed"], cut='{"nodeid": "tests/u.py::c')
+    run = read_test_run(cut, GRADED, "check_x", "not run: killed")
+    assert run.problem is None and run.passed == GRADED[:2]
+    assert run.failed == {GRADED[2]: "not run: killed"}
+
+
+@pytest.mark.parametrize(
+    "tamper, why",
+    [
+        (lambda raw: raw + _record(GRADED[0], "call").encode(), "comes after the last"),
+        (lambda raw: raw.replace(b'"outcome": "failed"', b'"outcome": "passed"'), "check"),
+        (lambda raw: raw.replace(b', "outcome": "passed"', b"", 1), "not a test report"),
+        (lambda raw: raw.replace(b"\n", b"\nnot json\n", 2), "is not JSON"),
+        (lambda raw: b'{"collected": []}\n' + raw, "collected other tests"),
+    ],
+)
+def test_a_tampered_results_channel_counts_nothing(tamper, why):
+    raw = tamper(_stream(GRADED, ["passed", "passed", "passed"]))
+    run = read_test_run(raw, GRADED, "check_x", "not run")
+    assert run.passed == [] and why in run.problem
+    assert all(message.startswith("not counted") for message in run.failed.values())
+
+
+def test_a_test_passed_before_a_run_ends_counts_only_once_its_check_failed():
+    raw = _stream(GRADED[:1], ["passed"])
+    raw += (_record(GRADED[1], "setup") + _record(GRADED[1], "call")).encode()
+    raw += _record(GRADED[1], "teardown").encode()
+    run = read_test_run(raw, GRADED, "check_x", "not run")
+    assert run.passed == GRADED[:1]
+    assert "before the grader's check" in run.failed[GRADED[1]]
+
+
+def _released_notebook() -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    for i, source in enumerate(["a = 1", "raise ValueError('allowed')", "b = a + 1"]):
+        cell = nbformat.v4.new_code_cell(source)
+        cell["id"] = f"cell{i}"
+        nb.cells.append(cell)
+    nb.cells[1].metadata["tags"] = ["raises-exception"]
+    return nb
+
+
+def test_a_notebook_runs_with_the_releases_tags_matched_by_cell_id():
+    released = _released_notebook()
+    mine = nbformat.from_dict(json.loads(nbformat.writes(released)))
+    mine.cells[0].metadata["tags"] = ["raises-exception"]  # a tag the student added: ignored
+    mine.cells[1].metadata["tags"] = []  # a tag the student removed: restored
+    extra = nbformat.v4.new_code_cell("print('mine')")
+    extra.metadata["tags"] = ["raises-exception", "skip-execution"]
+    mine.cells.insert(1, extra)
+    prepared = notebooks.prepare(nbformat.writes(mine).encode(), released)
+    assert prepared.problems == [] and prepared.changed == 0
+    tags = [c.metadata.get("tags", []) for c in prepared.notebook.cells]
+    assert tags == [[], [], ["raises-exception"], []]
+    ran = {"cell": 3, "ran": {0: True, 1: True, 2: False, 3: True}, "malformed": None}
+    report = {**ran, "end": {"end": "ok", "ename": "", "evalue": "", "cut": 0}, "notebook": None}
+    assert notebooks.judge(prepared, report) == (True, "ok")
+    report["ran"][3] = False  # a cell the release does not allow to raise
+    assert notebooks.judge(prepared, report)[0] is False
+
+
+def test_a_notebook_missing_a_released_cell_or_not_a_notebook():
+    released = _released_notebook()
+    mine = nbformat.from_dict(json.loads(nbformat.writes(released)))
+    del mine.cells[2]
+    prepared = notebooks.prepare(nbformat.writes(mine).encode(), released)
+    assert prepared.problems == [
+        "cell 3 (`b = a + 1`) of the course's notebook is not in yours (cells are matched by id)"
+    ]
+    for junk in (b"{not json", b"\xff\xfe", b"[" * 100_000):
+        prepared = notebooks.prepare(junk, released)
+        assert prepared.notebook is None
+        assert prepared.problems[0].startswith("the notebook cannot be parsed")
+    report = notebooks.read_report(b'{"cell": 0}\n{"end": "ok"\n')
+    assert report["malformed"] == "line 2"
+
+
+def test_a_submission_is_read_without_following_links_or_recursing(tmp_path):
+    folder = tmp_path / "ann"
+    (folder / "labs").mkdir(parents=True)
+    (folder / "labs" / "ddp.py").write_text("x = 1\n")
+    (folder / "labs" / "zero.py").symlink_to(ROOT / "solutions" / "zero.py")
+    (folder / "notebooks").symlink_to("../bob/notebooks")
+    (folder / "inside").symlink_to("labs/ddp.py")
+    deep = folder / "deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    for _ in range(DEEP):
+        os.mkdir("d", dir_fd=fd)
+        fd_next = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = fd_next
+    os.close(fd)
+    try:
+        found = submission.scan(folder)
+        assert list(found.files) == ["labs/ddp.py"]
+        assert found.not_looked_at == [
+            "deep/" + "d/" * (submission.MAX_DEPTH - 2) + "d/ (more than 32 folders deep)"
+        ]
+        notes = submission.link_notes(found.links, folder)
+        assert any("`labs/zero.py` -> `/" in n and "outside" in n for n in notes)
+        assert any("`notebooks` -> `../bob/notebooks`" in n and "outside" in n for n in notes)
+        assert any("`inside` -> `labs/ddp.py`" in n and "inside your folder" in n for n in notes)
+        assert submission.read_file(folder, "labs/ddp.py")[0] == b"x = 1\n"
+        for rel in ("labs/zero.py", "notebooks/00.ipynb", "inside", "labs/none.py"):
+            with pytest.raises(submission.Unreadable):
+                submission.read_file(folder, rel)
+    finally:
+        _remove_deep(deep)
+
+
+def test_reports_are_replaced_whole(tmp_path):
+    target = tmp_path / "scores.csv"
+    target.write_text("old\n")
+    write_atomic(target, "new\n")
+    assert target.read_text() == "new\n" and [p.name for p in tmp_path.iterdir()] == ["scores.csv"]
 
 
 DAEMON_SCRIPT = """
@@ -358,8 +1094,9 @@ import subprocess, sys, time
 from labs.grading.processes import become_subreaper, descendants, kill_leftovers
 assert become_subreaper()
 # a child that starts a daemon in its own session and exits: the daemon is re-parented to us
-subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
-                "'import time; time.sleep(60)', '%s'], start_new_session=True)"])
+subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen("
+                "[sys.executable, '-c', 'import time; time.sleep(60)', '%s'], "
+                "start_new_session=True)"])
 time.sleep(0.5)
 print(len(descendants()), kill_leftovers(), len(descendants()))
 """
@@ -369,7 +1106,7 @@ def test_a_daemon_comes_back_to_the_grader_and_is_killed():
     proc = run_cli("-c", DAEMON_SCRIPT % TOKEN, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "1", "0"], proc.stdout
-    assert orphans() == []
+    assert processes_with(TOKEN) == []
 
 
 @pytest.mark.parametrize(
@@ -377,9 +1114,14 @@ def test_a_daemon_comes_back_to_the_grader_and_is_killed():
     [
         (["{missing}", "--out", "{tmp}/r"], "is not a folder"),
         (["{tmp}", "--out", "{tmp}/r"], "must not contain each other"),
-        (["{subs}", "--out", str(ROOT / "labs" / "r")], "inside the course repository"),
+        (["{subs}", "--out", str(ROOT / "labs" / "r")], "inside the course repository's labs/"),
         (["{subs}", "--out", "{tmp}/r", "--labs", "nope"], "--labs: unknown ['nope']; choose from"),
         (["{subs}", "--out", "{tmp}/r", "--cell-timeout", "0"], "--cell-timeout must be > 0"),
+        (["{subs}", "--out", "{tmp}/r", "--memory-limit", "0"], "memory_gib=0.0 must be > 0"),
+        (
+            ["{subs}", "--out", "{tmp}/r", "--jobs", "2", "--unsafe-no-sandbox"],
+            "--jobs > 1 needs the sandbox",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(tmp_path, args, message):
@@ -389,3 +1131,51 @@ def test_bad_arguments_exit_2_naming_the_problem(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not (ROOT / "labs" / "r").exists()
+
+
+def test_a_report_folder_of_its_own_may_be_inside_the_repository():
+    """The README's `--out report/` from the repository root; not inside a folder of the course."""
+    assert _inside_repository(ROOT / "report") is None
+    assert _inside_repository(ROOT.parent / "elsewhere") is None
+    assert "labs/" in _inside_repository(ROOT / "labs" / "r")
+    assert "is the course repository itself" in _inside_repository(ROOT)
+
+
+def test_without_bubblewrap_the_grader_refuses(tmp_path):
+    (tmp_path / "subs" / "ann").mkdir(parents=True)
+    proc = run_cli(
+        "-m",
+        "labs.grade",
+        str(tmp_path / "subs"),
+        "--out",
+        str(tmp_path / "r"),
+        env={"PATH": str(Path(sys.executable).parent)},  # no bwrap on it
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "bubblewrap (bwrap) is not installed" in proc.stderr
+    assert "--unsafe-no-sandbox" in proc.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_without_a_sandbox_the_report_says_so_first(tmp_path):
+    """--unsafe-no-sandbox: the summary's first line says nothing was isolated. (The one student
+    is a folder named scores.csv, a grading error, so no submission code runs.)"""
+    subs = tmp_path / "subs"
+    (subs / "scores.csv").mkdir(parents=True)
+    proc = run_cli(
+        "-m",
+        "labs.grade",
+        str(subs),
+        "--out",
+        str(tmp_path / "r"),
+        "--labs",
+        "collectives",
+        "--unsafe-no-sandbox",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert summary.splitlines()[0] == NOT_ISOLATED
+    assert "Nothing was isolated" in proc.stderr
+    assert json.loads((tmp_path / "r" / "scores.json").read_text())["isolated"] is False

@@ -93,6 +93,17 @@ def test_the_readme_tells_the_learner_the_loop_and_that_tests_run_on_their_code(
         assert step in banner, step
 
 
+def test_folders_named_by_the_grader_are_left_out(monkeypatch):
+    """labs.grade passes its submissions and report folders when they are inside the repository:
+    they are never part of a graded copy (a classmate's work, the scores)."""
+    files = release.source_files() + ["submissions/ann/notes.txt", "report/summary.txt"]
+    monkeypatch.setattr(release, "source_files", lambda: files)
+    assert {"submissions/ann/notes.txt", "report/summary.txt"} <= set(release.release_plan())
+    plan = release.release_plan(exclude=("submissions", "report"))
+    assert not [rel for rel in plan if rel.startswith(("submissions/", "report/"))]
+    assert "labs/collectives.py" in plan
+
+
 def test_learner_test_script_refuses_an_unknown_layout():
     with pytest.raises(ValueError, match="no longer sets LABS_IMPL=solutions"):
         release.learner_test_script("exec pytest\n")
