@@ -138,7 +138,8 @@ class GradProbe:
             return {n: p.detach().clone() for n, p in self.module.named_parameters()}
 
     def _whole(self, shards, group) -> dict[str, torch.Tensor]:
-        # the group the sharded optimizer averaged over (dp_cp, unless the composition chose another)
+        # the group the sharded optimizer averaged over (dp_cp, unless the composition chose
+        # another)
         group = getattr(self.inner, "group", group)
         names = {p: n for n, p in self.module.named_parameters()}
         out = {}
