@@ -133,6 +133,16 @@ def grads_check(per_rank: list[dict], ref_grads: dict, tolerance: float, n: int)
     reference's (a piece where the rank holds a piece)."""
     found = []
     for r, got in enumerate(per_rank):
+        if got["grads"] is None:
+            return Check(
+                "gradients after step 1",
+                False,
+                "none",
+                "the first step taken's",
+                where=f"rank {r}",
+                hint="this rank took no step: every step was skipped for overflow (fp16) while"
+                " the reference took some",
+            )
         ranges = got["grad_ranges"]
         expected = {}
         for name, g in ref_grads.items():
@@ -286,6 +296,18 @@ def calls_check(
             m = sorted(measured.get(op, []))
             e = expected.get(op, [])
             where = f"rank {r}, {op}, last step"
+            if len(m) != len(e) and op == "all_reduce" and stage > 0:
+                return Check(
+                    "bytes per call",
+                    False,
+                    len(m),
+                    len(e),
+                    where=f"{where}: calls",
+                    hint=f"all_reduce: {len(m)} calls where ZeRO-{stage} in fp16 makes {len(e)}:"
+                    " a rank sees only its shard of the gradients, so the overflow flag must be"
+                    " all-reduced (MAX, 4 bytes) over the group once per step, and every rank"
+                    " skips alike",
+                )
             if len(m) != len(e):
                 per_unit = (
                     "twice per unit (forward and backward)"
