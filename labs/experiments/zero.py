@@ -733,8 +733,9 @@ def run(
         s["reference_skipped_steps"] = ref.skipped_steps
     s.update(param_diff(per_rank[0]["params"], ref.params, mixed, per_rank.backend))
     s["params_sha1"] = digest(per_rank[0]["params"])
+    used = ref.grads or used_parameters(model, cfg, nproc)  # fp16 may have taken no step
     gradless = sum(
-        p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads
+        p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in used
     )
     frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
     _fill_theory(
@@ -749,6 +750,7 @@ def run(
         gradless=gradless,
         itemsize=DTYPES[dtype].itemsize,
         mixed=mixed,
+        stepped=len(per_rank[0]["skipped_steps"]) < steps,
     )
     if stage == 3:  # the user's optimizer keeps state per piece: no state for padding or unused
         expected = [
@@ -802,6 +804,19 @@ def _vs_torch(s, spec, cfg, ref, *, nproc, backend, timeout) -> None:
     s["torch_max_rel_param_diff"] = param_diff(t[0]["params"], ref.params, spec.mixed)[
         "max_rel_param_diff"
     ]
+
+
+def used_parameters(model: str, cfg: TrainConfig, nproc: int) -> set[str]:
+    """The names of the parameters a backward gives a gradient (one step of the reference)."""
+    return set(
+        train_reference(
+            ModelConfig(),
+            replace(cfg, steps=1),
+            dp=nproc,
+            model=build(model, cfg.seed),
+            return_grads=True,
+        ).grads
+    )
 
 
 def zero3_held(net, theory_held: dict, ref_grads: dict, dp: int, rank: int, offload: bool, dtype):
@@ -937,8 +952,10 @@ def _fill_theory(
     gradless: int,
     itemsize: int,
     mixed: MixedPrecision | None = None,
+    stepped: bool = True,
 ) -> None:
-    """Bytes sent and held, measured on every rank, beside ``labs.theory.zero``'s figures."""
+    """Bytes sent and held, measured on every rank, beside ``labs.theory.zero``'s figures
+    (``stepped=False``: fp16 skipped every step, AdamW has no moments yet)."""
     held = theory.held_bytes(
         units,
         stage=stage,
@@ -948,6 +965,7 @@ def _fill_theory(
         gradless_numel=gradless,
         itemsize=itemsize,
         precision="fp32" if mixed is None else "bf16-mixed",  # fp16-mixed: the same bytes
+        stepped=stepped,
     )
     sizes = comm_itemsizes(itemsize, mixed)
     comm = theory.comm_bytes(units, stage=stage, dp=nproc, **sizes)

@@ -122,6 +122,7 @@ def held_bytes(
     gradless_numel: int = 0,
     itemsize: int = BYTES,
     precision: str = "fp32",
+    stepped: bool = True,
 ) -> dict:
     """Bytes a rank holds between steps (after the optimizer step, gradients still held).
 
@@ -134,7 +135,8 @@ def held_bytes(
     stage 0 they hold neither a gradient nor AdamW state (inside a flat buffer they do).
     ``itemsize``: bytes per element (8 for a float64 check run; the calculator's fp32 figures scale
     with it). ``precision``: "bf16-mixed" or "fp16-mixed" gives the mixed-precision table of the
-    module docstring (and ``calculator`` the calculator's bf16-mixed figure).
+    module docstring (and ``calculator`` the calculator's bf16-mixed figure); ``stepped=False``
+    (fp16 skipped every step so far): AdamW has no moments yet (it makes them at its first step).
     """
     units = _check(unit_numels, stage, dp)
     if offload and stage == 0:
@@ -143,7 +145,7 @@ def held_bytes(
         )
     _check_precision(precision, itemsize, offload)
     if precision != "fp32":
-        return _mixed_held_bytes(units, stage, dp, frozen_numel, gradless_numel)
+        return _mixed_held_bytes(units, stage, dp, frozen_numel, gradless_numel, stepped)
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
     for n in units:
         lay = flat_layout(n, dp)
@@ -191,12 +193,19 @@ def _check_precision(precision: str, itemsize: int, offload: bool) -> None:
 
 
 def _mixed_held_bytes(
-    units: list[int], stage: int, dp: int, frozen_numel: int, gradless_numel: int
+    units: list[int],
+    stage: int,
+    dp: int,
+    frozen_numel: int,
+    gradless_numel: int,
+    stepped: bool = True,
 ) -> dict:
     """``held_bytes`` for a mixed-precision run (the module docstring's second table)."""
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
+    moments = 0  # AdamW's two fp32 moments: 8 bytes per element it steps
     for n in units:
         lay = flat_layout(n, dp)
+        moments += 2 * BYTES * (n if stage == 0 else lay["shard"])
         calc = state_bytes(
             n, precision="bf16-mixed", optimizer="adamw", zero=stage, dp=dp, exact_shards=True
         )
@@ -221,6 +230,10 @@ def _mixed_held_bytes(
         out["grads"] -= gradless_numel * HALF
         out["optimizer"] -= 2 * BYTES * gradless_numel
         out["calculator"] -= (HALF + 2 * BYTES) * gradless_numel
+        moments -= 2 * BYTES * gradless_numel
+    if not stepped:
+        out["optimizer"] -= moments
+        out["calculator"] -= moments
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
