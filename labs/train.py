@@ -89,9 +89,10 @@ _DETERMINISTIC = (
 # 2 and 4 ranks, 5 and 20 steps, stages 0-3, both reduce dtypes (the figures in each reason).
 _MIXED = {
     ("mixed_loss", torch.bfloat16): (
-        2e-3,
+        5e-3,
         "losses are fp32 from bf16 logits; the bf16 rounding of the averaged gradient moves"
-        " AdamW's updates, so later losses part (measured <= 2.9e-4, 4 ranks, 20 steps)",
+        " AdamW's updates, so later losses part (measured <= 2.9e-4 after 20 steps, 1.2e-3 after"
+        " 30: DDP, 4 ranks reducing in bf16)",
     ),
     ("mixed_grad", torch.bfloat16): (
         3e-2,

@@ -489,3 +489,19 @@ def test_overlap_drawing_headless():
     assert "exposed" in top.get_title() and "measured" in bottom.get_title()
     assert len(bottom.get_yticks()) == 4  # two lanes per rank
     assert len(bottom.patches) >= 12
+
+
+@pytest.mark.exercise
+def test_precision_curves_table_and_plot_headless():
+    """Notebook 02's and 03's mixed-precision section: three runs, a table, two panels."""
+    from labs.experiments.precision import format_curves, loss_curves, plot_curves
+
+    curves = loss_curves("ddp", nproc=2, steps=2)
+    assert list(curves) == ["fp32", "bf16, reduce in fp32", "bf16, reduce in bf16"]
+    table = format_curves(curves)
+    assert table.count("PASS") == 3 and "1,709,056" in table
+    fig = plot_curves(curves)
+    left, right = fig.axes
+    assert len(left.lines) == 3 and len(right.lines) == 4  # two bf16 runs, their gap, zero
+    with pytest.raises(ValueError, match="lab='tp' is not one of"):
+        loss_curves("tp")
