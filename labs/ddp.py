@@ -40,6 +40,24 @@ Every rank must issue the same collectives in the same order. The ranks run the 
 model, so autograd finishes the gradients in the same order everywhere, and a
 parameter without a gradient (frozen, or unused by the forward) is so on every rank.
 
+**Mixed precision** (``MixedPrecisionOptimizer``; Micikevicius et al., "Mixed Precision
+Training", ICLR 2018): cast the model to bf16 (or fp16) *before* wrapping it, so every rank
+starts from the first rank's bf16 weights; forward and backward run in bf16 and the gradients
+are bf16 (2 bytes per parameter, the calculator's figure). ``reduce_dtype=torch.float32`` sums
+them over the ranks in fp32: each gradient (or bucket) is cast up, all-reduced (G = Ψ·4 bytes on
+the wire instead of Ψ·2), divided by N and rounded back into the bf16 ``.grad`` once, where a
+bf16 all-reduce rounds every partial sum. The optimizer keeps fp32 master weights and steps them
+with the gradients cast to fp32, then rounds the masters back into the bf16 weights. fp16 also
+scales the loss (``labs.train.LossScaler``): the master gradients are divided by the scale in
+fp32, and a step whose gradients overflowed is skipped (the ranks hold the same averaged
+gradients, so they all skip it). Per rank: 2Ψ (bf16 weights) + 2Ψ (bf16 gradients) + 4Ψ
+(masters) + 8Ψ (AdamW's fp32 moments) = 16Ψ bytes, as ``labs.theory.memory`` counts bf16-mixed.
+
+    model = build_model(cfg).to(torch.bfloat16)
+    ddp = BucketedDDP(model, bucket_mb=0.1, reduce_dtype=torch.float32)
+    optimizer = MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW, lr=3e-3)
+    loss = train_step(ddp, optimizer, micro_batches)   # fp16: loss_scaler=LossScaler() too
+
 References: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training", VLDB 2020, §3.2 (naive, overlap, bucketing; no_sync in §3.2.4); the
 Ultra-Scale Playbook, "Data Parallelism".
@@ -48,7 +66,7 @@ Ultra-Scale Playbook, "Data Parallelism".
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +77,7 @@ from labs.data import rank_batches
 from labs.runtime.device import rank_device
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.overlap import MiB
-from labs.train import TrainConfig
+from labs.train import LossScaler, TrainConfig, overflowed
 
 NOTEBOOK = "02_data_parallel.ipynb"
 
@@ -81,11 +99,18 @@ def broadcast_parameters(module: nn.Module, *, group: dist.ProcessGroup | None =
 class _DataParallel(nn.Module):
     """What the three wrappers share: the wrapped module, the group, ``forward`` and ``no_sync``."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
+        # the dtype gradients are summed over the ranks in (None: their own)
+        self.reduce_dtype = reduce_dtype
         self.require_backward_grad_sync = True  # False inside no_sync(): hooks must not communicate
         # Unique trainable parameters in registration order (a tied weight once).
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -108,16 +133,24 @@ class _DataParallel(nn.Module):
 
 class NaiveDDP(_DataParallel):
     """Data parallelism at its simplest: after backward, all-reduce the gradients one by one.
-    The whole communication time is added to every step (nothing overlaps with compute)."""
+    The whole communication time is added to every step (nothing overlaps with compute).
+    ``reduce_dtype``: sum the gradients in that dtype (mixed precision: fp32 for bf16 ones)."""
 
-    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None):
-        super().__init__(module, group)
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(module, group, reduce_dtype)
 
     def finish_gradient_synchronization(self) -> None:
         """Call once per optimizer step, after its last backward: sum each trainable parameter's
         ``.grad`` over the group with a blocking ``dist.all_reduce`` and divide by N, so every
         rank holds the mean gradient. Skip parameters whose ``.grad`` is None (frozen or unused:
-        so on every rank). One call per gradient tensor."""
+        so on every rank). One call per gradient tensor. With ``self.reduce_dtype`` set (and not
+        the gradient's own), all-reduce a copy cast to it and copy the mean back into ``.grad``."""
         raise NotImplementedError(
             "exercise NaiveDDP.finish_gradient_synchronization is not written yet: "
             "see its docstring and notebooks/02_data_parallel.ipynb"
@@ -128,10 +161,16 @@ class OverlappedDDP(_DataParallel):
     """All-reduce each gradient as soon as autograd has finished it, while backward goes on
     computing the earlier layers' gradients: communication hides behind compute."""
 
-    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None):
-        super().__init__(module, group)
-        # (gradient, its all-reduce in flight)
-        self.pending: list[tuple[torch.Tensor, dist.Work]] = []
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(module, group, reduce_dtype)
+        # (gradient, the tensor being reduced: itself or its copy in reduce_dtype, the all-reduce)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []
         # Register ``self.on_gradient_ready`` as a post-accumulate-grad hook on every trainable
         # parameter (``p.register_post_accumulate_grad_hook``); keep the handles in self.handles.
         raise NotImplementedError(
@@ -141,8 +180,10 @@ class OverlappedDDP(_DataParallel):
 
     def on_gradient_ready(self, param: nn.Parameter) -> None:
         """Autograd calls this once per backward when ``param.grad`` holds its (accumulated)
-        gradient. Unless inside ``no_sync()``, launch ``dist.all_reduce(param.grad, async_op=True)``
-        on the group and remember the gradient and the returned work handle. Do not wait here."""
+        gradient. Unless inside ``no_sync()``, launch ``dist.all_reduce(..., async_op=True)`` on
+        the group, on ``param.grad`` itself or (``self.reduce_dtype`` set) on a copy cast to it,
+        and remember the gradient, the tensor being reduced and the returned work handle (in
+        ``self.pending``). Do not wait here."""
         raise NotImplementedError(
             "exercise OverlappedDDP.on_gradient_ready is not written yet: "
             "see its docstring and notebooks/02_data_parallel.ipynb"
@@ -150,7 +191,8 @@ class OverlappedDDP(_DataParallel):
 
     def finish_gradient_synchronization(self) -> None:
         """Call once per optimizer step, after its last backward: wait for every all-reduce in
-        flight, divide each gradient by N, and forget them (the next step starts empty)."""
+        flight, divide each reduced tensor by N (copying it back into its gradient when it was a
+        cast copy), and forget them (the next step starts empty)."""
         raise NotImplementedError(
             "exercise OverlappedDDP.finish_gradient_synchronization is not written yet: "
             "see its docstring and notebooks/02_data_parallel.ipynb"
@@ -165,8 +207,10 @@ class BucketedDDP(_DataParallel):
     backward produces their gradients (torch's DDP starts from the same guess). Walk them,
     add each parameter to the open bucket and close the bucket once it holds at least
     ``bucket_mb * MiB`` bytes (``labs.theory.overlap.bucket_layout``'s rule). Each bucket
-    is one flat buffer of the parameters' dtype; a parameter owns the slice at its offset. Costs G
-    extra bytes per rank for the buffers (torch avoids it with ``gradient_as_bucket_view``).
+    is one flat buffer of ``self.bucket_dtype`` (``reduce_dtype``, else the parameters' dtype),
+    whose bytes the rule counts (4 per element for fp32 buckets of bf16 gradients); a parameter
+    owns the slice at its offset. Costs G extra bytes per rank for the buffers (torch avoids it
+    with ``gradient_as_bucket_view``).
     """
 
     def __init__(
@@ -175,13 +219,17 @@ class BucketedDDP(_DataParallel):
         *,
         bucket_mb: float = 25.0,
         group: dist.ProcessGroup | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {bucket_mb!r}")
-        super().__init__(module, group)
+        super().__init__(module, group, reduce_dtype)
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             raise ValueError("BucketedDDP needs every trainable parameter on one dtype and device")
         self.bucket_bytes = bucket_mb * MiB
+        # what the buckets hold and the all-reduces carry
+        self.bucket_dtype = reduce_dtype or self.params[0].dtype
+        itemsize = self.bucket_dtype.itemsize
         # flat gradient buffers, [numel of the bucket]
         self.buckets: list[torch.Tensor] = []
         # the parameters of each bucket, in backward order
@@ -228,6 +276,77 @@ class BucketedDDP(_DataParallel):
         )
 
 
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """``optimizer_cls(**defaults)`` on fp32 master copies of low-precision parameters.
+
+    ``params``: the model's trainable parameters in bf16 or fp16 (cast the model first). The
+    optimizer keeps ``self.masters``, one fp32 copy of each ([same shape]), and ``self.inner``,
+    ``optimizer_cls`` on them, so its state is fp32 too. ``step()`` casts each ``.grad`` to fp32
+    into its master's ``.grad`` (divided by the loss scale, with ``loss_scaler``), steps the
+    masters, and rounds them back into the parameters; the fp32 gradients are dropped after the
+    step (the rank holds bf16 gradients between steps: 2 + 2 + 4 + k bytes per parameter).
+    ``loss_scaler`` (fp16): a ``labs.train.LossScaler``; the training step multiplies the loss
+    by it, this optimizer divides it out, skips a step whose gradients overflowed and updates
+    the scale. ``param_groups`` are the user's (a scheduler's lr reaches the inner optimizer).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        optimizer_cls: type[torch.optim.Optimizer],
+        *,
+        loss_scaler: LossScaler | None = None,
+        **defaults: Any,
+    ) -> None:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors, not one tensor")
+        self.params = list(dict.fromkeys(p for p in params if p.requires_grad))
+        if not self.params:
+            raise ValueError("MixedPrecisionOptimizer got no trainable parameters")
+        high = sorted({str(p.dtype) for p in self.params if p.dtype.itemsize > 2})
+        if high:
+            raise ValueError(
+                f"MixedPrecisionOptimizer keeps fp32 masters of bf16/fp16 parameters, got {high}:"
+                " cast the model first (model.to(torch.bfloat16)), before wrapping it in DDP"
+            )
+        self.loss_scaler = loss_scaler
+        self.masters: list[torch.Tensor] = []
+        self.inner: torch.optim.Optimizer | None = None
+        # Make ``self.masters`` (an fp32 copy of each parameter, detached, on its device) and
+        # ``self.inner = optimizer_cls(self.masters, **defaults)``.
+        raise NotImplementedError(
+            "exercise MixedPrecisionOptimizer.__init__ is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
+        super().__init__(self.params, self.inner.defaults)
+        self.state = self.inner.state  # what this optimizer holds: the masters' state
+
+    def _sync_hyperparameters(self) -> None:
+        """The user's hyperparameters (a scheduler may have changed lr) into the inner optimizer."""
+        for g, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in g.items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """One step on the masters, after the gradients are synchronised.
+
+        For each parameter: its master's ``.grad`` is the parameter's ``.grad`` cast to fp32 and
+        divided by the loss scale (``self.loss_scaler.value``; no scaler: 1) in fp32, or None
+        where the parameter has none. With a loss scaler, a step whose master gradients hold an
+        inf or a nan (``labs.train.overflowed``) is skipped; either way
+        ``self.loss_scaler.update(overflow)``. Otherwise ``self.inner.step()``, then copy each
+        master into its parameter (``p.copy_``, which rounds to bf16). Finally set every
+        master's ``.grad`` to None (fp32 gradients exist only during the step).
+        """
+        if closure is not None:
+            raise ValueError("MixedPrecisionOptimizer.step takes no closure")
+        self._sync_hyperparameters()
+        raise NotImplementedError(
+            "exercise MixedPrecisionOptimizer.step is not written yet: "
+            "see its docstring and notebooks/02_data_parallel.ipynb"
+        )
+
+
 def rank_data(
     cfg: TrainConfig, *, group: dist.ProcessGroup | None = None, grad_accum: int = 1
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -256,12 +375,15 @@ def train_step(
     model: _DataParallel,
     optimizer: torch.optim.Optimizer,
     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    loss_scaler: LossScaler | None = None,
 ) -> float:
     """One optimizer step over this rank's ``micro_batches`` (gradient accumulation over K of them).
 
     Zero the gradients (``set_to_none=True``); for each micro-batch run ``model(x, y)``
-    and backward on ``loss / K`` (so the K gradients add up to the batch mean's), the first
-    K-1 inside ``model.no_sync()`` so that only the last backward communicates; then
+    and backward on ``loss / K`` (so the K gradients add up to the batch mean's; with a
+    ``loss_scaler``, on ``loss_scaler.scale(loss / K)``), the first K-1 inside
+    ``model.no_sync()`` so that only the last backward communicates; then
     ``model.finish_gradient_synchronization()`` and ``optimizer.step()``. Returns this rank's
     loss: the mean of its K micro-batch losses (unscaled), a Python float.
     """

@@ -23,7 +23,7 @@ import torch
 from labs.data import global_batches, shapes
 from labs.models.transformer import ModelConfig, build_model
 from labs.models.vision import MultimodalConfig, build_multimodal
-from labs.runtime.device import exact_fp32, one_thread
+from labs.runtime.device import exact_fp32, one_thread, rank_device
 
 # --- The course's tolerance table: every comparison with a reference, by backend ----------------
 # A check reads its rule here, by (quantity, dtype, backend): ``rule("value", torch.float32,
@@ -78,6 +78,52 @@ _DETERMINISTIC = (
     " algorithms (cuDNN's convolution backward and the embedding backward otherwise add with"
     " atomics, in an order that varies run to run)"
 )
+# Mixed precision against the single-process reference under the same policy (``MixedPrecision``;
+# the reference runs one backward per rank's slice of the global batch, as the ranks do, and adds
+# the slices' gradients in the reduce dtype: ``train_reference``). Step 1's forward is then the
+# very computation of the ranks; what differs is where the gradient is rounded. The calculator's
+# layout holds it in bf16 (fp16): DDP and ZeRO-1/2 round the averaged gradient to bf16 once, where
+# the reference keeps it in fp32, and a bf16 reduction rounds each partial sum too (on 2 ranks a
+# single addition: the same numbers either way). ZeRO-3 keeps the reduced gradient in fp32 and
+# matches the reference to ~1e-8. Keyed by the parameters' dtype. Measured on the course model on
+# gloo, 2 and 4 ranks, 5 to 30 steps, DDP and stages 0-3, both reduce dtypes (the figures in each
+# reason); the NCCL rows are the same, not yet measured on GPUs (whose bf16 kernels round unlike
+# the CPU's reference).
+_MIXED = {
+    ("mixed_loss", torch.bfloat16): (
+        5e-3,
+        "losses are fp32 from bf16 logits; the bf16 rounding of the averaged gradient moves"
+        " AdamW's updates, so later losses part (measured <= 2.9e-4 after 20 steps, 1.2e-3 after"
+        " 30: DDP, 4 ranks reducing in bf16)",
+    ),
+    ("mixed_grad", torch.bfloat16): (
+        3e-2,
+        "one bf16 rounding of the averaged gradient is <= 2^-9 ~ 2e-3 of an element, a bf16"
+        " reduction on 4 ranks rounds 3 partial sums more (measured <= 1.2e-2 of a tensor's"
+        " largest, DDP's buckets)",
+    ),
+    ("mixed_param", torch.bfloat16): (
+        0.25,
+        "the fp32 masters: AdamW moves an element by ~lr whatever its gradient's size, so where"
+        " rounding the averaged gradient to bf16 flips or flushes a tiny element the masters part"
+        " by a few lr (measured <= 0.12 of a tensor's largest, 4 ranks reducing in bf16, 20"
+        " steps); the losses, gradients, bytes and state are the tight checks",
+    ),
+    ("mixed_loss", torch.float16): (
+        5e-4,
+        "as bf16-mixed, with fp16's finer rounding (measured <= 5.6e-5, 4 ranks, 20 steps)",
+    ),
+    ("mixed_grad", torch.float16): (
+        5e-3,
+        "one fp16 rounding of the averaged, scaled gradient is <= 2^-12 ~ 2.4e-4 of an element"
+        " (measured <= 1.2e-3 of a tensor's largest, 4 ranks reducing in fp16)",
+    ),
+    ("mixed_param", torch.float16): (
+        0.3,
+        "the fp32 masters, as bf16-mixed; fp16 also flushes the smallest scaled gradients to zero"
+        " (measured <= 0.14 of a tensor's largest, 4 ranks, 20 steps)",
+    ),
+}
 TOLERANCE_TABLE: dict[tuple[str, torch.dtype | None, str], Rule] = {
     # losses, gradients, outputs, logits against the single-process reference
     **{
@@ -125,6 +171,12 @@ TOLERANCE_TABLE: dict[tuple[str, torch.dtype | None, str], Rule] = {
         " of the logits' scale): where the reference's two best logits are closer than twice the"
         " fp32 tolerance either token is right, and the sequences may part from there",
     ),
+    # notebooks 02 and 03 in mixed precision (bf16-mixed, fp16-mixed): see _MIXED
+    **{
+        (quantity, dtype, backend): Rule(rel, why)
+        for (quantity, dtype), (rel, why) in _MIXED.items()
+        for backend in BACKENDS
+    },
     # notebook 01: saved-activation bytes against the calculator
     ("activation_bytes", None, GLOO): Rule(
         0.0, "the formula lists every tensor autograd saves (checked to the byte)"
@@ -230,11 +282,187 @@ def data_for(cfg: TrainConfig, dp: int = 1) -> list[tuple[torch.Tensor, torch.Te
     )
 
 
+# --- Mixed precision: the policy, dynamic loss scaling --------------------------------------------
+# What a run computes in. "fp32": everything. "bf16-mixed" / "fp16-mixed": the model's parameters
+# and its compute in bf16 / fp16, fp32 master weights and optimizer state, gradients summed over
+# the ranks in ``reduce_dtype`` (fp32 unless asked otherwise). fp16 adds dynamic loss scaling.
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PARAM_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """A mixed-precision policy, as FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``:
+    the model's parameters, activations and gradients are ``param_dtype``; gradients are summed
+    over the ranks in ``reduce_dtype`` (the collective's payload, so its bytes too); the master
+    weights an optimizer steps, and its state, are fp32. ``param_dtype=torch.float16`` needs a
+    ``LossScaler``."""
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(
+                    f"MixedPrecision.{name}={getattr(self, name)} is not one of torch.bfloat16,"
+                    " torch.float16, torch.float32"
+                )
+        if self.param_dtype == torch.float32:
+            raise ValueError(
+                "MixedPrecision.param_dtype=torch.float32 is plain fp32 training: pass no policy"
+                " (mixed_precision=None), or torch.bfloat16 / torch.float16"
+            )
+        if self.reduce_dtype not in (torch.float32, self.param_dtype):
+            raise ValueError(
+                f"MixedPrecision.reduce_dtype={self.reduce_dtype} must be torch.float32 or the"
+                f" param_dtype ({self.param_dtype})"
+            )
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the policy needs loss scaling (fp16: 5 exponent bits)."""
+        return self.param_dtype == torch.float16
+
+
+def mixed_precision(precision: str, reduce_dtype: str | None = None) -> MixedPrecision | None:
+    """The policy a lab's ``precision`` ("fp32", "bf16-mixed", "fp16-mixed") and ``reduce_dtype``
+    ("fp32", or the parameters' own: "bf16" / "fp16"; None: fp32) name; None for fp32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+    if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} is not one of {tuple(REDUCE_DTYPES)}")
+    if precision == "fp32":
+        if reduce_dtype not in (None, "fp32"):
+            raise ValueError(
+                f"reduce_dtype={reduce_dtype!r} needs a mixed precision: fp32 training reduces"
+                " in fp32; use precision='bf16-mixed' (or 'fp16-mixed') with it"
+            )
+        return None
+    param_dtype = PARAM_DTYPES[precision]
+    reduce = REDUCE_DTYPES[reduce_dtype or "fp32"]
+    if reduce not in (torch.float32, param_dtype):
+        own = "bf16" if param_dtype == torch.bfloat16 else "fp16"
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype!r} with precision={precision!r}: reduce in 'fp32' or in"
+            f" the parameters' own dtype ({own!r})"
+        )
+    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (Micikevicius et al., "Mixed Precision Training", ICLR 2018,
+    §3.2), by the rule of ``torch.amp.GradScaler``:
+
+        backward on ``scale(loss)`` = loss · S     small gradients move up into fp16's range
+        a step whose gradients overflowed           skipped, and S ← S · backoff_factor
+          (inf or nan on any rank)
+        growth_interval steps in a row without      S ← S · growth_factor
+          overflow
+
+    fp16 has 5 exponent bits: nothing above 65504, and gradients below ~6e-8 flush to zero; bf16
+    keeps fp32's 8 exponent bits and needs no scaling. The gradients are divided by S again in
+    fp32 (the master's copy), never in fp16. ``history``: one ``(S used, skipped)`` per step.
+
+        scaler = LossScaler()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer, group=group)   # or a mixed-precision optimizer built with it
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
+        if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+            raise ValueError(
+                "LossScaler needs growth_factor > 1, 0 < backoff_factor < 1 and"
+                f" growth_interval >= 1; got {growth_factor}, {backoff_factor}, {growth_interval}"
+            )
+        self.value = float(init_scale)  # S, the scale the next backward uses
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0  # steps in a row without overflow
+        self.history: list[tuple[float, bool]] = []
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss · S`` (the loss is fp32: the course model computes it from fp32 logits)."""
+        return loss * self.value
+
+    def update(self, overflow: bool) -> None:
+        """After a step: record it, then back off (overflow) or count towards growth."""
+        self.history.append((self.value, bool(overflow)))
+        if overflow:
+            self.value *= self.backoff_factor
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.value *= self.growth_factor
+            self.good_steps = 0
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The steps (1-based) whose gradients overflowed and that were skipped."""
+        return [i + 1 for i, (_, skipped) in enumerate(self.history) if skipped]
+
+    @property
+    def scales(self) -> list[float]:
+        """The scale each step's backward used."""
+        return [scale for scale, _ in self.history]
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, *, group=None) -> bool:
+        """``GradScaler.step`` for an optimizer whose parameters hold fp32 gradients (ZeRO-3's
+        master pieces; FSDP's ``ShardedGradScaler`` does the same): divide every gradient by S,
+        skip the step if any rank's overflowed (a MAX all-reduce of the flag over ``group``: a
+        rank holds only its pieces), then ``update``. Returns whether the optimizer stepped."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for grad in grads:
+            if grad.dtype != torch.float32:
+                raise ValueError(
+                    f"LossScaler.step unscales fp32 gradients, got {grad.dtype}: dividing an fp16"
+                    " gradient by the scale would flush it to zero; step the fp32 masters"
+                )
+            grad.div_(self.value)
+        overflow = overflowed_on_any_rank(grads, group=group)
+        if not overflow:
+            optimizer.step()
+        self.update(overflow)
+        return not overflow
+
+
+def overflowed(grads: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` (on this rank) holds an inf or a nan."""
+    return any(not torch.isfinite(g).all() for g in grads)
+
+
+def overflowed_on_any_rank(grads: Iterable[torch.Tensor], *, group=None) -> bool:
+    """``overflowed`` on any rank of ``group``: one MAX all-reduce of a 0/1 flag on this rank's
+    device (every rank must call it)."""
+    grads = list(grads)
+    device = grads[0].device if grads else rank_device()
+    flag = torch.tensor(float(overflowed(grads)), device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 @dataclass
 class ReferenceResult:
     losses: list[float]
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # after step 1's backward
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
+    # mixed precision: the grads are those of the first step taken (fp16 may skip step 1)
+    grads_step: int = 1
+    skipped_steps: list[int] = field(default_factory=list)  # fp16: steps that overflowed
+    loss_scales: list[float] = field(default_factory=list)  # fp16: S of each step
 
 
 def train_reference(
@@ -245,13 +473,22 @@ def train_reference(
     model: torch.nn.Module | None = None,
     batches: list[tuple[torch.Tensor, ...]] | None = None,
     return_grads: bool = False,
+    mixed: MixedPrecision | None = None,
+    loss_scale: float | None = None,
 ) -> ReferenceResult:
     """Train single-process for ``cfg.steps`` steps; the global batches are laid out as ``dp``
     ranks would load them (same samples for any ``dp``, in rank order). ``model`` overrides
     the course model (it must return ``(logits, loss)`` given a batch, ``(x, y)`` unless
-    ``batches`` gives others)."""
+    ``batches`` gives others).
+
+    ``mixed``: train under that policy instead (``_train_mixed_reference``); ``loss_scale``: the
+    first scale of fp16's ``LossScaler`` (default: torch's, 2^16)."""
     exact_fp32()  # TF32 off, as in every rank
     with one_thread():  # as the ranks run: same arithmetic, and no thread contention with them
+        if mixed is not None:
+            return _train_mixed_reference(
+                model_cfg, cfg, mixed, dp=dp, model=model, loss_scale=loss_scale
+            )
         return _train_reference(
             model_cfg, cfg, dp=dp, model=model, batches=batches, return_grads=return_grads
         )
@@ -283,6 +520,78 @@ def _train_reference(
         optimizer.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
     result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def _train_mixed_reference(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    mixed: MixedPrecision,
+    *,
+    dp: int,
+    model: torch.nn.Module | None,
+    loss_scale: float | None,
+) -> ReferenceResult:
+    """Mixed-precision training in one process, the textbook loop (Micikevicius et al. 2018):
+
+        the model in ``param_dtype`` (fp32 weights rounded once); fp32 master copies of them
+        per step: one backward per rank's slice of the global batch (the B/dp sequences rank r
+        loads), on the loss times S (fp16) -> the slices' gradients added up in ``reduce_dtype``
+        and averaged -> in fp32, divided by S -> overflow (fp16): skip the step and halve S;
+        else AdamW on the masters -> the model's weights rounded from the masters
+
+    Why one backward per slice: in low precision a backward over B sequences and N backwards over
+    B/N each round differently, and fp16 overflows or not by the batch a backward sees, so the
+    reference runs what the ranks run and differs only where they communicate. Returns the
+    losses (mean over slices), the fp32 gradients of the first step taken, the masters after the
+    last step, and (fp16) the steps skipped and the scales used, all by parameter name."""
+    torch.manual_seed(cfg.seed)
+    model = model if model is not None else build_model(model_cfg, seed=cfg.seed)
+    model.to(mixed.param_dtype)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float() for p in params]  # fp32 copies: what AdamW steps
+    optimizer = make_optimizer(masters, cfg)
+    scaler = LossScaler(loss_scale or 2.0**16) if mixed.loss_scaling else None
+    result = ReferenceResult(losses=[])
+    for step, (x, y) in enumerate(data_for(cfg, dp)):
+        sums = [None] * len(params)  # per parameter: the slices' gradients, in reduce_dtype
+        losses = []
+        for xs, ys in zip(x.chunk(dp), y.chunk(dp)):  # rank r's [B/dp, T]
+            _, loss = model(xs, ys)
+            (scaler.scale(loss) if scaler else loss).backward()
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    g = p.grad.to(mixed.reduce_dtype)
+                    sums[i] = g if sums[i] is None else sums[i] + g
+            model.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        scale = scaler.value if scaler else 1.0
+        for m, g in zip(masters, sums):
+            m.grad = None if g is None else g.float() / dp / scale  # [same as the parameter]
+        overflow = scaler is not None and overflowed(m.grad for m in masters if m.grad is not None)
+        if not overflow:
+            if not result.grads:
+                result.grads_step = step + 1
+                result.grads = {
+                    n: m.grad.clone() for n, m in zip(names, masters) if m.grad is not None
+                }
+            optimizer.step()
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)  # round the updated master into the compute copy
+        if scaler:
+            scaler.update(overflow)
+        for m in masters:
+            m.grad = None
+        result.losses.append(sum(losses) / len(losses))
+    result.params = {n: m.clone() for n, m in zip(names, masters)}
+    result.params.update(
+        {n: p.detach().float().clone() for n, p in model.named_parameters() if n not in names}
+    )
+    if scaler:
+        result.skipped_steps = scaler.skipped_steps
+        result.loss_scales = scaler.scales
     return result
 
 

@@ -49,7 +49,26 @@ elements of the rank's shard that belong to that parameter), and after backward 
 gathers the whole parameters for a while (FSDP's context manager of that name). Reading a
 parameter never touches freed memory, at any moment of a step.
 
-Memory held per rank: ``labs.theory.zero.held_bytes`` (ZeRO-3: 16·Σ S_u bytes). The plumbing
+Mixed precision (``mixed_precision=MixedPrecision(param_dtype, reduce_dtype)``, as FSDP2's
+``MixedPrecisionPolicy``; ``labs.train``): the gathered parameters, the compute and the whole
+gradients are bf16 (or fp16); the reductions run in ``reduce_dtype`` (fp32 by default: the bf16
+gradient buffer is cast up before its reduce-scatter, 4 bytes per element on the wire instead of
+2); the master weights and the optimizer state are fp32 on this rank's shard.
+
+    ZeRO-1/2  cast the model first (``model.to(torch.bfloat16)``): the flat buffers are bf16, the
+            gradient (shard) too; ``ShardedOptimizer`` keeps an fp32 master of its shard
+            (``u.master``), steps it with the shard's gradient cast to fp32, and rounds it back
+            into the bf16 shard before the all-gather (which carries bf16).
+    ZeRO-3  the shard the user's optimizer steps is fp32 (the master itself, FSDP2's layout);
+            each gather casts it to bf16 first, so the unit computes in bf16 and the all-gather
+            carries bf16; the reduced gradient shard is fp32 (never rounded to bf16).
+    fp16    a ``labs.train.LossScaler`` scales the loss; ``ShardedOptimizer(loss_scaler=...)``
+            divides its master gradients by the scale and skips a step that overflowed on any
+            rank (an all-reduce of the flag: each rank sees only its shard); under ZeRO-3 the
+            loop calls ``scaler.step(optimizer, group=group)``, which does the same.
+
+Memory held per rank: ``labs.theory.zero.held_bytes`` (ZeRO-3: 16·Σ S_u bytes, mixed precision
+too: ``precision="bf16-mixed"``). The plumbing
 (a buffer's layout and pieces, freeing its storage, hooks that report a unit's gradients
 complete) is in ``labs/runtime/flat.py``. As torch's optimizers, parameters whose gradient is
 None (unused) are not updated; frozen parameters stay whole on every rank and are never touched.
@@ -71,6 +90,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labs.runtime.flat import FlatBuffer, GradReadiness
+from labs.train import LossScaler, MixedPrecision, overflowed
 
 NOTEBOOK = "03_zero_and_fsdp.ipynb"
 # Their update of an element depends on other elements (a row's, a matrix's), or they take sparse
@@ -134,6 +154,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     host. ZeRO-1 keeps its flat gradient buffer as DDP keeps its buckets: ``zero_grad`` zeroes
     it in place whatever ``set_to_none``.
 
+    ``mixed_precision`` (a ``labs.train.MixedPrecision``): the flat buffers hold the parameters
+    in ``param_dtype`` (the model's parameters become bf16 views of them), each unit keeps an fp32
+    master of this rank's shard (``u.master`` [S]) that the inner optimizer steps, and gradients
+    are reduce-scattered in ``reduce_dtype``. ``loss_scaler`` (fp16): a ``labs.train.LossScaler``
+    whose ``scale(loss)`` the loop backpropagates; ``step()`` unscales the master gradients and
+    skips the step when any rank's overflowed.
+
     State dicts: ``state_dict()`` is this rank's shard (it loads back on the same rank of the
     same group size); after ``consolidate_state_dict(to)`` (every rank calls it) rank ``to``'s
     ``state_dict()`` is the whole optimizer's, in the format of ``optimizer_cls`` on the same
@@ -149,6 +176,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         shard_grads: bool = False,
         average_grads: bool = True,
         offload: bool = False,
+        mixed_precision: MixedPrecision | None = None,
+        loss_scaler: LossScaler | None = None,
         **defaults: Any,
     ) -> None:
         if not (
@@ -171,11 +200,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors or of dicts, not one tensor")
+        _check_mixed(mixed_precision, loss_scaler, offload)
         self.group = group
         self.rank, self.world = _rank_and_world(group)
         self.shard_grads = shard_grads
         self.average_grads = average_grads
         self.offload = offload
+        self.mixed_precision = mixed_precision
+        self.loss_scaler = loss_scaler
         groups = list(params)
         if not groups:
             raise ValueError("ShardedOptimizer got an empty parameter list")
@@ -190,7 +222,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.units.append(FlatUnit(name, trainable, self.rank, self.world))
         for u in self.units:
             self._shard(u)
-        targets = [u.host if offload else u.shard_param for u in self.units]
+        targets = [self._target(k) for k in range(len(self.units))]
         inner_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [t]}
             for g, t in zip(groups, targets)
@@ -205,9 +237,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _shard(self, u: FlatUnit) -> None:
         """Bind the unit's parameters to one flat buffer; its slice [lo, hi) is what the inner
-        optimizer steps; the gradient buffers of ZeRO-1 (full, bound to the ``.grad``) or
-        ZeRO-2 (this rank's shard)."""
-        u.bind(u.flatten([p.detach() for p in u.params]))  # [N*S], padded
+        optimizer steps (mixed precision: an fp32 master copy of it); the gradient buffers of
+        ZeRO-1 (full, bound to the ``.grad``) or ZeRO-2 (this rank's shard)."""
+        flat = u.flatten([p.detach() for p in u.params])  # [N*S], padded
+        if self.mixed_precision is not None:
+            u.master = nn.Parameter(flat[u.lo : u.hi].to(torch.float32, copy=True))  # [S] fp32
+            flat = flat.to(self.mixed_precision.param_dtype)  # [N*S] what the model computes with
+        u.bind(flat)
         u.shard_param = nn.Parameter(u.full[u.lo : u.hi])  # a view: the optimizer writes into full
         if self.shard_grads:
             u.shard_grad = torch.zeros(u.shard, dtype=u.full.dtype, device=u.full.device)
@@ -250,6 +286,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dst.copy_(src)
         self.host_bytes += src.numel() * src.element_size()
 
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are summed over the group in (None: the parameters' own)."""
+        return self.mixed_precision.reduce_dtype if self.mixed_precision else None
+
     def reduce_scatter_grads(self, k: int) -> None:
         """Average unit k's gradients over the group, keeping this rank's shard.
 
@@ -259,7 +300,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ZeRO-2: flatten the ``.grad`` of ``u.params`` (None: zeros) into [padded], reduce-scatter
         into a new [shard] tensor, divide by N, add it to ``u.shard_grad`` (gradients accumulate
         until ``zero_grad``), set every ``.grad`` to None.
-        Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded bytes.
+        Mixed precision: reduce-scatter a copy cast to ``self.reduce_dtype`` (when it is not the
+        gradients' own) and round the averaged slice back into the bf16 gradient buffer.
+        Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded
+        elements of the reduce dtype.
         """
         u = self.units[k]
         raise NotImplementedError(
@@ -272,7 +316,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Around the inner step: elements of parameters that got no gradient this step
         (``u.untouched``) keep their values and their optimizer state, as torch's optimizers
         skip such parameters (weight decay and momentum included)."""
-        targets = [u.host if self.offload else u.shard_param for u in self.units]
+        targets = [self._target(k) for k in range(len(self.units))]
         masks = [u.untouched(self.ready.got_grad) for u in self.units]
         kept = []
         for t, m in zip(targets, masks):
@@ -296,13 +340,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for key, v in state.items():
                     self.inner.state[t][key][m] = v
 
+    def unscale_grads(self) -> bool:
+        """Loss scaling: divide every unit's master gradient (``u.master.grad``, fp32) by the scale
+        (``self.loss_scaler.value``) in place, and return whether any rank's master gradients
+        hold an inf or a nan (``labs.train.overflowed`` on this rank's). A rank holds only its
+        shard, so the answer is a 0/1 flag (a tensor on the gradients' device) all-reduced with
+        MAX over ``self.group``: every rank must skip the same steps."""
+        raise NotImplementedError(
+            "exercise ShardedOptimizer.unscale_grads is not written yet: "
+            "see its docstring and notebooks/03_zero_and_fsdp.ipynb"
+        )
+
     def update_shards(self) -> None:
         """The inner optimizer (``self.inner``, whose parameters are the units' ``shard_param``,
-        or their ``host`` copies with offload) steps this rank's shards, inside
-        ``self.keeping_untouched()``.
+        their ``master`` copies under mixed precision, or their ``host`` copies with offload)
+        steps this rank's shards, inside ``self.keeping_untouched()``.
 
         Offload: first ``self.transfer`` each ``shard_param.grad`` into ``host.grad`` (device
         to host), step, then ``self.transfer`` each ``host`` into ``shard_param`` (host to device).
+        Mixed precision: first each ``u.master.grad`` = the shard's gradient cast to fp32; with
+        a loss scaler, skip the step if ``self.unscale_grads()`` says it overflowed, and
+        ``self.loss_scaler.update(overflow)`` either way; after a step, copy each master into
+        ``u.shard_param`` (rounding to bf16: the all-gather then sends bf16); finally drop the
+        masters' fp32 gradients (None: they live only during the step).
         """
         raise NotImplementedError(
             "exercise ShardedOptimizer.update_shards is not written yet: "
@@ -353,8 +413,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- state dicts ------------------------------------------------------------------------------
     def _target(self, k: int) -> torch.Tensor:
+        """What the inner optimizer steps for unit k: the host copy (offload), the fp32 master
+        (mixed precision) or the shard itself."""
         u = self.units[k]
-        return u.host if self.offload else u.shard_param
+        if self.offload:
+            return u.host
+        return u.master if self.mixed_precision is not None else u.shard_param
 
     def _groups_for_state_dict(self) -> tuple[list[dict], dict[torch.Tensor, int]]:
         index: dict[torch.Tensor, int] = {}
@@ -464,6 +528,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.inner.state[target] = new
 
 
+def _check_mixed(
+    mixed_precision: MixedPrecision | None, loss_scaler: LossScaler | None, offload: bool
+) -> None:
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            "mixed_precision must be a labs.train.MixedPrecision(param_dtype, reduce_dtype),"
+            f" got {mixed_precision!r}"
+        )
+    if mixed_precision is not None and offload:
+        raise ValueError(
+            "offload=True with mixed_precision is not part of this lab (the host would hold the"
+            " fp32 masters): use one or the other"
+        )
+    if loss_scaler is not None and mixed_precision is None:
+        raise ValueError(
+            "loss_scaler needs mixed_precision (fp16 weights, fp32 masters): fp32 training has no"
+            " gradients to rescue from underflow"
+        )
+
+
 # --- ZeRO-3: fully_shard -------------------------------------------------------------------------
 class ShardedUnit:
     """One ``fully_shard`` call: its modules, its flat unit (``flat``; None if every parameter is
@@ -472,7 +556,11 @@ class ShardedUnit:
 
     Between uses every parameter's data is its piece of the shard (``rest``); while the unit
     computes, a view of the gathered ``flat.full`` (``use``). The storage of ``flat.full`` is
-    freed only when no parameter views it, so no read ever touches freed memory."""
+    freed only when no parameter views it, so no read ever touches freed memory.
+
+    Mixed precision (``mixed_precision``): ``shard`` is fp32 (the master weights, what the user's
+    optimizer steps through the pieces), ``flat.full`` is ``param_dtype`` (gathered from a cast
+    copy of the shard), and ``reduce_dtype`` is what the gradients are reduce-scattered in."""
 
     def __init__(
         self,
@@ -483,11 +571,13 @@ class ShardedUnit:
         rank: int,
         world: int,
         offload: bool,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.name = name
         self.modules = modules
         self.replicated = replicated
         self.offload = offload
+        self.reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None
         self.owner: Zero3 | None = None
         self.index = 0  # position in the owner's forward order
         self.in_use = False  # the parameters are views of the gathered full buffer
@@ -499,8 +589,11 @@ class ShardedUnit:
         self.host: torch.Tensor | None = None
         if self.flat is not None:
             _check_alike(name, params)
-            self.flat.bind(self.flat.flatten([p.detach() for p in params]))  # [N*S]
-            self.shard = self.flat.full[self.flat.lo : self.flat.hi].clone()  # [S]: the copy kept
+            flat = self.flat.flatten([p.detach() for p in params])  # [N*S]
+            # [S]: the copy kept (fp32 under mixed precision: the masters)
+            shard_dtype = torch.float32 if mixed_precision else flat.dtype
+            self.shard = flat[self.flat.lo : self.flat.hi].to(shard_dtype, copy=True)
+            self.flat.bind(flat.to(mixed_precision.param_dtype) if mixed_precision else flat)
             if offload:
                 self.host = self.shard.to("cpu", copy=True)
             self.rest()
@@ -648,7 +741,9 @@ class Zero3:
         If not ``u.flat.allocated()``: ``u.flat.allocate()`` and start
         ``dist.all_gather_single(u.flat.full, u.device_shard(), async_op=True)`` on
         ``self.group``, keeping its work in ``self.inflight[k]``. Unless ``async_op`` (a
-        prefetch), wait for unit k's work. Sends (N-1)/N · 4 padded bytes.
+        prefetch), wait for unit k's work. Sends (N-1)/N · 4 padded bytes. Mixed precision: the
+        shard is fp32 and ``u.flat.full`` bf16: send a copy of the shard cast to
+        ``u.flat.full.dtype`` (the all-gather carries 2 bytes per element).
         """
         u = self.units[k]
         if u.flat is None:
@@ -686,9 +781,12 @@ class Zero3:
         """Average unit k's gradients over the group into this rank's shard.
 
         Flatten the ``.grad`` of ``u.flat.params`` (whole, None: zeros) into [padded],
-        reduce-scatter into a new [shard] tensor ``u.grad_shard``, divide it by N, set every
-        ``.grad`` to None (the pieces get theirs from ``u.grad_shard`` afterwards).
-        Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded bytes.
+        reduce-scatter into a new [shard] tensor, divide it by N and keep it as ``u.grad_shard``,
+        set every ``.grad`` to None (the pieces get theirs from ``u.grad_shard`` afterwards).
+        Mixed precision: the flat gradients are bf16; reduce-scatter a copy cast to
+        ``u.reduce_dtype``, and keep ``u.grad_shard`` in the shard's dtype (fp32, the masters').
+        Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded
+        elements of the reduce dtype.
         """
         u = self.units[k]
         if u.flat is None:
@@ -834,6 +932,7 @@ def fully_shard(
     offload: bool = False,
     replicate: Iterable[nn.Parameter] = (),
     name: str | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> nn.Module | Sequence[nn.Module]:
     """ZeRO-3 on ``module`` (or on a list of modules run one after the other, as one unit), in
     FSDP2's style: apply it to each unit, then to the root (last), then train with any
@@ -845,15 +944,24 @@ def fully_shard(
     and last module. ``replicate``: parameters (norms, biases) to keep whole on every rank, their
     gradients all-reduced. ``prefetch``: gather the next unit while one computes. ``offload``:
     the pieces (and so the optimizer and its state) live on the host. ``name``: the unit's name
-    (default: the module's class name; the root's: "model")."""
+    (default: the module's class name; the root's: "model"). ``mixed_precision``: FSDP2's
+    ``MixedPrecisionPolicy``, ours (``labs.train.MixedPrecision``): the pieces are fp32 masters,
+    the unit computes in ``param_dtype``, gradients are reduced in ``reduce_dtype``; give every
+    unit of a model the same policy."""
     modules = list(module) if isinstance(module, list | tuple) else [module]
+    _check_mixed(mixed_precision, None, offload)
+    replicate = set(replicate)
+    if mixed_precision is not None and replicate:
+        raise ValueError(
+            "replicate with mixed_precision is not supported: a replicated parameter would have"
+            " no fp32 master; shard it (leave it out of replicate)"
+        )
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"fully_shard takes a module or a list of modules, got {module!r}")
     for m in modules:
         if _unit_of(m) is not None:
             raise ValueError(f"{type(m).__name__} is already sharded (unit {_unit_of(m).name!r})")
     rank, world = _rank_and_world(group)
-    replicate = set(replicate)
     inner = [u for m in modules for u in sharded_units(m)]
     inner = list(dict.fromkeys(inner))
     claimed = {p for u in inner for p in (u.flat.params if u.flat else []) + u.replicated}
@@ -871,7 +979,9 @@ def fully_shard(
                 )
             (replicated if p in replicate else params).append(p)
     default = "model" if inner else type(modules[0]).__name__
-    unit = ShardedUnit(name or default, modules, params, replicated, rank, world, offload)
+    unit = ShardedUnit(
+        name or default, modules, params, replicated, rank, world, offload, mixed_precision
+    )
     owner = Zero3(group, prefetch)
     owner.units = [unit] + inner
     for k, u in enumerate(owner.units):

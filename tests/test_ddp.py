@@ -21,10 +21,12 @@ from labs.models.toy import build_awkward
 from labs.run import main as cli
 from labs.runtime import exercise
 from labs.theory.comm import all_reduce_bytes
+from labs.theory.memory import state_bytes
 from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import (
     PARAM_TOLERANCES,
     TOLERANCES,
+    LossScaler,
     TrainConfig,
     assert_close_tensors,
     compare_losses,
@@ -326,6 +328,103 @@ def test_cli_vs_torch_ddp(capsys):
     assert summary["torch_max_rel_param_diff"] <= PARAM_TOLERANCES[torch.float32]
 
 
+# --- mixed precision ---------------------------------------------------------------------------
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize(
+    "nproc, precision, reduce_dtype",
+    [
+        (2, "bf16-mixed", "fp32"),
+        (4, "bf16-mixed", "fp32"),
+        (4, "bf16-mixed", "bf16"),
+        (2, "fp16-mixed", "fp32"),
+        (4, "fp16-mixed", "fp16"),
+    ],
+)
+def test_mixed_precision_matches_its_reference_and_the_calculator(nproc, precision, reduce_dtype):
+    """bf16/fp16 weights and gradients, fp32 masters: every variant PASSes against the reference
+    under the same policy; a rank holds the calculator's bf16-mixed bytes role by role (2 + 2 +
+    12 per parameter); the all-reduces carry the reduce dtype (fp32: 4 bytes per gradient
+    element, bf16: 2); fp16 skips the overflowed steps the reference skips."""
+    s = lab.run(nproc=nproc, steps=5, variant="all", precision=precision, reduce_dtype=reduce_dtype)
+    assert s.passed, s.verdict()
+    assert s["precision"] == precision and s["reduce_dtype"] == reduce_dtype
+    psi = s["n_params"]
+    calc = state_bytes(psi, precision="bf16-mixed", optimizer="adamw")
+    assert s["state_breakdown"] == {
+        "params": calc["param_bytes"],
+        "grads": calc["grad_bytes"],
+        "optimizer": calc["optimizer_bytes"],
+    }
+    assert s["state_bytes_per_rank"] == [16 * psi] * nproc
+    wire = 4 if reduce_dtype == "fp32" else 2
+    assert s["comm_bytes_per_rank"] == [all_reduce_bytes(wire * psi, nproc)] * nproc
+    # bf16 costs something against fp32, within a few 1e-4 of the loss on this model
+    assert 0 < s["max_rel_loss_diff_vs_fp32"] < (1e-2 if precision == "bf16-mixed" else 0.5)
+    if precision == "fp16-mixed":
+        # 2^19 overflows fp16 in step 1's backward: skipped, and the scale halves
+        assert s["skipped_steps"] == s["reference_skipped_steps"] and 1 in s["skipped_steps"]
+        assert s["loss_scales"][:2] == [2.0**19, 2.0**18]
+
+
+@pytest.mark.exercise
+def test_reducing_in_bf16_on_two_ranks_rounds_as_fp32_does():
+    """On 2 ranks a bf16 all-reduce adds two bf16 numbers once: rounding that sum is rounding the
+    exact one, so the fp32 reduction (rounded to bf16 once) gives the very same model; the
+    reduction's dtype shows in the bytes only."""
+    runs = {
+        r: lab.run(nproc=2, steps=3, precision="bf16-mixed", reduce_dtype=r)
+        for r in ("fp32", "bf16")
+    }
+    assert runs["fp32"]["losses"] == runs["bf16"]["losses"]
+    assert runs["fp32"]["comm_bytes_per_rank"][0] == 2 * runs["bf16"]["comm_bytes_per_rank"][0]
+
+
+@pytest.mark.exercise
+def test_mixed_precision_optimizer_skips_an_overflowed_step_and_halves_the_scale(exercise):
+    """One process, no group: the masters take a step in fp32 and round into the bf16 weights;
+    an inf in a gradient skips the step (weights and masters unchanged) and halves the scale."""
+    weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float16))
+    scaler = LossScaler(2.0**10)
+    opt = exercise("ddp").MixedPrecisionOptimizer(
+        [weight], torch.optim.SGD, loss_scaler=scaler, lr=0.5
+    )
+    assert opt.masters[0].dtype == torch.float32 and torch.equal(opt.masters[0], weight.float())
+    weight.grad = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float16) * 2.0**10  # scaled
+    opt.step()
+    assert torch.equal(opt.masters[0], torch.tensor([0.5, -3.0, 1.0]))
+    assert weight.dtype == torch.float16 and torch.equal(weight, opt.masters[0].half())
+    assert opt.masters[0].grad is None, "fp32 gradients live only during the step"
+    weight.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float16)
+    opt.step()
+    assert torch.equal(opt.masters[0], torch.tensor([0.5, -3.0, 1.0])), "an overflow was stepped"
+    assert scaler.history == [(2.0**10, False), (2.0**10, True)] and scaler.value == 2.0**9
+
+
+def test_loss_scaler_follows_torchs_grad_scaler():
+    """Our LossScaler's rule is torch.amp.GradScaler's: the same scales for the same overflows."""
+    ours = LossScaler(2.0**8, growth_interval=2)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    for overflow in [False, False, True, False, True, True, False, False, False]:
+        loss = theirs.scale((param * torch.tensor([float("inf") if overflow else 1.0, 0.0])).sum())
+        opt.zero_grad()
+        loss.backward()
+        theirs.step(opt)
+        theirs.update()
+        ours.update(overflow)
+        assert ours.value == theirs.get_scale()
+
+
+def test_mixed_precision_optimizer_refuses_fp32_weights(exercise):
+    with pytest.raises(ValueError, match="cast the model first"):
+        exercise("ddp").MixedPrecisionOptimizer(
+            [torch.nn.Parameter(torch.zeros(2))], torch.optim.AdamW
+        )
+
+
 # --- harness: no learner code --------------------------------------------------------------
 
 
@@ -337,6 +436,11 @@ def test_cli_vs_torch_ddp(capsys):
         (dict(grad_accum=3), "batch_size=8 is not divisible by nproc\\*grad_accum=12"),
         (dict(model="gpt"), "model='gpt' is not one of"),
         (dict(dtype="bf16"), "dtype='bf16' is not one of"),
+        (dict(precision="fp8"), "precision='fp8' is not one of"),
+        (dict(reduce_dtype="bf16"), "reduce_dtype='bf16' needs a mixed precision"),
+        (dict(precision="bf16-mixed", reduce_dtype="fp16"), "reduce in 'fp32' or in"),
+        (dict(precision="bf16-mixed", dtype="float64"), "mixed precision keeps fp32 masters"),
+        (dict(precision="fp16-mixed", loss_scale=0), "loss_scale must be > 0"),
     ],
 )
 def test_bad_options_are_value_errors(options, message):
@@ -385,3 +489,19 @@ def test_overlap_drawing_headless():
     assert "exposed" in top.get_title() and "measured" in bottom.get_title()
     assert len(bottom.get_yticks()) == 4  # two lanes per rank
     assert len(bottom.patches) >= 12
+
+
+@pytest.mark.exercise
+def test_precision_curves_table_and_plot_headless():
+    """Notebook 02's and 03's mixed-precision section: three runs, a table, two panels."""
+    from labs.experiments.precision import format_curves, loss_curves, plot_curves
+
+    curves = loss_curves("ddp", nproc=2, steps=2)
+    assert list(curves) == ["fp32", "bf16, reduce in fp32", "bf16, reduce in bf16"]
+    table = format_curves(curves)
+    assert table.count("PASS") == 3 and "1,709,056" in table
+    fig = plot_curves(curves)
+    left, right = fig.axes
+    assert len(left.lines) == 3 and len(right.lines) == 4  # two bf16 runs, their gap, zero
+    with pytest.raises(ValueError, match="lab='tp' is not one of"):
+        loss_curves("tp")

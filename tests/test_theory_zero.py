@@ -199,3 +199,53 @@ def test_offload_tradeoff_and_stage_table_text():
     assert "(GiB per rank)" in text and text.splitlines()[3].split()[-2] == "119.2"
     words = zero.format_offload_tradeoff(8_000_000_000, 8, link_gb_per_s=25.0)
     assert "freed   11.18 GiB" in words and "4.00 GB -> 0.160 s" in words
+
+
+# --- mixed precision ------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_mixed_held_bytes_are_the_calculators_bf16_figures(stage, dp, precision):
+    """Stages 0-2 role by role, ZeRO-3 in total (FSDP2's layout: fp32 shard, fp32 gradient
+    shard, moments); the awkward model's padding is held in bf16 by the flat buffers."""
+    held = zero.held_bytes(COURSE, stage=stage, dp=dp, precision=precision)
+    calc = state_bytes(sum(COURSE), precision="bf16-mixed", zero=stage, dp=dp, exact_shards=True)
+    assert held["total"] == held["calculator"] == calc["total_bytes"]
+    if stage in (0, 3):  # 16 bytes per parameter, whole or sharded
+        assert held["total"] == 16 * sum(COURSE) // (dp if stage == 3 else 1)
+    if stage < 3:
+        assert (held["params"], held["grads"], held["optimizer"]) == (
+            calc["param_bytes"],
+            calc["grad_bytes"],
+            calc["optimizer_bytes"],
+        )
+    else:
+        shard = sum(COURSE) // dp
+        assert (held["params"], held["grads"], held["optimizer"]) == (
+            4 * shard,
+            4 * shard,
+            8 * shard,
+        )
+    padded = zero.held_bytes(AWKWARD, stage=1, dp=3, precision=precision)
+    assert padded["padding"] == 2 * 2 * zero.flat_layout(8009, 3)["padding"]
+
+
+def test_mixed_bytes_sent_carry_the_reduce_dtype_and_the_overflow_flag():
+    k = sum(COURSE)
+    fp32 = zero.comm_bytes(COURSE, stage=3, dp=4, itemsize=2, reduce_itemsize=4)
+    assert fp32["reduce_scatter"] == 3 / 4 * 4 * k and fp32["all_gather"] == 2 * 3 / 4 * 2 * k
+    flag = zero.comm_bytes(COURSE, stage=2, dp=4, itemsize=2, reduce_itemsize=2, overflow_flag=True)
+    assert flag["all_reduce"] == 2 * 3 / 4 * 4 and flag["reduce_scatter"] == 3 / 4 * 2 * k
+    dp = zero.comm_bytes(COURSE, stage=0, dp=4, itemsize=2, reduce_itemsize=4, overflow_flag=True)
+    assert dp["all_reduce"] == 2 * 3 / 4 * 4 * k  # the all-reduced gradients agree: no flag
+    peak = zero.peak_param_bytes(COURSE, dp=4, itemsize=2, shard_itemsize=4)
+    assert peak == 4 * k // 4 + 2 * 2 * COURSE[1]
+
+
+def test_mixed_precision_refuses_what_is_not_modelled():
+    with pytest.raises(ValueError, match="precision='fp8' is not one of"):
+        zero.held_bytes(COURSE, stage=1, dp=2, precision="fp8")
+    with pytest.raises(ValueError, match="offload=True with precision='bf16-mixed'"):
+        zero.held_bytes(COURSE, stage=1, dp=2, precision="bf16-mixed", offload=True)
+    with pytest.raises(ValueError, match="leave itemsize at 4"):
+        zero.held_bytes(COURSE, stage=1, dp=2, precision="bf16-mixed", itemsize=8)

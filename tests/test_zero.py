@@ -114,10 +114,78 @@ def test_stage_zero_baseline_is_data_parallel():
     check(s, stage=0, nproc=2, calculator=True)
 
 
+# --- mixed precision ---------------------------------------------------------------------------
+def check_mixed(s, *, stage, nproc, reduce_dtype):
+    """A mixed-precision run: PASS against the reference under the same policy, the calculator's
+    bf16-mixed bytes in total (role by role for stages 0-2; ZeRO-3 in FSDP2's layout), and the
+    reductions in the reduce dtype, the all-gathers in bf16."""
+    assert s.passed, s.verdict()
+    psi = s["n_params"]
+    calc = state_bytes(psi, precision="bf16-mixed", optimizer="adamw", zero=stage, dp=nproc)
+    assert s["state_bytes_per_rank"] == [calc["total_bytes"]] * nproc
+    roles = {k: s["state_breakdown"][k] for k in ("params", "grads", "optimizer")}
+    if stage < 3:
+        assert roles == {
+            "params": calc["param_bytes"],
+            "grads": calc["grad_bytes"],
+            "optimizer": calc["optimizer_bytes"],
+        }
+    else:  # fp32 shards (the masters), fp32 gradient shards, AdamW's moments: 4 + 4 + 8
+        shard = psi // nproc
+        assert roles == {"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard}
+    wire = 4 if reduce_dtype == "fp32" else 2
+    sent = s["comm_by_op"]
+    if stage == 0:
+        assert sent["all_reduce"] == (nproc - 1) / nproc * 2 * wire * psi
+    else:
+        assert sent["reduce_scatter_single"] == (nproc - 1) / nproc * wire * psi
+        assert sent["all_gather_single"] == (nproc - 1) / nproc * 2 * psi * (2 if stage == 3 else 1)
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(
+    "nproc, precision, reduce_dtype",
+    [(2, "bf16-mixed", "fp32"), (4, "bf16-mixed", "bf16"), (4, "fp16-mixed", "fp32")],
+)
+def test_mixed_precision_holds_the_calculators_bf16_bytes(stage, nproc, precision, reduce_dtype):
+    s = run(nproc=nproc, stage=stage, steps=5, precision=precision, reduce_dtype=reduce_dtype)
+    check_mixed(s, stage=stage, nproc=nproc, reduce_dtype=reduce_dtype)
+    assert s["precision"] == precision and s["reduce_dtype"] == reduce_dtype
+    if precision == "fp16-mixed":  # the first step overflows fp16 and is skipped on every rank
+        assert s["skipped_steps"] == s["reference_skipped_steps"] and s["skipped_steps"][0] == 1
+        assert s["comm_by_op"]["all_reduce"] == (nproc - 1) / nproc * 2 * 4  # the overflow flag
+    if stage == 3 and reduce_dtype == "fp32":
+        # the reduced gradient stays fp32 (never rounded to bf16): the reference's numbers
+        assert s["max_rel_param_diff"] < 1e-6 and s["max_rel_loss_diff"] < 1e-6
+
+
+def test_mixed_precision_stage_zero_baseline():
+    """Stage 0 (harness code): fp32 masters beside the bf16 model, all-reduce in fp32."""
+    s = run(nproc=2, stage=0, steps=5, precision="bf16-mixed")
+    check_mixed(s, stage=0, nproc=2, reduce_dtype="fp32")
+
+
+@pytest.mark.exercise
+def test_zero3_bf16_beside_fsdp2s_mixed_precision_policy():
+    """FSDP2 with MixedPrecisionPolicy(bf16, fp32) keeps the same fp32 shards, gradients and
+    moments as ours, and trains the same model."""
+    s = run(nproc=2, stage=3, steps=5, precision="bf16-mixed", vs_torch=True)
+    check_mixed(s, stage=3, nproc=2, reduce_dtype="fp32")
+    assert s["torch_state_breakdown"] == s["state_breakdown"]
+    assert s["torch_max_rel_loss_diff"] < 1e-6 and s["torch_max_rel_param_diff"] < 1e-6
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"stage": 4}, "stage=4 is not one of"),
+        ({"precision": "fp8"}, "precision='fp8' is not one of"),
+        ({"reduce_dtype": "bf16"}, "reduce_dtype='bf16' needs a mixed precision"),
+        ({"precision": "bf16-mixed", "offload": True}, "offload=True with precision"),
+        ({"precision": "bf16-mixed", "dtype": "float64"}, "mixed precision keeps fp32 masters"),
+        ({"precision": "bf16-mixed", "stage": 2, "vs_torch": True}, "use stage=3"),
+        ({"precision": "fp16-mixed", "stage": 3, "vs_torch": True}, "precision='bf16-mixed'"),
         ({"stage": 2, "nproc": 1}, "nproc=1"),
         ({"stage": 0, "offload": True}, "offload=True needs stage"),
         ({"model": "gpt"}, "model='gpt' is not one of"),

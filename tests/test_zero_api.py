@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from labs import launch
 from labs.models.toy import AwkwardModel
 from labs.runtime.impl import exercise
-from labs.train import rule
+from labs.train import LossScaler, MixedPrecision, rule
 
 F64 = rule("value", torch.float64).rel
 
@@ -548,3 +548,65 @@ def test_a_foreign_loop_runs_unchanged(mode, nproc, tmp_path):
         assert worst <= value, (mode, rank, losses, ref_losses)
         for k, p in ref_params.items():
             assert _max_rel(params[k], p) <= param, (mode, rank, k)
+
+
+# --- mixed precision ------------------------------------------------------------------------------
+def _mixed_worker(stage: int) -> dict[str, object]:
+    """One bf16-mixed step of the user's model under ZeRO ``stage``: the dtypes a learner meets."""
+    zero = exercise("zero")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = UserNet().to(torch.bfloat16)
+    if stage == 3:
+        _zero3(model, mixed_precision=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        optimizer = zero.ShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, mixed_precision=policy, lr=1e-2
+        )
+    seen = {}
+
+    def note_dtype(module: nn.Module, args: tuple) -> None:
+        seen["computes in"] = module.weight.dtype
+
+    model.head.register_forward_pre_hook(note_dtype)
+    x, y = _user_batches(1)[0]
+    loss = F.cross_entropy(model(x.chunk(world)[rank].bfloat16()), y.chunk(world)[rank])
+    loss.backward()
+    optimizer.step()
+    seen["optimizer steps"] = {
+        v.dtype for state in optimizer.state.values() for v in state.values() if v.dim()
+    }
+    seen["between steps"] = model.head.weight.dtype
+    with zero.summon_full_params(model):
+        seen["whole"] = model.head.weight.dtype
+    return seen
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("stage", [1, 3])
+def test_mixed_precision_computes_in_bf16_and_steps_fp32(stage):
+    """ZeRO-1 keeps bf16 parameters and fp32 masters inside the optimizer; ZeRO-3's pieces are the
+    fp32 masters themselves (FSDP2's layout) and the unit computes in bf16 while gathered."""
+    for seen in launch(_mixed_worker, 2, stage, timeout=120):
+        assert seen["computes in"] == torch.bfloat16
+        assert seen["optimizer steps"] == {torch.float32}
+        assert seen["between steps"] == (torch.float32 if stage == 3 else torch.bfloat16)
+        assert seen["whole"] == seen["between steps"]
+
+
+def test_mixed_precision_options_refused_with_the_fix():
+    zero = exercise("zero")
+    policy = MixedPrecision()
+    params = [nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match="loss_scaler needs mixed_precision"):
+        zero.ShardedOptimizer(params, torch.optim.SGD, loss_scaler=LossScaler(), lr=0.1)
+    with pytest.raises(ValueError, match="offload=True with mixed_precision"):
+        zero.ShardedOptimizer(params, torch.optim.SGD, mixed_precision=policy, offload=True)
+    with pytest.raises(TypeError, match="labs.train.MixedPrecision"):
+        zero.ShardedOptimizer(params, torch.optim.SGD, mixed_precision=torch.bfloat16)
+    net = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="replicate with mixed_precision"):
+        zero.fully_shard(net, mixed_precision=policy, replicate=[net.bias])
+    with pytest.raises(ValueError, match="reduce_dtype=torch.float16 must be torch.float32"):
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)

@@ -166,6 +166,8 @@ def compare_tensors(
             rel = (got.double() - ref.double()).abs().max().item() / (largest or 1.0)
         else:
             rel = max_rel_diff(got.double(), ref.double())
+        if math.isnan(rel):  # an inf or nan where the reference has none: never "close"
+            rel = math.inf
         if rel > worst:
             worst = rel
             worst_name = key
@@ -216,6 +218,7 @@ def losses_check(
             hint="the run reported another number of losses than it made steps",
         )
     diffs = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, reference)]
+    diffs = [math.inf if math.isnan(d) else d for d in diffs]  # a nan loss is never close
     worst = max(range(len(diffs)), key=diffs.__getitem__)
     ok = diffs[worst] <= tolerance
     hint = ""
@@ -296,11 +299,12 @@ def calls_check(
     count_hint: str = "",
     hint: str = "",
     tolerance: float = 1e-9,
+    known_scales: Mapping[float, str] | None = None,
 ) -> Check:
     """Per rank, the figure of every call (e.g. the bytes of each all-reduce, in the order they
     were issued) against the expected list: first the number of calls, then call by call (within
     ``tolerance`` relative, for formulas with fractions). Returns the first mismatch, ``where`` =
-    "rank r, call i"; passing, rank 0's lists."""
+    "rank r, call i"; passing, rank 0's lists. ``known_scales``: as ``scale_hint``'s."""
     for r, (got, want) in enumerate(zip(measured, expected)):
         got = list(got)
         want = list(want)
@@ -317,7 +321,7 @@ def calls_check(
             )
         for i, (m, e) in enumerate(zip(got, want)):
             if abs(m - e) > tolerance * max(abs(e), 1.0):
-                found = scale_hint(what, m / e, world_size) if e else ""
+                found = scale_hint(what, m / e, world_size, known_scales) if e else ""
                 return Check(
                     name,
                     False,
@@ -422,6 +426,7 @@ def training_checks(
     absolute: tuple[str, ...] = (),
     first_step_hint: str = "",
     grad_hint: str = "",
+    mixed: bool = False,
 ) -> list[Check]:
     """The three checks of a training lab against its single-process reference, with the course's
     tolerances (``labs.train.rule``: "value" for losses and gradients, "param" for parameters after
@@ -436,19 +441,25 @@ def training_checks(
     AdamW hides a gradient's scale from the losses (it divides by the gradient's own RMS), so a
     gradient N times too large trains the same model: only the gradient check sees it. ``prefix``
     names the variant in each check's name ("naive: losses"); ``loss_dtype``: the dtype the loss
-    is computed in, when not the model's (the course model's loss is fp32 whatever its dtype)."""
+    is computed in, when not the model's (the course model's loss is fp32 whatever its dtype).
+    ``mixed``: a mixed-precision run against the reference under the same policy, ``dtype`` the
+    parameters' (bf16, fp16): the table's "mixed_loss", "mixed_grad" and "mixed_param" rules."""
     import torch
 
     from labs.train import rule
 
     dtype = dtype or torch.float32
     loss_dtype = loss_dtype or dtype
+    kinds = ("mixed_loss", "mixed_grad", "mixed_param") if mixed else ("value", "value", "param")
+    loss_rule = rule(kinds[0], dtype if mixed else loss_dtype, backend)
+    grad_rule = rule(kinds[1], dtype, backend)
+    param_rule = rule(kinds[2], dtype, backend)
     steps = len(reference_losses)
     checks = [
         losses_check(
             losses,
             reference_losses,
-            tolerance=rule("value", loss_dtype, backend).rel,
+            tolerance=loss_rule.rel,
             name=f"{prefix}losses",
             first_step_hint=first_step_hint,
         )
@@ -459,7 +470,7 @@ def training_checks(
                 f"{prefix}gradients after step 1",
                 grads,
                 reference_grads,
-                tolerance=rule("value", dtype, backend).rel,
+                tolerance=grad_rule.rel,
                 step=1,
                 world_size=world_size,
                 what="gradients",
@@ -473,7 +484,7 @@ def training_checks(
             f"{prefix}parameters after step {steps}",
             params,
             reference_params,
-            tolerance=rule("param", dtype, backend).rel,
+            tolerance=param_rule.rel,
             step=steps,
             world_size=world_size,
             what="parameters",

@@ -3,7 +3,11 @@ torch's DDP.
 
     summary = run(nproc=4, variant="all")     # notebook 02
     summary = run(nproc=4, vs_torch=True)     # + torch's DistributedDataParallel side by side
+    summary = run(nproc=4, precision="bf16-mixed")               # reducing in fp32
+    summary = run(nproc=4, precision="bf16-mixed", reduce_dtype="bf16")
+    summary = run(nproc=4, precision="fp16-mixed")               # dynamic loss scaling
     python -m labs.run ddp --nproc 4 --variant all --json
+    python -m labs.run ddp --precision bf16-mixed --reduce-dtype bf16 --json
 
 The views of a summary (``report``, ``plot_losses``, ``plot_comm``) are in
 ``labs.experiments.ddp_report``; the traced step's timeline in ``labs.experiments.ddp_timeline``.
@@ -16,6 +20,12 @@ Checks, for every variant and every rank:
 * theory: all-reduce bytes sent per rank per step (``CommLedger``) = 2 (N-1)/N G, and
   all-reduce calls per step = gradient tensors (naive, overlapped) or buckets (bucketed),
   from ``labs.theory.overlap`` applied to the model's parameter sizes;
+* mixed precision (``precision``: bf16-mixed or fp16-mixed; ``labs.train.MixedPrecision``):
+  against the single-process reference under the same policy (``train_reference(mixed=...)``),
+  within the table's "mixed_loss", "mixed_grad" and "mixed_param" rules; the gradients compared
+  are the first step taken's, in fp32 and unscaled; the all-reduces carry the reduce dtype's
+  bytes; the state held equals the calculator's bf16-mixed figure (16 bytes per parameter);
+  fp16 skips exactly the reference's overflowed steps (``skipped_steps``, ``loss_scales``);
 * torch (``vs_torch``): torch's DDP (same bucket size) trains a fresh copy of the model on
   the same data, interleaved step by step with a fresh copy of ours (order alternating,
   no ledger), and reports both step times (``labs.measure.timing``'s rule), and the CPU time
@@ -38,7 +48,7 @@ from labs.data import TokenWindows
 from labs.experiments.checks import Check, calls_check, compare_values, ranks_check, training_checks
 from labs.experiments.common import RunSummary, fill_losses, new_summary
 from labs.measure import CommLedger
-from labs.measure.memory import state_bytes
+from labs.measure.memory import param_bytes, state_bytes
 from labs.measure.timing import StepTimer
 from labs.models.toy import build_awkward
 from labs.models.transformer import ModelConfig, build_model
@@ -50,16 +60,24 @@ from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import (
-    PARAM_TOLERANCES,
-    TOLERANCES,
+    PRECISIONS,
+    REDUCE_DTYPES,
+    LossScaler,
+    MixedPrecision,
     TrainConfig,
     make_optimizer,
     max_rel_diff,
+    mixed_precision,
+    rule,
     train_reference,
 )
 
 MODELS = ("course", "awkward")
 DTYPES = ("float32", "float64")
+# fp16's first loss scale in this lab: the course model's scaled gradients overflow fp16 above
+# ~2^18.2, so the first step overflows and is skipped, and the lab shows the scale backing off
+# (torch's GradScaler starts at 2^16 and would not overflow in a few steps)
+FP16_LOSS_SCALE = 2.0**19
 # The course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1).
 DEFAULT_BUCKET_MB = 0.1
 
@@ -75,6 +93,14 @@ class Job:
     bucket_mb: float = DEFAULT_BUCKET_MB
     grad_accum: int = 1
     dtype: str = "float32"  # "float64": see run()'s docstring
+    precision: str = "fp32"  # or "bf16-mixed", "fp16-mixed"
+    reduce_dtype: str | None = None  # mixed precision: "fp32" (None) or the parameters' dtype
+    loss_scale: float = FP16_LOSS_SCALE  # fp16-mixed: the first loss scale
+
+    @property
+    def mixed(self) -> MixedPrecision | None:
+        """The mixed-precision policy, or None (fp32)."""
+        return mixed_precision(self.precision, self.reduce_dtype)
 
 
 class TorchDDP(DistributedDataParallel):
@@ -84,31 +110,83 @@ class TorchDDP(DistributedDataParallel):
         pass
 
 
-def build(job: Job, device: torch.device | str = "cpu", seed: int | None = None) -> torch.nn.Module:
+def build(
+    job: Job, device: torch.device | str = "cpu", seed: int | None = None, *, cast: bool = True
+) -> torch.nn.Module:
     """The job's model (same seed, same weights everywhere; ``seed`` overrides the job's) in its
     dtype, on ``device``: a rank passes ``rank_device()``, the single-process reference keeps the
-    default CPU."""
+    default CPU. Mixed precision: cast to the parameters' dtype (bf16, fp16) unless ``cast`` is
+    False (the reference casts it itself)."""
     seed = job.train.seed if seed is None else seed
     model = build_awkward(seed) if job.model == "awkward" else build_model(job.model_cfg, seed=seed)
-    return model.to(device=device, dtype=getattr(torch, job.dtype))
+    mixed = job.mixed
+    dtype = mixed.param_dtype if mixed and cast else getattr(torch, job.dtype)
+    return model.to(device=device, dtype=dtype)
 
 
-def wrap(variant: str, model: torch.nn.Module, *, bucket_mb: float = DEFAULT_BUCKET_MB, group=None):
-    """``model`` in the selected implementation's NaiveDDP, OverlappedDDP or BucketedDDP."""
+def wrap(
+    variant: str,
+    model: torch.nn.Module,
+    *,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    group=None,
+    reduce_dtype: torch.dtype | None = None,
+):
+    """``model`` in the selected implementation's NaiveDDP, OverlappedDDP or BucketedDDP,
+    reducing in ``reduce_dtype`` (None: the gradients' own)."""
     ddp = exercise("ddp")
     if variant == "naive":
-        return ddp.NaiveDDP(model, group=group)
+        return ddp.NaiveDDP(model, group=group, reduce_dtype=reduce_dtype)
     if variant == "overlapped":
-        return ddp.OverlappedDDP(model, group=group)
+        return ddp.OverlappedDDP(model, group=group, reduce_dtype=reduce_dtype)
     if variant == "bucketed":
-        return ddp.BucketedDDP(model, bucket_mb=bucket_mb, group=group)
+        return ddp.BucketedDDP(model, bucket_mb=bucket_mb, group=group, reduce_dtype=reduce_dtype)
     raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
 
 
-def backward_order_bytes(model: torch.nn.Module) -> list[int]:
-    """Bytes of each trainable parameter, in reverse registration order (what buckets follow)."""
+def optimizer_for(job: Job, params) -> tuple[torch.optim.Optimizer, LossScaler | None]:
+    """AdamW as every lab uses it; mixed precision: the exercise's ``MixedPrecisionOptimizer``
+    around it (fp32 masters), with a ``LossScaler`` from ``job.loss_scale`` for fp16."""
+    mixed = job.mixed
+    if mixed is None:
+        return make_optimizer(params, job.train), None
+    scaler = LossScaler(job.loss_scale) if mixed.loss_scaling else None
+    cfg = job.train
+    optimizer = exercise("ddp").MixedPrecisionOptimizer(
+        params,
+        torch.optim.AdamW,
+        loss_scaler=scaler,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+    return optimizer, scaler
+
+
+def held_state(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """``state_bytes`` of the model and its optimizer; with fp32 masters, they count as the
+    optimizer's (as the calculator counts them: 4 of bf16-mixed's 12 optimizer bytes)."""
+    inner = getattr(optimizer, "inner", None)
+    if inner is None:
+        return state_bytes(model, optimizer)
+    return state_bytes(model, inner, extra={"masters": param_bytes(optimizer.masters)})
+
+
+def trained_weights(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter by name as the optimizer holds it (a copy): its fp32 master where it has
+    one (mixed precision), else the parameter."""
+    masters = dict(zip(getattr(optimizer, "params", []), getattr(optimizer, "masters", [])))
+    return {n: masters.get(p, p).detach().clone() for n, p in model.named_parameters()}
+
+
+def backward_order_bytes(model: torch.nn.Module, itemsize: int | None = None) -> list[int]:
+    """Bytes of each trainable parameter, in reverse registration order (what buckets follow);
+    ``itemsize``: bytes per element as reduced (default: the parameter's)."""
     return [
-        p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad
+        p.numel() * (itemsize or p.element_size())
+        for p in reversed(list(model.parameters()))
+        if p.requires_grad
     ]
 
 
@@ -120,29 +198,47 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
     device = rank_device()
     me = dist.get_rank(group)
     model = build(job, device, seed=None if me == 0 else job.train.seed + 1000 + me)
+    mixed = job.mixed
     with CommLedger() as ledger:
         with ledger.phase("wrap"):
-            wrapped = wrap(variant, model, bucket_mb=job.bucket_mb, group=group)
+            wrapped = wrap(
+                variant,
+                model,
+                bucket_mb=job.bucket_mb,
+                group=group,
+                reduce_dtype=mixed.reduce_dtype if mixed else None,
+            )
         after_wrap = {n: t.detach().clone() for n, t in model.state_dict().items()}
-        optimizer = make_optimizer(wrapped.parameters(), job.train)
+        optimizer, scaler = optimizer_for(job, wrapped.parameters())
         data = ddp.rank_data(job.train, group=group, grad_accum=job.grad_accum)
         losses = []
+        first_grads = {}
+        first_step = None  # fp16 may skip every step
         timer = StepTimer(device)
         for step, micro_batches in enumerate(data):
             with ledger.phase(f"step {step}"), timer.step():
-                losses.append(ddp.train_step(wrapped, optimizer, micro_batches))
-            if step == 0:
-                # the synchronised gradients of step 1 (train_step zeroes them at a step's start)
+                losses.append(ddp.train_step(wrapped, optimizer, micro_batches, loss_scaler=scaler))
+            skipped = scaler is not None and scaler.history[-1][1]
+            if not first_grads and not skipped:
+                # the synchronised gradients of the first step taken (train_step zeroes them at a
+                # step's start); mixed precision: in fp32, divided by the loss scale
+                scale = scaler.history[-1][0] if scaler else 1.0
                 first_grads = {
-                    n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+                    n: p.grad.clone() if mixed is None else p.grad.float() / scale
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
                 }
+                first_step = step + 1
             report_progress()
     phases = [f"step {s}" for s in range(len(data))]
     return {
         "losses": losses,
         "step_time_s": timer.step_time(),
         "first_grads": first_grads,
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads_step": first_step,
+        "params": trained_weights(model, optimizer),
+        "loss_scales": scaler.scales if scaler else [],
+        "skipped_steps": scaler.skipped_steps if scaler else [],
         "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None),
         "calls": [ledger.calls("all_reduce", ph) for ph in phases],
         "sent": [ledger.sent_bytes("all_reduce", ph) for ph in phases],
@@ -153,21 +249,45 @@ def train_variant(variant: str, job: Job, group=None) -> dict:
         "broadcasts": ledger.calls("broadcast", "wrap"),
         "wrap_calls": ledger.calls(None, "wrap"),
         "bucket_bytes": sum(b.numel() * b.element_size() for b in getattr(wrapped, "buckets", [])),
-        "state": state_bytes(model, optimizer),
+        "state": held_state(model, optimizer),
     }
 
 
+def reduce_in(dtype: torch.dtype):
+    """A communication hook for torch's DDP that sums each bucket in ``dtype`` (bf16 gradients
+    in fp32): cast, all-reduce, divide by N, copy the mean back into the bucket."""
+
+    def hook(group, bucket):
+        grads = bucket.buffer()
+        reduced = grads.to(dtype)
+        n = dist.get_world_size(group)
+        future = dist.all_reduce(reduced, group=group, async_op=True).get_future()
+        return future.then(lambda fut: grads.copy_(fut.value()[0].div_(n)))
+
+    return hook
+
+
 def time_vs_torch(variant: str, job: Job) -> dict:
-    """Ours and torch's DDP on fresh copies of the model, same data, steps interleaved."""
+    """Ours and torch's DDP on fresh copies of the model, same data, steps interleaved. Mixed
+    precision: both on the bf16 model with the same fp32-master optimizer; torch's DDP reduces
+    its buckets in the reduce dtype through a communication hook (``reduce_in``)."""
     ddp = exercise("ddp")
     device = rank_device()
+    mixed = job.mixed
+    reduce_dtype = mixed.reduce_dtype if mixed else None
     models = {
-        "ours": wrap(variant, build(job, device), bucket_mb=job.bucket_mb),
+        "ours": wrap(
+            variant, build(job, device), bucket_mb=job.bucket_mb, reduce_dtype=reduce_dtype
+        ),
         "torch": TorchDDP(
             build(job, device), device_ids=ddp_device_ids(device), bucket_cap_mb=job.bucket_mb
         ),
     }
-    optimizers = {k: make_optimizer(m.parameters(), job.train) for k, m in models.items()}
+    if mixed and reduce_dtype != mixed.param_dtype:
+        models["torch"].register_comm_hook(None, reduce_in(reduce_dtype))
+    built = {k: optimizer_for(job, m.parameters()) for k, m in models.items()}
+    optimizers = {k: opt for k, (opt, _) in built.items()}
+    scalers = {k: scaler for k, (_, scaler) in built.items()}
     timers = {"ours": StepTimer(device), "torch": StepTimer(device)}
     cpu = {"ours": [], "torch": []}  # CPU time of this rank's threads, per step
     losses = {"ours": [], "torch": []}
@@ -177,10 +297,14 @@ def time_vs_torch(variant: str, job: Job) -> dict:
             dist.barrier()
             c0 = time.process_time()
             with timers[name].step():
-                losses[name].append(ddp.train_step(models[name], optimizers[name], micro_batches))
+                losses[name].append(
+                    ddp.train_step(
+                        models[name], optimizers[name], micro_batches, loss_scaler=scalers[name]
+                    )
+                )
             cpu[name].append(time.process_time() - c0)
         report_progress()
-    params = {n: p.detach().clone() for n, p in models["torch"].module.named_parameters()}
+    params = trained_weights(models["torch"].module, optimizers["torch"])
     return {
         "step_time_s": {name: timer.step_time() for name, timer in timers.items()},
         "cpu": cpu,
@@ -203,9 +327,12 @@ def _mean_losses(per_rank: list[list[float]]) -> list[float]:
 
 def _param_diff(per_rank_params: list[dict], reference: dict) -> float:
     return max(
-        max_rel_diff(p[name].double(), ref.double())
-        for p in per_rank_params
-        for name, ref in reference.items()
+        (
+            max_rel_diff(p[name].double(), ref.double())
+            for p in per_rank_params
+            for name, ref in reference.items()
+        ),
+        default=0.0,  # fp16: no step taken, no gradients to compare
     )
 
 
@@ -236,6 +363,24 @@ def theory_for(
     }
 
 
+def tolerances(job: Job, backend: str) -> dict[str, float]:
+    """The tolerance table's rules for this job: "loss", "grad" and "param" (``labs.train.rule``:
+    fp32's "value" and "param" rows by the model's dtype, or the mixed-precision rows by the
+    parameters' dtype)."""
+    mixed = job.mixed
+    if mixed is None:
+        dtype = getattr(torch, job.dtype)
+        return {
+            "loss": rule("value", torch.float32, backend).rel,  # the loss is fp32 (logits.float())
+            "grad": rule("value", torch.float32, backend).rel,
+            "param": rule("param", dtype, backend).rel,
+        }
+    return {
+        kind: rule(f"mixed_{kind}", mixed.param_dtype, backend).rel
+        for kind in ("loss", "grad", "param")
+    }
+
+
 def run(
     *,
     nproc: int = 4,
@@ -252,6 +397,9 @@ def run(
     n_embd: int = 64,
     dtype: str = "float32",
     seed: int = 0,
+    precision: str = "fp32",
+    reduce_dtype: str | None = None,
+    loss_scale: float = FP16_LOSS_SCALE,
 ) -> RunSummary:
     """Train with DDP on ``nproc`` ranks (``variant``: naive, overlapped, bucketed or all) and check
     it.
@@ -263,14 +411,32 @@ def run(
     is tiny because large terms cancel (~1e-7) is updated by ~lr whatever its value, and its
     last-bit differences (the sum split over ranks) become ~1e-4 relative parameter changes.
     ``dtype="float64"`` shrinks those differences below 1e-12: the parameter check the tests make.
+
+    ``precision`` "bf16-mixed" or "fp16-mixed": the model in bf16/fp16 with the exercise's
+    ``MixedPrecisionOptimizer`` (fp32 masters), gradients reduced in ``reduce_dtype`` ("fp32" by
+    default, or "bf16"/"fp16"), against the reference under the same policy with the tolerance
+    table's mixed rows; ``max_rel_loss_diff_vs_fp32``: how far the losses are from the fp32
+    reference's. fp16 scales the loss from ``loss_scale`` (``labs.train.LossScaler``).
     """
     if variant not in (*VARIANTS, "all"):
         raise ValueError(f"variant={variant!r} is not one of {(*VARIANTS, 'all')}")
-    for name, value, choices in (("model", model, MODELS), ("dtype", dtype, DTYPES)):
+    for name, value, choices in (
+        ("model", model, MODELS),
+        ("dtype", dtype, DTYPES),
+        ("precision", precision, PRECISIONS),
+    ):
         if value not in choices:
             raise ValueError(f"{name}={value!r} is not one of {choices}")
+    mixed = mixed_precision(precision, reduce_dtype)
+    if mixed is not None and dtype != "float32":
+        raise ValueError(
+            f"dtype={dtype!r} with precision={precision!r}: mixed precision keeps fp32 masters of"
+            " bf16/fp16 weights; use dtype='float32'"
+        )
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {bucket_mb!r}")
+    if not loss_scale > 0:
+        raise ValueError(f"loss_scale must be > 0 (fp16's first loss scale), got {loss_scale!r}")
     check_positive(nproc=nproc, steps=steps, grad_accum=grad_accum, batch_size=batch_size)
     check_divides(batch_size, "batch_size", nproc * grad_accum, "nproc*grad_accum")
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, data_seed=seed)
@@ -282,6 +448,9 @@ def run(
         model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd),
         grad_accum=grad_accum,
         dtype=dtype,
+        precision=precision,
+        reduce_dtype=reduce_dtype,
+        loss_scale=loss_scale,
     )
     per_rank = launch(
         worker,
@@ -294,7 +463,15 @@ def run(
         desc="DDP steps",
     )
     ref_model = build(job)
-    ref = train_reference(job.model_cfg, cfg, dp=nproc, model=ref_model, return_grads=True)
+    ref = train_reference(
+        job.model_cfg,
+        cfg,
+        dp=nproc,
+        model=ref_model,
+        return_grads=True,
+        mixed=mixed,
+        loss_scale=loss_scale,
+    )
     summary = new_summary(
         "ddp",
         nproc=nproc,
@@ -303,14 +480,18 @@ def run(
         variant=variant,
         model=model,
         dtype=dtype,
+        precision=precision,
+        reduce_dtype=reduce_dtype or "fp32",
         bucket_mb=bucket_mb,
         grad_accum=grad_accum,
         batch_size=batch_size,
         n_params=sum(p.numel() for p in ref_model.parameters() if p.requires_grad),
         variants={},
     )
-    trainable = backward_order_bytes(ref_model)
-    grad_bytes = [g.numel() * g.element_size() for g in ref.grads.values()]
+    tol = tolerances(job, per_rank.backend)
+    reduce_itemsize = mixed.reduce_dtype.itemsize if mixed else None
+    trainable = backward_order_bytes(ref_model, reduce_itemsize)
+    grad_bytes = [g.numel() * (reduce_itemsize or g.element_size()) for g in ref.grads.values()]
     for v in job.variants:
         summary["variants"][v] = compare(
             v,
@@ -324,6 +505,7 @@ def run(
                 trainable_bytes=trainable,
                 bucket_mb=bucket_mb,
             ),
+            tol=tol,
         )
     for v in job.variants:
         summary.add_checks(
@@ -336,42 +518,55 @@ def run(
                 broadcast=broadcast_bytes(ref_model, nproc),
                 grad_accum=grad_accum,
                 backend=per_rank.backend,
+                mixed=mixed,
             )
         )
     rows = summary["variants"].values()
     row = summary["variants"][job.variants[-1]]
     runs = [r["variants"][job.variants[-1]] for r in per_rank]
     fill_losses(summary, row["losses"], ref.losses)
-    state_theory = memory_theory.state_bytes(
-        summary["n_params"], precision="fp32", optimizer="adamw", dp=nproc
+    summary["matches_reference"] = all(
+        r["matches_reference"] and r["grads_match_reference"] for r in rows
     )
-    itemsize = next(ref_model.parameters()).element_size()
+    calculator = "fp32" if mixed is None else "bf16-mixed"  # fp16-mixed holds the same bytes
+    state_theory = memory_theory.state_bytes(
+        summary["n_params"], precision=calculator, optimizer="adamw", dp=nproc
+    )
+    # the calculator counts fp32 (4 bytes) or mixed precision: scaled to a float64 run's dtype
+    scale = getattr(torch, dtype).itemsize // 4
     summary.update(
-        matches_reference=all(r["matches_reference"] and r["grads_match_reference"] for r in rows),
         params_match_reference=all(r["params_match_reference"] for r in rows),
         max_rel_param_diff=max(r["max_rel_param_diff"] for r in rows),
         bytes_match_theory=all(r["bytes_match_theory"] and r["calls_match_theory"] for r in rows),
         comm_bytes_per_rank=[r["sent"][0] for r in runs],
         theory_comm_bytes_per_rank=row["theory_comm_bytes_per_rank"],
         state_bytes_per_rank=[r["state"]["total"] for r in runs],
-        # the theory counts fp32 (4 bytes): scaled to the run's dtype
-        theory_state_bytes_per_rank=state_theory["total_bytes"] * itemsize // 4,
+        state_breakdown=_roles(runs[0]["state"]),
+        theory_state_bytes_per_rank=state_theory["total_bytes"] * scale,
+        theory_state_breakdown={
+            "params": state_theory["param_bytes"] * scale,
+            "grads": state_theory["grad_bytes"] * scale,
+            "optimizer": state_theory["optimizer_bytes"] * scale,
+        },
         step_time_s=row["step_time_s"],
     )
-    if model == "course":  # the theory's 16 bytes per parameter: the awkward model has frozen ones
-        summary.add_checks(
-            [
-                compare_values(
-                    "state bytes per rank",
-                    summary["state_bytes_per_rank"],
-                    [summary["theory_state_bytes_per_rank"]] * nproc,
-                    hint="parameters, gradients and AdamW's two moments: every rank holds the whole"
-                    " model's, 16 bytes per fp32 parameter",
-                    world_size=nproc,
-                    what="state bytes",
-                )
-            ]
+    if mixed is not None:
+        fp32_ref = train_reference(job.model_cfg, cfg, dp=nproc, model=build(job, cast=False))
+        summary["fp32_reference_losses"] = fp32_ref.losses
+        summary["max_rel_loss_diff_vs_fp32"] = max(
+            abs(a - b) / abs(b) for a, b in zip(row["losses"], fp32_ref.losses)
         )
+    if mixed is not None and mixed.loss_scaling:
+        summary.update(
+            loss_scales=runs[0]["loss_scales"],
+            skipped_steps=runs[0]["skipped_steps"],
+            reference_skipped_steps=ref.skipped_steps,
+        )
+    if len(runs[0]["skipped_steps"]) == steps:  # fp16 took no step: AdamW made no moments yet
+        summary["theory_state_breakdown"]["optimizer"] -= 8 * summary["n_params"]
+        summary["theory_state_bytes_per_rank"] -= 8 * summary["n_params"]
+    if model == "course":  # the theory's 16 bytes per parameter: the awkward model has frozen ones
+        summary.add_checks([state_check(summary, runs, nproc, mixed)])
     if vs_torch:
         timing = [r["vs_torch"] for r in per_rank]
         ours = max(t["step_time_s"]["ours"] for t in timing)
@@ -398,19 +593,52 @@ def run(
     return summary
 
 
-def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) -> dict:
-    """One variant's per-rank results against the reference and the theory."""
-    tol = TOLERANCES[torch.float32]
-    dtype = next(iter(ref.params.values())).dtype
+def _roles(state: dict[str, int]) -> dict[str, int]:
+    """A rank's ``held_state`` as the calculator's three roles (masters are optimizer state)."""
+    return {
+        "params": state["params"],
+        "grads": state["grads"],
+        "optimizer": state["optimizer"] + state.get("masters", 0),
+    }
+
+
+def state_check(summary: RunSummary, runs: list[dict], nproc: int, mixed) -> Check:
+    """Every rank's parameter, gradient and optimizer bytes against the calculator's."""
+    want = summary["theory_state_breakdown"]
+    roles = list(want)
+    hint = (
+        "bf16-mixed holds per parameter bf16 weights (2 bytes) and gradients (2), fp32 masters"
+        " (4) and AdamW's fp32 moments (8): does the optimizer step fp32 masters (not the bf16"
+        " weights), and are their fp32 gradients dropped after the step?"
+        if mixed is not None
+        else "parameters, gradients and AdamW's two moments: every rank holds the whole model's,"
+        " 16 bytes per fp32 parameter"
+    )
+    return compare_values(
+        "state bytes per rank (params, grads, optimizer)",
+        [[_roles(r["state"])[k] for k in roles] for r in runs],
+        [[want[k] for k in roles]] * nproc,
+        hint=hint,
+        world_size=nproc,
+        what="state bytes",
+    )
+
+
+def compare(
+    variant: str, runs: list[dict], ref, *, nproc: int, theory: dict, tol: dict[str, float]
+) -> dict:
+    """One variant's per-rank results against the reference (within ``tol``: ``tolerances``) and
+    the theory."""
     row = fill_losses({}, _mean_losses([r["losses"] for r in runs]), ref.losses)
+    row["matches_reference"] = row["max_rel_loss_diff"] <= tol["loss"]
     param_diff = _param_diff([r["params"] for r in runs], ref.params)
     grad_diff = _param_diff([r["first_grads"] for r in runs], ref.grads)
     same_names = all(set(r["first_grads"]) == set(ref.grads) for r in runs)
     row.update(
         max_rel_grad_diff=grad_diff,
-        grads_match_reference=grad_diff <= tol and same_names,
+        grads_match_reference=grad_diff <= tol["grad"] and same_names,
         max_rel_param_diff=param_diff,
-        params_match_reference=param_diff <= PARAM_TOLERANCES[dtype],
+        params_match_reference=param_diff <= tol["param"],
         ranks_identical=all(
             torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params
         ),
@@ -452,11 +680,14 @@ def variant_checks(
     broadcast: list[float],
     grad_accum: int,
     backend: str,
+    mixed: MixedPrecision | None = None,
 ) -> list[Check]:
     """One variant's checks, on every rank: the weights after the wrap's broadcast, losses,
     gradients after step 1 and parameters after the last step by name, the ranks' replicas, and
-    the collectives call by call (the wrap's broadcasts, each step's all-reduces)."""
-    dtype = next(iter(ref.params.values())).dtype
+    the collectives call by call (the wrap's broadcasts, each step's all-reduces). Mixed
+    precision: the table's mixed rows, the gradients of the first step taken, and (fp16) the
+    steps skipped for overflow against the reference's."""
+    dtype = mixed.param_dtype if mixed else next(iter(ref.params.values())).dtype
     prefix = f"{variant}: "
     known = {}
     if grad_accum > 1:
@@ -497,6 +728,7 @@ def variant_checks(
         first_step_hint="the loss (the mean of the ranks') differs at step 1, before any update: "
         "does each rank train on its own B/N sequences of the global batch (rank_data), from "
         "rank 0's weights?",
+        mixed=mixed is not None,
     )
     grads = checks[2]
     if not grads.ok and not grads.hint.startswith("gradients are"):  # no scale explains it
@@ -520,6 +752,8 @@ def variant_checks(
             hint="the replicas drifted apart: every rank must apply the same averaged gradient",
         )
     )
+    if mixed is not None and mixed.loss_scaling:
+        checks.append(skipped_check(prefix, runs, ref.skipped_steps))
     steps = len(runs[0]["sent_per_call"])
     checks.append(
         calls_check(
@@ -548,9 +782,46 @@ def variant_checks(
             + " issued only by the last micro-batch's backward (no_sync before)",
             hint=f"an all-reduce carried another size than its {unit}"
             + (": check where a bucket closes (>= bucket_mb MiB)" if variant == "bucketed" else ""),
+            known_scales=_dtype_scales(mixed),
         )
     )
     return checks
+
+
+def _dtype_scales(mixed: MixedPrecision | None) -> dict[float, str]:
+    """Bytes per call off by the ratio of two dtypes' sizes: reduced in the wrong dtype."""
+    if mixed is None or mixed.reduce_dtype == mixed.param_dtype:
+        return {}
+    ratio = mixed.param_dtype.itemsize / mixed.reduce_dtype.itemsize
+    low = str(mixed.param_dtype).removeprefix("torch.")
+    return {
+        ratio: f"the gradients were reduced in {low} where reduce_dtype=float32 was asked: cast"
+        " each gradient (or make each bucket) in self.reduce_dtype before its all-reduce"
+    }
+
+
+def skipped_check(prefix: str, runs: list[dict], reference: list[int]) -> Check:
+    """fp16: every rank skipped exactly the steps whose gradients overflowed in the reference."""
+    for r, run_ in enumerate(runs):
+        if run_["skipped_steps"] != reference:
+            return Check(
+                f"{prefix}steps skipped for overflow",
+                False,
+                run_["skipped_steps"],
+                reference,
+                where=f"rank {r}",
+                hint="a step whose scaled gradients overflowed (inf or nan) must be skipped and"
+                " the loss scale halved, on every rank alike; steps that did not overflow must be"
+                " taken: check the overflow test on the fp32 master gradients (after dividing by"
+                " the scale) and LossScaler.update",
+            )
+    return Check(
+        f"{prefix}steps skipped for overflow",
+        True,
+        runs[0]["skipped_steps"],
+        reference,
+        where=f"{len(runs)} ranks, scales {runs[0]['loss_scales']}",
+    )
 
 
 # --- DistributedSampler ---------------------------------------------------------------------
@@ -608,3 +879,21 @@ def add_arguments(parser) -> None:
         help="float64 shows the parameters match too (see run's docstring)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=tuple(REDUCE_DTYPES),
+        default=None,
+        help="mixed precision: sum the gradients in fp32 (default) or in the weights' bf16/fp16",
+    )
+    parser.add_argument(
+        "--loss-scale",
+        type=float,
+        default=FP16_LOSS_SCALE,
+        help="fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
+    )

@@ -5,7 +5,9 @@ own (``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``).
     print(summary.verdict())                      # PASS, or FAIL: what, where, and a hint
     run(nproc=4, stage=2, offload=True)           # ZeRO-2 with the optimizer on the host
     run(nproc=4, stage=3, vs_torch=True)          # + torch's fully_shard (FSDP2) on the same model
+    run(nproc=4, stage=3, precision="bf16-mixed", vs_torch=True)   # + FSDP2's MixedPrecisionPolicy
     python -m labs.run zero --stage 3 --json
+    python -m labs.run zero --stage 2 --precision bf16-mixed --reduce-dtype bf16 --json
 
 The views of a summary (``report``, ``plot_stages``) are in ``labs.experiments.zero_report``;
 its checks in ``labs.experiments.zero_checks``; saving and resuming a checkpoint in
@@ -27,6 +29,15 @@ unit), stage 3 ``fully_shard`` on each unit, then the root, and AdamW on what is
   in forward against ``peak_param_bytes``; offload's host traffic against ``offload_bytes``;
 * torch: stage 1-2 against ``ZeroRedundancyOptimizer`` (under torch's DDP), stage 3 against
   ``fully_shard``: their step time, state bytes and losses.
+
+Mixed precision (``precision`` "bf16-mixed" or "fp16-mixed", ``reduce_dtype``): the model is cast
+to bf16 (fp16) on every rank; stage 0 keeps fp32 masters here, stages 1-2 in
+``ShardedOptimizer(mixed_precision=...)``, stage 3 in ``fully_shard(mixed_precision=...)``'s fp32
+shards. The reference runs under the same policy (``train_reference(mixed=...)``), with the
+tolerance table's mixed rows; bytes held equal ``held_bytes(precision=...)`` role by role and the
+calculator's bf16-mixed figure in total; the reductions carry the reduce dtype, the all-gathers
+bf16; fp16 skips exactly the reference's overflowed steps. ``vs_torch`` at stage 3 in bf16-mixed
+runs FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=...)``.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import torch.distributed as dist
 
 from labs.data import rank_batches
 from labs.experiments.common import RunSummary, fill_losses, new_summary
+from labs.experiments.zero_checks import comm_itemsizes
 from labs.measure.ledger import CommLedger
 from labs.measure.memory import optimizer_bytes
 from labs.measure.timing import StepTimer
@@ -54,10 +66,16 @@ from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
 from labs.train import (
     PARAM_TOLERANCES,
+    PRECISIONS,
+    REDUCE_DTYPES,
+    LossScaler,
+    MixedPrecision,
     TrainConfig,
     compare_losses,
     make_optimizer,
     max_rel_diff,
+    mixed_precision,
+    overflowed,
     rule,
     train_reference,
 )
@@ -72,6 +90,8 @@ TORCH_NAMES = {
     "zero_redundancy": "ZeroRedundancyOptimizer (under DDP)",
     "fsdp2": "FSDP2 fully_shard",
 }
+# fp16's first loss scale (as the DDP lab's): the first step overflows and is skipped
+FP16_LOSS_SCALE = 2.0**19
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,14 @@ class RunSpec:
     torch_impl: str | None = None  # train with torch's own instead: a key of TORCH_NAMES
     dtype: str = "float32"  # float64: parameter checks beyond AdamW's amplified rounding (see run)
     deterministic: bool = False  # a GPU rank runs deterministic kernels (bit-for-bit reruns)
+    precision: str = "fp32"  # or "bf16-mixed", "fp16-mixed"
+    reduce_dtype: str | None = None  # mixed precision: "fp32" (None) or the parameters' dtype
+    loss_scale: float = FP16_LOSS_SCALE  # fp16-mixed: the first loss scale
+
+    @property
+    def mixed(self) -> MixedPrecision | None:
+        """The mixed-precision policy, or None (fp32)."""
+        return mixed_precision(self.precision, self.reduce_dtype)
 
 
 def check_model(model: str, dtype: str = "float32") -> None:
@@ -129,13 +157,28 @@ def unit_numels(model) -> list[int]:
 
 class DataParallel:
     """Stage 0, the baseline: whole state on every rank, gradients all-reduced per unit, then
-    AdamW (``step`` and ``zero_grad``, as an optimizer)."""
+    AdamW (``step`` and ``zero_grad``, as an optimizer). Mixed precision: the all-reduce runs in
+    the reduce dtype, AdamW steps fp32 masters (``masters``), and the bf16 weights are rounded
+    from them; with a ``loss_scaler`` a step that overflowed is skipped."""
 
-    def __init__(self, model, *, cfg, group=None):
+    def __init__(
+        self,
+        model,
+        *,
+        cfg,
+        group=None,
+        mixed: MixedPrecision | None = None,
+        loss_scaler: LossScaler | None = None,
+    ):
         self.model = model
         self.group = group
         self.buckets = [params for _, params in unit_params(model)]
-        self.optimizer = make_optimizer(model.parameters(), cfg)
+        self.mixed = mixed
+        self.loss_scaler = loss_scaler
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # parameter -> its fp32 master (mixed precision)
+        self.masters = {p: p.detach().float() for p in trainable} if mixed else {}
+        self.optimizer = make_optimizer(list(self.masters.values()) or trainable, cfg)
 
     def step(self):
         n = dist.get_world_size(self.group)
@@ -143,6 +186,8 @@ class DataParallel:
             # zeros for unused parameters keep every rank's call the same size
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.mixed is not None:
+                flat = flat.to(self.mixed.reduce_dtype)
             dist.all_reduce(flat, group=self.group)
             flat /= n
             offset = 0
@@ -150,21 +195,50 @@ class DataParallel:
                 if p.grad is not None:
                     p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
-        self.optimizer.step()
+        if self.mixed is None:
+            self.optimizer.step()
+            return
+        scale = self.loss_scaler.value if self.loss_scaler else 1.0
+        for p, master in self.masters.items():
+            master.grad = None if p.grad is None else p.grad.float() / scale
+        grads = [m.grad for m in self.masters.values() if m.grad is not None]
+        overflow = self.loss_scaler is not None and overflowed(grads)
+        if not overflow:
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, master in self.masters.items():
+                    p.copy_(master)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        for master in self.masters.values():
+            master.grad = None
 
     def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=False)  # keep the buffers, as DDP keeps its buckets
+        self.model.zero_grad(set_to_none=False)  # keep the buffers, as DDP keeps its buckets
 
 
-def shard(model: torch.nn.Module, spec: RunSpec, cfg: TrainConfig, *, group=None):
+def shard(
+    model: torch.nn.Module,
+    spec: RunSpec,
+    cfg: TrainConfig,
+    *,
+    group=None,
+    loss_scaler: LossScaler | None = None,
+):
     """(module to call, optimizer) for ZeRO ``spec.stage`` through the exercise's public entry
     points: stage 0 ``DataParallel`` (the baseline), 1-2 ``ShardedOptimizer`` with one parameter
-    group per unit, 3 ``fully_shard`` on each unit, then the root, and AdamW."""
+    group per unit, 3 ``fully_shard`` on each unit, then the root, and AdamW. Mixed precision
+    (``spec.mixed``): the policy goes to each entry point, and ``loss_scaler`` (fp16) to the
+    optimizers that own it (stages 0-2; stage 3's loop calls ``loss_scaler.step``)."""
+    mixed = spec.mixed
     if spec.stage == 0:
-        return model, DataParallel(model, cfg=cfg, group=group)
+        return model, DataParallel(
+            model, cfg=cfg, group=group, mixed=mixed, loss_scaler=loss_scaler
+        )
     zero = exercise("zero")
     if spec.stage in (1, 2):
         groups = [{"params": params, "name": name} for name, params in unit_params(model)]
+        extra = {"mixed_precision": mixed, "loss_scaler": loss_scaler} if mixed else {}
         optimizer = zero.ShardedOptimizer(
             groups,
             torch.optim.AdamW,
@@ -175,23 +249,25 @@ def shard(model: torch.nn.Module, spec: RunSpec, cfg: TrainConfig, *, group=None
             betas=cfg.betas,
             weight_decay=cfg.weight_decay,
             foreach=False,
+            **extra,
         )
         return model, optimizer
     units = units_of(model)
+    options = {"group": group, "prefetch": spec.prefetch, "offload": spec.offload}
+    if mixed:
+        options["mixed_precision"] = mixed
     for name, modules in units:
         if modules != [model]:
-            zero.fully_shard(
-                modules, name=name, group=group, prefetch=spec.prefetch, offload=spec.offload
-            )
-    zero.fully_shard(model, name="model", group=group, prefetch=spec.prefetch, offload=spec.offload)
+            zero.fully_shard(modules, name=name, **options)
+    zero.fully_shard(model, name="model", **options)
     return model, make_optimizer(model.parameters(), cfg)
 
 
-def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None):
+def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None, loss_scaler=None):
     """(module to call, optimizer) for ``spec``: ours (``shard``) or, with ``spec.torch_impl``,
     torch's: DDP and AdamW, ``ZeroRedundancyOptimizer`` under DDP, or FSDP2's ``fully_shard`` on
     the same units (with ``mp_policy``, a ``MixedPrecisionPolicy``, if given; the lab's fp32 runs
-    give none)."""
+    give none, its bf16-mixed ones ``torch_policy``'s)."""
     if spec.torch_impl in ("ddp", "zero_redundancy"):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -219,7 +295,14 @@ def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None):
         return model, make_optimizer(model.parameters(), cfg)
     if spec.torch_impl is not None:
         raise ValueError(f"torch_impl={spec.torch_impl!r} is not one of {tuple(TORCH_NAMES)}")
-    return shard(model, spec, cfg)
+    return shard(model, spec, cfg, loss_scaler=loss_scaler)
+
+
+def torch_policy(mixed: MixedPrecision):
+    """FSDP2's ``MixedPrecisionPolicy`` for our policy: the same param and reduce dtypes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype)
 
 
 def _zero_parts(model, optimizer):
@@ -235,7 +318,7 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     ``params``, ``grads``, ``optimizer`` (device) and ``host`` (offloaded), ``total`` (device).
     ``optimizer``: whatever steps the model (ours, ``DataParallel``, or a torch optimizer)."""
     units, sharded = _zero_parts(model, optimizer)
-    roles = {"params": [], "grads": [], "host": []}
+    roles = {"params": [], "grads": [], "host": [], "masters": []}
     mine = set()
     offload = False
     for u in units:
@@ -256,8 +339,11 @@ def held_bytes(model, optimizer) -> dict[str, int]:
         for u in sharded.units:
             roles["params"] += [u.full, u.shard_param]
             roles["grads"] += [u.full_grad, u.shard_grad]
+            roles["masters"] += [u.master, u.master.grad] if u.master is not None else []
             if sharded.offload:
                 roles["host"] += [u.host, u.host.grad]
+    if isinstance(optimizer, DataParallel):
+        roles["masters"] += [t for m in optimizer.masters.values() for t in (m, m.grad)]
     out = {}
     seen = set()
     for role, tensors in roles.items():
@@ -268,7 +354,8 @@ def held_bytes(model, optimizer) -> dict[str, int]:
                 continue
             seen.add(storage.data_ptr())
             out[role] += storage.nbytes()
-    opt = optimizer_bytes(getattr(optimizer, "optimizer", optimizer))
+    # the fp32 masters (mixed precision) count as optimizer state, as the calculator counts them
+    opt = optimizer_bytes(getattr(optimizer, "optimizer", optimizer)) + out.pop("masters")
     out["optimizer"] = 0 if offload else opt
     out["host"] += opt if offload else 0
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
@@ -283,6 +370,27 @@ def full_params(model) -> dict[str, torch.Tensor]:
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()
         }
+
+
+def trained_params(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter by name, whole, as the optimizer steps it: the fp32 masters under mixed
+    precision (stage 0's, or ZeRO-1/2's shards all-gathered: a collective), else ``full_params``
+    (ZeRO-3's shards are the masters already)."""
+    names = {p: n for n, p in model.named_parameters()}
+    if isinstance(optimizer, DataParallel) and optimizer.masters:
+        out = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.update({names[p]: m.detach().clone() for p, m in optimizer.masters.items()})
+        return out
+    _, sharded = _zero_parts(model, optimizer)
+    if sharded is None or sharded.mixed_precision is None:
+        return full_params(model)
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for u in sharded.units:
+        full = torch.empty(u.padded, dtype=u.master.dtype, device=u.master.device)  # [N*S]
+        dist.all_gather_single(full, u.master.detach(), group=sharded.group)
+        for p, view in zip(u.params, u.views(full)):
+            out[names[p]] = view.clone()
+    return out
 
 
 def grad_shards(model, optimizer) -> list[tuple[FlatBuffer, torch.Tensor]]:
@@ -322,7 +430,15 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     if spec.deterministic:
         deterministic_algorithms()  # before the first matmul
     model = build(spec.model, seed=cfg.seed, dtype=spec.dtype).to(device)
-    module, optimizer = wrap_for_zero(model, spec, cfg)
+    mixed = spec.mixed
+    scaler = LossScaler(spec.loss_scale) if mixed and mixed.loss_scaling else None
+    policy = None
+    if mixed and spec.torch_impl == "fsdp2":  # FSDP2 keeps fp32 shards: start from bf16 values
+        model.to(mixed.param_dtype).float()
+        policy = torch_policy(mixed)
+    elif mixed:
+        model.to(mixed.param_dtype)  # every rank computes in bf16 (fp16) from the same weights
+    module, optimizer = wrap_for_zero(model, spec, cfg, mp_policy=policy, loss_scaler=scaler)
     loaded = None
     if spec.load:
         from labs.checkpoint import load
@@ -340,6 +456,7 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
     losses = []
     held = None
     grads = ranges = first = None
+    grads_step = 1
     calls = []
     timer = StepTimer(device)
     with CommLedger() as ledger:
@@ -351,15 +468,25 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
                 with ledger.phase("forward"):
                     _, loss = module(x, y)
                 with ledger.phase("backward"):
-                    loss.backward()
+                    (scaler.scale(loss) if scaler else loss).backward()
                 with ledger.phase("step"):
-                    optimizer.step()
+                    if scaler is not None and spec.stage == 3:  # a plain optimizer: the loop's
+                        scaler.step(optimizer, group=None)
+                    else:
+                        optimizer.step()
             losses.append(loss.item())
             loss_dtype = str(loss.dtype).removeprefix("torch.")  # the course model's: fp32 always
-            if step == 0 and spec.torch_impl is None:
+            skipped = scaler is not None and scaler.history[-1][1]
+            if grads is None and not skipped and spec.torch_impl is None:
+                # the first step taken's averaged gradients; mixed precision: in fp32, unscaled
                 grads, ranges = named_grads(model, optimizer)
+                grads_step = step + 1
+                if mixed and spec.stage < 3:  # ZeRO-3's are the fp32 masters', unscaled already
+                    used = scaler.history[-1][0] if scaler else 1.0
+                    grads = {n: g.float() / used for n, g in grads.items()}
+            if step == 0 and spec.torch_impl is None:
                 with ledger.phase(HARNESS):  # the check's all-gathers: not the lab's traffic
-                    first = full_params(model)
+                    first = trained_params(model, optimizer)
             if step == len(data) - 1:
                 # what the calculator counts: state after the step, gradients held
                 if spec.torch_impl is None:
@@ -377,7 +504,7 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
         from labs.checkpoint import save
 
         save(model, optimizer, spec.save)
-    params = full_params(model)
+    params = trained_params(model, optimizer) if spec.torch_impl is None else full_params(model)
     zero3 = exercise("zero").sharded_units(model) if spec.torch_impl is None else []
     owner = zero3[0].owner if zero3 else None
     host = owner.host_bytes if owner else getattr(optimizer, "host_bytes", 0)
@@ -389,6 +516,9 @@ def train_worker(spec: RunSpec, cfg: TrainConfig) -> dict:
         "params": params,
         "grads": grads,
         "grad_ranges": ranges,
+        "grads_step": grads_step,
+        "loss_scales": scaler.scales if scaler else [],
+        "skipped_steps": scaler.skipped_steps if scaler else [],
         "params_step1": first,
         "calls_last_step": calls,
         "loaded_params": loaded if rank == 0 else None,
@@ -426,7 +556,36 @@ def warm_imports(*, fsdp: bool = False) -> None:
         importlib.import_module("torch.distributed.optim")
 
 
-def check_options(stage, offload, model, nproc, steps, dtype="float32"):
+def check_options(
+    stage,
+    offload,
+    model,
+    nproc,
+    steps,
+    dtype="float32",
+    precision="fp32",
+    reduce_dtype=None,
+    vs_torch=False,
+):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+    mixed = mixed_precision(precision, reduce_dtype)
+    if mixed is not None and dtype != "float32":
+        raise ValueError(
+            f"dtype={dtype!r} with precision={precision!r}: mixed precision keeps fp32 masters of"
+            " bf16/fp16 weights; use dtype='float32'"
+        )
+    if mixed is not None and offload:
+        raise ValueError(
+            f"offload=True with precision={precision!r} is not part of this lab (the host would"
+            " hold the fp32 masters): use offload with precision='fp32'"
+        )
+    if mixed is not None and vs_torch and (stage < 3 or mixed.loss_scaling):
+        raise ValueError(
+            f"vs_torch with precision={precision!r} compares stage 3 with FSDP2's bf16"
+            " MixedPrecisionPolicy (torch's DDP and ZeroRedundancyOptimizer keep no fp32 masters,"
+            " fp16 would need its ShardedGradScaler): use stage=3 and precision='bf16-mixed'"
+        )
     if stage not in theory.STAGES:
         raise ValueError(f"stage={stage!r} is not one of {theory.STAGES}")
     if stage > 0 and nproc < 2:
@@ -474,6 +633,9 @@ def run(
     backend: str = "auto",
     vs_torch: bool = False,
     timeout: float = 300.0,
+    precision: str = "fp32",
+    reduce_dtype: str | None = None,
+    loss_scale: float = FP16_LOSS_SCALE,
 ) -> RunSummary:
     """Train ``steps`` AdamW steps with ZeRO ``stage`` on ``nproc`` ranks; check it three ways
     and give a verdict (``summary.checks``, ``summary.verdict()``; see ``zero_checks``).
@@ -487,16 +649,31 @@ def run(
     (the tolerance table's "param" rule allows 1e-3). ``dtype="float64"`` shrinks them below
     1e-12 (the tests check parameters that way).
 
+    ``precision`` "bf16-mixed" or "fp16-mixed" (``reduce_dtype`` "fp32" by default, or the
+    weights' "bf16"/"fp16"; ``loss_scale``: fp16's first): see the module docstring;
+    ``max_rel_loss_diff_vs_fp32``: how far the losses are from the fp32 reference's.
+
     A rank that raises (other than an unwritten exercise's NotImplementedError) or dies gives a
     FAIL verdict naming the rank and the error, not an exception.
     """
     from labs.experiments import zero_checks
 
-    check_options(stage, offload, model, nproc, steps, dtype)
+    check_options(stage, offload, model, nproc, steps, dtype, precision, reduce_dtype, vs_torch)
+    if not loss_scale > 0:
+        raise ValueError(f"loss_scale must be > 0 (fp16's first loss scale), got {loss_scale!r}")
     cfg = TrainConfig(steps=steps)
     spec = RunSpec(
-        stage=stage, offload=offload, prefetch=prefetch, model=model, steps=steps, dtype=dtype
+        stage=stage,
+        offload=offload,
+        prefetch=prefetch,
+        model=model,
+        steps=steps,
+        dtype=dtype,
+        precision=precision,
+        reduce_dtype=reduce_dtype,
+        loss_scale=loss_scale,
     )
+    mixed = spec.mixed
     warm_imports(fsdp=vs_torch)
     s = new_summary(
         "zero",
@@ -508,6 +685,8 @@ def run(
         prefetch=prefetch,
         model=model,
         dtype=dtype,
+        precision=precision,
+        reduce_dtype=reduce_dtype or "fp32",
     )
     try:
         per_rank = launch(
@@ -528,13 +707,35 @@ def run(
         return crashed(s, e)
     s["backend"] = per_rank.backend
     net = build(model, seed=cfg.seed, dtype=dtype)
-    ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
+    ref = train_reference(
+        ModelConfig(),
+        cfg,
+        dp=nproc,
+        model=net,
+        return_grads=True,
+        mixed=mixed,
+        loss_scale=loss_scale,
+    )
     s["loss_dtype"] = per_rank[0]["loss_dtype"]
     fill_losses(s, mean_losses(per_rank), ref.losses, DTYPES[s["loss_dtype"]])
-    s.update(param_diff(per_rank[0]["params"], ref.params))
+    if mixed is not None:
+        s["matches_reference"] = (
+            s["max_rel_loss_diff"] <= rule("mixed_loss", mixed.param_dtype, per_rank.backend).rel
+        )
+        fp32_ref = train_reference(ModelConfig(), cfg, dp=nproc, model=build(model, cfg.seed))
+        s["fp32_reference_losses"] = fp32_ref.losses
+        s["max_rel_loss_diff_vs_fp32"] = compare_losses(s["losses"], fp32_ref.losses)[
+            "max_rel_loss_diff"
+        ]
+    if mixed is not None and mixed.loss_scaling:
+        s["loss_scales"] = per_rank[0]["loss_scales"]
+        s["skipped_steps"] = per_rank[0]["skipped_steps"]
+        s["reference_skipped_steps"] = ref.skipped_steps
+    s.update(param_diff(per_rank[0]["params"], ref.params, mixed, per_rank.backend))
     s["params_sha1"] = digest(per_rank[0]["params"])
+    used = ref.grads or used_parameters(model, cfg, nproc)  # fp16 may have taken no step
     gradless = sum(
-        p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads
+        p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in used
     )
     frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
     _fill_theory(
@@ -548,6 +749,8 @@ def run(
         frozen_numel=frozen,
         gradless=gradless,
         itemsize=DTYPES[dtype].itemsize,
+        mixed=mixed,
+        stepped=len(per_rank[0]["skipped_steps"]) < steps,
     )
     if stage == 3:  # the user's optimizer keeps state per piece: no state for padding or unused
         expected = [
@@ -570,6 +773,8 @@ def run(
         replace(cfg, steps=1),
         dp=nproc,
         model=build(model, seed=cfg.seed, dtype=dtype),
+        mixed=mixed,
+        loss_scale=loss_scale,
     )
     s.add_checks(zero_checks.checks(s, per_rank, ref, net, units=unit_params(net), first=one))
     if vs_torch:
@@ -596,7 +801,22 @@ def _vs_torch(s, spec, cfg, ref, *, nproc, backend, timeout) -> None:
     s["torch_losses"] = mean_losses(t)
     torch_loss_diff = compare_losses(s["torch_losses"], ref.losses)
     s["torch_max_rel_loss_diff"] = torch_loss_diff["max_rel_loss_diff"]
-    s["torch_max_rel_param_diff"] = param_diff(t[0]["params"], ref.params)["max_rel_param_diff"]
+    s["torch_max_rel_param_diff"] = param_diff(t[0]["params"], ref.params, spec.mixed)[
+        "max_rel_param_diff"
+    ]
+
+
+def used_parameters(model: str, cfg: TrainConfig, nproc: int) -> set[str]:
+    """The names of the parameters a backward gives a gradient (one step of the reference)."""
+    return set(
+        train_reference(
+            ModelConfig(),
+            replace(cfg, steps=1),
+            dp=nproc,
+            model=build(model, cfg.seed),
+            return_grads=True,
+        ).grads
+    )
 
 
 def zero3_held(net, theory_held: dict, ref_grads: dict, dp: int, rank: int, offload: bool, dtype):
@@ -692,20 +912,25 @@ def digest(params: dict) -> str:
     return h.hexdigest()
 
 
-def param_diff(params: dict, reference: dict) -> dict:
+def param_diff(
+    params: dict, reference: dict, mixed: MixedPrecision | None = None, backend: str = "gloo"
+) -> dict:
     """``max_rel_param_diff`` over every parameter (by name), the ``worst_param`` and
     ``params_match_reference`` (within the tolerance for parameters after AdamW steps,
-    ``labs.train.PARAM_TOLERANCES``)."""
+    ``labs.train.PARAM_TOLERANCES``; mixed precision: the table's "mixed_param" row)."""
     missing = sorted(set(reference) - set(params))
     if missing:
         raise AssertionError(f"parameters missing from the parallel run: {missing}")
     diffs = {n: max_rel_diff(params[n].double(), ref.double()) for n, ref in reference.items()}
     worst = max(diffs, key=diffs.get)
     dtype = reference[worst].dtype
+    tolerance = (
+        rule("mixed_param", mixed.param_dtype, backend).rel if mixed else PARAM_TOLERANCES[dtype]
+    )
     return {
         "max_rel_param_diff": diffs[worst],
         "worst_param": worst,
-        "params_match_reference": diffs[worst] <= PARAM_TOLERANCES[dtype],
+        "params_match_reference": diffs[worst] <= tolerance,
     }
 
 
@@ -726,8 +951,11 @@ def _fill_theory(
     frozen_numel: int,
     gradless: int,
     itemsize: int,
+    mixed: MixedPrecision | None = None,
+    stepped: bool = True,
 ) -> None:
-    """Bytes sent and held, measured on every rank, beside ``labs.theory.zero``'s figures."""
+    """Bytes sent and held, measured on every rank, beside ``labs.theory.zero``'s figures
+    (``stepped=False``: fp16 skipped every step, AdamW has no moments yet)."""
     held = theory.held_bytes(
         units,
         stage=stage,
@@ -736,8 +964,11 @@ def _fill_theory(
         frozen_numel=frozen_numel,
         gradless_numel=gradless,
         itemsize=itemsize,
+        precision="fp32" if mixed is None else "bf16-mixed",  # fp16-mixed: the same bytes
+        stepped=stepped,
     )
-    comm = theory.comm_bytes(units, stage=stage, dp=nproc, itemsize=itemsize)
+    sizes = comm_itemsizes(itemsize, mixed)
+    comm = theory.comm_bytes(units, stage=stage, dp=nproc, **sizes)
     s.update(
         unit_numels=units,
         n_params=sum(units),
@@ -745,7 +976,8 @@ def _fill_theory(
         theory_comm_bytes_per_rank=comm["total"],
         comm_by_op=per_rank[0]["sent_by_op"],
         theory_comm_by_op=comm,
-        psi_equivalent=per_rank[0]["sent_per_step"] / ((nproc - 1) / nproc * itemsize * sum(units)),
+        psi_equivalent=per_rank[0]["sent_per_step"]
+        / ((nproc - 1) / nproc * sizes["itemsize"] * sum(units)),
         state_bytes_per_rank=[r["held"]["total"] for r in per_rank],
         theory_state_bytes_per_rank=held["total"],
         state_breakdown=per_rank[0]["held"],
@@ -764,7 +996,7 @@ def _fill_theory(
         s["peak_param_bytes_per_rank"] = [r["peak_param_bytes"]["forward"] for r in per_rank]
         s["peak_param_bytes_backward"] = [r["peak_param_bytes"]["backward"] for r in per_rank]
         s["theory_peak_param_bytes"] = theory.peak_param_bytes(
-            units, dp=nproc, prefetch=prefetch, itemsize=itemsize
+            units, dp=nproc, prefetch=prefetch, itemsize=sizes["itemsize"], shard_itemsize=itemsize
         )
         s["peak_matches_theory"] = all(
             b == s["theory_peak_param_bytes"] for b in s["peak_param_bytes_per_rank"]
@@ -797,4 +1029,22 @@ def add_arguments(parser) -> None:
         choices=tuple(DTYPES),
         default="float32",
         help="float64 checks parameters beyond AdamW-amplified rounding",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=tuple(REDUCE_DTYPES),
+        default=None,
+        help="mixed precision: reduce the gradients in fp32 (default) or in the weights' dtype",
+    )
+    parser.add_argument(
+        "--loss-scale",
+        type=float,
+        default=FP16_LOSS_SCALE,
+        help="fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
     )

@@ -20,7 +20,7 @@ import torch
 
 from labs.experiments.checks import Check, compare_tensors, compare_values, scale_hint
 from labs.theory import zero as theory
-from labs.train import rule
+from labs.train import mixed_precision, rule
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 LEDGER_OPS = {
@@ -40,25 +40,38 @@ def checks(s, per_rank: list[dict], ref, net, *, units, first) -> list[Check]:
     backend = s["backend"]
     n = s["nproc"]
     stage = s["stage"]
-    value = rule("value", dtype, backend).rel
-    param = rule("param", dtype, backend).rel
+    mixed = mixed_precision(s.get("precision", "fp32"), s.get("reduce_dtype"))
+    if mixed is None:
+        loss = rule("value", DTYPES[s["loss_dtype"]], backend).rel
+        value = rule("value", dtype, backend).rel
+        param = rule("param", dtype, backend).rel
+    else:  # against the reference under the same policy: the table's mixed rows
+        loss, value, param = (
+            rule(f"mixed_{kind}", mixed.param_dtype, backend).rel
+            for kind in ("loss", "grad", "param")
+        )
     names = {p: name for name, p in net.named_parameters()}
     layout = [(name, [names[p] for p in params]) for name, params in units]
     out = [
-        losses_check(
-            s["losses"], s["reference_losses"], rule("value", DTYPES[s["loss_dtype"]], backend).rel
-        ),
+        losses_check(s["losses"], s["reference_losses"], loss),
         grads_check(per_rank, ref.grads, value, n),
         params_check(per_rank, first.params, param, n, stage, layout, "params_step1", "step 1"),
         params_check(per_rank, ref.params, param, n, stage, layout, "params", "the last step"),
     ]
     numels = [sum(p.numel() for p in params) for _, params in units]
     itemsize = dtype.itemsize
+    sizes = comm_itemsizes(itemsize, mixed)
     out += [
-        calls_check(per_rank, expected_calls(numels, stage, n, itemsize), n, stage),
-        sent_check(per_rank, theory.comm_bytes(numels, stage=stage, dp=n, itemsize=itemsize), n),
-        state_check(per_rank, s.get("theory_breakdown_per_rank", s["theory_breakdown"]), n, stage),
+        calls_check(per_rank, expected_calls(numels, stage, n, **sizes), n, stage, mixed),
+        sent_check(per_rank, theory.comm_bytes(numels, stage=stage, dp=n, **sizes), n),
+        state_check(
+            per_rank, s.get("theory_breakdown_per_rank", s["theory_breakdown"]), n, stage, mixed
+        ),
     ]
+    if mixed is not None:
+        out.append(calculator_check(per_rank, s["calculator_bytes"], stage))
+    if mixed is not None and mixed.loss_scaling:
+        out.append(skipped_check(per_rank, ref.skipped_steps))
     if stage == 3:
         out.append(peak_check(per_rank, s["theory_peak_param_bytes"]))
     if s["offload"]:
@@ -119,7 +132,25 @@ def grads_check(per_rank: list[dict], ref_grads: dict, tolerance: float, n: int)
     """Each rank's averaged gradients after step 1, by name, against the same elements of the
     reference's (a piece where the rank holds a piece)."""
     found = []
+    if not ref_grads and all(got["grads"] is None for got in per_rank):
+        return Check(
+            "gradients after step 1",
+            True,
+            "none",
+            "none",
+            where="fp16 skipped every step, on every rank and in the reference",
+        )
     for r, got in enumerate(per_rank):
+        if got["grads"] is None:
+            return Check(
+                "gradients after step 1",
+                False,
+                "none",
+                "the first step taken's",
+                where=f"rank {r}",
+                hint="this rank took no step: every step was skipped for overflow (fp16) while"
+                " the reference took some",
+            )
         ranges = got["grad_ranges"]
         expected = {}
         for name, g in ref_grads.items():
@@ -203,21 +234,66 @@ def slices_hint(
     return ""
 
 
-def expected_calls(numels: list[int], stage: int, n: int, itemsize: int) -> dict[str, list]:
-    """The payload bytes of each collective call of one step, by ledger op, sorted: stage 0 one
-    all-reduce per unit (its Ψ_u elements); stages 1-2 one reduce-scatter and one all-gather per
-    unit (its padded N·S_u); stage 3 two all-gathers (forward, backward) and one reduce-scatter."""
-    padded = [theory.flat_layout(k, n)["padded"] * itemsize for k in numels]
-    if stage == 0:
-        return {"all_reduce": sorted(k * itemsize for k in numels)}
-    gathers = 2 if stage == 3 else 1
+def comm_itemsizes(itemsize: int, mixed) -> dict[str, int]:
+    """Bytes per element of the all-gathers (``itemsize``) and of the reductions
+    (``reduce_itemsize``): the run's dtype, or under mixed precision bf16 and the reduce dtype's."""
+    if mixed is None:
+        return {"itemsize": itemsize, "reduce_itemsize": itemsize}
     return {
-        "reduce_scatter_single": sorted(padded),
-        "all_gather_single": sorted(padded * gathers),
+        "itemsize": mixed.param_dtype.itemsize,
+        "reduce_itemsize": mixed.reduce_dtype.itemsize,
+        "overflow_flag": mixed.loss_scaling,
     }
 
 
-def calls_check(per_rank: list[dict], expected: dict[str, list], n: int, stage: int) -> Check:
+def expected_calls(
+    numels: list[int],
+    stage: int,
+    n: int,
+    itemsize: int,
+    reduce_itemsize: int | None = None,
+    overflow_flag: bool = False,
+) -> dict[str, list]:
+    """The payload bytes of each collective call of one step, by ledger op, sorted: stage 0 one
+    all-reduce per unit (its Ψ_u elements); stages 1-2 one reduce-scatter and one all-gather per
+    unit (its padded N·S_u); stage 3 two all-gathers (forward, backward) and one reduce-scatter.
+    The reductions carry ``reduce_itemsize`` bytes per element (default ``itemsize``);
+    ``overflow_flag`` (fp16, stages 1-3): one all-reduce of a 4-byte flag."""
+    reduce_itemsize = reduce_itemsize or itemsize
+    padded = [theory.flat_layout(k, n)["padded"] for k in numels]
+    if stage == 0:
+        return {"all_reduce": sorted(k * reduce_itemsize for k in numels)}
+    gathers = 2 if stage == 3 else 1
+    out = {
+        "reduce_scatter_single": sorted(k * reduce_itemsize for k in padded),
+        "all_gather_single": sorted(k * itemsize for k in padded * gathers),
+    }
+    if overflow_flag:
+        out["all_reduce"] = [theory.BYTES]
+    return out
+
+
+def _dtype_hint(op: str, ratio: float, mixed) -> str:
+    """Under mixed precision, a call off by the ratio of two dtypes' sizes: the wrong dtype."""
+    if mixed is None:
+        return ""
+    low = str(mixed.param_dtype).removeprefix("torch.")
+    if abs(ratio - 0.5) < 1e-9 and "reduce" in op and mixed.reduce_dtype == torch.float32:
+        return (
+            f"the gradients were reduced in {low} where reduce_dtype=float32 was asked: cast the"
+            " flat gradient buffer to the reduce dtype before its reduce-scatter"
+        )
+    if abs(ratio - 2.0) < 1e-9 and "gather" in op:
+        return (
+            f"the all-gather carried fp32 where the unit computes in {low}: gather the shard"
+            " cast to the compute dtype (2 bytes per element), not the fp32 master"
+        )
+    return ""
+
+
+def calls_check(
+    per_rank: list[dict], expected: dict[str, list], n: int, stage: int, mixed=None
+) -> Check:
     """Every collective call of the last step on every rank: how many of each op, and the bytes
     each moved, against ``expected_calls``."""
     for r, got in enumerate(per_rank):
@@ -228,6 +304,18 @@ def calls_check(per_rank: list[dict], expected: dict[str, list], n: int, stage: 
             m = sorted(measured.get(op, []))
             e = expected.get(op, [])
             where = f"rank {r}, {op}, last step"
+            if len(m) != len(e) and op == "all_reduce" and stage > 0:
+                return Check(
+                    "bytes per call",
+                    False,
+                    len(m),
+                    len(e),
+                    where=f"{where}: calls",
+                    hint=f"all_reduce: {len(m)} calls where ZeRO-{stage} in fp16 makes {len(e)}:"
+                    " a rank sees only its shard of the gradients, so the overflow flag must be"
+                    " all-reduced (MAX, 4 bytes) over the group once per step, and every rank"
+                    " skips alike",
+                )
             if len(m) != len(e):
                 per_unit = (
                     "twice per unit (forward and backward)"
@@ -245,6 +333,16 @@ def calls_check(per_rank: list[dict], expected: dict[str, list], n: int, stage: 
                 )
             for i, (a, b) in enumerate(zip(m, e)):
                 if a != b:
+                    hint = _dtype_hint(op, a / b, mixed) if b else ""
+                    if hint:
+                        return Check(
+                            "bytes per call",
+                            False,
+                            a,
+                            b,
+                            where=f"{where}, call {i + 1} of {len(e)}",
+                            hint=hint,
+                        )
                     hint = scale_hint("the bytes of this call", a / b, n) if b else ""
                     return Check(
                         "bytes per call",
@@ -280,8 +378,19 @@ def sent_check(per_rank: list[dict], comm: dict, n: int) -> Check:
     return Check("bytes sent per op", True, comm["total"], comm["total"], 1e-9, "every rank")
 
 
-def _state_hint(role: str, ratio: float, n: int, stage: int) -> str:
+def _state_hint(role: str, ratio: float, n: int, stage: int, mixed=None) -> str:
     near_n = abs(ratio - n) < 0.02 * n
+    if mixed is not None and role == "optimizer" and ratio < 1:
+        return (
+            "less optimizer state than fp32 masters plus fp32 moments (12 bytes per element of"
+            " the shard): does the inner optimizer step the bf16 shard instead of the fp32"
+            " master (u.master)?"
+        )
+    if mixed is not None and role == "grads" and ratio > 1 and stage < 3:
+        return (
+            "more gradient bytes than bf16 gradients: are the masters' fp32 gradients dropped"
+            " after the step (u.master.grad = None)?"
+        )
     if role == "optimizer" and near_n:
         return (
             f"the optimizer holds {n}x the calculator's state: does it step the whole parameters"
@@ -303,7 +412,7 @@ def _state_hint(role: str, ratio: float, n: int, stage: int) -> str:
     )
 
 
-def state_check(per_rank: list[dict], expected, n: int, stage: int) -> Check:
+def state_check(per_rank: list[dict], expected, n: int, stage: int, mixed=None) -> Check:
     """The bytes each rank holds after a step, by role, against the theory (per rank: a list)."""
     for r, got in enumerate(per_rank):
         want = expected[r] if isinstance(expected, list) else expected
@@ -316,7 +425,7 @@ def state_check(per_rank: list[dict], expected, n: int, stage: int) -> Check:
                     got["held"][role],
                     want[role],
                     where=f"rank {r}, {role}",
-                    hint=_state_hint(role, ratio, n, stage),
+                    hint=_state_hint(role, ratio, n, stage, mixed),
                 )
     first = expected[0] if isinstance(expected, list) else expected
     return Check(
@@ -325,6 +434,56 @@ def state_check(per_rank: list[dict], expected, n: int, stage: int) -> Check:
         per_rank[0]["held"]["total"],
         first["total"],
         where=f"{len(per_rank)} ranks",
+    )
+
+
+def calculator_check(per_rank: list[dict], calculator: int, stage: int) -> Check:
+    """Mixed precision: every rank holds the memory calculator's bf16-mixed bytes in all
+    (``labs.theory.memory.state_bytes(precision="bf16-mixed")``, 16 bytes per parameter split
+    by the stage; ZeRO-3 lays them out as FSDP2 does, see ``labs.theory.zero``)."""
+    for r, got in enumerate(per_rank):
+        held = got["held"]["total"]
+        if held != calculator:
+            return Check(
+                "state held = the calculator's bf16-mixed bytes",
+                False,
+                held,
+                calculator,
+                where=f"rank {r}, total",
+                hint=f"ZeRO-{stage} in bf16-mixed holds bf16 weights and gradients and fp32 masters"
+                " and moments (the calculator's 2 + 2 + 12 bytes per parameter, sharded by the"
+                " stage): see which role the state check above names",
+            )
+    return Check(
+        "state held = the calculator's bf16-mixed bytes",
+        True,
+        per_rank[0]["held"]["total"],
+        calculator,
+        where=f"{len(per_rank)} ranks",
+    )
+
+
+def skipped_check(per_rank: list[dict], reference: list[int]) -> Check:
+    """fp16: every rank skipped exactly the steps whose scaled gradients overflowed in the
+    reference (and took every other)."""
+    for r, got in enumerate(per_rank):
+        if got["skipped_steps"] != reference:
+            return Check(
+                "steps skipped for overflow",
+                False,
+                got["skipped_steps"],
+                reference,
+                where=f"rank {r}",
+                hint="every rank must skip the steps whose scaled gradients overflowed anywhere:"
+                " a rank sees only its shard, so the overflow flag must be all-reduced (MAX) over"
+                " the group before deciding (ShardedOptimizer.unscale_grads)",
+            )
+    return Check(
+        "steps skipped for overflow",
+        True,
+        per_rank[0]["skipped_steps"],
+        reference,
+        where=f"{len(per_rank)} ranks, scales {per_rank[0]['loss_scales']}",
     )
 
 

@@ -26,8 +26,11 @@ def report(s: RunSummary) -> str:
     theory_held = s["theory_state_bytes_per_rank"]
     theory_held = theory_held[0] if isinstance(theory_held, list) else theory_held
     offload = ", offload" if s["offload"] else ""
+    precision = s.get("precision", "fp32")
+    numbers = s["dtype"] if precision == "fp32" else f"{precision}, reduce in {s['reduce_dtype']}"
+    unit = "4Ψ" if precision == "fp32" else "2Ψ"  # psi_equivalent counts the weights' bytes
     lines = [
-        f"{name} on {s['nproc']} ranks ({s['backend']}, {s['model']} model, {s['dtype']}"
+        f"{name} on {s['nproc']} ranks ({s['backend']}, {s['model']} model, {numbers}"
         f"{offload}), {s['steps']} AdamW steps",
         f"  losses      max relative difference to the reference {s['max_rel_loss_diff']:.1e}",
         f"  parameters  max relative difference {s['max_rel_param_diff']:.1e} ({s['worst_param']})",
@@ -36,7 +39,7 @@ def report(s: RunSummary) -> str:
         f" grads {_kb(held['grads'])}, optimizer {_kb(held['optimizer'])})",
         f"  sent/rank   {_kb(s['comm_bytes_per_rank'][0])} per step measured,"
         f" {_kb(s['theory_comm_bytes_per_rank'])} theory"
-        f" = {s['psi_equivalent']:.3g} x (N-1)/N x 4Ψ",
+        f" = {s['psi_equivalent']:.3g} x (N-1)/N x {unit}",
     ]
     if s["stage"] == 3:
         lines.append(

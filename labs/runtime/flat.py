@@ -89,6 +89,7 @@ class FlatBuffer:
         self.shard_grad: torch.Tensor | None = None  # [shard] this rank's gradients (ZeRO-2, 3)
         self.shard_param: torch.nn.Parameter | None = None  # [shard] what the optimizer steps
         self.host: torch.nn.Parameter | None = None  # [shard] on the CPU (offload)
+        self.master: torch.nn.Parameter | None = None  # [shard] fp32 (mixed precision)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of a flat buffer, shaped like the parameter."""

@@ -37,6 +37,23 @@ Bytes sent per rank per step (ring figures, ``labs.theory.comm``), P = Σ_u N·S
 ZeRO-3 keeps only shards between uses: during unit k's forward a rank holds every shard,
 unit k in full and (with prefetch) unit k+1 in full: peak = Σ 4 S_u + max_k 4 N (S_k + S_k+1).
 
+Mixed precision (``precision="bf16-mixed"`` or ``"fp16-mixed"``, same bytes): bf16 parameters
+and gradients (2 bytes), fp32 master weights (4) and AdamW moments (8), gradients reduced in the
+reduce dtype (4 bytes in fp32, 2 in bf16):
+
+    stage  parameters        gradients         optimizer (master + moments)
+    0      2 Ψ_u             2 Ψ_u             12 Ψ_u
+    1      2 N·S_u (flat)    2 N·S_u (flat)    12 S_u
+    2      2 N·S_u (flat)    2 S_u             12 S_u
+    3      4 S_u (fp32)      4 S_u (fp32)       8 S_u        FSDP2's layout, see below
+
+Stages 0-2 are the calculator's bf16-mixed rows (``state_bytes(precision="bf16-mixed")``) term by
+term. ZeRO-3 holds the calculator's 16 S_u too, laid out as FSDP2 lays it out: the fp32 shard is
+both the parameter a plain optimizer steps and its master copy (the bf16 unit is gathered from a
+transient cast and freed after use), and its gradient is fp32 (the reduced gradient is never
+rounded to bf16): 4 + 4 + 8 where the calculator counts 2 + 2 + (4 + 8). Bytes sent: the
+reductions carry the reduce dtype, the all-gathers bf16.
+
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
 (SC 2020), §5 and §7; Zhao et al., "PyTorch FSDP" (VLDB 2023), §3.
 """
@@ -53,6 +70,8 @@ from labs.theory.presets import PRESETS
 
 STAGES = (0, 1, 2, 3)
 BYTES = 4  # fp32: parameters, gradients and each of Adam's two moments
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+HALF = 2  # bf16 and fp16: a mixed-precision run's parameters and gradients
 KINDS = ("params", "grads", "optimizer")
 STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes")
 
@@ -102,6 +121,8 @@ def held_bytes(
     frozen_numel: int = 0,
     gradless_numel: int = 0,
     itemsize: int = BYTES,
+    precision: str = "fp32",
+    stepped: bool = True,
 ) -> dict:
     """Bytes a rank holds between steps (after the optimizer step, gradients still held).
 
@@ -113,13 +134,18 @@ def held_bytes(
     ``gradless_numel`` trainable parameters never get a gradient (unused in forward), so in
     stage 0 they hold neither a gradient nor AdamW state (inside a flat buffer they do).
     ``itemsize``: bytes per element (8 for a float64 check run; the calculator's fp32 figures scale
-    with it).
+    with it). ``precision``: "bf16-mixed" or "fp16-mixed" gives the mixed-precision table of the
+    module docstring (and ``calculator`` the calculator's bf16-mixed figure); ``stepped=False``
+    (fp16 skipped every step so far): AdamW has no moments yet (it makes them at its first step).
     """
     units = _check(unit_numels, stage, dp)
     if offload and stage == 0:
         raise ValueError(
             "offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank"
         )
+    _check_precision(precision, itemsize, offload)
+    if precision != "fp32":
+        return _mixed_held_bytes(units, stage, dp, frozen_numel, gradless_numel, stepped)
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
     for n in units:
         lay = flat_layout(n, dp)
@@ -151,33 +177,114 @@ def held_bytes(
     return out
 
 
+def _check_precision(precision: str, itemsize: int, offload: bool) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+    if precision != "fp32" and itemsize != BYTES:
+        raise ValueError(
+            f"precision={precision!r} fixes the bytes (bf16 or fp16 weights, fp32 masters):"
+            f" leave itemsize at {BYTES}, got {itemsize}"
+        )
+    if precision != "fp32" and offload:
+        raise ValueError(
+            f"offload=True with precision={precision!r} is not modelled here (the host would"
+            " hold the fp32 masters): use offload with precision='fp32'"
+        )
+
+
+def _mixed_held_bytes(
+    units: list[int],
+    stage: int,
+    dp: int,
+    frozen_numel: int,
+    gradless_numel: int,
+    stepped: bool = True,
+) -> dict:
+    """``held_bytes`` for a mixed-precision run (the module docstring's second table)."""
+    out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
+    moments = 0  # AdamW's two fp32 moments: 8 bytes per element it steps
+    for n in units:
+        lay = flat_layout(n, dp)
+        moments += 2 * BYTES * (n if stage == 0 else lay["shard"])
+        calc = state_bytes(
+            n, precision="bf16-mixed", optimizer="adamw", zero=stage, dp=dp, exact_shards=True
+        )
+        out["calculator"] += calc["total_bytes"]
+        if stage == 3:  # FSDP2's layout: fp32 shard (the master), fp32 gradient shard, moments
+            out["params"] += BYTES * lay["shard"]
+            out["grads"] += BYTES * lay["shard"]
+            out["optimizer"] += 2 * BYTES * lay["shard"]
+            continue
+        pad = lay["padding"] * HALF
+        out["params"] += calc["param_bytes"]
+        out["grads"] += calc["grad_bytes"]
+        out["optimizer"] += calc["optimizer_bytes"]
+        if stage in (1, 2):  # the full flat parameter buffer, in bf16
+            out["params"] += pad
+            out["padding"] += pad
+        if stage == 1:  # the full flat gradient buffer, in bf16
+            out["grads"] += pad
+            out["padding"] += pad
+    out["params"] += frozen_numel * HALF
+    if stage == 0:  # no gradient and no moments for a parameter never used (its master stays)
+        out["grads"] -= gradless_numel * HALF
+        out["optimizer"] -= 2 * BYTES * gradless_numel
+        out["calculator"] -= (HALF + 2 * BYTES) * gradless_numel
+        moments -= 2 * BYTES * gradless_numel
+    if not stepped:
+        out["optimizer"] -= moments
+        out["calculator"] -= moments
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
 def peak_param_bytes(
-    unit_numels: Iterable[int], *, dp: int, prefetch: bool = True, itemsize: int = BYTES
+    unit_numels: Iterable[int],
+    *,
+    dp: int,
+    prefetch: bool = True,
+    itemsize: int = BYTES,
+    shard_itemsize: int | None = None,
 ) -> int:
     """ZeRO-3: most parameter bytes a rank holds during forward: every shard, the unit being
-    computed in full and, with ``prefetch``, the next unit's all-gather output too."""
+    computed in full and, with ``prefetch``, the next unit's all-gather output too. Mixed
+    precision: the gathered units in bf16 (``itemsize=2``), the shards fp32 (``shard_itemsize=4``;
+    default: ``itemsize``)."""
     units = _check(unit_numels, 3, dp)
     lays = [flat_layout(n, dp) for n in units]
     shards = sum(lay["shard"] for lay in lays)
     full = [lay["padded"] for lay in lays]
     window = [a + b for a, b in zip(full, full[1:])] if prefetch and len(full) > 1 else full
-    return (shards + max(window)) * itemsize
+    return shards * (shard_itemsize or itemsize) + max(window) * itemsize
 
 
 def comm_bytes(
-    unit_numels: Iterable[int], *, stage: int, dp: int, itemsize: int = BYTES
+    unit_numels: Iterable[int],
+    *,
+    stage: int,
+    dp: int,
+    itemsize: int = BYTES,
+    reduce_itemsize: int | None = None,
+    overflow_flag: bool = False,
 ) -> dict[str, float]:
     """Bytes a rank sends per step, by collective (ring model), and ``psi_equivalent``: the total
-    in units of (N-1)/N · 4Ψ, i.e. 2 for stages 0-2 and 3 for stage 3 (padding aside)."""
+    in units of (N-1)/N · itemsize·Ψ, i.e. 2 for stages 0-2 and 3 for stage 3 (padding aside).
+    Mixed precision: the all-gathers carry the parameters' ``itemsize`` (2), the all-reduce and
+    reduce-scatter the reduce dtype's ``reduce_itemsize`` (4 for fp32; default: ``itemsize``).
+    ``overflow_flag`` (fp16's loss scaling, stages 1-3): a rank sees only its gradient shard, so
+    one all-reduce of a 4-byte flag tells every rank whether any overflowed."""
     units = _check(unit_numels, stage, dp)
+    reduce_itemsize = reduce_itemsize or itemsize
     grads = sum(units) * itemsize
-    padded = sum(flat_layout(n, dp)["padded"] for n in units) * itemsize
+    padded = sum(flat_layout(n, dp)["padded"] for n in units)
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     if stage == 0:
-        out["all_reduce"] = all_reduce_bytes(grads, dp)
+        out["all_reduce"] = all_reduce_bytes(sum(units) * reduce_itemsize, dp)
     else:
-        out["reduce_scatter"] = reduce_scatter_bytes(padded, dp)
-        out["all_gather"] = all_gather_bytes(padded, dp) * (2 if stage == 3 else 1)
+        out["reduce_scatter"] = reduce_scatter_bytes(padded * reduce_itemsize, dp)
+        out["all_gather"] = all_gather_bytes(padded * itemsize, dp) * (2 if stage == 3 else 1)
+        if overflow_flag:
+            out["all_reduce"] = all_reduce_bytes(BYTES, dp)
     out["total"] = sum(out.values())
     out["psi_equivalent"] = out["total"] / ((dp - 1) / dp * grads) if dp > 1 else 0.0
     return out
