@@ -172,10 +172,12 @@ def discover_labs(template: Path, hidden: Path | None = None) -> list[Lab]:
     for folder, where in (("tests", template / "tests"), ("hidden_tests", hidden)):
         for path in sorted(where.glob("test_*.py")):
             lab = lab_of_test_file(path, exercises)
-            if lab is None:
-                called = set(
-                    re.findall(r"""exercise\(\s*["'](\w+)["']\s*\)""", path.read_text())
-                ) & set(exercises)
+            text = path.read_text()
+            if lab is None and "mark.exercise" in text:
+                # a file named for no exercise: the lab of the exercises it calls (only a file
+                # with tests marked ``exercise`` has anything to grade)
+                called = set(re.findall(r"""exercise\(\s*["'](\w+)["']\s*\)""", text))
+                called &= set(exercises)
                 lab = max(called, key=order.get) if called else None
             if lab is not None:
                 files[lab].append(f"{folder}/{path.name}")

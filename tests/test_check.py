@@ -65,6 +65,7 @@ def test_every_exercise_has_test_files_and_the_rule_is_the_graders():
     )
     assert [f.name for f in check.exercise_test_files("zero")] == [
         "test_zero.py",
+        "test_zero_api.py",
         "test_zero_checkpoint.py",
     ]
 

@@ -908,7 +908,9 @@ def test_labs_are_discovered_from_the_course(tmp_path):
     build_release(template)
     (template / "hidden_tests").mkdir()
     (template / "hidden_tests" / "test_collectives_hidden.py").write_text("")
-    (template / "tests" / "test_extra_checks.py").write_text('exercise("collectives")\n')
+    (template / "tests" / "test_extra_checks.py").write_text(
+        'pytestmark = pytest.mark.exercise\nexercise("collectives")\n'
+    )
     labs = {lab.name: lab for lab in discover_labs(template)}
     lab = labs["collectives"]
     assert lab.notebook == NOTEBOOK
