@@ -204,7 +204,7 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
         ### BEGIN SOLUTION
         # 1. the input's gradient first: the previous layer waits for it. [B, T, in], this rank's
         # term. Summed from the last weight back, the order in which autograd adds the separate
-        # linears' terms (the last one used runs its backward first): the same bits as f.
+        # linears' terms (the last one used runs its backward first): bit for bit what f gets.
         grad_x = grads[-1] @ weights[-1]
         for grad, weight in zip(grads[-2::-1], weights[-2::-1]):
             grad_x = grad_x + grad @ weight  # [B, T, out_i/tp] @ [out_i/tp, in]
