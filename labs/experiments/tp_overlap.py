@@ -5,7 +5,7 @@ matmuls (``apply_async_communication``), and what it changes in a profiled step.
     print(overlap_table(runs))     # per variant and rank: step, compute, comm, exposed comm (ms),
                                    # then the exposed communication of the step and of backward
     plot_overlap(runs)             # compute / communication lanes of one step, before and after
-    same_results(runs)             # the same losses, collectives and bytes, call for call
+    same_results(runs["sync"]["summary"], runs["async"]["summary"])  # losses, collectives, bytes
     python -m labs.run tp --nproc 2 --async-linear --op-time 0.005 --profile traces/tp-async
 
 Each variant is the TP lab (``labs.experiments.tp.run``) with every rank profiling steps 1-3
@@ -184,12 +184,11 @@ def plot_overlap(runs: Mapping[str, Mapping], *, step: int | None = None):
     return plot_runs(runs, step=step)
 
 
-def same_results(runs: Mapping[str, Mapping]) -> dict:
-    """What the overlap must not change, sync against async: both verdicts, the losses (bit for
-    bit), the collectives per phase and op (calls, payload, bytes sent) and the bytes sent, held
-    and saved per rank."""
-    sync = runs["sync"]["summary"]
-    overlapped = runs["async"]["summary"]
+def same_results(sync: Mapping, overlapped: Mapping) -> dict:
+    """What the overlap must not change, between two TP lab summaries on the same settings, f then
+    the matmuls (``sync``) and ``apply_async_communication`` (``overlapped``): both verdicts, the
+    losses (bit for bit), the collectives per phase and op (calls, payload, bytes sent), and the
+    bytes sent, held and saved per rank. Notebook 04."""
     keys = (
         "comm",
         "comm_bytes_per_rank",
