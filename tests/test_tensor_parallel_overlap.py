@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from labs import launch
 from labs.experiments import tp as experiment
-from labs.experiments.tp_overlap import PaddedMatmuls, overlap_runs, same_results
+from labs.experiments.tp_overlap import PaddedMatmuls, overlap_runs, plot_overlap, same_results
 from labs.measure import CommLedger
 from labs.measure.async_collectives import AsyncCollectives
 from labs.models.transformer import ModelConfig, build_model
@@ -183,3 +183,12 @@ def test_profiled_backward_hides_communication_only_when_overlapped(tmp_path):
     assert hidden_ms(runs["async"]) > max(1.0, 5 * hidden_ms(runs["sync"])), {
         name: hidden_ms(run) for name, run in runs.items()
     }
+    # the picture: one panel per variant, zoomed on the backward passes of step 1
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = plot_overlap(runs)
+    left, right = fig.axes[0].get_xlim()
+    steps = [row["step_s"] for run in runs.values() for row in run["steps"] if row["step"] == 1]
+    assert len(fig.axes) == 2 and 0 < left < right < max(steps) * 1e3 * 1.5
+    assert all("backward of step 1" in ax.get_title() for ax in fig.axes)
