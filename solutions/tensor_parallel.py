@@ -18,6 +18,12 @@ Bytes per rank per step, K = B·T·H·bytes, c = 2(N-1)/N (every collective:
 ``labs.theory.tensor_parallel``): per block 4·c·K, as 2 all-reduces each way or, with SP, 2
 all-gathers + 2 reduce-scatters each way, plus c·H·bytes per norm weight; outside the blocks
 tok_emb's g, lm_head's f and the loss's all-reduces of B·T and 2·B·T fp32 numbers.
+
+``apply_async_communication`` turns a model of ``apply_tensor_parallel`` into its overlapped
+variant: each region entrance (q/k/v, gate/up, the head) becomes one
+``LinearWithAsyncCommunication``, whose backward all-reduces (SP: reduce-scatters) the input's
+gradient while it computes the weight gradients. The same parameters, collectives and bytes; less
+communication exposed.
 """
 
 from __future__ import annotations
@@ -32,12 +38,21 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from labs.models.hf_convert import course_model_from
-from labs.models.transformer import Block, ModelConfig, RMSNorm, Transformer
+from labs.models.transformer import (
+    MLP,
+    Attention,
+    Block,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    apply_rotary,
+)
 from labs.runtime.tensor_comm import shard_weight
 from labs.theory.dims import ParallelDims, check_divides
 
 from .tensor_parallel_comm import (
     GatherFromModelParallelRegion,
+    LinearWithAsyncCommunication,
     ReduceFromModelParallelRegion,
     enter_parallel_region,
     exit_parallel_region,
@@ -313,3 +328,113 @@ def apply_tensor_parallel(
         tp_model.lm_head.weight = tp_model.tok_emb.weight
     return tp_model
     ### END SOLUTION
+
+
+# --- the overlapped variant (notebook 04, §11): the same shards, each region entered inside one
+# LinearWithAsyncCommunication, whose backward overlaps its collective with the weight gradients --
+class AsyncColumnParallelLinear(nn.Module):
+    """``column`` (a ``ColumnParallelLinear`` that enters its region, as the head does) through
+    ``LinearWithAsyncCommunication``: X [B, T, in] (SP: [B, T/tp, in]) -> [B, T, out/tp]; its
+    backward's all-reduce (SP: reduce-scatter) of X's gradient overlaps with the weight-gradient
+    matmul. Holds ``column``'s own weight (a tied one stays tied)."""
+
+    def __init__(self, column: ColumnParallelLinear):
+        super().__init__()
+        if column.gather_output or not column.copy_input:
+            raise ValueError(
+                "AsyncColumnParallelLinear takes a ColumnParallelLinear with copy_input=True and "
+                "gather_output=False (it enters the region and leaves the output split)"
+            )
+        self.group = column.group
+        self.sequence_parallel = column.sequence_parallel
+        self.weight = column.weight  # [out/tp, in], the same Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = LinearWithAsyncCommunication.apply(
+            x, self.group, self.sequence_parallel, self.weight
+        )  # [B, T, out/tp]
+        return y
+
+
+class AsyncParallelAttention(Attention):
+    """``attention`` (a ``ParallelBlock``'s: q/k/v column-parallel, o row-parallel) entering the TP
+    region itself: q, k and v come from one ``LinearWithAsyncCommunication`` on x [B, T, H] (SP:
+    [B, T/tp, H]), so the all-reduce (SP: reduce-scatter) of x's gradient overlaps with their three
+    weight-gradient matmuls. Returns o_proj's output (after g: [B, T, H]; SP: [B, T/tp, H])."""
+
+    def __init__(
+        self, attention: Attention, *, group: dist.ProcessGroup | None, sequence_parallel: bool
+    ):
+        nn.Module.__init__(self)
+        self.n_head = attention.n_head
+        self.n_kv_head = attention.n_kv_head
+        self.head_dim = attention.head_dim
+        self.q_proj = attention.q_proj  # the same shards, under the same names
+        self.k_proj = attention.k_proj
+        self.v_proj = attention.v_proj
+        self.o_proj = attention.o_proj
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        q, k, v = LinearWithAsyncCommunication.apply(
+            x, self.group, self.sequence_parallel, *weights
+        )
+        B, T, _ = q.shape  # T: the whole sequence, also with SP
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nh/tp, T, hd]
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv/tp, T, hd]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, nkv/tp, T, hd]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, H/tp]
+        return self.o_proj(y)
+
+
+class AsyncParallelMLP(MLP):
+    """``mlp`` (a ``ParallelBlock``'s: gate/up column-parallel, down row-parallel) entering the TP
+    region itself: gate and up from one ``LinearWithAsyncCommunication`` on x [B, T, H] (SP:
+    [B, T/tp, H]), their weight gradients computed while x's gradient is all-reduced
+    (SP: reduce-scattered)."""
+
+    def __init__(self, mlp: MLP, *, group: dist.ProcessGroup | None, sequence_parallel: bool):
+        nn.Module.__init__(self)
+        self.gate_proj = mlp.gate_proj
+        self.up_proj = mlp.up_proj
+        self.down_proj = mlp.down_proj
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = (self.gate_proj.weight, self.up_proj.weight)
+        gate, up = LinearWithAsyncCommunication.apply(
+            x, self.group, self.sequence_parallel, *weights
+        )  # [B, T, F/tp] each
+        return self.down_proj(F.silu(gate) * up)  # row-parallel, then g (SP: reduce-scatter)
+
+
+class AsyncParallelBlock(Block):
+    """``block`` (a ``ParallelBlock``) with ``AsyncParallelAttention`` and ``AsyncParallelMLP``:
+    they enter the region themselves, so the forward is the plain ``Block``'s (norms and residuals
+    on x, [B, T/tp, H] with SP)."""
+
+    def __init__(self, block: ParallelBlock):
+        nn.Module.__init__(self)
+        kw = dict(group=block.group, sequence_parallel=block.sequence_parallel)
+        self.attn_norm = block.attn_norm
+        self.attn = AsyncParallelAttention(block.attn, **kw)
+        self.mlp_norm = block.mlp_norm
+        self.mlp = AsyncParallelMLP(block.mlp, **kw)
+
+
+def apply_async_communication(model: TensorParallelTransformer) -> TensorParallelTransformer:
+    """``model`` (from ``apply_tensor_parallel``) with every region entrance overlapped: each block
+    an ``AsyncParallelBlock``, the head an ``AsyncColumnParallelLinear``. The same Parameters under
+    the same names (nothing is copied), the same collectives and bytes, in the same order; in the
+    backward each all-reduce (SP: reduce-scatter) of an entrance's input gradient runs while that
+    entrance's weight gradients are computed. Changes ``model`` in place and returns it."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = AsyncParallelBlock(block)
+    model.lm_head = AsyncColumnParallelLinear(model.lm_head)
+    return model

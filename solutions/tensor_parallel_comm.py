@@ -18,25 +18,35 @@ the partial sums of a row-parallel layer leave it; each partial sum receives the
 gradient. With sequence parallelism the activations outside the regions are split along T, and the
 SP pair replaces f and g (``enter_parallel_region``, ``exit_parallel_region`` choose).
 
+``LinearWithAsyncCommunication`` is f (or SP's all-gather) fused with the column-parallel matmuls
+that read its output, so that its backward can overlap communication with compute: it launches
+the all-reduce (SP: reduce-scatter along T) of the input's gradient with ``async_op=True``,
+computes the weight gradients while the collective is in flight, then waits. The same collectives
+and bytes as f followed by the matmuls; less of their time exposed (Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication``, picotron's ``LinearWithAsyncAllReduce``).
+
 Bytes sent per rank per call, K = bytes of the whole [B, T, H] activation: all-reduce 2(N-1)/N·K,
 all-gather and reduce-scatter (N-1)/N·K, identity and split nothing (``labs.theory.comm``). The
 layout plumbing (moving dim ``dim`` to dim 0 and back) is in ``labs.runtime.tensor_comm``; no
 operator modifies its input.
 
 References: Shoeybi et al. 2019, "Megatron-LM", §3 (f and g); Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models", §4.2.2 (the SP pair).
+Activation Recomputation in Large Transformer Models", §4.2.2 (the SP pair); the async linear is
+the design of Megatron-LM's ``megatron/core/tensor_parallel/layers.py``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from labs.runtime.tensor_comm import (
     all_gather_along,
     all_reduce_copy,
     reduce_scatter_along,
+    reduce_scatter_along_async,
     split_along,
 )
 
@@ -157,3 +167,57 @@ def exit_parallel_region(
         return ReduceScatterToSequenceParallelRegion.apply(x, group)
     return ReduceFromModelParallelRegion.apply(x, group)
     ### END SOLUTION
+
+
+# Exercise (notebook 04, §11): the forward is given; write the backward, overlapped.
+class LinearWithAsyncCommunication(torch.autograd.Function):
+    """fwd: enter the TP region (identity; SP: all-gather along T, [B, T/tp, in] -> [B, T, in]),
+    then Y_i = X W_iᵀ for each column-parallel weight W_i [out_i/tp, in] reading that input;
+    bwd: grad_X = Σ_i grad_Y_i W_i, all-reduced (SP: reduce-scattered along T) with
+    ``async_op=True``; while that collective is in flight, the weight-gradient matmuls
+    grad_W_i = grad_Y_iᵀ X; then wait, and return grad_X.
+
+    Called as ``q, k, v = LinearWithAsyncCommunication.apply(x, group, sequence_parallel, Wq, Wk,
+    Wv)``: the linears that share an input share its gradient's one collective (Megatron fuses q/k/v
+    and gate/up into one weight for this). The collectives are those of f (SP: the all-gather /
+    reduce-scatter pair) followed by the matmuls, call for call and byte for byte; what changes is
+    when the backward waits. Saves X (gathered, with SP) once, as the separate linears do."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        *weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        if sequence_parallel:
+            x = all_gather_along(x, SEQ_DIM, group)  # [B, T/tp, in] -> [B, T, in]
+        ctx.group = group
+        ctx.sequence_parallel = sequence_parallel
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)  # each [B, T, out_i/tp]
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors  # x [B, T, in]; weights [out_i/tp, in]
+        ### BEGIN SOLUTION
+        # 1. the input's gradient first: the previous layer waits for it. [B, T, in], this rank's
+        # term. Summed from the last weight back, the order in which autograd adds the separate
+        # linears' terms (the last one used runs its backward first): bit for bit what f gets.
+        grad_x = grads[-1] @ weights[-1]
+        for grad, weight in zip(grads[-2::-1], weights[-2::-1]):
+            grad_x = grad_x + grad @ weight  # [B, T, out_i/tp] @ [out_i/tp, in]
+        # 2. launch its collective and do not wait
+        if ctx.sequence_parallel:
+            # [B, T, in] -> [B, T/tp, in]
+            grad_x, work = reduce_scatter_along_async(grad_x, SEQ_DIM, ctx.group)
+        else:
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)  # in place: ours
+        # 3. while it is in flight: each weight's gradient, [out_i/tp, B·T] @ [B·T, in]
+        x_rows = x.flatten(0, -2)  # [B·T, in]
+        grad_weights = [grad.flatten(0, -2).t() @ x_rows for grad in grads]
+        # 4. grad_x holds the sum only now
+        work.wait()
+        return grad_x, None, None, *grad_weights
+        ### END SOLUTION

@@ -293,6 +293,37 @@ CATALOG: dict[str, list[Bug]] = {
             "its weight's gradient is partial",
             dict(sp=True),
         ),
+        Bug(
+            "async linear: grad_X returned before the collective is waited on",
+            "solutions.tensor_parallel_comm",
+            "        work.wait()\n        return grad_x, None, None, *grad_weights\n",
+            "        return grad_x, None, None, *grad_weights\n",
+            "async collectives waited on",
+            "wait on the handle (work.wait()) before returning grad_X",
+            dict(async_linear=True),
+        ),
+        Bug(
+            "async linear: weight gradients from grad_X instead of the saved input",
+            "solutions.tensor_parallel_comm",
+            "x_rows = x.flatten(0, -2)  # [B·T, in]",
+            "x_rows = grad_x.flatten(0, -2)  # [B·T, in]",
+            "gradients after step 1",
+            "from the input X saved in forward",
+            dict(async_linear=True),
+        ),
+        # Right numbers, nothing overlapped: no check of losses, gradients or bytes can see it; the
+        # lab's log of async collectives (labs.measure.async_collectives) counts the matrix
+        # products run between each launch and its wait, and notebook 04 §11's exposed
+        # communication shows the cost.
+        Bug(
+            "async linear: waits before computing the weight gradients",
+            "solutions.tensor_parallel_comm",
+            "        x_rows = x.flatten(0, -2)  # [B·T, in]\n",
+            "        work.wait()\n        x_rows = x.flatten(0, -2)  # [B·T, in]\n",
+            "weight gradients computed in flight",
+            "waiting first gives the same numbers",
+            dict(async_linear=True),
+        ),
     ],
     "pp": [
         Bug(

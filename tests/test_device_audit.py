@@ -162,6 +162,8 @@ LAB_RUNS = {
     "tp": ["tp", "--vs-torch"],
     "tp-sp": ["tp", "--sp"],
     "tp-hf-llama": ["tp", "--model", "hf-llama"],
+    "tp-async": ["tp", "--async-linear", "--op-time", "0.001"],
+    "tp-sp-async": ["tp", "--sp", "--async-linear"],
     "pp-naive": ["pp", "--schedule", "naive", "--op-time", "0"],
     "pp-gpipe": ["pp", "--schedule", "gpipe", "--op-time", "0"],
     "pp-1f1b-pipelining": ["pp", "--schedule", "1f1b", "--op-time", "0", "--vs-torch"],
@@ -197,14 +199,15 @@ def test_lab_passes_the_device_audit(audit, capsys, name):
 
 @pytest.mark.slow
 def test_the_labs_other_launches_pass_the_device_audit(audit, tmp_path):
-    """What notebooks launch besides ``run``: the DDP timeline, notebook 04's operators and
-    layers, notebook 06's attention check and memory scaling, the MoE layer, the checkpoint demo
-    (DCP) and the bandwidth sweep."""
+    """What notebooks launch besides ``run``: the DDP timeline, notebook 04's operators, layers
+    and async linear, notebook 06's attention check and memory scaling, the MoE layer, the
+    checkpoint demo (DCP) and the bandwidth sweep."""
     from labs.experiments import collectives, cp, ddp_timeline, moe, tp_parts, zero_checkpoint
 
     assert ddp_timeline.measure_overlap(nproc=2, steps=2)["per_rank"]
     assert tp_parts.check_operators(nproc=2)
     assert tp_parts.check_layers(nproc=2, sp=True)
+    assert tp_parts.check_async_linear(nproc=2, sp=True)
     assert all(r["matches_reference"] for r in cp.attention_check(nproc=2))
     assert cp.memory_scaling(cps=(1, 2))
     assert moe.layer_check(ep=2)

@@ -2,6 +2,7 @@
 
     summary = run(nproc=4, sp=True, model="hf-llama", vs_torch=True)
     python -m labs.run tp --nproc 4 --sp --model hf-llama --vs-torch --json
+    python -m labs.run tp --nproc 4 --async-linear --json   # the overlapped backward (§11)
 
 Every rank (the TP group is WORLD) cuts the model built from the seed with
 ``apply_tensor_parallel``, runs the first step under the communication ledger (phases "forward" and
@@ -16,6 +17,11 @@ reference's global batches (all TP ranks read the same batch). Checked three way
 * PyTorch (``vs_torch``): DTensor ``parallelize_module`` (ColwiseParallel / RowwiseParallel, with SP
   SequenceParallel and PrepareModuleInput) and ``loss_parallel`` on the same weights and data:
   logits and losses against ours and the reference, and the median step time of both.
+
+With ``async_linear`` the model is ``apply_async_communication``'s overlapped variant, held to the
+same checks (the same collectives and bytes, call for call), plus three of its own from step 1's
+backward (``labs.measure.async_collectives``): one async collective per region entrance, each
+waited on, each with the weight gradients computed while it was in flight.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ from labs.experiments.common import (
     fill_losses,
     new_summary,
 )
+from labs.experiments.tp_overlap import padded
 from labs.measure import CommLedger, SavedActivations, state_bytes
+from labs.measure.async_collectives import AsyncCollectives
 from labs.measure.timing import StepTimer
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread, rank_device
@@ -188,26 +196,30 @@ def _scalar(t) -> float:
 
 
 # --- the worker -----------------------------------------------------------------------------------
-def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = False) -> dict:
-    """Train ``model`` on ``batches``; step 1 measured (ledger, saved tensors) when ``measure``."""
+def _train(
+    model, batches, cfg: TrainConfig, loss_context=None, measure: bool = False, op_time: float = 0.0
+) -> dict:
+    """Train ``model`` on ``batches``; step 1 measured (ledger, saved tensors, async collectives)
+    when ``measure``; every matrix product padded to ``op_time`` seconds (``PaddedMatmuls``)."""
     ctx = loss_context or contextlib.nullcontext
     optimizer = make_optimizer(model.parameters(), cfg)
     out = {}
     losses = []
     timer = StepTimer()
     for step, (x, y) in enumerate(batches):
-        with timer.step():
+        with timer.step(), padded(op_time):
             if step == 0 and measure:
                 with CommLedger() as ledger:
                     with ledger.phase("forward"), SavedActivations(exclude=model) as saved, ctx():
                         logits, loss = model(x, y)
-                    with ledger.phase("backward"), ctx():
+                    with ledger.phase("backward"), ctx(), AsyncCollectives() as overlap:
                         loss.backward()
                 out["comm"] = [
                     (r.op.replace("_single", ""), r.phase, r.payload_bytes, r.sent_bytes)
                     for r in ledger.records
                 ]
                 out["saved_bytes"] = saved.bytes
+                out["async_collectives"] = overlap.summary()
             else:
                 with ctx():
                     logits, loss = model(x, y)
@@ -230,14 +242,25 @@ def _train(model, batches, cfg: TrainConfig, loss_context=None, measure: bool = 
     return out
 
 
-def tp_worker(full, cfg: TrainConfig, sp: bool, vs_torch: bool) -> dict:
+def tp_worker(
+    full,
+    cfg: TrainConfig,
+    sp: bool,
+    vs_torch: bool,
+    async_linear: bool = False,
+    op_time: float = 0.0,
+) -> dict:
     """One rank: our tensor parallelism (and torch's, with ``vs_torch``) trained on the reference's
-    batches."""
+    batches; with ``async_linear`` its overlapped variant, with ``op_time`` its matrix products
+    padded."""
     device = rank_device()
     full = full.to(device)  # this rank's own copy (forked, or its own process under torchrun)
-    tp_model = exercise("tensor_parallel").apply_tensor_parallel(full, sequence_parallel=sp)
+    lab = exercise("tensor_parallel")
+    tp_model = lab.apply_tensor_parallel(full, sequence_parallel=sp)
+    if async_linear:
+        tp_model = lab.apply_async_communication(tp_model)
     batches = [(x.to(device), y.to(device)) for x, y in data_for(cfg)]
-    ours = _train(tp_model, batches, cfg, measure=True)
+    ours = _train(tp_model, batches, cfg, measure=True, op_time=op_time)
     ours["partition_dims"] = {
         n: getattr(p, "partition_dim", None) for n, p in tp_model.named_parameters()
     }
@@ -309,13 +332,18 @@ def run(
     batch_size: int = 8,
     seq_len: int = 32,
     model_cfg: ModelConfig | None = None,
+    async_linear: bool = False,
+    op_time: float = 0.0,
 ) -> RunSummary:
     """Train the ``model`` ("course" or "hf-llama") tensor-parallel on ``nproc`` ranks (with
-    sequence parallelism when ``sp``) and check it against the reference, the theory and
-    (``vs_torch``) DTensor."""
+    sequence parallelism when ``sp``; overlapped, ``apply_async_communication``, when
+    ``async_linear``; every matrix product of ours padded to ``op_time`` seconds, notebook 04
+    §11) and check it against the reference, the theory and (``vs_torch``) DTensor."""
     cfg = model_cfg or ModelConfig()
     train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
     check_args(cfg, nproc=nproc, sp=sp, model=model, train=train)
+    if op_time < 0:
+        raise ValueError(f"op_time={op_time} must be >= 0 (seconds; 0: no padding)")
     full = full_model(cfg, model, seed)
     reference_model = full if model == "course" else LlamaWithLoss(full)
     x, _ = data_for(train)[0]
@@ -329,10 +357,12 @@ def run(
         train,
         sp,
         vs_torch,
+        async_linear,
+        op_time,
         backend=backend,
         timeout=timeout,
         progress=steps * (2 if vs_torch else 1),
-        desc=f"tp={nproc}{' +sp' if sp else ''}",
+        desc=f"tp={nproc}{' +sp' if sp else ''}{' async' if async_linear else ''}",
     )
 
     spec = course_spec(cfg)
@@ -347,6 +377,8 @@ def run(
         tp=nproc,
         batch_size=batch_size,
         seq_len=seq_len,
+        async_linear=async_linear,
+        op_time_s=op_time,
     )
     fill_losses(s, per_rank[0]["losses"], ref.losses)
     logits = torch.cat([r["logits"] for r in per_rank], dim=-1)
@@ -391,8 +423,12 @@ def run(
             backend=per_rank.backend,
             calls=theory.collectives(spec, **size),
             tokens=batch_size * seq_len,
+            async_linear=async_linear,
         )
     )
+    if async_linear:
+        s["async_collectives"] = per_rank[0]["async_collectives"]
+        s.add_checks(async_checks(per_rank, n_layer=cfg.n_layer))
     s.add_checks(
         [
             compare_values(
@@ -464,6 +500,7 @@ def tp_checks(
     backend: str,
     calls: list[dict],
     tokens: int,
+    async_linear: bool = False,
 ) -> list[Check]:
     """Every rank's step-1 logits (its V/tp slice), losses, gradients after step 1 and parameters
     after the last step (its shards, by name), the collectives call by call per phase and op."""
@@ -505,6 +542,8 @@ def tp_checks(
             hint=f"{worst}: with SP a norm sees T/tp tokens, so its weight's gradient is partial "
             "and must be all-reduced over the group (sequence_parallel_norm's hook)",
         )
+    if not grads.ok and async_linear and worst.endswith(COLUMN_WEIGHTS):
+        checks[2] = dataclasses.replace(grads, hint=ASYNC_WEIGHT_GRAD_HINT.format(name=worst))
     checks.append(
         Check(
             "losses equal on every rank",
@@ -526,8 +565,72 @@ def tp_checks(
     return checks
 
 
+# The column-parallel weights, whose gradients LinearWithAsyncCommunication computes (overlapped).
+COLUMN_WEIGHTS = tuple(
+    f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+)
+ASYNC_WEIGHT_GRAD_HINT = (
+    "{name}: LinearWithAsyncCommunication's weight gradient is grad_Y_iᵀ X, from the input X "
+    "saved in forward (gathered along T with SP), flattened to [B·T, in]: not from grad_X, the "
+    "tensor the collective is reducing meanwhile"
+)
+
+
+def async_checks(per_rank: list[dict], *, n_layer: int) -> list[Check]:
+    """The overlapped backward of step 1 on every rank (``labs.measure.async_collectives``): one
+    async collective per region entrance (2 per block, 1 for the head), each waited on, each with
+    at least one matrix product (the weight gradients) run between its launch and its wait."""
+    n = len(per_rank)
+    logs = [r["async_collectives"] for r in per_rank]
+    entrances = 2 * n_layer + 1
+    return [
+        compare_values(
+            "async collectives in backward",
+            [len(log) for log in logs],
+            [entrances] * n,
+            world_size=n,
+            hint="LinearWithAsyncCommunication's backward launches the all-reduce (SP: the "
+            "reduce-scatter along T) of grad_X with async_op=True, once per region entrance: "
+            f"2 per block and the head's, {entrances}",
+        ),
+        compare_values(
+            "async collectives waited on",
+            [sum(c["waited"] for c in log) for log in logs],
+            [len(log) for log in logs],
+            world_size=n,
+            hint="wait on the handle (work.wait()) before returning grad_X: until then the "
+            "collective may still be writing it, and the next layer would read a partial sum "
+            "(on a small gloo run it usually finishes in time, so the numbers alone rarely show "
+            "it)",
+        ),
+        compare_values(
+            "weight gradients computed in flight",
+            [sum(bool(c["matmuls_in_flight"]) for c in log) for log in logs],
+            [len(log) for log in logs],
+            world_size=n,
+            hint="compute the weight gradients after launching the collective and before "
+            "waiting on it: waiting first gives the same numbers, but nothing hides the "
+            "collective's time (notebook 04 §11's exposed communication shows it)",
+        ),
+    ]
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism too")
+    parser.add_argument(
+        "--async-linear",
+        action="store_true",
+        help="the overlapped variant: each region entrance's backward collective runs while its "
+        "weight gradients are computed (apply_async_communication)",
+    )
+    parser.add_argument(
+        "--op-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="pad each matrix product to S seconds (sleep), as if compute were that long: leaves "
+        "the cores to gloo, so an overlap shows in a --profile trace (notebook 04 §11)",
+    )
     parser.add_argument(
         "--model", choices=MODELS, default="course", help="the course model or a transformers Llama"
     )
@@ -558,6 +661,7 @@ def headline(summary: RunSummary) -> dict:
         "model",
         "tp",
         "sp",
+        "async_linear",
         "matches_reference",
         "max_rel_logit_diff",
         "max_rel_grad_diff",

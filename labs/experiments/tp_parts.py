@@ -4,6 +4,7 @@
     check_operators(nproc=2)         # the six conjugate autograd operators, forward and backward
     check_layers(nproc=2, sp=True)   # column/row-parallel linears, vocab-parallel embedding and
                                      # loss, a block
+    check_async_linear(nproc=2, sp=True)  # LinearWithAsyncCommunication (§11), 3 weights and 1
 
 Each check runs on ``nproc`` ranks and compares with what one process computes from every rank's
 inputs (every rank can rebuild every other rank's seeded inputs, so the expected values need no
@@ -259,6 +260,58 @@ def check_layers(*, nproc: int = 2, sp: bool = False, seed: int = 0, timeout: fl
     }
 
 
+def async_linear_worker(sp: bool) -> dict:
+    """``LinearWithAsyncCommunication`` on this rank, with 3 weights (as q/k/v) and with 1 (as the
+    head), against its definition computed from every rank's inputs (float64)."""
+    comm = exercise("tensor_parallel_comm")
+    group = dist.group.WORLD
+    n = dist.get_world_size()
+    r = dist.get_rank()
+    device = rank_device()
+    B = 2
+    T = 4 * n
+    H = 8 * n
+    out = {}
+    for salt, widths in ((60, (3, 2, 2)), (70, (5,))):
+        # every rank's weights [out_i/tp, H], inputs [B, T, H] (SP: [B, T/tp, H]), output gradients
+        weights = [_inputs((w, H), n, salt + i) for i, w in enumerate(widths)]
+        xs = _inputs((B, T // n if sp else T, H), n, salt + 5)
+        grads = [_inputs((B, T, w), n, salt + 10 + i) for i, w in enumerate(widths)]
+        x = xs[r].to(device).requires_grad_()
+        mine = [w[r].to(device).requires_grad_() for w in weights]
+        ys = comm.LinearWithAsyncCommunication.apply(x, group, sp, *mine)
+        torch.autograd.backward(ys, [g[r].to(device) for g in grads])
+        # the definition: X is this rank's input (SP: every rank's, along T), [B, T, H] ...
+        full_x = torch.cat(xs, 1) if sp else xs[r]
+        expected_ys = [full_x @ w[r].T for w in weights]
+        # ... grad_X the sum over ranks and weights of grad_Y_i W_i (SP: this rank's T/tp) ...
+        grad_x = sum(g[k] @ w[k] for k in range(n) for g, w in zip(grads, weights))
+        expected_grad_x = grad_x.chunk(n, 1)[r] if sp else grad_x
+        # ... and grad_W_i this rank's grad_Y_iᵀ X, [out_i/tp, H]
+        rows = full_x.flatten(0, 1)  # [B·T, H]
+        expected_grad_w = [g[r].flatten(0, 1).T @ rows for g in grads]
+        backward = [max_rel_diff(x.grad.cpu(), expected_grad_x)]
+        backward += [max_rel_diff(w.grad.cpu(), e) for w, e in zip(mine, expected_grad_w)]
+        name = f"LinearWithAsyncCommunication ({len(widths)} weight{'s' * (len(widths) > 1)})"
+        out[name] = {
+            "forward": max(max_rel_diff(y.detach().cpu(), e) for y, e in zip(ys, expected_ys)),
+            "backward": max(backward),
+        }
+    return out
+
+
+def check_async_linear(*, nproc: int = 2, sp: bool = False, timeout: float = 60.0) -> dict:
+    """``LinearWithAsyncCommunication`` (notebook 04, §11) on ``nproc`` ranks (with SP when
+    ``sp``), float64: outputs, the input's gradient and each weight's gradient against their
+    definition; the worst relative difference over ranks, per direction. It checks the numbers,
+    not the overlap: the TP lab's ``async_linear`` run checks that (``labs.experiments.tp``)."""
+    per_rank = launch(async_linear_worker, nproc, sp, timeout=timeout)
+    return {
+        name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")}
+        for name in per_rank[0]
+    }
+
+
 # --- the verdict of each part ---------------------------------------------------------------------
 # What each part's direction must do, said where it fails.
 PART_HINTS = {
@@ -291,6 +344,10 @@ PART_HINTS = {
         "VocabParallelCrossEntropy",
         "backward",
     ): "(softmax - one_hot) / N on the local slice, one_hot only where this rank holds the target",
+    ("LinearWithAsyncCommunication", "backward"): "grad_X = Σ_i grad_Y_i W_i, all-reduced over the "
+    "group (SP: reduce-scattered along T), returned only after work.wait(); each weight's gradient "
+    "grad_Y_iᵀ X from the saved input X flattened to [B·T, in], computed while the collective "
+    "is in flight",
 }
 
 

@@ -2,6 +2,7 @@
 
     all_gather_along(x, dim=1, group=g)      # [B, T/N, H] on each rank -> [B, T, H], rank order
     reduce_scatter_along(x, dim=1, group=g)  # [B, T, H] partial sums -> [B, T/N, H] of the sum
+    out, work = reduce_scatter_along_async(x, dim=1, group=g)  # the same, launched; work.wait()
     split_along(x, dim=-1, group=g)          # this rank's chunk, no communication
     all_reduce_copy(x, group=g)              # the sum over ranks, in a new tensor
     shard_weight(linear, dim=0, group=g)     # this rank's block of a weight, partition_dim=0
@@ -41,22 +42,41 @@ def all_gather_along(
     return torch.cat(out.chunk(n), dim=dim)
 
 
+def _chunks_to_dim0(
+    x: torch.Tensor, dim: int, n: int, caller: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(an empty tensor shaped like one chunk of ``x`` along ``dim``, the ``n`` chunks stacked
+    along dim 0): the output and input of a ``reduce_scatter_single`` that scatters ``dim``."""
+    chunks = x.chunk(n, dim)
+    if len(chunks) != n or any(c.shape != chunks[0].shape for c in chunks):
+        raise ValueError(
+            f"{caller}: size {x.shape[dim]} of dim {dim} does not split into {n} equal chunks"
+        )
+    return x.new_empty(chunks[0].shape), torch.cat(chunks, dim=0)
+
+
 def reduce_scatter_along(
     x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Chunk ``rank`` along ``dim`` of the sum over ranks of ``x`` (one
     ``reduce_scatter_single``)."""
     n = dist.get_world_size(group)
-    chunks = x.chunk(n, dim)
-    if len(chunks) != n or any(c.shape != chunks[0].shape for c in chunks):
-        raise ValueError(
-            f"reduce_scatter_along: size {x.shape[dim]} of dim {dim} does not split into"
-            f" {n} equal chunks"
-        )
-    out = x.new_empty(chunks[0].shape)
+    out, stacked = _chunks_to_dim0(x, dim, n, "reduce_scatter_along")
     # chunk i lands on rank i
-    dist.reduce_scatter_single(out, torch.cat(chunks, dim=0), group=group)
+    dist.reduce_scatter_single(out, stacked, group=group)
     return out
+
+
+def reduce_scatter_along_async(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, dist.Work]:
+    """``reduce_scatter_along`` launched with ``async_op=True``: (the output, the work). The
+    output holds the sum only after ``work.wait()``; meanwhile the caller computes something
+    else (``LinearWithAsyncCommunication``'s weight gradients)."""
+    n = dist.get_world_size(group)
+    out, stacked = _chunks_to_dim0(x, dim, n, "reduce_scatter_along_async")
+    work = dist.reduce_scatter_single(out, stacked, group=group, async_op=True)
+    return out, work
 
 
 def shard_weight(
