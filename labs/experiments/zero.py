@@ -52,8 +52,8 @@ from labs.runtime.flat import FlatBuffer, course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
+from labs.theory.dims import check_positive, divisors
 from labs.train import (
-    PARAM_TOLERANCES,
     TrainConfig,
     compare_losses,
     make_optimizer,
@@ -195,7 +195,12 @@ def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None):
     if spec.torch_impl in ("ddp", "zero_redundancy"):
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(rank_device()))
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=ddp_device_ids(rank_device()),
+            # the awkward model's ``unused`` parameter never gets a gradient (see labs.models.toy)
+            find_unused_parameters=spec.model == "awkward",
+        )
         if spec.torch_impl == "ddp":
             return ddp, make_optimizer(ddp.parameters(), cfg)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -429,9 +434,17 @@ def warm_imports(*, fsdp: bool = False) -> None:
 def check_options(stage, offload, model, nproc, steps, dtype="float32"):
     if stage not in theory.STAGES:
         raise ValueError(f"stage={stage!r} is not one of {theory.STAGES}")
+    check_positive(nproc=nproc)
     if stage > 0 and nproc < 2:
         raise ValueError(
             f"stage={stage} shards over ranks but nproc={nproc}; use nproc >= 2 or stage=0"
+        )
+    batch = TrainConfig().batch_size  # the lab's global batch: each rank trains on batch/nproc
+    if batch % nproc:
+        valid = [d for d in divisors(batch) if d >= (2 if stage > 0 else 1)]
+        raise ValueError(
+            f"nproc={nproc} does not divide the lab's global batch of {batch} sequences (each"
+            f" rank trains on batch/nproc of them); use nproc in {{{','.join(map(str, valid))}}}"
         )
     if offload and stage == 0:
         raise ValueError(
@@ -531,7 +544,7 @@ def run(
     ref = train_reference(ModelConfig(), cfg, dp=nproc, model=net, return_grads=True)
     s["loss_dtype"] = per_rank[0]["loss_dtype"]
     fill_losses(s, mean_losses(per_rank), ref.losses, DTYPES[s["loss_dtype"]])
-    s.update(param_diff(per_rank[0]["params"], ref.params))
+    s.update(param_diff(per_rank[0]["params"], ref.params, steps))
     s["params_sha1"] = digest(per_rank[0]["params"])
     gradless = sum(
         p.numel() for n, p in net.named_parameters() if p.requires_grad and n not in ref.grads
@@ -692,10 +705,10 @@ def digest(params: dict) -> str:
     return h.hexdigest()
 
 
-def param_diff(params: dict, reference: dict) -> dict:
+def param_diff(params: dict, reference: dict, steps: int = 1) -> dict:
     """``max_rel_param_diff`` over every parameter (by name), the ``worst_param`` and
-    ``params_match_reference`` (within the tolerance for parameters after AdamW steps,
-    ``labs.train.PARAM_TOLERANCES``)."""
+    ``params_match_reference`` (within the tolerance for parameters after ``steps`` AdamW steps,
+    ``labs.train.rule("param", dtype).at(steps)``)."""
     missing = sorted(set(reference) - set(params))
     if missing:
         raise AssertionError(f"parameters missing from the parallel run: {missing}")
@@ -705,7 +718,7 @@ def param_diff(params: dict, reference: dict) -> dict:
     return {
         "max_rel_param_diff": diffs[worst],
         "worst_param": worst,
-        "params_match_reference": diffs[worst] <= PARAM_TOLERANCES[dtype],
+        "params_match_reference": diffs[worst] <= rule("param", dtype).at(steps),
     }
 
 
