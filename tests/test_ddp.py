@@ -339,9 +339,9 @@ def test_awkward_model_beside_torch_ddp():
 @pytest.mark.slow
 @pytest.mark.exercise
 def test_a_long_run_passes_its_verdict_as_torchs_ddp_would():
-    """120 steps on 4 ranks in fp32: the loss drifts past 1e-5 (1.3e-5 by step 100, measured; torch's
-    DDP alike) because the runs part like any chaotic trajectories; the table's bound grows with
-    the steps (labs.train._DRIFT), so correct code passes."""
+    """120 steps on 4 ranks in fp32: the loss drifts past 1e-5 (1.3e-5 by step 100, measured;
+    torch's DDP alike) because the runs part like any chaotic trajectories; the table's bound grows
+    with the steps (labs.train._DRIFT), so correct code passes."""
     s = lab.run(nproc=4, steps=120)
     assert s["max_rel_loss_diff"] > TOL  # what a fixed 1e-5 would fail (measured: 1.9e-5)
     assert s.passed and s["matches_reference"] and s["params_match_reference"], s.verdict()
