@@ -149,9 +149,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) from 2 all-reduces (max, N
-    numbers; sum of exp and target logit, 2N), on every rank. bwd: (softmax - one_hot) / N on the
-    local slice. Saves [N, V/tp]."""
+    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) over the rows whose target
+    is not ``ignore_index`` (as ``F.cross_entropy``: -100 by default; nan if every row is ignored),
+    from 2 all-reduces (max, N numbers; sum of exp and target logit, 2N), on every rank. bwd:
+    (softmax - one_hot) / N_kept on the local slice, 0 on ignored rows. Saves [N, V/tp]. A target
+    outside [0, V) that is not ``ignore_index`` raises IndexError, as ``F.cross_entropy`` does."""
 
     @staticmethod
     def forward(
@@ -159,14 +161,22 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits: torch.Tensor,
         targets: torch.Tensor,
         group: dist.ProcessGroup | None,
+        ignore_index: int = -100,
     ) -> torch.Tensor:
+        vocab = logits.shape[-1] * dist.get_world_size(group)  # V: every rank checks every target
+        wrong = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))  # [N]
+        if wrong.any():
+            raise IndexError(
+                f"target {int(targets[wrong][0])} is out of bounds: targets are token ids in"
+                f" 0..{vocab - 1} (V={vocab}) or ignore_index={ignore_index}"
+            )
         raise NotImplementedError(
             "exercise VocabParallelCrossEntropy.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
         )
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         raise NotImplementedError(
             "exercise VocabParallelCrossEntropy.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"

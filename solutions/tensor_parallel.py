@@ -156,9 +156,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) from 2 all-reduces (max, N
-    numbers; sum of exp and target logit, 2N), on every rank. bwd: (softmax - one_hot) / N on the
-    local slice. Saves [N, V/tp]."""
+    """fwd: mean cross-entropy of vocab-split logits [N, V/tp] (N = B·T) over the rows whose target
+    is not ``ignore_index`` (as ``F.cross_entropy``: -100 by default; nan if every row is ignored),
+    from 2 all-reduces (max, N numbers; sum of exp and target logit, 2N), on every rank. bwd:
+    (softmax - one_hot) / N_kept on the local slice, 0 on ignored rows. Saves [N, V/tp]. A target
+    outside [0, V) that is not ``ignore_index`` raises IndexError, as ``F.cross_entropy`` does."""
 
     @staticmethod
     def forward(
@@ -166,14 +168,24 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits: torch.Tensor,
         targets: torch.Tensor,
         group: dist.ProcessGroup | None,
+        ignore_index: int = -100,
     ) -> torch.Tensor:
+        vocab = logits.shape[-1] * dist.get_world_size(group)  # V: every rank checks every target
+        wrong = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))  # [N]
+        if wrong.any():
+            raise IndexError(
+                f"target {int(targets[wrong][0])} is out of bounds: targets are token ids in"
+                f" 0..{vocab - 1} (V={vocab}) or ignore_index={ignore_index}"
+            )
         ### BEGIN SOLUTION
         per_rank = logits.shape[-1]
         start = dist.get_rank(group) * per_rank
+        kept = targets != ignore_index  # [N]: rows that count
         logits_max = logits.max(dim=-1).values  # [N]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max[:, None]  # [N, V/tp]; softmax does not change under a shift
-        elsewhere = (targets < start) | (targets >= start + per_rank)  # [N]: target on another rank
+        # [N]: no target logit here (the target is on another rank, or the row is ignored)
+        elsewhere = (targets < start) | (targets >= start + per_rank) | ~kept
         local = (targets - start).masked_fill(elsewhere, 0)
         exp = shifted.exp()
         target_logit = shifted.gather(1, local[:, None]).squeeze(1)  # [N]
@@ -181,18 +193,22 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         # [2, N]: both summed over ranks in one all-reduce
         sums = torch.stack([exp.sum(dim=-1), target_logit])
         dist.all_reduce(sums, group=group)
-        ctx.save_for_backward(exp / sums[0][:, None], local, elsewhere)  # softmax [N, V/tp]
-        return (sums[0].log() - sums[1]).mean()
+        # softmax [N, V/tp], 0 on ignored rows: they get no gradient
+        softmax = (exp / sums[0][:, None]).masked_fill(~kept[:, None], 0.0)
+        ctx.save_for_backward(softmax, local, elsewhere)
+        ctx.kept = int(kept.sum())
+        return (sums[0].log() - sums[1])[kept].mean()  # over the kept rows
         ### END SOLUTION
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         ### BEGIN SOLUTION
         softmax, local, elsewhere = ctx.saved_tensors
         grad_logits = softmax.clone()
         rows = torch.arange(len(local), device=local.device)
         grad_logits[rows, local] -= (~elsewhere).to(softmax.dtype)  # - one_hot
-        return grad_logits * (grad / len(local)), None, None
+        # every row ignored: zeros, as F.cross_entropy gives (its loss is nan)
+        return grad_logits * (grad / max(ctx.kept, 1)), None, None, None
         ### END SOLUTION
 
 

@@ -270,8 +270,8 @@ CATALOG: dict[str, list[Bug]] = {
         Bug(
             "vocab-parallel loss: backward not divided by the tokens",
             "solutions.tensor_parallel",
-            "return grad_logits * (grad / len(local)), None, None",
-            "return grad_logits * grad, None, None",
+            "return grad_logits * (grad / max(ctx.kept, 1)), None, None, None",
+            "return grad_logits * grad, None, None, None",
             "gradients after step 1",
             "must divide (softmax - one_hot) by N",
         ),

@@ -127,6 +127,30 @@ def test_losses_tell_a_wrong_forward_from_a_wrong_update():
     assert not losses_check([5.0], ref, tolerance=1e-5).ok
 
 
+def test_long_runs_get_a_bound_per_step_that_grows_only_after_the_first_steps():
+    """Two correct runs part exponentially over a long run (labs.train._DRIFT): the losses check
+    allows each step its own bound, so step 200 may differ by 2e-4 (measured on 4 ranks) while a
+    wrong update at step 2 still fails at 1e-5."""
+    from labs.train import rule
+
+    value = rule("value", torch.float32)
+    bounds = value.per_step(200)
+    assert bounds[:20] == [1e-5] * 20 and bounds == sorted(bounds)
+    assert value.at(40) == pytest.approx(2e-5) and value.at(10_000) == pytest.approx(1e-2)
+    ref = [5.0 - 0.01 * s for s in range(200)]
+    # doubling every 20 steps from 2e-7 to 2e-4 at step 200 (measured: every ~26, 2e-4 at 200)
+    drifted = [r * (1 + 2e-7 * 2 ** ((s + 1) / 20)) for s, r in enumerate(ref)]
+    assert not losses_check(drifted, ref, tolerance=1e-5).ok  # a fixed 1e-5 fails correct code
+    check = losses_check(drifted, ref, tolerance=bounds)
+    assert check.ok and check.tolerance == bounds[int(check.where.split()[1]) - 1]
+    wrong = [*ref[:1], ref[1] * (1 + 2e-5), *ref[2:]]
+    early = losses_check(wrong, ref, tolerance=bounds)
+    assert not early.ok and early.where == "step 2 of 200" and early.tolerance == 1e-5
+    param = rule("param", torch.float32)
+    assert param.at(50) == 1e-3 and param.at(150) == pytest.approx(4e-3)
+    assert param.at(10_000) == pytest.approx(1e-2)  # never so loose that a wrong update passes
+
+
 def test_every_rank_is_compared_and_the_failing_one_is_named():
     good = tensors()
     expected = tensors()

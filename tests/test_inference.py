@@ -79,6 +79,7 @@ def test_left_padding_positions_and_mask():
         (dict(new_tokens=1), "new_tokens=1"),
         (dict(new_tokens=60), "use new_tokens <= 48"),
         (dict(prompts=0), "prompts must be an integer >= 1"),
+        (dict(steps=0), "steps must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_options_are_value_errors_before_any_rank_starts(options, message):

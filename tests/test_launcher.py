@@ -190,6 +190,18 @@ def test_nccl_without_gpus_is_a_clear_error():
         choose_backend(2, "nccl")
 
 
+@pytest.mark.parametrize(
+    "gpus, fix", [(0, "use backend='gloo' or 'auto'"), (1, "use nprocs<=1 or backend='gloo'")]
+)
+def test_nccl_error_suggests_only_values_that_work(monkeypatch, gpus, fix):
+    """With no GPU, fewer ranks cannot help: the error must not say "use nprocs<=0"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(ValueError, match="needs one GPU per rank") as error:
+        choose_backend(2, "nccl")
+    assert fix in str(error.value) and "nprocs<=0" not in str(error.value)
+
+
 def test_spawn_refuses_functions_it_cannot_import():
     def local():
         return 1

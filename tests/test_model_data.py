@@ -21,6 +21,27 @@ def test_course_model_is_a_llama(tie, n_kv_head):
     assert torch.equal(model(idx), hf(idx).logits)
 
 
+def test_norms_and_loss_run_in_the_models_dtype_from_fp32_up():
+    """float64 stays float64 through RMSNorm and the loss (a lab checks parameters in float64 to
+    1e-12); fp32 runs the very ops it ran before (``.float()`` on fp32 is the tensor itself); bf16
+    computes both in fp32, as Llama does."""
+    cfg = ModelConfig()
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float64, torch.float32):
+        model = build_model(cfg, seed=1, dtype=dtype)
+        x = torch.randn(2, 16, cfg.n_embd, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        norm = model.norm
+        wide = x.double() if dtype == torch.float64 else x.float()
+        by_hand = norm.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + norm.eps))
+        assert norm(x).dtype == dtype and torch.equal(norm(x), by_hand.to(dtype))
+        logits, loss = model(idx, idx)
+        wide = logits.double() if dtype == torch.float64 else logits.float()
+        expected = torch.nn.functional.cross_entropy(wide.view(-1, cfg.vocab_size), idx.view(-1))
+        assert loss.dtype == dtype and torch.equal(loss, expected)
+    model = build_model(cfg, seed=1, dtype=torch.bfloat16)
+    assert model(idx, idx)[1].dtype == torch.float32
+
+
 def test_same_seed_same_weights_different_seed_different_weights():
     a, b, c = (build_model(ModelConfig(), seed=s) for s in (0, 0, 1))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

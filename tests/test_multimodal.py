@@ -43,7 +43,9 @@ def assert_matches(s: dict) -> None:
 # ------------------------------------------------------------------------------
 @pytest.mark.exercise
 @pytest.mark.parametrize(
-    "nproc, split", [(2, (0, 4)), (2, (3, 1)), (4, (0, 2, 1, 1)), (4, (1, 1, 1, 1))]
+    "nproc, split",
+    # (2, 2, 0): the last stage may hold no decoder layer (it holds the norm and the head)
+    [(2, (0, 4)), (2, (3, 1)), (3, (2, 2, 0)), (4, (0, 2, 1, 1)), (4, (1, 1, 1, 1))],
 )
 def test_pipeline_with_the_encoder_as_stage_0(nproc, split):
     s = summary("pp", nproc, split=split)
@@ -106,6 +108,9 @@ def test_command_line_summary():
         (dict(mode="pp", nproc=2, split=(1, 2)), r"split=\(1, 2\) must give 2 stages"),
         (dict(mode="pp", nproc=4, split=(0, 4)), "must give 4 stages"),
         (dict(mode="pp", nproc=1), "needs nproc >= 2"),
+        # a stage between the encoder's and the last with no decoder layer has nothing to train
+        (dict(mode="pp", nproc=3, split=(2, 0, 2)), r"stage 1 holds no decoder layer.*\(0, 2, 2\)"),
+        (dict(mode="pp", nproc=7), r"at most 6 stages.*use nproc in 2..6"),
         (dict(mode="pp", nproc=2, microbatches=3), "not divisible by microbatches=3"),
         (dict(mode="dp", nproc=3), "batch_size=8 is not divisible by the data-parallel degree 3"),
         (dict(mode="dp", nproc=2, zero=4), "zero=4 is not one of"),

@@ -220,6 +220,8 @@ def test_torch_pipelining_gpipe_and_interleaved_give_the_same_losses():
     "options, message",
     [
         (dict(nproc=4, layers=2), "pp=4 x virtual_stages=1 = 4 stages but only n_layer=2"),
+        # not "use pp*virtual_stages <= 0": no pipeline fits 0 layers
+        (dict(nproc=4, layers=0), "layers must be an integer >= 1, got 0"),
         (dict(nproc=2, schedule="interleaved", virtual=2, layers=3), "only n_layer=3"),
         (
             dict(nproc=4, schedule="interleaved", microbatches=6, batch_size=12),
@@ -239,6 +241,13 @@ def test_torch_pipelining_gpipe_and_interleaved_give_the_same_losses():
 def test_bad_options_fail_before_any_rank_starts(options, message):
     with pytest.raises(ValueError, match=message):
         lab.run(**options)
+
+
+def test_a_model_without_layers_is_an_error_naming_n_layer():
+    from labs.theory.dims import ParallelDims
+
+    with pytest.raises(ValueError, match="n_layer must be an integer >= 1, got 0"):
+        ParallelDims(pp=4).check_model(n_layer=0)
 
 
 def test_plans():

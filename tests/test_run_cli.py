@@ -149,6 +149,12 @@ def test_unfilled_stub_gives_one_line_naming_the_function():
         (["collectives", "--nproc", "0"], "nprocs must be an integer >= 1"),
         (["collectives", "--bogus"], "unrecognized arguments"),
         (["collectives", "--numel", "0"], "numel must be >= 1"),
+        # rejected before any rank starts, naming the valid values (issue 22)
+        (["zero", "--nproc", "3"], "use nproc in {2,4,8}"),
+        (["infer", "--steps", "0"], "steps must be an integer >= 1, got 0"),
+        (["pp", "--layers", "0"], "layers must be an integer >= 1, got 0"),
+        (["multimodal", "--nproc", "3", "--split", "2,0,2"], "stage 1 holds no decoder layer"),
+        (["multimodal", "--nproc", "7"], "use nproc in 2..6"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args, message):

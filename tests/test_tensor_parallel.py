@@ -212,6 +212,59 @@ def test_vocab_parallel_loss_never_materialises_the_full_logits(sp):
         )
 
 
+def vocab_parallel_loss(targets: list[int], vocab: int = 16) -> dict:
+    """Rank r's VocabParallelCrossEntropy of its vocabulary slice of seeded logits [N, V] (float64,
+    where only the rounding of the sums remains) against ``targets`` [N]: the loss and the whole
+    logits' gradient (the ranks' slices gathered), or the error it raised."""
+    n = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(targets), vocab, generator=g, dtype=torch.float64)  # [N, V]
+    local = logits.chunk(n, -1)[dist.get_rank()].clone().requires_grad_()  # [N, V/tp]
+    try:
+        loss = exercise("tensor_parallel").VocabParallelCrossEntropy.apply(
+            local, torch.tensor(targets), None
+        )
+    except IndexError as e:
+        return {"error": str(e)}
+    loss.backward()
+    pieces = [torch.empty_like(local.grad) for _ in range(n)]
+    dist.all_gather(pieces, local.grad.contiguous())
+    return {"logits": logits, "loss": loss.detach(), "grad": torch.cat(pieces, -1)}
+
+
+def unsharded_loss(logits: torch.Tensor, targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """F.cross_entropy as the unsharded model computes it (ignore_index=-100): loss, gradient."""
+    logits = logits.clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(targets))
+    loss.backward()
+    return loss.detach(), logits.grad
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize(
+    "targets",
+    [[3, -100, 15, 8, -100, 0], [-100] * 4],  # rows to ignore; every row ignored (loss nan)
+    ids=["some-ignored", "all-ignored"],
+)
+def test_vocab_parallel_loss_ignores_index_minus_100_like_the_unsharded_loss(targets):
+    for r in launch(vocab_parallel_loss, 2, targets):
+        loss, grad = unsharded_loss(r["logits"], targets)
+        assert torch.allclose(r["loss"], loss, rtol=1e-12, atol=0, equal_nan=True), (r, loss)
+        assert torch.allclose(r["grad"], grad, rtol=1e-12, atol=1e-15), (r["grad"], grad)
+
+
+@pytest.mark.parametrize("bad", [16, -1])
+def test_vocab_parallel_loss_rejects_a_target_outside_the_vocabulary(bad):
+    # the unsharded loss raises IndexError on such a target: so does the sharded one, on every
+    # rank, before any collective (validation runs before the exercise code: not an exercise test)
+    targets = [3, bad, -100]
+    with pytest.raises(IndexError, match="out of bounds"):
+        unsharded_loss(torch.zeros(3, 16, dtype=torch.float64), targets)
+    for r in launch(vocab_parallel_loss, 2, targets):
+        assert r == {"error": r["error"]} and f"target {bad} is out of bounds" in r["error"], r
+        assert "0..15 (V=16) or ignore_index=-100" in r["error"]
+
+
 def apply_under_ledger(config: dict) -> tuple[str, int]:
     """apply_tensor_parallel on a model the degree may not divide.
 
@@ -255,6 +308,16 @@ def test_same_outputs_as_torch_dtensor_tensor_parallelism():
     assert s["torch_max_rel_logit_diff_vs_ours"] <= TOL
     assert s["torch_max_rel_loss_diff"] <= TOL and s["max_rel_loss_diff"] <= TOL
     assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
+
+
+@pytest.mark.exercise
+def test_torch_comparison_keeps_tied_embeddings_tied():
+    """DTensor's plan gives the embedding and the head a sharded weight each: tied again, torch
+    trains the reference's model (untied, its losses part from step 2 by ~4e-3)."""
+    cfg = ModelConfig(tie_embeddings=True)
+    s = experiment.run(nproc=2, steps=3, vs_torch=True, model_cfg=cfg)
+    assert s["torch_max_rel_loss_diff"] <= TOL, (s["torch_losses"], s["reference_losses"])
+    assert s.passed, s.verdict()
 
 
 @pytest.mark.exercise

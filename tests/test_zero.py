@@ -108,6 +108,16 @@ def test_sharded_optimizer_beside_torchs_zero_redundancy_optimizer():
     assert s["torch_state_breakdown"]["params"] == s["state_breakdown"]["params"]
 
 
+@pytest.mark.exercise
+@pytest.mark.parametrize("stage", [1, 3])
+def test_awkward_model_beside_torch(stage):
+    """The awkward model beside torch's own: ZeroRedundancyOptimizer under DDP (its unused
+    parameter needs find_unused_parameters) and FSDP2 (its frozen layer comes back a DTensor)."""
+    s = run(nproc=2, stage=stage, steps=3, model="awkward", vs_torch=True)
+    assert s.passed, s.verdict()
+    assert s["torch_max_rel_loss_diff"] < 1e-5 and s["torch_max_rel_param_diff"] < 1e-3
+
+
 def test_stage_zero_baseline_is_data_parallel():
     """Stage 0 (harness code, not an exercise): all-reduce, the whole state on every rank."""
     s = run(nproc=2, stage=0, steps=5)
@@ -190,6 +200,8 @@ def test_zero3_bf16_beside_fsdp2s_mixed_precision_policy():
         ({"stage": 0, "offload": True}, "offload=True needs stage"),
         ({"model": "gpt"}, "model='gpt' is not one of"),
         ({"dtype": "float16"}, "dtype='float16' is not one of"),
+        ({"nproc": 3}, r"nproc=3 does not divide the lab's global batch of 8 .* \{2,4,8\}"),
+        ({"stage": 0, "nproc": 3}, r"use nproc in \{1,2,4,8\}"),
     ],
 )
 def test_bad_arguments_are_value_errors(kwargs, message):

@@ -196,16 +196,25 @@ def compare_tensors(
     )
 
 
+def step_tolerances(tolerance: float | Sequence[float], steps: int) -> list[float]:
+    """One bound per step: ``tolerance`` itself when it is a list (``labs.train.Rule.per_step``:
+    a bound that grows over a long run), else the same number at every step."""
+    if isinstance(tolerance, (int, float)):
+        return [float(tolerance)] * steps
+    return list(tolerance)
+
+
 def losses_check(
     losses: list[float],
     reference: list[float],
     *,
-    tolerance: float,
+    tolerance: float | Sequence[float],
     name: str = "losses",
     first_step_hint: str = "",
     later_step_hint: str = "",
 ) -> Check:
-    """Every step's loss against the reference's, relative: the worst step is reported. A failure
+    """Every step's loss against the reference's, relative, within ``tolerance`` (one number, or
+    one per step): the worst step (the largest difference over its bound) is reported. A failure
     at step 1 means the forward differs (before any update): ``first_step_hint``; a failure only
     later means the update does: ``later_step_hint``."""
     if len(losses) != len(reference):
@@ -219,27 +228,27 @@ def losses_check(
         )
     diffs = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, reference)]
     diffs = [math.inf if math.isnan(d) else d for d in diffs]  # a nan loss is never close
-    worst = max(range(len(diffs)), key=diffs.__getitem__)
-    ok = diffs[worst] <= tolerance
+    bounds = step_tolerances(tolerance, len(diffs))
+    worst = max(range(len(diffs)), key=lambda i: diffs[i] / bounds[i] if bounds[i] else diffs[i])
+    bad = [i for i, (d, t) in enumerate(zip(diffs, bounds)) if d > t]
     hint = ""
-    if not ok and diffs[0] > tolerance:
+    if bad and bad[0] == 0:
         hint = first_step_hint or (
             "the loss differs already at step 1, before any update: the forward pass differs "
             "(the data each rank reads, the model's split, or how the ranks' losses combine)"
         )
-    elif not ok:
-        first_bad = next(i for i, d in enumerate(diffs) if d > tolerance)
+    elif bad:
         hint = later_step_hint or (
-            f"step 1 matches and step {first_bad + 1} does not: the forward is right, the update"
+            f"step 1 matches and step {bad[0] + 1} does not: the forward is right, the update"
             " is not (the gradients that reach the optimizer, their synchronisation, or gradients"
             " left over from the previous step)"
         )
     return Check(
         name,
-        ok,
+        not bad,
         measured=diffs[worst],
         expected=0.0,
-        tolerance=tolerance,
+        tolerance=bounds[worst],
         where=f"step {worst + 1} of {len(diffs)}",
         hint=hint,
     )
@@ -441,7 +450,8 @@ def training_checks(
     AdamW hides a gradient's scale from the losses (it divides by the gradient's own RMS), so a
     gradient N times too large trains the same model: only the gradient check sees it. ``prefix``
     names the variant in each check's name ("naive: losses"); ``loss_dtype``: the dtype the loss
-    is computed in, when not the model's (the course model's loss is fp32 whatever its dtype).
+    is computed in, when not the model's (the course model's is at least fp32). The bounds of the
+    losses and of the parameters after the last step grow over a long run (``Rule.at``).
     ``mixed``: a mixed-precision run against the reference under the same policy, ``dtype`` the
     parameters' (bf16, fp16): the table's "mixed_loss", "mixed_grad" and "mixed_param" rules."""
     import torch
@@ -459,7 +469,7 @@ def training_checks(
         losses_check(
             losses,
             reference_losses,
-            tolerance=loss_rule.rel,
+            tolerance=loss_rule.per_step(steps),
             name=f"{prefix}losses",
             first_step_hint=first_step_hint,
         )
@@ -484,7 +494,7 @@ def training_checks(
             f"{prefix}parameters after step {steps}",
             params,
             reference_params,
-            tolerance=param_rule.rel,
+            tolerance=param_rule.at(steps),
             step=steps,
             world_size=world_size,
             what="parameters",

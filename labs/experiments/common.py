@@ -168,19 +168,23 @@ def fill_losses(
 ) -> MutableMapping:
     """Record a run's losses beside the reference's: ``loss`` and ``reference_loss`` (last step),
     ``losses``, ``reference_losses``, ``max_abs_loss_diff``, ``max_rel_loss_diff`` and
-    ``matches_reference`` (every step within the tolerance for ``dtype``, fp32 by default)."""
+    ``matches_reference`` (every step within the tolerance for ``dtype``, fp32 by default, at that
+    step: ``labs.train.Rule.per_step``)."""
     import torch
 
-    from labs.train import TOLERANCES, compare_losses
+    from labs.train import compare_losses, rule
 
     diff = compare_losses(losses, reference)
+    bounds = rule("value", dtype or torch.float32).per_step(len(losses))
     summary.update(
         loss=losses[-1],
         reference_loss=reference[-1],
         losses=list(losses),
         reference_losses=list(reference),
         **diff,
-        matches_reference=diff["max_rel_loss_diff"] <= TOLERANCES[dtype or torch.float32],
+        matches_reference=all(
+            abs(a - b) / abs(b) <= t for a, b, t in zip(losses, reference, bounds)
+        ),
     )
     return summary
 

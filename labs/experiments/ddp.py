@@ -64,6 +64,7 @@ from labs.train import (
     REDUCE_DTYPES,
     LossScaler,
     MixedPrecision,
+    Rule,
     TrainConfig,
     make_optimizer,
     max_rel_diff,
@@ -280,7 +281,12 @@ def time_vs_torch(variant: str, job: Job) -> dict:
             variant, build(job, device), bucket_mb=job.bucket_mb, reduce_dtype=reduce_dtype
         ),
         "torch": TorchDDP(
-            build(job, device), device_ids=ddp_device_ids(device), bucket_cap_mb=job.bucket_mb
+            build(job, device),
+            device_ids=ddp_device_ids(device),
+            bucket_cap_mb=job.bucket_mb,
+            # the awkward model's ``unused`` parameter never gets a gradient: torch's reducer must
+            # look for such parameters after each forward, or it waits for them forever
+            find_unused_parameters=job.model == "awkward",
         ),
     }
     if mixed and reduce_dtype != mixed.param_dtype:
@@ -363,20 +369,21 @@ def theory_for(
     }
 
 
-def tolerances(job: Job, backend: str) -> dict[str, float]:
+def tolerances(job: Job, backend: str) -> dict[str, Rule]:
     """The tolerance table's rules for this job: "loss", "grad" and "param" (``labs.train.rule``:
-    fp32's "value" and "param" rows by the model's dtype, or the mixed-precision rows by the
-    parameters' dtype)."""
+    the "value" and "param" rows by the model's dtype, which the loss is computed in too, or the
+    mixed-precision rows by the parameters' dtype). A rule's bound may grow over a long run
+    (``Rule.at``)."""
     mixed = job.mixed
     if mixed is None:
         dtype = getattr(torch, job.dtype)
         return {
-            "loss": rule("value", torch.float32, backend).rel,  # the loss is fp32 (logits.float())
-            "grad": rule("value", torch.float32, backend).rel,
-            "param": rule("param", dtype, backend).rel,
+            "loss": rule("value", dtype, backend),
+            "grad": rule("value", dtype, backend),
+            "param": rule("param", dtype, backend),
         }
     return {
-        kind: rule(f"mixed_{kind}", mixed.param_dtype, backend).rel
+        kind: rule(f"mixed_{kind}", mixed.param_dtype, backend)
         for kind in ("loss", "grad", "param")
     }
 
@@ -625,20 +632,24 @@ def state_check(summary: RunSummary, runs: list[dict], nproc: int, mixed) -> Che
 
 
 def compare(
-    variant: str, runs: list[dict], ref, *, nproc: int, theory: dict, tol: dict[str, float]
+    variant: str, runs: list[dict], ref, *, nproc: int, theory: dict, tol: dict[str, Rule]
 ) -> dict:
     """One variant's per-rank results against the reference (within ``tol``: ``tolerances``) and
     the theory."""
     row = fill_losses({}, _mean_losses([r["losses"] for r in runs]), ref.losses)
-    row["matches_reference"] = row["max_rel_loss_diff"] <= tol["loss"]
+    steps = len(ref.losses)
+    row["matches_reference"] = all(
+        abs(a - b) / abs(b) <= bound
+        for a, b, bound in zip(row["losses"], ref.losses, tol["loss"].per_step(steps))
+    )
     param_diff = _param_diff([r["params"] for r in runs], ref.params)
     grad_diff = _param_diff([r["first_grads"] for r in runs], ref.grads)
     same_names = all(set(r["first_grads"]) == set(ref.grads) for r in runs)
     row.update(
         max_rel_grad_diff=grad_diff,
-        grads_match_reference=grad_diff <= tol["grad"] and same_names,
+        grads_match_reference=grad_diff <= tol["grad"].rel and same_names,
         max_rel_param_diff=param_diff,
-        params_match_reference=param_diff <= tol["param"],
+        params_match_reference=param_diff <= tol["param"].at(steps),
         ranks_identical=all(
             torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params
         ),
@@ -720,7 +731,6 @@ def variant_checks(
         params=[r["params"] for r in runs],
         reference_params=ref.params,
         dtype=dtype,
-        loss_dtype=torch.float32,  # the course model computes its loss in fp32 (logits.float())
         backend=backend,
         world_size=nproc,
         prefix=prefix,

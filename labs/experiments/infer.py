@@ -368,14 +368,22 @@ def mode_summary(
 
 
 def check_args(
-    cfg: ModelConfig, *, nproc: int, mode: str, model: str, prompts: int, new_tokens: int
+    cfg: ModelConfig,
+    *,
+    nproc: int,
+    mode: str,
+    model: str,
+    prompts: int,
+    new_tokens: int,
+    steps: int = 1,
 ) -> None:
     """Every ValueError ``run`` can raise, before any process starts."""
     if mode not in MODES + ("both",):
         raise ValueError(f"mode={mode!r} is not one of {MODES + ('both',)}")
     if model not in MODELS:
         raise ValueError(f"model={model!r} is not one of {MODELS}")
-    check_positive(nproc=nproc, prompts=prompts, new_tokens=new_tokens)
+    # steps: the timed generations after the warm-up one; the latencies are their medians
+    check_positive(nproc=nproc, prompts=prompts, new_tokens=new_tokens, steps=steps)
     if new_tokens < 2:
         raise ValueError(
             f"new_tokens={new_tokens}: use new_tokens >= 2 (the first token is the prefill's; "
@@ -417,7 +425,15 @@ def run(
     the per-mode figures are dicts keyed by mode and ``tp`` / ``placement`` hold each mode's
     summary)."""
     cfg = model_cfg or CONFIG
-    check_args(cfg, nproc=nproc, mode=mode, model=model, prompts=prompts, new_tokens=new_tokens)
+    check_args(
+        cfg,
+        nproc=nproc,
+        mode=mode,
+        model=model,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        steps=steps,
+    )
     batch = make_prompts(prompts, seed)
     full = full_model(cfg, model, seed)
     with one_thread():

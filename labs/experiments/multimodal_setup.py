@@ -74,8 +74,7 @@ def check_args(
                 f"mode='pp' needs nproc >= 2 (the encoder's stage and a decoder stage), got {nproc}"
             )
         check_divides(train.batch_size, "batch_size", microbatches, "microbatches")
-        split = split if split is not None else theory.default_split(spec.n_layers, nproc)
-        return theory.check_split(split, n_layers=spec.n_layers, stages=nproc)
+        return check_pp_split(split, n_layers=spec.n_layers, nproc=nproc)
     if mode == "dp":
         train.per_rank_batch(nproc)
         if zero not in zero_theory.STAGES:
@@ -85,6 +84,30 @@ def check_args(
     if mode == "tp":
         tp_theory.check(spec, tp=nproc, batch=train.batch_size, seq=cfg.seq_len)
     return None
+
+
+def check_pp_split(split, *, n_layers: int, nproc: int) -> tuple[int, ...]:
+    """``split`` (default: ``theory.default_split``) if the lab can train it on ``nproc`` stages:
+    the theory's rules (``theory.check_split``), and a decoder layer on every stage between the
+    first (the encoder's) and the last (norm and head), or that stage has nothing to train. Raises
+    ValueError naming the valid ``nproc`` or a valid split."""
+    most = n_layers + 2  # the encoder's stage, one stage per layer, the head's stage
+    if nproc > most:
+        raise ValueError(
+            f"mode='pp' with nproc={nproc}: the {n_layers}-layer decoder fills at most {most}"
+            f" stages (stage 0 holds the encoder, the last stage the norm and head, and every stage"
+            f" between them needs a layer); use nproc in 2..{most}"
+        )
+    split = split if split is not None else theory.default_split(n_layers, nproc)
+    split = theory.check_split(split, n_layers=n_layers, stages=nproc)
+    empty = [s for s in range(1, nproc - 1) if split[s] == 0]
+    if empty:
+        raise ValueError(
+            f"split={split}: stage {empty[0]} holds no decoder layer, so it has nothing to train;"
+            f" only stage 0 (the encoder's) and the last stage (norm and head) may hold 0, every"
+            f" stage between them at least 1, e.g. {theory.default_split(n_layers, nproc)}"
+        )
+    return split
 
 
 def reference_run(cfg: MultimodalConfig, train: TrainConfig, dp: int = 1) -> ReferenceResult:

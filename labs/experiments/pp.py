@@ -54,7 +54,7 @@ from labs.runtime.impl import exercise
 from labs.runtime.launcher import RankResults, launch, report_progress
 from labs.runtime.pipe import pipe_group
 from labs.theory import pipeline as theory
-from labs.theory.dims import ParallelDims, check_divides
+from labs.theory.dims import ParallelDims, check_divides, check_positive
 from labs.theory.memory import param_counts
 from labs.train import (
     TOLERANCES,
@@ -267,6 +267,7 @@ def validate(
     if schedule not in CHOICES + ("afab",):
         raise ValueError(f"schedule={schedule!r} is not one of {CHOICES}")
     theory.check_schedule(schedule, nproc, microbatches, virtual)
+    check_positive(layers=layers)
     ParallelDims(pp=nproc).check_model(n_layer=layers, virtual_stages=virtual)
     check_divides(batch_size, "batch_size", microbatches, "microbatches")
     if op_time < 0 or backward_ratio < 0:

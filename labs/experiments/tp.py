@@ -152,6 +152,10 @@ def torch_tensor_parallel(model: nn.Module, *, sp: bool) -> nn.Module:
         ),
     }
     parallelize_module(model, mesh, {**top, **({"norm": SequenceParallel()} if sp else {})})
+    if model.cfg.tie_embeddings:
+        # parallelize_module gave each module its own DTensor: tie them again (both are Shard(0)
+        # over V, so one sharded tensor serves the lookup and the head, as in the reference)
+        model.lm_head.weight = model.tok_emb.weight
     for block in model.layers:
         plan = {
             name: ColwiseParallel()

@@ -64,8 +64,8 @@ from labs.runtime.flat import FlatBuffer, course_units
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
+from labs.theory.dims import check_positive, divisors
 from labs.train import (
-    PARAM_TOLERANCES,
     PRECISIONS,
     REDUCE_DTYPES,
     LossScaler,
@@ -271,7 +271,12 @@ def wrap_for_zero(model, spec: RunSpec, cfg: TrainConfig, *, mp_policy=None, los
     if spec.torch_impl in ("ddp", "zero_redundancy"):
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, device_ids=ddp_device_ids(rank_device()))
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=ddp_device_ids(rank_device()),
+            # the awkward model's ``unused`` parameter never gets a gradient (see labs.models.toy)
+            find_unused_parameters=spec.model == "awkward",
+        )
         if spec.torch_impl == "ddp":
             return ddp, make_optimizer(ddp.parameters(), cfg)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -588,9 +593,17 @@ def check_options(
         )
     if stage not in theory.STAGES:
         raise ValueError(f"stage={stage!r} is not one of {theory.STAGES}")
+    check_positive(nproc=nproc)
     if stage > 0 and nproc < 2:
         raise ValueError(
             f"stage={stage} shards over ranks but nproc={nproc}; use nproc >= 2 or stage=0"
+        )
+    batch = TrainConfig().batch_size  # the lab's global batch: each rank trains on batch/nproc
+    if batch % nproc:
+        valid = [d for d in divisors(batch) if d >= (2 if stage > 0 else 1)]
+        raise ValueError(
+            f"nproc={nproc} does not divide the lab's global batch of {batch} sequences (each"
+            f" rank trains on batch/nproc of them); use nproc in {{{','.join(map(str, valid))}}}"
         )
     if offload and stage == 0:
         raise ValueError(
@@ -731,7 +744,7 @@ def run(
         s["loss_scales"] = per_rank[0]["loss_scales"]
         s["skipped_steps"] = per_rank[0]["skipped_steps"]
         s["reference_skipped_steps"] = ref.skipped_steps
-    s.update(param_diff(per_rank[0]["params"], ref.params, mixed, per_rank.backend))
+    s.update(param_diff(per_rank[0]["params"], ref.params, mixed, per_rank.backend, steps=steps))
     s["params_sha1"] = digest(per_rank[0]["params"])
     used = ref.grads or used_parameters(model, cfg, nproc)  # fp16 may have taken no step
     gradless = sum(
@@ -913,20 +926,27 @@ def digest(params: dict) -> str:
 
 
 def param_diff(
-    params: dict, reference: dict, mixed: MixedPrecision | None = None, backend: str = "gloo"
+    params: dict,
+    reference: dict,
+    mixed: MixedPrecision | None = None,
+    backend: str = "gloo",
+    *,
+    steps: int = 1,
 ) -> dict:
     """``max_rel_param_diff`` over every parameter (by name), the ``worst_param`` and
-    ``params_match_reference`` (within the tolerance for parameters after AdamW steps,
-    ``labs.train.PARAM_TOLERANCES``; mixed precision: the table's "mixed_param" row)."""
+    ``params_match_reference`` (within the tolerance for parameters after ``steps`` AdamW steps,
+    ``labs.train.rule("param", dtype).at(steps)``; mixed precision: the table's "mixed_param"
+    row)."""
     missing = sorted(set(reference) - set(params))
     if missing:
         raise AssertionError(f"parameters missing from the parallel run: {missing}")
     diffs = {n: max_rel_diff(params[n].double(), ref.double()) for n, ref in reference.items()}
     worst = max(diffs, key=diffs.get)
     dtype = reference[worst].dtype
-    tolerance = (
-        rule("mixed_param", mixed.param_dtype, backend).rel if mixed else PARAM_TOLERANCES[dtype]
-    )
+    if mixed is not None:
+        tolerance = rule("mixed_param", mixed.param_dtype, backend).at(steps)
+    else:
+        tolerance = rule("param", dtype, backend).at(steps)
     return {
         "max_rel_param_diff": diffs[worst],
         "worst_param": worst,

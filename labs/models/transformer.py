@@ -67,8 +67,14 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms and the loss compute in: fp32 for bf16 and fp16 activations (as Llama
+    does), the model's own dtype from fp32 up (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (as Llama does) and cast back."""
+    """x / rms(x) * weight, computed in at least fp32 (``compute_dtype``) and cast back."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -77,7 +83,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(compute_dtype(dtype))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -211,7 +217,9 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x))  # [B, T, V]
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        # in at least fp32: a bf16 softmax over V would round every probability
+        wide = logits.to(compute_dtype(logits.dtype))
+        loss = F.cross_entropy(wide.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
 
 

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labs.data import shapes
-from labs.models.transformer import ModelConfig, build_model, run_blocks
+from labs.models.transformer import ModelConfig, build_model, compute_dtype, run_blocks
 
 if TYPE_CHECKING:
     from transformers import SiglipVisionModel
@@ -204,10 +204,10 @@ def decode(decoder: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the caption positions (targets != IGNORE), in fp32."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=shapes.IGNORE
-    )
+    """Mean cross-entropy over the caption positions (targets != IGNORE), in at least fp32
+    (``compute_dtype``)."""
+    wide = logits.to(compute_dtype(logits.dtype))
+    return F.cross_entropy(wide.flatten(0, 1), targets.flatten(), ignore_index=shapes.IGNORE)
 
 
 class MultimodalModel(nn.Module):

@@ -32,9 +32,11 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nccl" and gpus < nprocs:
+        # with no GPU at all, fewer ranks cannot help: only gloo runs
+        fix = f"use nprocs<={gpus} or backend='gloo'" if gpus else "use backend='gloo' or 'auto'"
         raise ValueError(
             f"backend='nccl' needs one GPU per rank: nprocs={nprocs} but {gpus} GPU(s) visible;"
-            f" use nprocs<={gpus} or backend='gloo'"
+            f" {fix}"
         )
     if backend == "auto":
         return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"

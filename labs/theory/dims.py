@@ -133,6 +133,8 @@ class ParallelDims:
             ):
                 if value is not None:
                     check_divides(value, name, self.tp, "tp")
+        if n_layer is not None:
+            check_positive(n_layer=n_layer, virtual_stages=virtual_stages)
         if n_layer is not None and self.pp * virtual_stages > n_layer:
             raise ValueError(
                 f"pp={self.pp} x virtual_stages={virtual_stages} ="
