@@ -280,7 +280,7 @@ def apply_under_ledger(config: dict) -> tuple[str, int]:
 @pytest.mark.parametrize(
     "tp, config, message",
     [
-        (3, {}, "n_head=8 is not divisible by tp=3; use tp in {1,2,4,8}"),
+        (3, {}, "n_head=8 is not divisible by tp=3; use tp in {1,2,4} (they also divide"),
         (4, {"n_kv_head": 2}, "n_kv_head=2 is not divisible by tp=4"),
         (4, {"vocab_size": 250}, "vocab_size=250 is not divisible by tp=4"),
         (4, {"ffn_hidden": 130}, "ffn_hidden=130 is not divisible by tp=4"),

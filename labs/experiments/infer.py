@@ -390,8 +390,7 @@ def check_args(
             "the lab times the decode steps after it)"
         )
     for m in MODES if mode == "both" else (mode,):
-        theory.check(course_spec(cfg), mode=m, degree=nproc)
-        if m == "tp":
+        if m == "tp":  # the lab's TP shards whole q and kv heads (no kv replication): checked first
             ParallelDims(tp=nproc).check_model(
                 n_head=cfg.n_head,
                 n_kv_head=cfg.n_kv_head,
@@ -399,6 +398,7 @@ def check_args(
                 ffn_hidden=cfg.ffn_hidden,
                 vocab_size=cfg.vocab_size,
             )
+        theory.check(course_spec(cfg), mode=m, degree=nproc)
     if MAX_PROMPT + new_tokens > cfg.seq_len:
         raise ValueError(
             f"new_tokens={new_tokens}: prompts of up to {MAX_PROMPT} tokens plus new_tokens must"

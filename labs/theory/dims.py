@@ -124,15 +124,27 @@ class ParallelDims:
     ) -> None:
         """Raise if a model dimension does not split evenly over the degree that splits it."""
         if self.tp > 1:
-            for value, name in (
-                (n_head, "n_head"),
-                (n_kv_head, "n_kv_head"),
-                (n_embd, "n_embd"),
-                (vocab_size, "vocab_size"),
-                (ffn_hidden, "ffn_hidden"),
-            ):
-                if value is not None:
-                    check_divides(value, name, self.tp, "tp")
+            split = {
+                name: value
+                for name, value in (
+                    ("n_head", n_head),
+                    ("n_kv_head", n_kv_head),
+                    ("n_embd", n_embd),
+                    ("vocab_size", vocab_size),
+                    ("ffn_hidden", ffn_hidden),
+                )
+                if value is not None
+            }
+            for name, value in split.items():
+                if value % self.tp:
+                    # suggest only degrees that split every dimension tp splits
+                    valid = [d for d in divisors(value) if all(v % d == 0 for v in split.values())]
+                    others = ", ".join(f"{n}={v}" for n, v in split.items() if n != name)
+                    raise ValueError(
+                        f"{name}={value} is not divisible by tp={self.tp}; use tp in"
+                        f" {{{','.join(map(str, valid))}}} (they also divide {others})"
+                        f" or change {name}"
+                    )
         if n_layer is not None:
             check_positive(n_layer=n_layer, virtual_stages=virtual_stages)
         if n_layer is not None and self.pp * virtual_stages > n_layer:
