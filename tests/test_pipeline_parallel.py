@@ -185,21 +185,27 @@ def test_measured_bubble_follows_the_formula():
 @pytest.mark.exercise
 def test_zero_bubble_measured_bubble_is_as_close_to_its_formula_as_1f1bs():
     """ZB-H1 and 1F1B on 4 ranks, M = 8, operations padded alike (F = B = W = 50 ms, 1F1B's
-    backward 100 ms): ZB-H1's measured bubble is below 1F1B's, as the formulas' 3/27 and 3/11
-    are, and its gap to its formula is no larger than 1F1B's gap to its own, give or take the
-    noise of a shared 2-core machine (0.06). ZB-H1 runs 3 operations per micro-batch where 1F1B
-    runs 2, so each delay of a busy CPU costs it more of its (shorter) step."""
-    onef = lab.run(nproc=4, steps=1, schedule="1f1b", microbatches=8, op_time=0.05)
-    zb = lab.run(nproc=4, steps=1, schedule="zb-h1", microbatches=8, op_time=0.05)
-    assert onef.passed and zb.passed, zb.verdict()
-    assert zb["theory_bubble_fraction"] == pytest.approx(3 / 27)
+    backward 100 ms), the least idle of 3 padded steps: ZB-H1's measured bubble is well below
+    1F1B's (the formulas' 3/27 against 3/11), and its gap to its formula is no larger than
+    1F1B's gap to its own, give or take 0.08: ZB-H1 runs half again as many operations per
+    step as 1F1B, each starting a delay late on a shared 2-core machine, in a shorter step."""
+    runs = {
+        schedule: lab.run(
+            nproc=4, steps=1, schedule=schedule, microbatches=8, op_time=0.05, measure_steps=3
+        )
+        for schedule in ("1f1b", "zb-h1")
+    }
+    assert runs["zb-h1"]["theory_bubble_fraction"] == pytest.approx(3 / 27)
     gaps = {}
-    for s in (onef, zb):
-        gaps[s["schedule"]] = s["bubble_fraction"] - s["theory_bubble_fraction"]
-        assert gaps[s["schedule"]] >= -0.03, s["schedule"]  # no schedule beats its formula
-        assert abs(s["bubble_fraction"] - s["delay_bubble_fraction"]) <= 0.1, s["schedule"]
-    assert zb["bubble_fraction"] < onef["bubble_fraction"], gaps
-    assert gaps["zb-h1"] <= gaps["1f1b"] + 0.06, gaps
+    for schedule, s in runs.items():
+        assert s.passed, s.verdict()
+        assert len(s["measured_bubble_fractions"]) == 3
+        assert s["bubble_fraction"] == min(s["measured_bubble_fractions"])
+        gaps[schedule] = s["bubble_fraction"] - s["theory_bubble_fraction"]
+        assert gaps[schedule] >= -0.03, schedule  # no schedule beats its formula
+        assert abs(s["bubble_fraction"] - s["delay_bubble_fraction"]) <= 0.1, schedule
+    assert runs["zb-h1"]["bubble_fraction"] < runs["1f1b"]["bubble_fraction"] - 0.08, gaps
+    assert gaps["zb-h1"] <= gaps["1f1b"] + 0.08, gaps
 
 
 @pytest.mark.exercise
@@ -283,6 +289,7 @@ def test_torch_pipelining_gives_the_same_losses():
         (dict(nproc=2, schedule="naive", microbatches=4), "use microbatches=1"),
         (dict(nproc=2, plan=(3, 3)), r"plan=\(3, 3\) must give 2 stages"),
         (dict(nproc=2, op_time=-1.0), "op_time=-1.0"),
+        (dict(nproc=2, measure_steps=0), "measure_steps=0 must be >= 1"),
     ],
 )
 def test_bad_options_fail_before_any_rank_starts(options, message):

@@ -31,8 +31,10 @@ them are real waits for real messages. That makes the schedule's shape visible a
 share comparable with the formula (``bubble_fraction``). What is left between the two is
 delay: ``delay_bubble_fraction`` is the schedule run on paper with the measured operation times
 and the measured mean delay of an operation (message latency, a busy CPU;
-``labs.theory.pipeline.fit_timeline``). ``op_time=0`` turns padding off. The padded, measured
-timeline is ``labs.experiments.pp_timeline``.
+``labs.theory.pipeline.fit_timeline``). ``op_time=0`` turns padding off. ``measure_steps=k``
+runs k padded steps and keeps the least idle: another process's stall (this machine is shared)
+only ever adds idle time, so the least idle step is the closest to the schedule's own, as
+``timeit`` keeps the fastest run. The padded, measured timeline is ``labs.experiments.pp_timeline``.
 """
 
 from __future__ import annotations
@@ -127,10 +129,11 @@ def pipeline_worker(
     op_time: float = 0.0,
     backward_ratio: float = 2.0,
     vs_torch: bool = False,
+    measure_steps: int = 1,
 ) -> dict:
     """Train ``cfg.steps`` steps (naive: ``cfg.steps`` forwards) with our schedule on this rank,
-    then one measured step; optionally the same with torch's pipelining. Returns what this rank
-    saw."""
+    then ``measure_steps`` padded, measured steps; optionally the same with torch's pipelining.
+    Returns what this rank saw."""
     pp = exercise("pipeline_parallel")
     pipe = pipe_group()
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
@@ -193,16 +196,19 @@ def pipeline_worker(
     out["raw_events"] = clock_record(timeline)  # the last step's
     if schedule == "naive":
         out["state_bytes"] = state_bytes(params)["total"]
-    # the measurement step: padded operations, no update (its gradients are thrown away)
+    # the measurement steps: padded operations, no update (their gradients are thrown away)
     # an interleaved chunk holds 1/V of the rank's layers, so its operations take 1/V of the time
-    measured = MeasuredTimeline(
-        op_time=op_time / virtual,
-        backward_ratio=backward_ratio,
-        w_share=0.5 if schedule in theory.SPLIT_BACKWARD else 0.0,
-        exclude=params,
-    )
-    _run_step(pp, schedule, chunks, *data[0], microbatches, pipe, measured, torch_pipeline)
-    out["events"] = clock_record(measured)
+    out["measured_steps"] = []
+    for _ in range(measure_steps):
+        measured = MeasuredTimeline(
+            op_time=op_time / virtual,
+            backward_ratio=backward_ratio,
+            w_share=0.5 if schedule in theory.SPLIT_BACKWARD else 0.0,
+            exclude=params,
+        )
+        _run_step(pp, schedule, chunks, *data[0], microbatches, pipe, measured, torch_pipeline)
+        out["measured_steps"].append(clock_record(measured))
+    out["events"] = out["measured_steps"][0]
     if vs_torch and schedule != "naive":
         out.update(_torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan))
     return out
@@ -273,7 +279,16 @@ def make_plan(schedule: str, model_cfg: ModelConfig, stages: int, virtual: int, 
 
 
 def validate(
-    *, nproc, schedule, microbatches, virtual, layers, batch_size, op_time, backward_ratio
+    *,
+    nproc,
+    schedule,
+    microbatches,
+    virtual,
+    layers,
+    batch_size,
+    op_time,
+    backward_ratio,
+    measure_steps=1,
 ) -> None:
     """Every ValueError a bad option can cause, raised before any rank starts."""
     if schedule not in CHOICES + ("afab",):
@@ -283,6 +298,8 @@ def validate(
     check_divides(batch_size, "batch_size", microbatches, "microbatches")
     if op_time < 0 or backward_ratio < 0:
         raise ValueError(f"op_time={op_time} and backward_ratio={backward_ratio} must be >= 0")
+    if measure_steps < 1:
+        raise ValueError(f"measure_steps={measure_steps} must be >= 1 (padded steps measured)")
 
 
 def run(
@@ -301,10 +318,11 @@ def run(
     op_time: float = 0.02,
     backward_ratio: float = 2.0,
     seed: int = 0,
+    measure_steps: int = 1,
 ) -> RunSummary:
     """Run ``schedule`` on ``nproc`` pipeline stages and check it; returns the lab summary.
     Defaults: ``microbatches`` 8 (naive: 1), ``virtual`` 2 for interleaved and dualpipev (else
-    1)."""
+    1). ``measure_steps``: padded steps measured, the least idle kept."""
     microbatches = (1 if schedule == "naive" else 8) if microbatches is None else microbatches
     if virtual is None:
         virtual = theory.chunks_per_rank(schedule, 2 if schedule == "interleaved" else 1)
@@ -319,6 +337,7 @@ def run(
         batch_size=batch_size,
         op_time=op_time,
         backward_ratio=backward_ratio,
+        measure_steps=measure_steps,
     )
     model_cfg = ModelConfig(n_layer=layers)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
@@ -339,6 +358,7 @@ def run(
         op_time,
         backward_ratio,
         vs_torch,
+        measure_steps,
         backend=backend,
         timeout=timeout,
         progress=steps,
@@ -382,7 +402,12 @@ def summarize(
     reference is the unsplit model's forward): reference, theory and torch side by side."""
     P = len(per_rank)
     last = per_rank[loss_rank(schedule, P, virtual)]  # where the loss is
-    timeline = on_one_clock(per_rank, "events")  # every rank's measured operations on one clock
+    # every rank's measured operations on one clock, for each padded step; the least idle kept
+    measured = [
+        on_one_clock([{"events": record} for record in step], "events")
+        for step in zip(*(r["measured_steps"] for r in per_rank))
+    ]
+    timeline = min(measured, key=idle_fraction_of)
     summary = new_summary(
         "pp",
         nproc=P,
@@ -444,6 +469,7 @@ def summarize(
             list(map(tuple, r["order"])) == order[r["rank"]] for r in per_rank
         ),
         bubble_fraction=idle_fraction_of(timeline),
+        measured_bubble_fractions=[idle_fraction_of(t) for t in measured],
         raw_bubble_fraction=idle_fraction_of(on_one_clock(per_rank, "raw_events")),
         theory_bubble_fraction=theory.bubble_fraction(schedule, P, microbatches, virtual),
         simulated_bubble_fraction=theory.simulate(
@@ -667,7 +693,9 @@ def pp_checks(
                 summary["microbatches_held"],
                 summary["theory_microbatches_held"],
                 hint="AFAB holds all M micro-batches' activations; 1F1B at most P - s on stage s: "
-                "a backward frees its micro-batch's activations, so running it later holds more",
+                "a backward frees its micro-batch's activations, so running it later holds more; "
+                "ZB-H1 min(P, M) on every stage: B keeps the graph (retain_graph=True), its W "
+                "frees it",
             )
         )
     checks.append(
@@ -714,3 +742,9 @@ def add_arguments(parser) -> None:
         help="backward time / forward time when padding (a split backward: B and W half each)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--measure-steps",
+        type=int,
+        default=1,
+        help="padded steps to measure; the least idle is kept (a stall only adds idle time)",
+    )

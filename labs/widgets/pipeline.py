@@ -393,7 +393,7 @@ def plot_activations(*summaries: dict, ax=None):
     )
     ax.set_ylabel("peak activations (MiB)")
     ax.set_title(
-        "activations held at the peak (numbers: micro-batches, chunk micro-batches if interleaved)",
+        "activations held at the peak (numbers: micro-batches; chunk micro-batches if chunked)",
         fontsize=9,
     )
     ax.legend(fontsize=8)
