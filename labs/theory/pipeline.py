@@ -916,7 +916,8 @@ def format_result(r: dict) -> str:
         f"{r['simulated_bubble_fraction']:.4f})",
         f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
         f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
-        f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
+        f"micro-batches held  {r['in_flight_microbatches']}  (per rank, first to last"
+        + ("; chunk micro-batches)" if r["virtual"] > 1 else ")"),
     ]
     if r["rule_bubble_fraction"] is not None:
         lines.append(
