@@ -1,7 +1,7 @@
 # Your exercise module, generated from solutions/pipeline_parallel.py by `python -m labs.stubs`.
 # Replace each `raise NotImplementedError(...)` with your code; run the notebook's checks.
 """Exercise 05 (notebooks/05_pipeline_parallel.ipynb): pipeline parallelism: stages, GPipe, 1F1B,
-interleaved.
+interleaved, zero bubble (ZB-H1).
 
 What is split: the layers. Stage s of P holds a contiguous slice of ``layers``; the first also
 ``tok_emb``, the last ``norm``, ``lm_head`` and the loss. A rank holds only its stage's parameters,
@@ -25,13 +25,18 @@ Schedules (each rank's order of operations: ``labs.theory.pipeline.schedule_ops`
     AFAB/GPipe   all M forwards, then all M backwards: bubble (P-1)/(M+P-1), M micro-batches held
     1F1B         warm-up, then one forward + one backward, cool-down: same bubble, <= P held
     interleaved  1F1B over V chunks per rank: bubble (P-1)/(V·M+P-1), V times the messages
+    ZB-H1        1F1B with each backward split into B (the input's gradient, which the previous
+                 stage waits for) and W (the weights', which nobody waits for); stage s holds
+                 its s latest W's back to fill the cool-down: bubble (P-1)/(3M+P-1) with
+                 F = B = W, min(P, M) micro-batches held (a W needs its micro-batch's graph)
 
 Loss: the mean over the global batch, as in the reference. A micro-batch's cross-entropy is a
 mean over its (B/M)·T tokens, so the global mean is (1/M)·Σ_i loss_i: the last stage scales
 each micro-batch's loss by 1/M, and the M backwards accumulate the reference's gradient.
 
 References: Huang et al., "GPipe" (2019); Narayanan et al., "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM" (2021) §2.2; picotron; the Ultra-Scale Playbook.
+Training on GPU Clusters Using Megatron-LM" (2021) §2.2; Qi et al., "Zero Bubble Pipeline
+Parallelism" (2024) §2-3; picotron; the Ultra-Scale Playbook.
 """
 
 from __future__ import annotations
@@ -133,6 +138,33 @@ def backward_step(
     )
 
 
+def backward_input_step(
+    inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None
+) -> torch.Tensor | None:
+    """B of ZB-H1: the gradient of ``inputs`` [b, T, H] only, what the previous stage waits for
+    (``torch.autograd.grad`` with respect to ``inputs``, the graph retained for W); no
+    parameter's ``.grad`` changes. Returns None on the first stage (its inputs are token ids,
+    nothing to send back)."""
+    raise NotImplementedError(
+        "exercise backward_input_step is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
+
+
+def backward_weight_step(
+    stage: StageModule, output: torch.Tensor, output_grad: torch.Tensor | None
+) -> None:
+    """W of ZB-H1: the gradients of the stage's parameters for one micro-batch
+    (``torch.autograd.grad`` with respect to them), added to their ``.grad``; the graph is freed
+    afterwards. It walks the graph a second time, the price of a split readable in a few lines:
+    Megatron and torch keep the gradients B computed at each layer's output and run only the
+    weight matmuls here."""
+    raise NotImplementedError(
+        "exercise backward_weight_step is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
+
+
 def activation_shape(stage: StageModule, microbatches: Microbatches) -> tuple[int, ...]:
     """The shape [b, T, H] of what a stage sends and receives for one of ``microbatches``."""
     x, _ = microbatches[0]
@@ -185,6 +217,27 @@ def train_step_1f1b(
     :func:`train_step_afab`. Any M works, also M < P."""
     raise NotImplementedError(
         "exercise train_step_1f1b is not written yet: "
+        "see its docstring and notebooks/05_pipeline_parallel.ipynb"
+    )
+
+
+def train_step_zb_h1(
+    stage: StageModule,
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
+) -> float | None:
+    """ZB-H1 on stage s: 1F1B's forwards and backwards, each backward split into B
+    (``backward_input_step``, span "B"), whose gradient goes back at once, and W
+    (``backward_weight_step``, span "W"). Stage s holds its s latest W's back: after each B the
+    oldest waiting W runs once more than s wait; the last s run after the last B, in the
+    cool-down where 1F1B idles. Sends are non-blocking (``dist.isend``, waited for at the end)
+    and each ``dist.recv`` blocks right before the B or F that needs it, so a W never waits for
+    a message. Needs M >= P (``check_schedule``). Returns as :func:`train_step_afab`."""
+    check_schedule("zb-h1", pipe.size, len(microbatches))
+    raise NotImplementedError(
+        "exercise train_step_zb_h1 is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
     )
 

@@ -1,5 +1,5 @@
 """Exercise 05 (notebooks/05_pipeline_parallel.ipynb): pipeline parallelism: stages, GPipe, 1F1B,
-interleaved.
+interleaved, zero bubble (ZB-H1).
 
 What is split: the layers. Stage s of P holds a contiguous slice of ``layers``; the first also
 ``tok_emb``, the last ``norm``, ``lm_head`` and the loss. A rank holds only its stage's parameters,
@@ -23,13 +23,18 @@ Schedules (each rank's order of operations: ``labs.theory.pipeline.schedule_ops`
     AFAB/GPipe   all M forwards, then all M backwards: bubble (P-1)/(M+P-1), M micro-batches held
     1F1B         warm-up, then one forward + one backward, cool-down: same bubble, <= P held
     interleaved  1F1B over V chunks per rank: bubble (P-1)/(V·M+P-1), V times the messages
+    ZB-H1        1F1B with each backward split into B (the input's gradient, which the previous
+                 stage waits for) and W (the weights', which nobody waits for); stage s holds
+                 its s latest W's back to fill the cool-down: bubble (P-1)/(3M+P-1) with
+                 F = B = W, min(P, M) micro-batches held (a W needs its micro-batch's graph)
 
 Loss: the mean over the global batch, as in the reference. A micro-batch's cross-entropy is a
 mean over its (B/M)·T tokens, so the global mean is (1/M)·Σ_i loss_i: the last stage scales
 each micro-batch's loss by 1/M, and the M backwards accumulate the reference's gradient.
 
 References: Huang et al., "GPipe" (2019); Narayanan et al., "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM" (2021) §2.2; picotron; the Ultra-Scale Playbook.
+Training on GPU Clusters Using Megatron-LM" (2021) §2.2; Qi et al., "Zero Bubble Pipeline
+Parallelism" (2024) §2-3; picotron; the Ultra-Scale Playbook.
 """
 
 from __future__ import annotations
@@ -136,6 +141,37 @@ def backward_step(
     ### BEGIN SOLUTION
     torch.autograd.backward(output, grad_tensors=output_grad)
     return inputs.grad if inputs.requires_grad else None
+    ### END SOLUTION
+
+
+def backward_input_step(
+    inputs: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None
+) -> torch.Tensor | None:
+    """B of ZB-H1: the gradient of ``inputs`` [b, T, H] only, what the previous stage waits for
+    (``torch.autograd.grad`` with respect to ``inputs``, the graph retained for W); no
+    parameter's ``.grad`` changes. Returns None on the first stage (its inputs are token ids,
+    nothing to send back)."""
+    ### BEGIN SOLUTION
+    if not inputs.requires_grad:
+        return None
+    (grad,) = torch.autograd.grad(output, inputs, output_grad, retain_graph=True)
+    return grad  # [b, T, H]
+    ### END SOLUTION
+
+
+def backward_weight_step(
+    stage: StageModule, output: torch.Tensor, output_grad: torch.Tensor | None
+) -> None:
+    """W of ZB-H1: the gradients of the stage's parameters for one micro-batch
+    (``torch.autograd.grad`` with respect to them), added to their ``.grad``; the graph is freed
+    afterwards. It walks the graph a second time, the price of a split readable in a few lines:
+    Megatron and torch keep the gradients B computed at each layer's output and run only the
+    weight matmuls here."""
+    ### BEGIN SOLUTION
+    params = [p for p in stage.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(output, params, output_grad)
+    for p, g in zip(params, grads):
+        p.grad = g if p.grad is None else p.grad + g
     ### END SOLUTION
 
 
@@ -270,6 +306,80 @@ def train_step_1f1b(
         in_grad = backward(i, grad)
         if not stage.first:
             p2p(pipe, send_prev=in_grad)
+    return sum(losses) if stage.last else None
+    ### END SOLUTION
+
+
+def train_step_zb_h1(
+    stage: StageModule,
+    microbatches: Microbatches,
+    *,
+    pipe: Pipe,
+    timeline: Timeline | None = None,
+) -> float | None:
+    """ZB-H1 on stage s: 1F1B's forwards and backwards, each backward split into B
+    (``backward_input_step``, span "B"), whose gradient goes back at once, and W
+    (``backward_weight_step``, span "W"). Stage s holds its s latest W's back: after each B the
+    oldest waiting W runs once more than s wait; the last s run after the last B, in the
+    cool-down where 1F1B idles. Sends are non-blocking (``dist.isend``, waited for at the end)
+    and each ``dist.recv`` blocks right before the B or F that needs it, so a W never waits for
+    a message. Needs M >= P (``check_schedule``). Returns as :func:`train_step_afab`."""
+    check_schedule("zb-h1", pipe.size, len(microbatches))
+    ### BEGIN SOLUTION
+    M = len(microbatches)
+    shape = activation_shape(stage, microbatches)  # [b, T, H]
+    warmup = min(pipe.size - pipe.rank - 1, M)
+    held = {}  # micro-batch -> (input, output) until its B, then (output, output grad) until W
+    waiting = []  # micro-batches whose W is held back, oldest first
+    sends = []
+    losses = []
+
+    def recv(peer: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=pipe.dtype, device=pipe.device)  # [b, T, H]
+        dist.recv(t, peer, pipe.group)
+        return t
+
+    def forward(i: int) -> None:
+        x, y = microbatches[i]
+        inp = x if stage.first else recv(pipe.prev)
+        with _span(timeline, "F", i):
+            out = forward_step(stage, inp, y, n_microbatches=M)
+        if stage.last:
+            losses.append(out.item())
+        else:
+            sends.append(dist.isend(out.detach(), pipe.next, pipe.group))
+        held[i] = (inp, out)
+
+    def weight(i: int) -> None:
+        out, grad = held.pop(i)
+        with _span(timeline, "W", i):
+            backward_weight_step(stage, out, grad)
+
+    def backward(i: int) -> None:
+        grad = None if stage.last else recv(pipe.next)
+        inp, out = held[i]
+        with _span(timeline, "B", i):
+            in_grad = backward_input_step(inp, out, grad)
+        if not stage.first:
+            sends.append(dist.isend(in_grad, pipe.prev, pipe.group))
+        held[i] = (out, grad)  # what W needs
+        waiting.append(i)
+        if len(waiting) > pipe.rank:  # stage s keeps s W's back
+            weight(waiting.pop(0))
+
+    # warm-up, steady state and cool-down as in 1F1B
+    for i in range(warmup):
+        forward(i)
+    for j in range(M - warmup):
+        forward(warmup + j)
+        backward(j)
+    for i in range(M - warmup, M):
+        backward(i)
+    # the held-back W's fill the end of the step, where 1F1B idles
+    for i in waiting:
+        weight(i)
+    for work in sends:
+        work.wait()
     return sum(losses) if stage.last else None
     ### END SOLUTION
 

@@ -346,8 +346,8 @@ CATALOG: dict[str, list[Bug]] = {
         Bug(
             "1F1B: one forward too many in the warm-up",
             "solutions.pipeline_parallel",
-            "warmup = min(pipe.size - pipe.rank - 1, M)",
-            "warmup = min(pipe.size - pipe.rank, M)",
+            "warmup = min(pipe.size - pipe.rank - 1, M)\n    held = []",
+            "warmup = min(pipe.size - pipe.rank, M)\n    held = []",
             "schedule order",
             "a warm-up of min(P - s - 1, M) forwards",
         ),
@@ -376,6 +376,35 @@ CATALOG: dict[str, list[Bug]] = {
             "gradients after step 1",
             "the loss was divided by M twice",
             dict(microbatches=2),
+        ),
+        Bug(
+            "ZB-H1: the held-back W's never run (weight gradients missing)",
+            "solutions.pipeline_parallel",
+            "    for i in waiting:\n        weight(i)\n",
+            "",
+            "schedule order",
+            "runs them after its last B",
+            dict(schedule="zb-h1"),
+        ),
+        Bug(
+            "ZB-H1: B computes the weights' gradients too (W adds them again)",
+            "solutions.pipeline_parallel",
+            "    (grad,) = torch.autograd.grad(output, inputs, output_grad, retain_graph=True)\n"
+            "    return grad  # [b, T, H]",
+            "    torch.autograd.backward(output, output_grad, retain_graph=True)\n"
+            "    return inputs.grad  # [b, T, H]",
+            "gradients after step 1",
+            "the weights' gradients were computed twice",
+            dict(schedule="zb-h1"),
+        ),
+        Bug(
+            "ZB-H1: no W held back (the cool-down stays idle, as in 1F1B)",
+            "solutions.pipeline_parallel",
+            "if len(waiting) > pipe.rank:",
+            "if waiting:",
+            "schedule order",
+            "holds its s latest W's back",
+            dict(schedule="zb-h1"),
         ),
     ],
     "cp": [

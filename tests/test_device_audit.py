@@ -168,6 +168,8 @@ LAB_RUNS = {
     "pp-gpipe": ["pp", "--schedule", "gpipe", "--op-time", "0"],
     "pp-1f1b-pipelining": ["pp", "--schedule", "1f1b", "--op-time", "0", "--vs-torch"],
     "pp-interleaved": ["pp", "--schedule", "interleaved", "--op-time", "0"],
+    "pp-zb-h1-pipelining": ["pp", "--schedule", "zb-h1", "--op-time", "0", "--vs-torch"],
+    "pp-dualpipev": ["pp", "--schedule", "dualpipev", "--op-time", "0", "--vs-torch"],
     "cp": ["cp", "--vs-torch"],
     "moe": ["moe", "--vs-torch"],
     "mesh-tp-pp": ["mesh", "--nproc", "4", "--tp", "2", "--pp", "2"],

@@ -1,7 +1,8 @@
 """Exercise 05: pipeline schedules equal the single-process reference (losses and every gradient),
 run each rank's operations in the schedule's order, hold the activations the theory says (GPipe:
-all M micro-batches; 1F1B: at most P, measured with saved-tensor hooks), send the bytes it says,
-and show the bubble in a measured timeline. Bad options fail before any rank starts."""
+all M micro-batches; 1F1B: at most P; ZB-H1: P on every stage, measured with saved-tensor hooks),
+send the bytes it says, and show the bubble in a measured timeline. DualPipeV runs through torch's
+ScheduleDualPipeV on our stages. Bad options fail before any rank starts."""
 
 import functools
 
@@ -86,8 +87,17 @@ def test_schedules_match_the_reference(schedule, nproc):
 @pytest.mark.exercise
 @pytest.mark.parametrize("nproc, microbatches", [(2, 3), (4, 6)])
 def test_microbatches_not_a_multiple_of_stages(nproc, microbatches):
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         check_sweep(schedule, nproc, [microbatches], batch_size=12)
+
+
+@pytest.mark.exercise
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_zero_bubble_h1_matches_the_reference(nproc):
+    """B and W split every backward; the W's held back still reach every gradient, the order is
+    ZB-H1's (each W after its B, stage s's last s W's after its last B) and every stage holds
+    min(P, M) micro-batches, since a W needs its micro-batch's graph."""
+    check_sweep("zb-h1", nproc, [nproc, 2 * nproc, 4 * nproc])
 
 
 @pytest.mark.exercise
@@ -173,6 +183,46 @@ def test_measured_bubble_follows_the_formula():
 
 
 @pytest.mark.exercise
+def test_zero_bubble_measured_bubble_is_as_close_to_its_formula_as_1f1bs():
+    """ZB-H1 and 1F1B on 4 ranks, M = 8, operations padded alike (F = B = W = 50 ms, 1F1B's
+    backward 100 ms), the least idle of 3 padded steps: ZB-H1's measured bubble is well below
+    1F1B's (the formulas' 3/27 against 3/11), and its gap to its formula is no larger than
+    1F1B's gap to its own, give or take 0.08: ZB-H1 runs half again as many operations per
+    step as 1F1B, each starting a delay late on a shared 2-core machine, in a shorter step."""
+    runs = {
+        schedule: lab.run(
+            nproc=4, steps=1, schedule=schedule, microbatches=8, op_time=0.05, measure_steps=3
+        )
+        for schedule in ("1f1b", "zb-h1")
+    }
+    assert runs["zb-h1"]["theory_bubble_fraction"] == pytest.approx(3 / 27)
+    gaps = {}
+    for schedule, s in runs.items():
+        assert s.passed, s.verdict()
+        assert len(s["measured_bubble_fractions"]) == 3
+        assert s["bubble_fraction"] == min(s["measured_bubble_fractions"])
+        gaps[schedule] = s["bubble_fraction"] - s["theory_bubble_fraction"]
+        assert gaps[schedule] >= -0.03, schedule  # no schedule beats its formula
+        assert abs(s["bubble_fraction"] - s["delay_bubble_fraction"]) <= 0.1, schedule
+    assert runs["zb-h1"]["bubble_fraction"] < runs["1f1b"]["bubble_fraction"] - 0.08, gaps
+    assert gaps["zb-h1"] <= gaps["1f1b"] + 0.08, gaps
+
+
+@pytest.mark.exercise
+def test_dualpipev_through_torch_matches_the_reference():
+    """torch's ScheduleDualPipeV over our stages in a V (rank r: stages r and 2P-1-r): losses,
+    every gradient and parameter by name, the order torch ran = labs.theory.pipeline's DualPipeV,
+    the bytes (rank P-1 passes between its two stages in memory) and 2P+1 chunk micro-batches
+    held on every rank."""
+    s = lab.run(nproc=4, steps=2, schedule="dualpipev", microbatches=8, op_time=0.0)
+    assert s.passed, s.verdict()
+    assert s["virtual"] == 2 and s["plan"] == [1] * 8
+    assert s["microbatches_held"] == s["theory_microbatches_held"] == [9, 9, 9, 9]
+    assert s["comm_bytes_per_rank"] == s["theory_comm_bytes_per_rank"]
+    assert s["theory_bubble_fraction"] == pytest.approx(3 / 51)
+
+
+@pytest.mark.exercise
 def test_cli_side_by_side_with_torch():
     from tests.helpers import run_json
 
@@ -199,8 +249,10 @@ def test_cli_side_by_side_with_torch():
 
 
 @pytest.mark.exercise
-def test_torch_pipelining_gpipe_and_interleaved_give_the_same_losses():
-    for schedule, virtual in (("gpipe", 1), ("interleaved", 2)):
+def test_torch_pipelining_gives_the_same_losses():
+    """GPipe, interleaved, ZB-H1 (torch's ScheduleInterleavedZeroBubble, one stage per rank) and
+    DualPipeV (beside torch's ScheduleZBVZeroBubble on the same V)."""
+    for schedule, virtual in (("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipev", 2)):
         s = lab.run(
             nproc=2,
             steps=2,
@@ -233,9 +285,13 @@ def test_torch_pipelining_gpipe_and_interleaved_give_the_same_losses():
         ),
         (dict(nproc=2, microbatches=3), "batch_size=16 is not divisible by microbatches=3"),
         (dict(nproc=2, schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
+        (dict(nproc=4, schedule="zb-h1", microbatches=2), "use microbatches >= 4"),
+        (dict(nproc=4, schedule="dualpipev", microbatches=4), "use microbatches >= 8"),
+        (dict(nproc=2, schedule="dualpipev", virtual=3), "dualpipev holds 2 chunks per rank"),
         (dict(nproc=2, schedule="naive", microbatches=4), "use microbatches=1"),
         (dict(nproc=2, plan=(3, 3)), r"plan=\(3, 3\) must give 2 stages"),
         (dict(nproc=2, op_time=-1.0), "op_time=-1.0"),
+        (dict(nproc=2, measure_steps=0), "measure_steps=0 must be >= 1"),
     ],
 )
 def test_bad_options_fail_before_any_rank_starts(options, message):
@@ -259,6 +315,10 @@ def test_plans():
     counts = lab.stage_params(MODEL, (2, 2, 2, 2), 4)
     model = build_model(MODEL)
     assert sum(counts) == sum(p.numel() for p in model.parameters())
+    # DualPipeV's V: rank 0 holds the first stage (embedding) and the last (norm and head)
+    v = lab.stage_params(MODEL, (1,) * 8, 4, "dualpipev")
+    assert sum(v) == sum(counts) and v[0] == max(v) and v[1] == v[2] == v[3]
+    assert lab.loss_rank("dualpipev", 4, 2) == 0 and lab.loss_rank("1f1b", 4, 1) == 3
 
 
 def bf16_one_f_one_b(microbatches: int) -> dict:

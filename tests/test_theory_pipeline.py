@@ -344,7 +344,7 @@ def test_zero_bubble_cli_and_bad_input():
     assert r["in_flight_microbatches"] == [4, 4, 4, 4]
     with pytest.raises(ValueError, match="zb-h1 needs at least as many micro-batches as stages"):
         th.bubble_fraction("zb-h1", 4, 3)
-    with pytest.raises(ValueError, match="t_w=5 needs schedule='zb-h1'"):
+    with pytest.raises(ValueError, match=r"t_w=5 needs schedule in \('zb-h1', 'dualpipev'\)"):
         th.simulate("1f1b", 4, 8, t_w=5)
 
 
@@ -369,3 +369,137 @@ def test_bubble_calculator_draws_zero_bubble_weight_gradients():
     gantt = fig.axes[0]
     assert len([b for b in gantt.patches if b.get_hatch() == ".."]) == 4 * 8  # one W each
     assert r["bubble_fraction"] == pytest.approx(3 / 27)
+
+
+# ---------------------------------------------------------------- ZB-H1 and DualPipeV vs torch
+def torch_order(cls_name: str, stages: int, microbatches: int, rank: int, chunks: int) -> list:
+    """The compute actions torch's schedule ``cls_name`` plans for ``rank``, in our vocabulary:
+    (name, micro-batch, chunk), an overlapped forward-backward pair as its two operations. Read
+    off the schedule's planning method without building stages (white box: torch 2.13)."""
+    import torch.distributed.pipelining.schedules as ts
+
+    names = {
+        ts._ComputationType.FORWARD: "F",
+        ts._ComputationType.BACKWARD_INPUT: "B",
+        ts._ComputationType.BACKWARD_WEIGHT: "W",
+        ts._ComputationType.FULL_BACKWARD: "BW",
+    }
+    schedule = object.__new__(getattr(ts, cls_name))
+    schedule.pp_group_size = stages
+    schedule._n_microbatches = microbatches
+    schedule.n_local_stages = chunks
+    schedule.number_of_rounds = max(1, microbatches // stages)
+    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
+    out = []
+    for action in schedule._calculate_single_rank_operations(rank):
+        for a in (action.sub_actions or (action,)) if action is not None else ():
+            out.append((names[a.computation_type], a.microbatch_index, int(a.stage_index != rank)))
+    return out
+
+
+def test_zero_bubble_h1_is_torchs_zero_bubble_with_one_stage_per_rank():
+    for p, m in ZB_CASES:
+        for r, ops in enumerate(th.schedule_ops("zb-h1", p, m)):
+            assert ops == torch_order("ScheduleInterleavedZeroBubble", p, m, r, 1), (p, m, r)
+
+
+DUALPIPE_CASES = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p, 2 * p + 1, 3 * p, 4 * p, 32)]
+
+
+def test_dualpipev_order_is_torchs_schedule_dualpipev():
+    for p, m in DUALPIPE_CASES:
+        for r, ops in enumerate(th.schedule_ops("dualpipev", p, m, 2)):
+            assert ops == torch_order("ScheduleDualPipeV", p, m, r, 2), (p, m, r)
+
+
+def test_dualpipev_runs_every_op_once_in_a_v():
+    for p, m in DUALPIPE_CASES:
+        assert [th.virtual_stage("dualpipev", p, r, c) for c in (0, 1) for r in range(p)] == [
+            *range(p),
+            *reversed(range(p, 2 * p)),
+        ]
+        assert all(th.stage_rank("dualpipev", p, s) == min(s, 2 * p - 1 - s) for s in range(2 * p))
+        for ops in th.schedule_ops("dualpipev", p, m, 2):
+            for chunk in (0, 1):
+                mine = [(n, mb) for n, mb, c in ops if c == chunk]
+                assert [mb for n, mb in mine if n == "F"] == list(range(m))  # in order
+                assert sorted(mb for n, mb in mine if n in ("B", "BW")) == list(range(m))
+                split = {mb for n, mb in mine if n == "B"}
+                assert {mb for n, mb in mine if n == "W"} == split  # each split one gets its W
+                for i, (name, mb, c) in enumerate(ops):
+                    if name == "W":
+                        assert ("B", mb, c) in ops[:i]
+
+
+@pytest.mark.parametrize("t_b", [1.0, 1.5, 2.0])
+def test_dualpipev_bubble_is_half_of_zero_bubbles_run_on_paper(t_b):
+    """Nothing overlapped, W = t_b / 2: a rank idles (P-1) t_f/2, one chunk's forward per rank of
+    the ramp; with F = B = W that is (P-1)/(6M+P-1) of the step, half of ZB-H1's idle time; and
+    every rank holds 2P+1 chunk micro-batches (DeepSeek's S+1, S = 2P stages)."""
+    for p, m in DUALPIPE_CASES:
+        sim = th.simulate("dualpipev", p, m, 2, t_f=1.0, t_b=t_b)
+        step = th.step_time("dualpipev", p, m, 1.0, t_b, virtual=2)
+        assert sim["makespan"] == pytest.approx(step) == m * (1 + t_b) + (p - 1) / 2, (p, m)
+        assert sim["in_flight"] == [2 * p + 1] * p
+        if t_b == 2.0:
+            assert sim["bubble_fraction"] == pytest.approx(th.bubble_fraction("dualpipev", p, m, 2))
+            assert th.bubble_fraction("dualpipev", p, m, 2) == (p - 1) / (6 * m + p - 1)
+            zb_idle = th.idle_time("zb-h1", p, 1.0, t_b)
+            assert th.idle_time("dualpipev", p, 1.0, t_b, virtual=2) == zb_idle / 2
+
+
+def test_dualpipev_bytes_and_held():
+    kw = dict(batch=8, seq_len=4, hidden=2, itemsize=4)
+    per = 8 * 4 * 2 * 4
+    # rank 0: chunk 0 sends on, chunk 1 (the last stage) sends a gradient back; middle ranks
+    # both ways for both chunks; rank P-1 hands its two stages' tensors over in memory
+    assert [th.p2p_bytes_per_rank("dualpipev", 4, r, virtual=2, **kw) for r in range(4)] == [
+        2 * per,
+        4 * per,
+        4 * per,
+        2 * per,
+    ]
+    assert th.in_flight_microbatches("dualpipev", 4, 8, 0, 2) == 9
+
+
+def test_split_schedules_cli_general_times_and_bad_input():
+    # ZB-H1 for given F, B and W: idle (P-1)(t_f + t_b - 2 t_w), the schedule agrees
+    r = th.figures("zb-h1", 4, 8, t_f=1.0, t_b=2.0, t_w=0.5)
+    assert r["step_time"] == 8 * 3 + 3 * (1 + 2 - 1) == pytest.approx(r["simulated_step_time"])
+    assert r["bubble_fraction"] == pytest.approx(1 - 24 / 30) and r["t_weight"] == 0.5
+    r = run_json(
+        "-m",
+        "labs.theory",
+        "bubble",
+        "--schedule",
+        "dualpipev",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--json",
+    )
+    assert r["virtual"] == 2 and r["in_flight_microbatches"] == [9, 9, 9, 9]
+    assert r["bubble_fraction"] == pytest.approx(3 / 51) == r["simulated_bubble_fraction"]
+    out = run_cli(
+        "-m", "labs.theory", "bubble", "--schedule", "zb-h1", "--stages", "4",
+        "--microbatches", "8", "--t-weight", "0.5",
+    ).stdout  # fmt: skip
+    assert "t_w=0.5" in out and "0.2000" in out
+    with pytest.raises(ValueError, match="use microbatches >= 8"):
+        th.bubble_fraction("dualpipev", 4, 6, 2)
+    with pytest.raises(ValueError, match="dualpipev holds 2 chunks per rank; use virtual=2"):
+        th.schedule_ops("dualpipev", 4, 8)
+    with pytest.raises(ValueError, match="closed form for t_w = t_b/2 only"):
+        th.step_time("dualpipev", 4, 8, 1.0, 2.0, virtual=2, t_w=0.5)
+
+
+def test_bubble_calculator_draws_dualpipev():
+    from labs.widgets.pipeline import draw_schedule
+
+    fig, r = draw_schedule("dualpipev", 4, 8)
+    ops = [op for rank in th.schedule_ops("dualpipev", 4, 8, 2) for op in rank]
+    hatches = [b.get_hatch() for b in fig.axes[0].patches]
+    assert hatches.count("xx") == sum(name == "BW" for name, *_ in ops)
+    assert hatches.count("..") == sum(name == "W" for name, *_ in ops) > 0
+    assert r["bubble_fraction"] == pytest.approx(3 / 51)

@@ -5,31 +5,36 @@ torch's pipelining.
     python -m labs.run pp --schedule 1f1b --nproc 4 --microbatches 8 --vs-torch --json
 
 Checks, for ``naive`` (one forward, inference) and the training schedules ``gpipe``,
-``1f1b`` and ``interleaved``:
+``1f1b``, ``interleaved``, ``zb-h1`` (zero bubble: backwards split into B and W) and
+``dualpipev`` (DeepSeek's DualPipe cut in half, run by torch's ``ScheduleDualPipeV``, which the
+course does not ask you to write: ``labs.experiments.pp_torch``):
 
 * reference: every step's loss, and every gradient after step 1 (by name, on the rank that
   holds it), equal the single-process run on the same global batch (fp32, 1e-5 relative);
   naive: the logits equal the full model's (``logits_match``: bit for bit on gloo; on GPUs within
   the fp32 tolerance, ``labs.train.rule("same_ops", ...)``);
-* theory: bytes each rank sends (ledger) = ``p2p_bytes_per_rank``; the order of F and B on
-  each rank = ``schedule_ops``; the peak number of micro-batches whose activations a stage
+* theory: bytes each rank sends (ledger) = ``p2p_bytes_per_rank``; the order of F, B (and W)
+  on each rank = ``schedule_ops``; the peak number of micro-batches whose activations a stage
   holds (saved-tensor accounting, ``labs.experiments.pp_timeline``) = ``in_flight_microbatches``;
-  the measured bubble next to (P-1)/(V·M+P-1);
-* torch: ``torch.distributed.pipelining`` (PipelineStage with ScheduleGPipe / Schedule1F1B /
-  ScheduleInterleaved1F1B) on the same split: same losses, step time side by side.
+  the measured bubble next to (P-1)/(V·M+P-1) (zb-h1: (P-1)/(3M+P-1); dualpipev (P-1)/(6M+P-1));
+* torch: ``torch.distributed.pipelining`` (ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
+  / ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble, ``pp_torch.VS_TORCH``) on the same
+  split: same losses, step time side by side.
 
 Measuring the bubble on a laptop. With 4 ranks on 2 cores an operation of our tiny model
 takes about a millisecond, as long as the send/recv around it, and ranks share cores, so a
 raw timeline mostly shows the machine (``raw_bubble_fraction``). The measurement step
 therefore pads each operation with a sleep to ``op_time`` (forward) and
-``backward_ratio·op_time`` (backward), as if every stage's compute were that long: the
-durations are set, the gaps between them are real waits for real messages. That makes
-the schedule's shape visible and its idle share comparable with the formula
-(``bubble_fraction``). What is left between the two is delay: ``delay_bubble_fraction`` is
-the schedule run on paper with the measured operation times and the measured mean delay of
-an operation (message latency, a busy CPU; ``labs.theory.pipeline.fit_timeline``).
-``op_time=0`` turns padding off. The padded, measured timeline is
-``labs.experiments.pp_timeline``.
+``backward_ratio·op_time`` (backward; a split one half of it each for B and W, so F = B = W by
+default), as if every stage's compute were that long: the durations are set, the gaps between
+them are real waits for real messages. That makes the schedule's shape visible and its idle
+share comparable with the formula (``bubble_fraction``). What is left between the two is
+delay: ``delay_bubble_fraction`` is the schedule run on paper with the measured operation times
+and the measured mean delay of an operation (message latency, a busy CPU;
+``labs.theory.pipeline.fit_timeline``). ``op_time=0`` turns padding off. ``measure_steps=k``
+runs k padded steps and keeps the least idle: another process's stall (this machine is shared)
+only ever adds idle time, so the least idle step is the closest to the schedule's own, as
+``timeit`` keeps the fastest run. The padded, measured timeline is ``labs.experiments.pp_timeline``.
 """
 
 from __future__ import annotations
@@ -68,20 +73,23 @@ from labs.train import (
     within,
 )
 
-CHOICES = ("naive", "gpipe", "1f1b", "interleaved")
-TORCH_SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "afab": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved": "ScheduleInterleaved1F1B",
-}
+CHOICES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 
 
-def _stages(pp, pipe, model, plan, virtual):
-    """This rank's chunks: virtual stages rank, rank+P, ... (one unless interleaved)."""
+def _stages(pp, pipe, model, plan, virtual, schedule):
+    """This rank's chunks: virtual stages rank, rank+P, ... (one unless interleaved); in
+    DualPipeV's V, rank and 2P-1-rank."""
     return [
-        pp.build_stage(model, plan=plan, stage=c * pipe.size + pipe.rank) for c in range(virtual)
+        pp.build_stage(
+            model, plan=plan, stage=theory.virtual_stage(schedule, pipe.size, pipe.rank, c)
+        )
+        for c in range(virtual)
     ]
+
+
+def loss_rank(schedule: str, nproc: int, virtual: int) -> int:
+    """The rank that holds the last stage (and the loss): the last rank, or rank 0 in a V."""
+    return theory.stage_rank(schedule, nproc, nproc * virtual - 1)
 
 
 def split_microbatches(
@@ -92,16 +100,22 @@ def split_microbatches(
     return list(zip(x.chunk(n), y.chunk(n)))
 
 
-def _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline):
-    """One step of ``schedule`` on this rank: the loss on the last rank (naive: the logits)."""
+def _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline, torch_pipeline=None):
+    """One step of ``schedule`` on this rank: the loss on the rank of the last stage (naive: the
+    logits). DualPipeV: torch's (``torch_pipeline``)."""
     x = x.to(pipe.device)
     y = y.to(pipe.device)
     if schedule == "naive":
         return pp.naive_forward(chunks[0], x, pipe=pipe, timeline=timeline)
+    if schedule == "dualpipev":
+        return torch_pipeline.step(x, y, timeline)
     mbs = split_microbatches(x, y, microbatches)
     if schedule == "interleaved":
         return pp.train_step_interleaved(chunks, mbs, pipe=pipe, timeline=timeline)
-    step = pp.train_step_1f1b if schedule == "1f1b" else pp.train_step_afab
+    step = {
+        "1f1b": pp.train_step_1f1b,
+        "zb-h1": pp.train_step_zb_h1,
+    }.get(schedule, pp.train_step_afab)
     return step(chunks[0], mbs, pipe=pipe, timeline=timeline)
 
 
@@ -115,16 +129,29 @@ def pipeline_worker(
     op_time: float = 0.0,
     backward_ratio: float = 2.0,
     vs_torch: bool = False,
+    measure_steps: int = 1,
 ) -> dict:
     """Train ``cfg.steps`` steps (naive: ``cfg.steps`` forwards) with our schedule on this rank,
-    then one measured step; optionally the same with torch's pipelining. Returns what this rank
-    saw."""
+    then ``measure_steps`` padded, measured steps; optionally the same with torch's pipelining.
+    Returns what this rank saw."""
     pp = exercise("pipeline_parallel")
     pipe = pipe_group()
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
-    chunks = _stages(pp, pipe, model, plan, virtual)
+    chunks = _stages(pp, pipe, model, plan, virtual, schedule)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = make_optimizer(params, cfg) if schedule != "naive" else None
+    torch_pipeline = None
+    if schedule == "dualpipev":  # torch's schedule runs our stages
+        from labs.experiments.pp_torch import TorchPipeline
+
+        torch_pipeline = TorchPipeline(
+            schedule, chunks, pipe, microbatches, cls="ScheduleDualPipeV"
+        )
+        # torch's first step also agrees on shapes between the stages (small messages the
+        # ledger would count): a step whose gradients are thrown away does that first
+        x, y = data_for(cfg)[0]
+        torch_pipeline.step(x.to(pipe.device), y.to(pipe.device))
+        optimizer.zero_grad(set_to_none=True)
     data = data_for(cfg)
     out = {"rank": pipe.rank, "losses": [], "grads": {}, "logits": None}
     timer = StepTimer(pipe.device)
@@ -134,7 +161,9 @@ def pipeline_worker(
         ledger = CommLedger() if first else nullcontext()
         with timer.step():
             with ledger:
-                result = _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline)
+                result = _run_step(
+                    pp, schedule, chunks, x, y, microbatches, pipe, timeline, torch_pipeline
+                )
             if schedule == "naive":
                 if result is not None:
                     out["logits"] = result if first else out["logits"]
@@ -167,60 +196,44 @@ def pipeline_worker(
     out["raw_events"] = clock_record(timeline)  # the last step's
     if schedule == "naive":
         out["state_bytes"] = state_bytes(params)["total"]
-    # the measurement step: padded operations, no update (its gradients are thrown away)
+    # the measurement steps: padded operations, no update (their gradients are thrown away)
     # an interleaved chunk holds 1/V of the rank's layers, so its operations take 1/V of the time
-    measured = MeasuredTimeline(
-        op_time=op_time / virtual, backward_ratio=backward_ratio, exclude=params
-    )
-    _run_step(pp, schedule, chunks, *data[0], microbatches, pipe, measured)
-    out["events"] = clock_record(measured)
+    out["measured_steps"] = []
+    for _ in range(measure_steps):
+        measured = MeasuredTimeline(
+            op_time=op_time / virtual,
+            backward_ratio=backward_ratio,
+            w_share=0.5 if schedule in theory.SPLIT_BACKWARD else 0.0,
+            exclude=params,
+        )
+        _run_step(pp, schedule, chunks, *data[0], microbatches, pipe, measured, torch_pipeline)
+        out["measured_steps"].append(clock_record(measured))
+    out["events"] = out["measured_steps"][0]
     if vs_torch and schedule != "naive":
         out.update(_torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan))
     return out
 
 
 def _torch_run(pp, pipe, schedule, model_cfg, cfg, microbatches, virtual, plan) -> dict:
-    """The same split trained by torch.distributed.pipelining; losses and step times on this
-    rank."""
-    import torch.distributed.pipelining as tpp
+    """The same split trained by torch.distributed.pipelining (``pp_torch.VS_TORCH``: the
+    schedule of the same family); losses and step times on this rank."""
+    from labs.experiments.pp_torch import TorchPipeline
 
     if schedule == "1f1b" and microbatches < pipe.size:
         why = f"Schedule1F1B needs microbatches >= stages ({microbatches} < {pipe.size})"
         return {"torch_skipped": why}
     model = build_model(model_cfg, seed=cfg.seed, device=pipe.device)
-    chunks = _stages(pp, pipe, model, plan, virtual)
-    n = pipe.size * virtual
-    stages = [
-        tpp.PipelineStage(c, c_idx * pipe.size + pipe.rank, n, pipe.device, group=pipe.group)
-        for c_idx, c in enumerate(chunks)
-    ]
-
-    def loss_fn(logits, targets):
-        # the mean over the micro-batch; torch divides gradients by M (scale_grads)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-    sched = cls(
-        stages if schedule == "interleaved" else stages[0],
-        n_microbatches=microbatches,
-        loss_fn=loss_fn,
-    )
+    chunks = _stages(pp, pipe, model, plan, virtual, schedule)
+    pipeline = TorchPipeline(schedule, chunks, pipe, microbatches)
     optimizer = make_optimizer([p for c in chunks for p in c.parameters()], cfg)
-    has_first = chunks[0].first
-    has_last = chunks[-1].last
     losses = []
     timer = StepTimer(pipe.device)
     for x, y in data_for(cfg):
-        x = x.to(pipe.device)
-        y = y.to(pipe.device)
-        mb_losses = []
-        inputs = (x,) if has_first else ()  # the first stage feeds the batch in
-        targets = {"target": y, "losses": mb_losses} if has_last else {}  # the last computes loss
         with timer.step():
-            sched.step(*inputs, **targets)
+            loss = pipeline.step(x.to(pipe.device), y.to(pipe.device))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        losses.append(torch.stack(mb_losses).mean().item() if has_last else None)
+        losses.append(loss)
     return {"torch_losses": losses, "torch_step_time_s": timer.step_time()}
 
 
@@ -231,12 +244,17 @@ def layer_costs(model_cfg: ModelConfig) -> tuple[list[int], int, int]:
     return [c["per_layer"]] * model_cfg.n_layer, c["embedding"], c["final_norm"] + c["head"]
 
 
-def stage_params(model_cfg: ModelConfig, plan: tuple, stages: int) -> list[int]:
-    """Parameters each rank holds under ``plan`` (its virtual stages rank, rank+P, ...), from the
-    theory."""
+def stage_params(
+    model_cfg: ModelConfig, plan: tuple, stages: int, schedule: str = "1f1b"
+) -> list[int]:
+    """Parameters each rank holds under ``plan`` (its virtual stages rank, rank+P, ...; in
+    DualPipeV's V rank and 2P-1-rank), from the theory."""
     costs, first, last = layer_costs(model_cfg)
     per_stage = theory.plan_costs(costs, plan, first, last)
-    return [sum(per_stage[r::stages]) for r in range(stages)]
+    held = [0] * stages
+    for s, n in enumerate(per_stage):
+        held[theory.stage_rank(schedule, stages, s)] += n
+    return held
 
 
 def make_plan(schedule: str, model_cfg: ModelConfig, stages: int, virtual: int, plan=None) -> tuple:
@@ -261,7 +279,16 @@ def make_plan(schedule: str, model_cfg: ModelConfig, stages: int, virtual: int, 
 
 
 def validate(
-    *, nproc, schedule, microbatches, virtual, layers, batch_size, op_time, backward_ratio
+    *,
+    nproc,
+    schedule,
+    microbatches,
+    virtual,
+    layers,
+    batch_size,
+    op_time,
+    backward_ratio,
+    measure_steps=1,
 ) -> None:
     """Every ValueError a bad option can cause, raised before any rank starts."""
     if schedule not in CHOICES + ("afab",):
@@ -272,6 +299,8 @@ def validate(
     check_divides(batch_size, "batch_size", microbatches, "microbatches")
     if op_time < 0 or backward_ratio < 0:
         raise ValueError(f"op_time={op_time} and backward_ratio={backward_ratio} must be >= 0")
+    if measure_steps < 1:
+        raise ValueError(f"measure_steps={measure_steps} must be >= 1 (padded steps measured)")
 
 
 def run(
@@ -290,11 +319,14 @@ def run(
     op_time: float = 0.02,
     backward_ratio: float = 2.0,
     seed: int = 0,
+    measure_steps: int = 1,
 ) -> RunSummary:
     """Run ``schedule`` on ``nproc`` pipeline stages and check it; returns the lab summary.
-    Defaults: ``microbatches`` 8 (naive: 1), ``virtual`` 2 for interleaved (else 1)."""
+    Defaults: ``microbatches`` 8 (naive: 1), ``virtual`` 2 for interleaved and dualpipev (else
+    1). ``measure_steps``: padded steps measured, the least idle kept."""
     microbatches = (1 if schedule == "naive" else 8) if microbatches is None else microbatches
-    virtual = (2 if schedule == "interleaved" else 1) if virtual is None else virtual
+    if virtual is None:
+        virtual = theory.chunks_per_rank(schedule, 2 if schedule == "interleaved" else 1)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     validate(
@@ -306,13 +338,14 @@ def run(
         batch_size=batch_size,
         op_time=op_time,
         backward_ratio=backward_ratio,
+        measure_steps=measure_steps,
     )
     model_cfg = ModelConfig(n_layer=layers)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed)
     plan = make_plan(schedule, model_cfg, nproc, virtual, plan)
-    if vs_torch:
+    if vs_torch or schedule == "dualpipev":
         # slow to import: once here, not in every forked rank
-        import torch.distributed.pipelining  # noqa: F401
+        import labs.experiments.pp_torch  # noqa: F401
     ref = reference_run(model_cfg, cfg) if schedule != "naive" else None
     per_rank = launch(
         pipeline_worker,
@@ -326,6 +359,7 @@ def run(
         op_time,
         backward_ratio,
         vs_torch,
+        measure_steps,
         backend=backend,
         timeout=timeout,
         progress=steps,
@@ -368,8 +402,13 @@ def summarize(
     """The lab summary from the ranks' results and the reference ``ref`` (None for naive, whose
     reference is the unsplit model's forward): reference, theory and torch side by side."""
     P = len(per_rank)
-    last = per_rank[-1]
-    timeline = on_one_clock(per_rank, "events")  # every rank's measured operations on one clock
+    last = per_rank[loss_rank(schedule, P, virtual)]  # where the loss is
+    # every rank's measured operations on one clock, for each padded step; the least idle kept
+    measured = [
+        on_one_clock([{"events": record} for record in step], "events")
+        for step in zip(*(r["measured_steps"] for r in per_rank))
+    ]
+    timeline = min(measured, key=idle_fraction_of)
     summary = new_summary(
         "pp",
         nproc=P,
@@ -408,7 +447,7 @@ def summarize(
         )
     fill_losses(summary, last["losses"], reference)
     order = theory.schedule_ops(schedule, P, microbatches, virtual)
-    per_stage = stage_params(model_cfg, plan, P)
+    per_stage = stage_params(model_cfg, plan, P, schedule)
     summary.update(
         comm_bytes_per_rank=[r["sent_bytes"] for r in per_rank],
         theory_comm_bytes_per_rank=[
@@ -431,6 +470,7 @@ def summarize(
             list(map(tuple, r["order"])) == order[r["rank"]] for r in per_rank
         ),
         bubble_fraction=idle_fraction_of(timeline),
+        measured_bubble_fractions=[idle_fraction_of(t) for t in measured],
         raw_bubble_fraction=idle_fraction_of(on_one_clock(per_rank, "raw_events")),
         theory_bubble_fraction=theory.bubble_fraction(schedule, P, microbatches, virtual),
         simulated_bubble_fraction=theory.simulate(
@@ -491,6 +531,9 @@ SCHEDULE_RULES = {
     "backward (the oldest micro-batch's) in turn, then the cool-down's backwards",
     "interleaved": "the k-th forward and backward are on (micro-batch, chunk) = "
     "interleaved_op(k, P, V, forward), after interleaved_warmup(P, M, rank, V) forwards",
+    "zb-h1": "1F1B's order of forwards and backwards (B), each B's W right after it except that "
+    "stage s holds its s latest W's back and runs them after its last B",
+    "dualpipev": "torch's ScheduleDualPipeV order (labs.theory.pipeline._dualpipe_v's phases)",
 }
 
 
@@ -558,6 +601,13 @@ def pp_checks(
     backend = summary["backend"]
     P = len(per_rank)
     virtual = summary["virtual"]
+    zb_hint = ""
+    if schedule in theory.SPLIT_BACKWARD:
+        zb_hint = (
+            "every micro-batch's B and W must each run once: B only the input's gradient "
+            "(torch.autograd.grad with respect to the input), W only the weights' (added to "
+            "their .grad)"
+        )
     if schedule == "naive":
         checks = [
             Check(
@@ -578,7 +628,7 @@ def pp_checks(
         ]
     else:
         checks = training_checks(
-            losses=per_rank[-1]["losses"],
+            losses=per_rank[loss_rank(schedule, P, virtual)]["losses"],
             reference_losses=ref.losses,
             grads=[r["grads"] for r in per_rank],
             reference_grads=[{n: ref.grads[n] for n in r["grads"]} for r in per_rank],
@@ -586,11 +636,17 @@ def pp_checks(
             reference_params=[{n: ref.params[n] for n in r["params"]} for r in per_rank],
             backend=backend,
             known_scales={
+                **(
+                    {2.0: "the weights' gradients were computed twice, " + zb_hint}
+                    if zb_hint
+                    else {}
+                ),
                 float(microbatches): "the loss of a step is the mean over all M micro-batches: the "
                 "last stage must scale each micro-batch's loss by 1/M (n_microbatches)",
                 1 / microbatches: "the loss was divided by M twice, or only one of the M "
                 "micro-batches' backwards reached the gradients",
             },
+            grad_hint=zb_hint,
             first_step_hint="the loss differs at step 1: the stages' model is not the reference's"
             " (a layer skipped or run twice, the final norm or the head left out) or the loss is "
             "not the mean over the micro-batches",
@@ -638,7 +694,9 @@ def pp_checks(
                 summary["microbatches_held"],
                 summary["theory_microbatches_held"],
                 hint="AFAB holds all M micro-batches' activations; 1F1B at most P - s on stage s: "
-                "a backward frees its micro-batch's activations, so running it later holds more",
+                "a backward frees its micro-batch's activations, so running it later holds more; "
+                "ZB-H1 min(P, M) on every stage: B keeps the graph (retain_graph=True), its W "
+                "frees it",
             )
         )
     checks.append(
@@ -657,7 +715,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--schedule", choices=CHOICES, default="1f1b")
     parser.add_argument("--microbatches", type=int, default=None, help="M (default 8; naive: 1)")
     parser.add_argument(
-        "--virtual", type=int, default=None, help="V chunks per rank (interleaved; default 2)"
+        "--virtual",
+        type=int,
+        default=None,
+        help="V chunks per rank (interleaved; default 2; dualpipev: always 2)",
     )
     parser.add_argument("--layers", type=int, default=8, help="layers of the course model")
     parser.add_argument(
@@ -679,6 +740,12 @@ def add_arguments(parser) -> None:
         "--backward-ratio",
         type=float,
         default=2.0,
-        help="backward time / forward time when padding",
+        help="backward time / forward time when padding (a split backward: B and W half each)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--measure-steps",
+        type=int,
+        default=1,
+        help="padded steps to measure; the least idle is kept (a stall only adds idle time)",
+    )

@@ -1,12 +1,14 @@
 """Experiment 05's clock: the pipeline's operations on a timeline, padded to a set duration, and
 the activations each stage holds.
 
-``MeasuredTimeline`` is the ``labs.measure.Timeline`` a schedule records its "F" and "B" spans on
-in the lab's measurement step (``labs.experiments.pp``). Two things on top of a timeline:
+``MeasuredTimeline`` is the ``labs.measure.Timeline`` a schedule records its "F" and "B" (and "W",
+"BW") spans on in the lab's measurement step (``labs.experiments.pp``). Two things on top of a
+timeline:
 
-* padding: each "F" span lasts at least ``op_time`` and each "B" span ``backward_ratio·op_time``
+* padding: each "F" span lasts at least ``op_time`` and each backward ``backward_ratio·op_time``
   (the rest is slept out), as if every stage's compute were that long: the durations are set, the
-  gaps between them are real waits for real messages;
+  gaps between them are real waits for real messages. A split backward shares it: "W" takes
+  ``w_share`` of it, "B" the rest; "BW" (a full backward beside split ones) all of it;
 * activations held: during each "F" span, saved-tensor hooks tag every tensor autograd saves
   with the span's (micro-batch, chunk); when autograd frees it (after that backward) the tag
   is released. The peak number of tags alive at once is the measured micro-batches held.
@@ -28,15 +30,30 @@ import torch
 
 from labs.measure import Event, Timeline, idle_fraction
 from labs.runtime.device import synchronize
+from labs.theory.pipeline import OPERATIONS
 
 
 class MeasuredTimeline(Timeline):
-    """A Timeline whose "F"/"B" spans last at least ``op_time`` / ``backward_ratio·op_time``
-    (sleeping out the rest), and that counts the activations each "F" span leaves alive."""
+    """A Timeline whose "F" spans last at least ``op_time`` and backwards
+    ``backward_ratio·op_time`` ("B" and "W" split it, ``w_share`` to W), sleeping out the rest,
+    and that counts the activations each "F" span leaves alive."""
 
-    def __init__(self, *, op_time: float = 0.0, backward_ratio: float = 2.0, exclude=()):
+    def __init__(
+        self,
+        *,
+        op_time: float = 0.0,
+        backward_ratio: float = 2.0,
+        w_share: float = 0.0,
+        exclude=(),
+    ):
         super().__init__()
-        self.min_time = {"F": op_time, "B": backward_ratio * op_time}
+        backward = backward_ratio * op_time
+        self.min_time = {
+            "F": op_time,
+            "B": (1 - w_share) * backward,
+            "W": w_share * backward,
+            "BW": backward,
+        }
         self._params = {p.untyped_storage().data_ptr() for p in exclude}
         # (micro-batch, chunk) -> saved tensors alive
         self.live: dict[tuple, int] = defaultdict(int)
@@ -65,7 +82,10 @@ class MeasuredTimeline(Timeline):
     def _pack(self, t):
         if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self._params:
             return t  # weights are state, not activations
-        held = _Held(t)
+        # detached: a saved output packed with its grad_fn would point back at the node that
+        # saves it, a cycle that only the garbage collector frees; a node a split backward's
+        # autograd.grad never runs (ZB-H1's W skips the input-only ops) would then outlive it
+        held = _Held(t.detach())
         tag = self._tag
         nbytes = t.numel() * t.element_size()
         self.live[tag] += 1
@@ -126,7 +146,8 @@ def on_one_clock(per_rank: list[dict], key: str) -> list[dict]:
 
 
 def idle_fraction_of(spans: list[dict]) -> float:
-    """The measured bubble: idle share of ranks x makespan in the ranks' "F"/"B" spans."""
+    """The measured bubble: idle share of ranks x makespan in the ranks' "F"/"B"/"W"/"BW"
+    spans."""
     return idle_fraction(
-        [Event(e["rank"], e["name"], e["start"], e["end"]) for e in spans], names=("F", "B")
+        [Event(e["rank"], e["name"], e["start"], e["end"]) for e in spans], names=OPERATIONS
     )

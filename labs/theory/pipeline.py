@@ -26,10 +26,28 @@ Bubble (the Ultra-Scale Playbook, "Pipeline parallelism"; Narayanan et al. 2021,
                           idle share is (P-1)/(3M + P-1). It needs M >= P.
     DualPipe (formula):   DeepSeek-V3 (2024), §3.2.1 and Table 2: two pipelines fed from both
                           ends, forward and backward chunks of different micro-batches overlapped;
-                          idle time (P/2 - 1)(t_fb + t_b - 3 t_w) with t_fb one overlapped
-                          forward-and-backward pair, at twice the parameters and P + 1
-                          micro-batches of activations per rank (``dualpipe_bubble_time``; not a
-                          schedule here: its order of operations is not simulated).
+                          idle time (S/2 - 1)(t_fb + t_b - 3 t_w) for S stages, in the times of
+                          one stage's chunk, with t_fb one overlapped forward-and-backward pair,
+                          at twice the parameters and S + 1 micro-batches of activations per rank
+                          (``dualpipe_bubble_time``).
+    DualPipeV:            DualPipe cut in half (DeepSeek's DualPipe repository; torch's
+                          ``ScheduleDualPipeV``): one model in S = 2P stages laid out as a V, rank
+                          r holds stages r and 2P-1-r (chunks 0 and 1), so the first and the last
+                          stage share rank 0. Its order: a warm-up of forwards, then pairs of
+                          a forward of one chunk with a full backward ("BW") of the other
+                          (overlapped on a GPU, one after the other here), and a cool-down whose
+                          later backwards are split into B and W, the W's filling its gaps.
+                          Run on paper with nothing overlapped and F = B = W, a rank idles
+                          (P-1) t_f/2, one chunk's forward per rank of the ramp: half of ZB-H1's
+                          idle time, as interleaving with V = 2 halves 1F1B's; the idle share
+                          is (P-1)/(6M + P-1). (Exact for t_w = t_b/2 and t_f <= t_b <= 2 t_f; a
+                          test runs the schedule. DeepSeek's table read with S = 2P stages and
+                          F&B = F + B gives twice that idle time: its figure is DualPipe's, ours
+                          the schedule's own.) It needs M >= 2P.
+
+Operation names: "F" forward, "B" backward (with a "W" after it somewhere: only the input's
+gradient), "W" the weight gradient, "BW" a full backward where a schedule mixes both kinds
+(DualPipeV). A rank's chunk c is virtual stage ``virtual_stage(schedule, P, rank, c)``.
 
 The formulas assume every stage costs the same and an operation starts the moment its
 input exists. ``simulate`` runs each rank's operations in the schedule's order, every
@@ -46,7 +64,9 @@ holds the most, P). Interleaved (Megatron-LM's order) counts chunk micro-batches
 a micro-batch's activations until its W (the weight gradient needs the layers' inputs): stage
 s holds its 1F1B share plus the s W's it postpones, min(P, M) on every stage. That is an upper
 bound: a B already frees what its W does not need (the loss's log-softmax, for one), so the
-last stages hold less than we count; stage 0 holds P as in 1F1B.
+last stages hold less than we count; stage 0 holds P as in 1F1B. DualPipeV: counted off its order
+of operations (``peak_in_flight``), in chunk micro-batches: 2P + 1 on every rank, P + 1/2 of a
+rank's micro-batches (DeepSeek's S + 1 with S = 2P stages).
 
 Point-to-point bytes per step: every micro-batch's activation [B/M, T, H] crosses each
 stage boundary forward and its gradient crosses it backward, so a rank sends
@@ -61,7 +81,31 @@ from statistics import median
 
 from labs.theory.dims import check_positive
 
-SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("naive", "gpipe", "afab", "1f1b", "interleaved", "zb-h1", "dualpipev")
+OPERATIONS = ("F", "B", "W", "BW")  # forward, backward (input part if split), weights, full
+SPLIT_BACKWARD = ("zb-h1", "dualpipev")  # schedules whose backwards split into B and W
+CHUNKS = {"dualpipev": 2}  # chunks per rank where a schedule fixes them
+
+
+def chunks_per_rank(schedule: str, virtual: int = 1) -> int:
+    """Chunks (virtual stages) a rank holds: ``virtual`` for interleaved, 2 for DualPipeV's V,
+    else 1."""
+    return CHUNKS.get(schedule, virtual)
+
+
+def virtual_stage(schedule: str, stages: int, rank: int, chunk: int) -> int:
+    """The virtual stage rank ``rank``'s chunk ``chunk`` is: c·P + r when interleaved (a loop over
+    the ranks per chunk), r or 2P-1-r in DualPipeV's V (down the ranks, then back up)."""
+    if schedule == "dualpipev":
+        return rank if chunk == 0 else 2 * stages - 1 - rank
+    return chunk * stages + rank
+
+
+def stage_rank(schedule: str, stages: int, stage: int) -> int:
+    """The rank that holds virtual stage ``stage`` (the inverse of ``virtual_stage``)."""
+    if schedule == "dualpipev":
+        return min(stage, 2 * stages - 1 - stage)
+    return stage % stages
 
 
 def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
@@ -69,7 +113,12 @@ def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int =
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     check_positive(stages=stages, microbatches=microbatches, virtual=virtual)
-    if schedule != "interleaved" and virtual != 1:
+    if schedule in CHUNKS and virtual != CHUNKS[schedule]:
+        raise ValueError(
+            f"virtual={virtual}: {schedule} holds {CHUNKS[schedule]} chunks per rank;"
+            f" use virtual={CHUNKS[schedule]}"
+        )
+    if schedule not in CHUNKS and schedule != "interleaved" and virtual != 1:
         raise ValueError(f"virtual={virtual} only applies to schedule='interleaved'; use virtual=1")
     if schedule == "naive" and microbatches != 1:
         raise ValueError(
@@ -86,24 +135,32 @@ def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int =
             "zb-h1 needs at least as many micro-batches as stages (its W's fill the cool-down):"
             f" microbatches={microbatches}, stages={stages}; use microbatches >= {stages}"
         )
+    if schedule == "dualpipev" and microbatches < 2 * stages:
+        raise ValueError(
+            "dualpipev needs at least two micro-batches per rank (one per stage of its V):"
+            f" microbatches={microbatches}, stages={stages}; use microbatches >= {2 * stages}"
+        )
+
+
+# With F = B = W (t_b = 2 t_f, t_w = t_f) the split schedules' bubble is 1F1B's with the
+# micro-batches counted this many times: (P-1)/(k·M + P-1).
+SPLIT_FACTOR = {"zb-h1": 3, "dualpipev": 6}
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle share of the step's total time on each rank: (P-1)/(V·M + P-1); for zb-h1, with
-    F = B = W, (P-1)/(3M + P-1)."""
+    """Idle share of the step's total time on each rank: (P-1)/(V·M + P-1); with F = B = W,
+    zb-h1 (P-1)/(3M + P-1) and dualpipev (P-1)/(6M + P-1)."""
     check_schedule(schedule, stages, microbatches, virtual)
-    if schedule == "zb-h1":
-        return (stages - 1) / (3 * microbatches + stages - 1)
-    return (stages - 1) / (virtual * microbatches + stages - 1)
+    k = SPLIT_FACTOR.get(schedule, virtual)
+    return (stages - 1) / (k * microbatches + stages - 1)
 
 
 def bubble_over_ideal(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Bubble time relative to the ideal (bubble-free) time: (P-1)/(V·M); zb-h1 (F = B = W):
-    (P-1)/(3M)."""
+    """Bubble time relative to the ideal (bubble-free) time: (P-1)/(V·M); with F = B = W, zb-h1
+    (P-1)/(3M) and dualpipev (P-1)/(6M)."""
     check_schedule(schedule, stages, microbatches, virtual)
-    if schedule == "zb-h1":
-        return (stages - 1) / (3 * microbatches)
-    return (stages - 1) / (virtual * microbatches)
+    k = SPLIT_FACTOR.get(schedule, virtual)
+    return (stages - 1) / (k * microbatches)
 
 
 def dualpipe_bubble_time(
@@ -131,7 +188,8 @@ def in_flight_microbatches(
     AFAB: all M. 1F1B: min(P - stage, M). Interleaved: each rank runs V chunks; its
     warm-up is (P - stage - 1)·2 + (V - 1)·P forwards (Megatron-LM's schedule), counted
     in chunk micro-batches, plus the one in its first steady-state step. ZB-H1: min(P, M)
-    (1F1B's min(P - stage, M) plus the ``stage`` W's it postpones). Naive: 1.
+    (1F1B's min(P - stage, M) plus the ``stage`` W's it postpones). DualPipeV: 2P + 1 chunk
+    micro-batches on every rank, counted off its order (``peak_in_flight``). Naive: 1.
     """
     check_schedule(schedule, stages, microbatches, virtual)
     if not 0 <= stage < stages:
@@ -142,6 +200,8 @@ def in_flight_microbatches(
         return min(stages - stage, microbatches)
     if schedule == "zb-h1":
         return min(stages, microbatches)
+    if schedule == "dualpipev":
+        return peak_in_flight(schedule_ops(schedule, stages, microbatches, virtual)[stage])
     return min(interleaved_warmup(stages, microbatches, stage, virtual) + 1, virtual * microbatches)
 
 
@@ -201,18 +261,48 @@ def step_time(
     t_w: float | None = None,
 ) -> float:
     """Time of one step when every stage takes t_f / t_b per micro-batch: the ideal time
-    M (t_f + t_b) plus the bubble (P-1)(t_f + t_b)/V. Naive runs forwards only: P t_f.
-    ZB-H1: the bubble is (P-1)(t_f + t_b - 2 t_w), t_w (default t_b / 2) the weight-gradient
-    part of t_b; exact when a W is no longer than a forward or the B before it
-    (t_w <= t_f and t_w <= t_b - t_w), as ``simulate`` confirms."""
+    M (t_f + t_b) plus the idle time of a rank (``idle_time``). Naive runs forwards only:
+    P t_f."""
     check_schedule(schedule, stages, microbatches, virtual)
     if schedule == "naive":
         return stages * t_f
-    per_microbatch = t_f + t_b
+    return microbatches * (t_f + t_b) + idle_time(schedule, stages, t_f, t_b, virtual, t_w)
+
+
+def idle_time(
+    schedule: str,
+    stages: int,
+    t_f: float,
+    t_b: float,
+    virtual: int = 1,
+    t_w: float | None = None,
+) -> float:
+    """A rank's idle time in one training step (the bubble, in time), t_f / t_b a rank's forward
+    / backward of one micro-batch, t_w (default t_b / 2) the weight-gradient part of t_b:
+
+        GPipe, 1F1B     (P-1)(t_f + t_b)
+        interleaved     (P-1)(t_f + t_b)/V
+        zb-h1           (P-1)(t_f + t_b - 2 t_w), exact when a W is no longer than a forward or
+                        the B before it (t_w <= t_f and t_w <= t_b - t_w)
+        dualpipev       (P-1) t_f/2, exact for t_w = t_b/2 and t_f <= t_b <= 2 t_f
+
+    ``simulate`` runs each schedule and confirms these (tests)."""
+    check_positive(stages=stages, virtual=virtual)
+    if schedule not in SCHEDULES or schedule == "naive":
+        raise ValueError(f"schedule={schedule!r}: idle_time needs a training schedule")
+    w = t_b / 2 if t_w is None else t_w
+    if schedule not in SPLIT_BACKWARD and t_w is not None:
+        raise ValueError(f"t_w={t_w!r} needs schedule in {SPLIT_BACKWARD}")
     if schedule == "zb-h1":
-        w = t_b / 2 if t_w is None else t_w
-        return microbatches * per_microbatch + (stages - 1) * (per_microbatch - 2 * w)
-    return microbatches * per_microbatch + (stages - 1) * per_microbatch / virtual
+        return (stages - 1) * (t_f + t_b - 2 * w)
+    if schedule == "dualpipev":
+        if t_w is not None and t_w != t_b / 2:
+            raise ValueError(
+                f"t_w={t_w!r}: dualpipev's idle time is known in closed form for t_w = t_b/2 only;"
+                " run the schedule with simulate(..., t_w=...) instead"
+            )
+        return (stages - 1) * t_f / 2
+    return (stages - 1) * (t_f + t_b) / virtual
 
 
 # --- the schedules, operation by operation -------------------------------------------------
@@ -256,6 +346,8 @@ def schedule_ops(
             ops += [("B", i, 0) for i in range(M - warmup, M)]  # cool-down
         elif schedule == "zb-h1":
             ops = _zero_bubble_h1(stages, M, r)
+        elif schedule == "dualpipev":
+            ops = _dualpipe_v(stages, M, r)
         else:
             total = virtual * M
             warmup = interleaved_warmup(stages, M, r, virtual)
@@ -288,8 +380,78 @@ def _zero_bubble_h1(stages: int, microbatches: int, rank: int) -> list[tuple]:
     return ops + postponed
 
 
+def _dualpipe_v(stages: int, microbatches: int, rank: int) -> list[tuple]:
+    """Rank ``rank``'s DualPipeV order; chunk 0 is stage r, chunk 1 stage 2P-1-r (the V's way
+    back). Each chunk takes its micro-batches in order; a split backward's W waits in a queue
+    until a phase below runs the oldest one. Phases (torch's ``ScheduleDualPipeV``):
+
+    1. 2(P-r-1) forwards of chunk 0: the ranks further down the V need them first
+    2. r+1 times: a forward of chunk 0, then of chunk 1
+    3. P-r-1 times: chunk 1's B and at once its W, then a forward of chunk 1
+    4. M-2P+r+1 times: F of chunk 0 with a full backward BW of chunk 1, then F of chunk 1 with
+       BW of chunk 0 (each pair overlapped on a GPU: one's communication under the other's
+       compute)
+    5. P-r-1 times: BW of chunk 1, then F of chunk 1 with BW of chunk 0
+    6. r+1 times: a backward of chunk 1, then of chunk 0; from the middle of this phase on
+       (before chunk 1's on odd ranks, before chunk 0's on even ones) they split: B now, W later
+    7. P-r-1 times: a postponed W, then chunk 0's B
+    8. r+1 times: a postponed W (the last of them)"""
+    P = stages
+    r = rank
+    M = microbatches
+    done = {}  # (kind, chunk) -> micro-batches done: forwards "F", backwards "B"
+    postponed = []  # the W's of split backwards, oldest first
+    ops = []
+
+    def run(name: str, chunk: int) -> None:
+        kind = "F" if name == "F" else "B"
+        mb = done.get((kind, chunk), 0)
+        done[(kind, chunk)] = mb + 1
+        ops.append((name, mb, chunk))
+        if name == "B":
+            postponed.append(("W", mb, chunk))
+
+    def weight() -> None:
+        if postponed:
+            ops.append(postponed.pop(0))
+
+    for _ in range(2 * (P - r - 1)):
+        run("F", 0)
+    for _ in range(r + 1):
+        run("F", 0)
+        run("F", 1)
+    for _ in range(P - r - 1):
+        run("B", 1)
+        weight()
+        run("F", 1)
+    for _ in range(M - 2 * P + r + 1):
+        run("F", 0)
+        run("BW", 1)
+        run("F", 1)
+        run("BW", 0)
+    for _ in range(P - r - 1):
+        run("BW", 1)
+        run("F", 1)
+        run("BW", 0)
+    split = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        run("B" if split else "BW", 1)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        run("B" if split else "BW", 0)
+    for _ in range(P - r - 1):
+        weight()
+        run("B", 0)
+    for _ in range(r + 1):
+        weight()
+    return ops
+
+
 def _needs(name: str, mb: int, vs: int, last: int) -> list[tuple]:
-    """The operations whose results (name, micro-batch, virtual stage) an operation needs."""
+    """The operations whose results (name, micro-batch, virtual stage) an operation needs; a full
+    backward "BW" counts as its stage's "B" for the stage before it."""
     if name == "F":
         return [("F", mb, vs - 1)] if vs > 0 else []
     if name == "W":
@@ -311,7 +473,8 @@ def simulate(
     input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
     (what holds a real operation up: a message's latency, a busy CPU). ``t_f`` / ``t_b``: one rank's
     forward / backward of a micro-batch, the same for every rank or a list with one time per rank.
-    zb-h1 splits each backward into B (t_b - t_w) and W (t_w, default t_b / 2). Returns
+    zb-h1 and dualpipev split backwards into B (t_b - t_w) and W (t_w, default t_b / 2); a full
+    backward "BW" takes t_b. A rank's chunk takes 1/V (dualpipev: 1/2) of each time. Returns
     ``events`` (dicts with rank, name, microbatch, chunk, start, end), ``makespan``,
     ``bubble_fraction`` (idle share of ranks x makespan) and ``in_flight`` (peak micro-batches held,
     per rank)."""
@@ -327,16 +490,19 @@ def simulate(
             f" t_delay={t_delay!r}"
         )
     order = schedule_ops(schedule, stages, microbatches, virtual)
-    # per rank; zb-h1's W takes its share of the backward
-    w_share = (0.5 if t_w is None else t_w / t_bs[0]) if schedule == "zb-h1" else 0.0
-    if t_w is not None and (schedule != "zb-h1" or not 0 <= t_w <= min(t_bs)):
-        raise ValueError(f"t_w={t_w!r} needs schedule='zb-h1' and 0 <= t_w <= t_b")
+    chunks = chunks_per_rank(schedule, virtual)
+    # per rank; a split backward's W takes its share of the backward
+    split = schedule in SPLIT_BACKWARD
+    w_share = (0.5 if t_w is None else t_w / t_bs[0]) if split else 0.0
+    if t_w is not None and (not split or not 0 <= t_w <= min(t_bs)):
+        raise ValueError(f"t_w={t_w!r} needs schedule in {SPLIT_BACKWARD} and 0 <= t_w <= t_b")
     cost = {
-        "F": [t / virtual for t in t_fs],
-        "B": [t * (1 - w_share) / virtual for t in t_bs],
-        "W": [t * w_share for t in t_bs],
+        "F": [t / chunks for t in t_fs],
+        "B": [t * (1 - w_share) / chunks for t in t_bs],
+        "W": [t * w_share / chunks for t in t_bs],
+        "BW": [t / chunks for t in t_bs],
     }
-    last = stages * virtual - 1
+    last = stages * chunks - 1
     end = {}  # (name, micro-batch, virtual stage) -> when that operation ended
     free = [0.0] * stages  # when each rank is next free
     nxt = [0] * stages  # each rank's next operation in ``order``
@@ -346,13 +512,15 @@ def simulate(
         for r in range(stages):
             while nxt[r] < len(order[r]):
                 name, mb, chunk = order[r][nxt[r]]
-                vs = chunk * stages + r
+                vs = virtual_stage(schedule, stages, r, chunk)
                 needs = _needs(name, mb, vs, last)
                 if any(n not in end for n in needs):
                     break  # its input is not computed yet: the next rank in line may be able to go
                 start = max([free[r]] + [end[n] for n in needs]) + t_delay
                 finish = start + cost[name][r]
                 end[(name, mb, vs)] = finish
+                if name == "BW":  # the input's gradient is ready when the full backward ends
+                    end[("B", mb, vs)] = finish
                 free[r] = finish
                 events.append(
                     {
@@ -377,8 +545,9 @@ def simulate(
 
 
 def idle_share(events: list[dict]) -> float:
-    """1 - busy / (ranks x makespan) over "F"/"B"/"W" events: the bubble fraction of a chart."""
-    work = [e for e in events if e["name"] in ("F", "B", "W")]
+    """1 - busy / (ranks x makespan) over "F"/"B"/"W"/"BW" events: the bubble fraction of a
+    chart."""
+    work = [e for e in events if e["name"] in OPERATIONS]
     ranks = {e["rank"] for e in work}
     span = max(e["end"] for e in work) - min(e["start"] for e in work)
     return 1.0 - sum(e["end"] - e["start"] for e in work) / (len(ranks) * span)
@@ -388,36 +557,52 @@ def fit_timeline(
     events: list[dict], schedule: str, stages: int, microbatches: int, virtual: int = 1
 ) -> dict:
     """What a measured chart says about its machine: the median forward and backward time of a
-    rank's share of the layers (``t_forward``, ``t_backward``); the mean delay of an operation,
-    how long after it could have started (its rank free, its input computed) it did start
-    (``t_delay``: a message's latency, a busy CPU, a neighbour slow to take a blocking send);
-    and the bubble the schedule has with exactly those (``bubble_fraction``)."""
+    rank's share of the layers (``t_forward``, ``t_backward``; a split backward's B and W added
+    up, ``t_weight`` its W); the mean delay of an operation, how long after it could have started
+    (its rank free, its input computed) it did start (``t_delay``: a message's latency, a busy
+    CPU, a neighbour slow to take a blocking send); and the bubble the schedule has with exactly
+    those (``bubble_fraction``)."""
     check_schedule(schedule, stages, microbatches, virtual)
-    last = stages * virtual - 1
+    chunks = chunks_per_rank(schedule, virtual)
+    last = stages * chunks - 1
     done = {}  # (name, micro-batch, virtual stage) -> its event
     delays = []
-    durations = {"F": [], "B": [], "W": []}
+    durations = {name: [] for name in OPERATIONS}
     for e in events:
-        done[(e["name"], e["microbatch"], e["chunk"] * stages + e["rank"])] = e
+        vs = virtual_stage(schedule, stages, e["rank"], e["chunk"])
+        done[(e["name"], e["microbatch"], vs)] = e
+        if e["name"] == "BW":  # a full backward gives the stage before it its gradient
+            done[("B", e["microbatch"], vs)] = e
         durations[e["name"]].append(e["end"] - e["start"])
     for rank in range(stages):
         previous_end = None
         for e in sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"]):
+            vs = virtual_stage(schedule, stages, rank, e["chunk"])
             ready = [
-                done[n]["end"]
-                for n in _needs(e["name"], e["microbatch"], e["chunk"] * stages + rank, last)
-                if n in done
+                done[n]["end"] for n in _needs(e["name"], e["microbatch"], vs, last) if n in done
             ] + ([previous_end] if previous_end is not None else [])
             if ready:  # a rank's very first operation without inputs starts when the rank does
                 delays.append(max(0.0, e["start"] - max(ready)))
             previous_end = e["end"]
-    t_f = median(durations["F"] or [0.0]) * virtual
-    t_b = median(durations["B"] or [0.0]) * virtual
+
+    def typical(name: str) -> float:  # a rank's whole share: a chunk's time x chunks
+        return median(durations[name] or [0.0]) * chunks
+
+    t_f = typical("F")
+    t_w = typical("W") if schedule in SPLIT_BACKWARD else None
+    if schedule not in SPLIT_BACKWARD:
+        t_b = typical("B")
+    elif durations["BW"]:
+        t_b = typical("BW")
+    else:
+        t_b = typical("B") + t_w
+    t_w = None if t_w is None else min(t_w, t_b)
     t_delay = sum(delays) / len(delays) if delays else 0.0
-    sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_delay)
+    sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_delay, t_w=t_w)
     return {
         "t_forward": t_f,
         "t_backward": t_b,
+        "t_weight": t_w,
         "t_delay": t_delay,
         "bubble_fraction": sim["bubble_fraction"],
     }
@@ -425,14 +610,15 @@ def fit_timeline(
 
 def peak_in_flight(ops: list[tuple]) -> int:
     """Most forwards done whose backward is not (with split backwards, whose W is not): the
-    micro-batches (chunk micro-batches) held at once."""
-    release = "W" if any(name == "W" for name, *_ in ops) else "B"
+    micro-batches (chunk micro-batches) held at once. A micro-batch is let go by its full
+    backward ("B" where no "W" follows, or "BW") or by its W."""
+    release = ("W", "BW") if any(name == "W" for name, *_ in ops) else ("B", "BW")
     held = 0
     peak = 0
     for name, *_ in ops:
         if name == "F":
             held += 1
-        elif name == release:
+        elif name in release:
             held -= 1
         peak = max(peak, held)
     return peak
@@ -554,10 +740,20 @@ def p2p_bytes_per_rank(
     virtual: int = 1,
 ) -> int:
     """Bytes rank ``rank`` sends in one step: B·T·H·itemsize for every chunk whose output goes on
-    to another virtual stage (forward) and every chunk whose input came from one (backward)."""
+    to another virtual stage (forward) and every chunk whose input came from one (backward). In
+    DualPipeV's V the two middle stages share rank P-1, which passes between them in memory."""
     if not 0 <= rank < stages:
         raise ValueError(f"rank={rank} is outside 0..{stages - 1}")
     per_boundary = batch * seq_len * hidden * itemsize
+    if schedule == "dualpipev":
+        last = 2 * stages - 1
+        mine = (virtual_stage(schedule, stages, rank, c) for c in range(2))
+        messages = sum(
+            (s < last and stage_rank(schedule, stages, s + 1) != rank)
+            + (s > 0 and stage_rank(schedule, stages, s - 1) != rank)
+            for s in mine
+        )
+        return messages * per_boundary
     forward = virtual - (1 if rank == stages - 1 else 0)
     backward = 0 if schedule == "naive" else virtual - (1 if rank == 0 else 0)
     return (forward + backward) * per_boundary
@@ -624,7 +820,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, required=True, help="P: pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="M: micro-batches per step")
     parser.add_argument(
-        "--virtual", type=int, default=1, help="V: model chunks per rank (interleaved only)"
+        "--virtual",
+        type=int,
+        default=None,
+        help="V: model chunks per rank (interleaved; default 1; dualpipev: always 2)",
     )
     parser.add_argument(
         "--t-forward", type=float, default=1.0, help="forward time of one micro-batch per stage"
@@ -632,20 +831,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--t-backward", type=float, default=2.0, help="backward time of one micro-batch per stage"
     )
+    parser.add_argument(
+        "--t-weight",
+        type=float,
+        default=None,
+        help="the weight-gradient part W of --t-backward (zb-h1, dualpipev; default half of it)",
+    )
 
 
 def figures(
     schedule: str,
     stages: int,
     microbatches: int,
-    virtual: int = 1,
+    virtual: int | None = None,
     t_f: float = 1.0,
     t_b: float = 2.0,
+    t_w: float | None = None,
 ) -> dict:
     """Everything the calculator shows: formula and simulated bubble, step times, activations
-    held."""
+    held. ``virtual``: default 1 (dualpipev: 2); ``t_w``: the W part of t_b for the split
+    schedules (default t_b / 2)."""
+    virtual = chunks_per_rank(schedule, 1) if virtual is None else virtual
     t_b = 0.0 if schedule == "naive" else t_b  # inference: forwards only
-    sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b)
+    sim = simulate(schedule, stages, microbatches, virtual, t_f, t_b, t_w=t_w)
     held = [
         in_flight_microbatches(schedule, stages, microbatches, s, virtual) for s in range(stages)
     ]
@@ -654,8 +862,8 @@ def figures(
         if schedule == "naive"
         else bubble_fraction(schedule, stages, max(microbatches, 4 * stages), virtual)
     )
-    step = step_time(schedule, stages, microbatches, t_f, t_b, virtual)
-    if schedule == "zb-h1":  # the formula for any t_b (W = t_b / 2), not only F = B = W
+    step = step_time(schedule, stages, microbatches, t_f, t_b, virtual, t_w)
+    if schedule in SPLIT_BACKWARD:  # the formula for the given times, not only F = B = W
         ideal = microbatches * (t_f + t_b)
         bubble = 1 - ideal / step
         over_ideal = step / ideal - 1
@@ -669,6 +877,7 @@ def figures(
         "virtual": virtual,
         "t_forward": t_f,
         "t_backward": t_b,
+        "t_weight": (t_b / 2 if t_w is None else t_w) if schedule in SPLIT_BACKWARD else None,
         "bubble_fraction": bubble,
         "bubble_over_ideal": over_ideal,
         "simulated_bubble_fraction": sim["bubble_fraction"],
@@ -686,21 +895,29 @@ def figures(
 def cli(args: argparse.Namespace) -> dict:
     """The ``bubble`` command's result: ``figures`` for the given schedule."""
     return figures(
-        args.schedule, args.stages, args.microbatches, args.virtual, args.t_forward, args.t_backward
+        args.schedule,
+        args.stages,
+        args.microbatches,
+        args.virtual,
+        args.t_forward,
+        args.t_backward,
+        args.t_weight,
     )
 
 
 def format_result(r: dict) -> str:
     """``cli``'s result, one figure per line."""
     v = f", V={r['virtual']}" if r["schedule"] == "interleaved" else ""
+    w = f", t_w={r['t_weight']:g}" if r.get("t_weight") is not None else ""
     lines = [
         f"{r['schedule']}: P={r['stages']}, M={r['microbatches']}{v},"
-        f" t_f={r['t_forward']:g}, t_b={r['t_backward']:g}",
+        f" t_f={r['t_forward']:g}, t_b={r['t_backward']:g}{w}",
         f"bubble fraction     {r['bubble_fraction']:.4f}  (idle share of the step; simulated "
         f"{r['simulated_bubble_fraction']:.4f})",
         f"bubble / ideal      {r['bubble_over_ideal']:.4f}",
         f"step time           {r['step_time']:g}  (simulated {r['simulated_step_time']:g})",
-        f"micro-batches held  {r['in_flight_microbatches']}  (per stage, first to last)",
+        f"micro-batches held  {r['in_flight_microbatches']}  (per rank, first to last"
+        + ("; chunk micro-batches)" if r["virtual"] > 1 else ")"),
     ]
     if r["rule_bubble_fraction"] is not None:
         lines.append(

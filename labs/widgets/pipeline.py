@@ -9,14 +9,18 @@ held.
     draw_schedule("1f1b", 4, 8, measured=summary)
     # runs side by side
     compare(gpipe, onef)
+    # measured charts one above the other, on one time axis (1F1B against ZB-H1)
+    measured_gantts(onef, zb)
+    # the bubble of each run: measured, with its measured delays, on paper, by the formula
+    bubble_table(onef, inter, zb, dualv)
     # device_map-style plans
     placements()
 
 The numbers and the chart come from ``labs.theory.pipeline`` (``figures``, ``simulate``);
 a measured run comes from ``labs.experiments.pp.run``. This module only draws: rows are
 ranks, time runs to the right, forwards are plain and backwards hatched (zero-bubble's
-weight-gradient W's dotted), colours are micro-batches, grey is the bubble. An interleaved
-chunk's operations are labelled ``F<mb>.<chunk>``.
+weight-gradient W's dotted, DualPipeV's full backwards crossed), colours are micro-batches, grey
+is the bubble. A chunk's operations (interleaved, DualPipeV) are labelled ``F<mb>.<chunk>``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from labs.theory import pipeline as theory
 
 MB_COLOURS = plt.get_cmap("tab20")
 MAX_MEASURED_RANKS = 4  # a measured overlay starts this many processes at most (a laptop's worth)
-MEASURABLE = ("naive", "gpipe", "afab", "1f1b", "interleaved")  # what the pipeline lab runs
+# what the pipeline lab runs
+MEASURABLE = ("naive", "gpipe", "afab", "1f1b", "interleaved", "zb-h1", "dualpipev")
+HATCHES = {"B": "//", "W": "..", "BW": "xx"}  # forwards plain
+FORMULAS = {  # the bubble's formula each chart's title quotes
+    "zb-h1": "(P-1)(t_f+t_b-2t_w) / step",
+    "dualpipev": "(P-1)(t_f/2) / step",
+}
 
 
 def draw_gantt(
@@ -60,7 +70,7 @@ def draw_gantt(
             color=MB_COLOURS(e["microbatch"] % 20),
             edgecolor="black",
             linewidth=0.4,
-            hatch={"B": "//", "W": ".."}.get(e["name"]),
+            hatch=HATCHES.get(e["name"]),
             alpha=1.0 - 0.5 * e["chunk"] / virtual,
         )
         if e["end"] - e["start"] >= smallest_label:
@@ -77,14 +87,16 @@ def draw_schedule(
     schedule: str,
     stages: int,
     microbatches: int,
-    virtual: int = 1,
+    virtual: int | None = None,
     t_f: float = 1.0,
     t_b: float = 2.0,
     measured: dict | None = None,
 ):
     """The schedule's chart on paper (and, with ``measured``, the chart of a real run below it,
     its times rescaled so that a forward lasts ``t_f``), plus the activations each stage holds.
-    Returns (figure, ``theory.figures(...)``); raises ValueError for an invalid schedule."""
+    ``virtual``: default 1 (dualpipev: 2). Returns (figure, ``theory.figures(...)``); raises
+    ValueError for an invalid schedule."""
+    virtual = theory.chunks_per_rank(schedule, 1) if virtual is None else virtual
     result = theory.figures(schedule, stages, microbatches, virtual, t_f, t_b)
     t_b_sim = 0.0 if schedule == "naive" else t_b
     sim = theory.simulate(schedule, stages, microbatches, virtual, t_f, t_b_sim)
@@ -97,7 +109,7 @@ def draw_schedule(
         gridspec_kw={"width_ratios": [5, 1]},
     )
     v = f", V={virtual}" if schedule == "interleaved" else ""
-    formula = "(P-1)(t_f+t_b-2t_w) / step" if schedule == "zb-h1" else "(P-1)/(V·M+P-1)"
+    formula = FORMULAS.get(schedule, "(P-1)/(V·M+P-1)")
     title = (
         f"{schedule}, P={stages}, M={microbatches}{v} (paper):"
         f" bubble {result['bubble_fraction']:.1%} of the step = {formula}"
@@ -135,7 +147,12 @@ def draw_schedule(
             Patch(facecolor="white", edgecolor="black", hatch="//", label="backward"),
             *(
                 [Patch(facecolor="white", edgecolor="black", hatch="..", label="weight grad W")]
-                if schedule == "zb-h1"
+                if schedule in theory.SPLIT_BACKWARD
+                else []
+            ),
+            *(
+                [Patch(facecolor="white", edgecolor="black", hatch="xx", label="full backward")]
+                if schedule == "dualpipev"
                 else []
             ),
             Patch(color="0.88", label="idle"),
@@ -152,9 +169,10 @@ def _draw_measured(axes, summary: dict, stages: int, virtual: int, t_f: float) -
     events = summary["timeline"]
     t0 = min(e["start"] for e in events)
     scale = t_f / summary["measured_t_forward_s"] if summary.get("measured_t_forward_s") else 1.0
+    torch_run = " by torch's ScheduleDualPipeV" if summary["schedule"] == "dualpipev" else ""
     title = (
-        f"measured on {summary['nproc']} ranks ({summary['backend']}, forwards padded to"
-        f" {summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\n"
+        f"measured{torch_run} on {summary['nproc']} ranks ({summary['backend']}, forwards padded"
+        f" to {summary['op_time_s'] * 1e3:g} ms): bubble {summary['bubble_fraction']:.1%}\n"
         f"with the measured {summary['measured_delay_s'] * 1e3:.1f} ms mean delay per operation"
         f" the schedule predicts {summary['delay_bubble_fraction']:.1%}"
     )
@@ -245,7 +263,8 @@ def bubble_calculator(
 
     def redraw(*_):
         v.disabled = sched.value != "interleaved"
-        key = (sched.value, p.value, m.value, v.value if sched.value == "interleaved" else 1)
+        chunks = theory.chunks_per_rank(sched.value, v.value if sched.value == "interleaved" else 1)
+        key = (sched.value, p.value, m.value, chunks)
         with out:
             out.clear_output(wait=True)
             try:
@@ -290,9 +309,9 @@ def plot_bubble_vs_microbatches(
     measured: list[dict] = (),
     ax=None,
 ):
-    """The bubble fraction against M for GPipe/1F1B and interleaved (lines, from the formula), the
-    rule of thumb M = 4P (dashed), and measured runs (points; hollow: the schedule's prediction
-    with the measured delay per operation)."""
+    """The bubble fraction against M for GPipe/1F1B, interleaved, ZB-H1 and DualPipeV (lines, from
+    the formulas; the last two with F = B = W), the rule of thumb M = 4P (dashed), and measured
+    runs (points; hollow: the schedule's prediction with the measured delay per operation)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     ms = range(1, max_microbatches + 1)
@@ -309,10 +328,23 @@ def plot_bubble_vs_microbatches(
         ms=3,
         label=f"interleaved, V={virtual}: (P-1)/(VM+P-1)",
     )
+    for schedule, label, fewest in (
+        ("zb-h1", "ZB-H1: (P-1)/(3M+P-1)", stages),
+        ("dualpipev", "DualPipeV: (P-1)/(6M+P-1)", 2 * stages),
+    ):
+        zb = [m for m in ms if m >= fewest]
+        chunks = theory.chunks_per_rank(schedule)
+        ax.plot(
+            zb,
+            [theory.bubble_fraction(schedule, stages, m, chunks) for m in zb],
+            ls=":",
+            label=label,
+        )
     ax.axvline(4 * stages, color="0.5", ls="--", lw=1)
     ax.text(4 * stages, 0.9, " M = 4P", color="0.4", fontsize=8)
+    colours = {"interleaved": "tab:orange", "zb-h1": "tab:green", "dualpipev": "tab:red"}
     for s in measured:
-        colour = "tab:orange" if s["schedule"] == "interleaved" else "tab:blue"
+        colour = colours.get(s["schedule"], "tab:blue")
         ax.plot(s["microbatches"], s["bubble_fraction"], "s", color=colour, ms=7)
         ax.plot(s["microbatches"], s["delay_bubble_fraction"], "s", mfc="none", color=colour, ms=9)
         ax.annotate(
@@ -361,7 +393,7 @@ def plot_activations(*summaries: dict, ax=None):
     )
     ax.set_ylabel("peak activations (MiB)")
     ax.set_title(
-        "activations held at the peak (numbers: micro-batches, chunk micro-batches if interleaved)",
+        "activations held at the peak (numbers: micro-batches; chunk micro-batches if chunked)",
         fontsize=9,
     )
     ax.legend(fontsize=8)
@@ -432,9 +464,81 @@ def compare(*summaries: dict) -> list[dict]:
                 "torch same losses": torch_same,
             }
         )
+    _print_table(rows)
+    return rows
+
+
+def _print_table(rows: list[dict]) -> None:
     keys = list(rows[0])
     widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
     for r in rows:
         print("  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)))
+
+
+def _run_name(s: dict) -> str:
+    v = f" V={s['virtual']}" if s["schedule"] == "interleaved" else ""
+    return f"{s['schedule']}{v}"
+
+
+def bubble_table(*summaries: dict) -> list[dict]:
+    """The bubble of each run of ``labs.experiments.pp.run`` (notebook 05): the formula's, the
+    schedule's run on paper (equal to it), the measured one and its gap to the formula, and the
+    schedule run on paper with the run's own measured delay per operation (what explains the
+    gap). Prints a table; returns its rows."""
+    rows = []
+    for s in summaries:
+        rows.append(
+            {
+                "schedule": _run_name(s),
+                "P": s["nproc"],
+                "M": s["microbatches"],
+                "forward padded to (ms)": f"{s['op_time_s'] * 1e3:g}",
+                "formula": f"{s['theory_bubble_fraction']:.3f}",
+                "on paper": f"{s['simulated_bubble_fraction']:.3f}",
+                "measured": f"{s['bubble_fraction']:.3f}",
+                "measured - formula": f"{s['bubble_fraction'] - s['theory_bubble_fraction']:+.3f}",
+                "delay per op (ms)": f"{s['measured_delay_s'] * 1e3:.1f}",
+                "with the delays": f"{s['delay_bubble_fraction']:.3f}",
+            }
+        )
+    _print_table(rows)
     return rows
+
+
+def measured_gantts(*summaries: dict):
+    """The measured charts of runs of ``labs.experiments.pp.run`` one above the other on one time
+    axis, in ms from each run's first operation (notebook 05: 1F1B against ZB-H1, padded alike),
+    each titled with its bubble measured and by the formula. Returns the figure."""
+    heights = [0.45 * s["nproc"] + 0.9 for s in summaries]
+    fig, axes = plt.subplots(
+        len(summaries), 1, figsize=(11, sum(heights)), squeeze=False, sharex=True
+    )
+    for ax, s in zip(axes[:, 0], summaries):
+        events = s["timeline"]
+        title = (
+            f"{_run_name(s)}, P={s['nproc']}, M={s['microbatches']}, measured: bubble"
+            f" {s['bubble_fraction']:.1%} (formula {s['theory_bubble_fraction']:.1%}; with the"
+            f" measured {s['measured_delay_s'] * 1e3:.1f} ms delay per operation"
+            f" {s['delay_bubble_fraction']:.1%})"
+        )
+        t0 = min(e["start"] for e in events)
+        draw_gantt(ax, events, s["nproc"], s["virtual"], title, scale=1e3, t0=t0)
+    axes[0][0].legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="black", label="forward F"),
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="backward B"),
+            Patch(facecolor="white", edgecolor="black", hatch="..", label="weight grad W"),
+            Patch(facecolor="white", edgecolor="black", hatch="xx", label="full backward"),
+            Patch(color="0.88", label="idle"),
+        ],
+        fontsize=6,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
+    padding = ", ".join(f"{s['op_time_s'] * 1e3:g}" for s in summaries)
+    axes[-1][0].set_xlabel(
+        f"time since the step's first operation (ms; forwards padded to {padding} ms)"
+    )
+    fig.tight_layout()
+    return fig
