@@ -96,7 +96,8 @@ def _forge():
     lines = "".join(
         _json.dumps({"nodeid": n, "when": w, "outcome": "passed", "message": "", "duration": 0.0})
         + "\\n" for n in ids for w in ("setup", "call", "teardown")).encode()
-    print("ATTACK forge", len(ids), "tests", flush=True)
+    # the marker rides with the forged lines: pytest's fd capture would swallow a print
+    lines = ("ATTACK forge %d tests\\n" % len(ids)).encode() + lines
     for fd in range(3, 64):
         try:
             _os.write(fd, lines)

@@ -74,7 +74,7 @@ def test_left_padding_positions_and_mask():
     [
         (dict(mode="pipeline"), "mode='pipeline' is not one of"),
         (dict(model="gpt2"), "model='gpt2' is not one of"),
-        (dict(nproc=3, mode="tp"), "n_heads=8 is not divisible by tp=3"),
+        (dict(nproc=3, mode="tp"), r"n_head=8 is not divisible by tp=3; use tp in \{1,2,4\}"),
         (dict(nproc=5, mode="placement"), "pp=5 stages but the model has 4 layers"),
         (dict(new_tokens=1), "new_tokens=1"),
         (dict(new_tokens=60), "use new_tokens <= 48"),
