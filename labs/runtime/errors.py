@@ -9,6 +9,7 @@ are there, not in any Python exception).
 
 from __future__ import annotations
 
+import re
 import signal
 import traceback
 from collections.abc import Sequence
@@ -18,6 +19,9 @@ from typing import NamedTuple
 # The launcher's own code: its frames are plumbing, not the learner's story.
 RUNTIME_DIR = Path(__file__).resolve().parent
 ROOT = RUNTIME_DIR.parent.parent  # the repository: labs/ and solutions/ sit here
+# torch.profiler's Kineto marks each start and stop on stderr ("USDT:<time> <pid>:<tid>
+# SyncActivityProfilerHandler.cpp:52] profiler_start"): bookkeeping, not news
+_PROFILER_MARKER = re.compile(r"^(USDT|STAGE):.*\] (profiler_start|profiler_stop|Completed Stage:)")
 
 
 class RankFailure(NamedTuple):
@@ -131,7 +135,12 @@ def read_stderr(path: str, max_lines: int | None = None) -> str:
             lines = f.read().splitlines()
     except OSError:
         return ""
-    lines = [line for line in lines if not line.startswith("frame #")]  # C++ stack frames: noise
+    lines = [
+        line
+        for line in lines
+        if not line.startswith("frame #")  # C++ stack frames: noise
+        and not _PROFILER_MARKER.match(line)
+    ]
     if max_lines:
         # faulthandler's dump of every thread's stack follows the message that matters: keep its
         # headline only
