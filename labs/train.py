@@ -345,6 +345,32 @@ def data_for(cfg: TrainConfig, dp: int = 1) -> list[tuple[torch.Tensor, torch.Te
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 PARAM_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16's first loss scale in the DDP and ZeRO labs: the course model's scaled gradients overflow
+# fp16 above ~2^18.2, so the first step overflows and is skipped, and the lab shows the scale
+# backing off (torch's GradScaler starts at 2^16 and would not overflow in a few steps)
+FP16_LOSS_SCALE = 2.0**19
+
+
+def add_precision_arguments(parser) -> None:
+    """The ``labs.run`` options of a lab that trains in mixed precision (ddp, zero)."""
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=tuple(REDUCE_DTYPES),
+        default=None,
+        help="mixed precision: reduce the gradients in fp32 (default) or in the weights' dtype",
+    )
+    parser.add_argument(
+        "--loss-scale",
+        type=float,
+        default=FP16_LOSS_SCALE,
+        help="fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
+    )
 
 
 @dataclass(frozen=True)

@@ -60,12 +60,13 @@ from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
 from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import (
+    FP16_LOSS_SCALE,
     PRECISIONS,
-    REDUCE_DTYPES,
     LossScaler,
     MixedPrecision,
     Rule,
     TrainConfig,
+    add_precision_arguments,
     make_optimizer,
     max_rel_diff,
     mixed_precision,
@@ -75,10 +76,6 @@ from labs.train import (
 
 MODELS = ("course", "awkward")
 DTYPES = ("float32", "float64")
-# fp16's first loss scale in this lab: the course model's scaled gradients overflow fp16 above
-# ~2^18.2, so the first step overflows and is skipped, and the lab shows the scale backing off
-# (torch's GradScaler starts at 2^16 and would not overflow in a few steps)
-FP16_LOSS_SCALE = 2.0**19
 # The course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1).
 DEFAULT_BUCKET_MB = 0.1
 
@@ -889,21 +886,4 @@ def add_arguments(parser) -> None:
         help="float64 shows the parameters match too (see run's docstring)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="fp32",
-        help="bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
-    )
-    parser.add_argument(
-        "--reduce-dtype",
-        choices=tuple(REDUCE_DTYPES),
-        default=None,
-        help="mixed precision: sum the gradients in fp32 (default) or in the weights' bf16/fp16",
-    )
-    parser.add_argument(
-        "--loss-scale",
-        type=float,
-        default=FP16_LOSS_SCALE,
-        help="fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
-    )
+    add_precision_arguments(parser)

@@ -66,11 +66,12 @@ from labs.runtime.launcher import launch, report_progress
 from labs.theory import zero as theory
 from labs.theory.dims import check_positive, divisors
 from labs.train import (
+    FP16_LOSS_SCALE,
     PRECISIONS,
-    REDUCE_DTYPES,
     LossScaler,
     MixedPrecision,
     TrainConfig,
+    add_precision_arguments,
     compare_losses,
     make_optimizer,
     max_rel_diff,
@@ -90,8 +91,6 @@ TORCH_NAMES = {
     "zero_redundancy": "ZeroRedundancyOptimizer (under DDP)",
     "fsdp2": "FSDP2 fully_shard",
 }
-# fp16's first loss scale (as the DDP lab's): the first step overflows and is skipped
-FP16_LOSS_SCALE = 2.0**19
 
 
 @dataclass(frozen=True)
@@ -1050,21 +1049,4 @@ def add_arguments(parser) -> None:
         default="float32",
         help="float64 checks parameters beyond AdamW-amplified rounding",
     )
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="fp32",
-        help="bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
-    )
-    parser.add_argument(
-        "--reduce-dtype",
-        choices=tuple(REDUCE_DTYPES),
-        default=None,
-        help="mixed precision: reduce the gradients in fp32 (default) or in the weights' dtype",
-    )
-    parser.add_argument(
-        "--loss-scale",
-        type=float,
-        default=FP16_LOSS_SCALE,
-        help="fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
-    )
+    add_precision_arguments(parser)
