@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 from labs.theory import planner
 from labs.theory.memory import ModelSpec
@@ -99,7 +100,8 @@ def plan_with_encoder(
         p = {**layout, **figures}
     dp, tp, pp, cp, zero, m = (p[k] for k in ("dp", "tp", "pp", "cp", "zero", "microbatches"))
     mbs = a["mbs"]
-    memory = memory_per_rank_with_encoder(
+    memory_with_split = functools.partial(
+        memory_per_rank_with_encoder,
         spec,
         enc,
         text_tokens=text_tokens,
@@ -116,6 +118,7 @@ def plan_with_encoder(
         schedule=a["schedule"],
         recompute=a["recompute"],
     )
+    memory = memory_with_split()  # the calculator's own split
     rate = peak_tflops * 1e12 * a["efficiency"]
     out = {
         "seq": seq,
@@ -176,24 +179,7 @@ def plan_with_encoder(
                 decoder_only_bubble=alone["bubble_fraction"],
                 decoder_only_step_time_s=alone["makespan"] + exposed,
             )
-    out["rebalanced_memory"] = memory_per_rank_with_encoder(
-        spec,
-        enc,
-        text_tokens=text_tokens,
-        mbs=mbs,
-        precision=a["precision"],
-        optimizer=a["optimizer"],
-        zero=zero,
-        dp=dp * cp if zero else 1,
-        tp=tp,
-        pp=pp,
-        sp=tp > 1,
-        cp=cp,
-        microbatches=m,
-        schedule=a["schedule"],
-        recompute=a["recompute"],
-        split=out["rebalanced_split"],
-    )
+    out["rebalanced_memory"] = memory_with_split(split=out["rebalanced_split"])
     return out
 
 
