@@ -12,6 +12,8 @@ from labs.runtime.proc import parents
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the venv's, beside its python
+# labs.theory's options for the tiny preset's model, spelled out (a CLI run without --preset)
+TINY_MODEL_ARGS = "--layers 2 --hidden 64 --heads 8 --kv-heads 4 --ffn 128 --vocab 256".split()
 
 
 def alive(pid: int) -> bool:

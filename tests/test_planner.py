@@ -30,7 +30,7 @@ from labs.theory.planner import (
 from labs.theory.presets import preset
 from labs.theory.tensor_parallel import collectives
 from labs.theory.zero import comm_bytes
-from tests.helpers import assert_torch_free, find_widget, run_cli, run_json
+from tests.helpers import TINY_MODEL_ARGS, assert_torch_free, find_widget, run_cli, run_json
 
 SEED = dict(seq=32768, gpus=512, gpus_per_node=8, gpu_mem_gib=80)
 L70 = preset("llama3-70b")
@@ -220,18 +220,7 @@ def test_cli_prints_the_plan(fastest):
         "-m",
         "labs.theory",
         "plan",
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "8",
-        "--kv-heads",
-        "4",
-        "--ffn",
-        "128",
-        "--vocab",
-        "256",
+        *TINY_MODEL_ARGS,
         "--seq",
         "32",
         "--gpus",

@@ -48,7 +48,7 @@ from labs.theory.memory_report import (
 )
 from labs.theory.pipeline import in_flight_microbatches
 from labs.theory.presets import GPUS, PRESETS
-from tests.helpers import assert_torch_free, find_widget, run_cli
+from tests.helpers import TINY_MODEL_ARGS, assert_torch_free, find_widget, run_cli
 
 TINY = PRESETS["tiny"]
 
@@ -441,18 +441,7 @@ def test_cli_json_has_the_per_rank_figures():
         assert out[key] == expected[key]
     assert out["fits"] is True and out["verdict"].startswith("fits")
     free = memory_cli(
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "8",
-        "--kv-heads",
-        "4",
-        "--ffn",
-        "128",
-        "--vocab",
-        "256",
+        *TINY_MODEL_ARGS,
         "--seq",
         "32",
         "--mbs",
