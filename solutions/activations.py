@@ -46,7 +46,7 @@ def training_state_bytes(
     """
 
     ### BEGIN SOLUTION
-    def unique_bytes(tensors) -> int:
+    def unique_bytes(tensors: list[torch.Tensor]) -> int:
         # the same memory is the same tensor: storage, offset into it and length
         seen = {
             (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()): t.numel()

@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing import connection
 
@@ -96,7 +97,7 @@ def under_torchrun() -> bool:
 
 
 def launch(
-    fn,
+    fn: Callable[..., object],
     nprocs: int,
     *args,
     backend: str = "auto",
