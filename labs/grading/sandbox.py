@@ -247,14 +247,15 @@ class Sandbox:
                 argv += ["--ro-bind", str(path), str(path)]
         for name in ("passwd", "group", "hosts", "hostname"):
             argv += ["--ro-bind", str(self.private / "etc" / name), f"/etc/{name}"]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--perms", "1777", "--size", disk, "--tmpfs", "/tmp"]
+        argv += ["--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm"]
+        # after the private /tmp: a virtual environment may live under /tmp (a clone there)
         for prefix in python_prefixes():
             argv += ["--ro-bind", str(prefix), str(prefix)]
             shown.append(prefix)
         for path in self._covered(shown):
             argv += ["--tmpfs", str(path)]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        argv += ["--perms", "1777", "--size", disk, "--tmpfs", "/tmp"]
-        argv += ["--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm"]
         argv += ["--ro-bind", str(self.tools), TOOLS, "--ro-bind", str(self.release), RELEASE]
         argv += ["--ro-bind", str(item_dir / "course"), ITEM]
         argv += ["--remount-ro", "/proc", "--remount-ro", "/", "--chdir", "/tmp"]
