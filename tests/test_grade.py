@@ -32,7 +32,7 @@ import nbformat
 import pytest
 
 from labs.grade import _inside_repository, discover_labs
-from labs.grading import notebooks, submission
+from labs.grading import notebooks, sandbox, submission
 from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic
 from labs.grading.results import check_id, interleave, read_test_run
 from labs.release import build_release
@@ -1182,3 +1182,17 @@ def test_without_a_sandbox_the_report_says_so_first(tmp_path):
     assert summary.splitlines()[0] == NOT_ISOLATED
     assert "Nothing was isolated" in proc.stderr
     assert json.loads((tmp_path / "r" / "scores.json").read_text())["isolated"] is False
+
+
+def test_a_virtual_environment_under_tmp_stays_visible_in_the_sandbox(tmp_path, monkeypatch):
+    # bubblewrap mounts in order: a clone under /tmp has its .venv there, and the sandbox's
+    # private /tmp must not cover it (bwrap: execvp /tmp/.../.venv/bin/python: no such file)
+    venv = Path("/tmp/clone/.venv")
+    monkeypatch.setattr(sandbox, "python_prefixes", lambda: [venv])
+    box = sandbox.Sandbox(tmp_path, sandbox.Limits(), isolated=True, hide=[])
+    argv = box.command(
+        tmp_path / "item", ["true"], cwd="/tmp", results_fd=None, status_fd=3, info_fd=None
+    )
+    private_tmp = max(i for i, a in enumerate(argv) if a == "--tmpfs" and argv[i + 1] == "/tmp")
+    venv_bind = argv.index(str(venv))
+    assert argv[venv_bind - 1] == "--ro-bind" and private_tmp < venv_bind
