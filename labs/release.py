@@ -101,7 +101,7 @@ README_BANNER = (
 )
 # The instructor's README describes the suite running on the solutions; in the release it runs
 # on the learner's code.
-README_ON_SOLUTIONS = re.compile(r"against the reference\s+solutions")
+README_ON_SOLUTIONS = re.compile(r"against\s+the\s+reference\s+solutions")
 
 
 def exercise_names() -> list[str]:
