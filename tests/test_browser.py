@@ -2,6 +2,8 @@
 repository root, notebook opened from ``notebooks/``), Debian's Chromium (driven by Playwright)
 runs every cell of notebook 01, moves a memory-calculator control, and the verdict and the chart
 change; then it opens ``labs/collectives.py`` from the file browser and reads it in the editor.
+A second test walks the learner's loop: a planted bug in ``labs/collectives.py``, notebook 00's
+lab cell run (FAIL, with the hint), the file fixed, the same cell re-run (PASS).
 
     python -m pytest tests/test_browser.py -p no:cacheprovider     # needs /usr/bin/chromium
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +50,10 @@ SCREENSHOTS = ROOT / "out" / "browser"
 TOKEN = "labs-browser-test-" + os.urandom(8).hex()
 # The exercise module the learner edits, opened from the file browser (course.sh serves the root).
 EDITED = Path("labs") / "collectives.py"
+# The learner's loop (issue 20): notebook 00's lab cell on a planted bug, then on the fix.
+LOOP_NOTEBOOK = "00_setup_and_collectives.ipynb"
+LOOP_CELL = "summary = run(nproc=4"  # the lab cell: runs the lab and prints its verdict
+LOOP_BUG = ("chunks[recv_idx] += incoming", "chunks[recv_idx].copy_(incoming)")
 # JupyterLab settings for the run: every cell in the DOM (no lazy rendering), no news pop-up.
 SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
@@ -129,24 +136,42 @@ def require_browser():
 def jupyter_lab(tmp_path):
     """A JupyterLab server on a folder laid out like the repository (the target notebook in
     ``notebooks/``, ``labs/collectives.py``), as course.sh serves it: yields (base URL, served
-    folder)."""
+    folder). The kernel runs the reference solutions."""
     require_browser()
     served = tmp_path / "served"
     (served / "notebooks").mkdir(parents=True)
     (served / EDITED.parent).mkdir(parents=True)
     shutil.copy(ROOT / "notebooks" / target().notebook, served / "notebooks")
     shutil.copy(ROOT / EDITED, served / EDITED)
+    yield from _serve(tmp_path, served, LABS_IMPL="solutions")
+
+
+@pytest.fixture
+def learner_lab(tmp_path):
+    """JupyterLab on a copy of the ``labs`` package and notebook 00, the kernel importing that copy
+    (``PYTHONPATH``) and running the learner's code in it (``LABS_IMPL=labs``), as a learner's
+    does: yields (base URL, served folder)."""
+    require_browser()
+    served = tmp_path / "served"
+    (served / "notebooks").mkdir(parents=True)
+    shutil.copy(ROOT / "notebooks" / LOOP_NOTEBOOK, served / "notebooks")
+    shutil.copytree(ROOT / "labs", served / "labs", ignore=shutil.ignore_patterns("__pycache__"))
+    yield from _serve(tmp_path, served, LABS_IMPL="labs", PYTHONPATH=str(served))
+
+
+def _serve(tmp_path: Path, served: Path, **extra_env: str):
+    """Start JupyterLab on ``served``; yield (base URL, served folder); stop it and its kernels."""
     for name, value in SETTINGS.items():
         path = tmp_path / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "JUPYTER_TOKEN")}
     env.update(
-        LABS_IMPL="solutions",
         PYTHONHASHSEED="0",
         JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
         JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
         IPYTHONDIR=str(tmp_path / "ipython"),
+        **extra_env,
     )
     cmd = [
         sys.executable,
@@ -328,3 +353,64 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
     shutil.copy(shot, SCREENSHOTS / shot.name)
     shutil.copy(editor_shot, SCREENSHOTS / editor_shot.name)
     print(f"verdict: {before[0]!r} -> {after[0]!r}; screenshots in {SCREENSHOTS}")
+
+
+def _open_notebook(page, base: str, notebook: str) -> None:
+    page.goto(f"{base}/lab/tree/notebooks/{notebook}?token={TOKEN}")
+    page.wait_for_function(KERNEL_IDLE)
+
+
+def _run_cell(page, containing: str, screenshot: Path) -> str:
+    """Run the code cell whose source contains ``containing`` (Shift+Enter, as a learner does);
+    once it has run, save a picture of the cell and its output and return the output's text."""
+    cell = page.locator(".jp-Notebook .jp-CodeCell", has_text=containing).first
+    prompt = cell.locator(".jp-InputPrompt").first
+    before = prompt.text_content().strip()
+    cell.locator(".jp-InputArea-editor").first.click()
+    page.keyboard.press("Shift+Enter")
+    deadline = time.monotonic() + 180
+    while not re.fullmatch(r"\[\d+\]:", now := prompt.text_content().strip()) or now == before:
+        assert time.monotonic() < deadline, f"the cell did not run: prompt {before!r} -> {now!r}"
+        time.sleep(0.25)
+    cell.screenshot(path=str(screenshot))
+    return cell.locator(".jp-OutputArea").first.text_content()
+
+
+@pytest.mark.slow
+def test_a_planted_bug_reads_fail_with_its_hint_then_the_fix_reads_pass(learner_lab, tmp_path):
+    """The learner's loop in a real browser: labs/collectives.py with the classic overwrite bug,
+    the lab cell of notebook 00 run, FAIL with the hint; the file fixed, the same cell re-run (no
+    kernel restart: the ranks import the file afresh), PASS. Screenshots of both verdicts land in
+    out/browser/."""
+    from playwright.sync_api import sync_playwright
+
+    base, served = learner_lab
+    solution = (ROOT / "solutions" / "collectives.py").read_text()
+    assert solution.count(LOOP_BUG[0]) == 1
+    (served / EDITED).write_text(solution.replace(*LOOP_BUG))
+    shots = {verdict: tmp_path / f"verdict_{verdict.lower()}.png" for verdict in ("FAIL", "PASS")}
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        page = browser.pages[0] if browser.pages else browser.new_page()
+        page.set_default_timeout(120_000)
+        try:
+            _open_notebook(page, base, LOOP_NOTEBOOK)
+            failed = _run_cell(page, LOOP_CELL, shots["FAIL"])
+            (served / EDITED).write_text(solution)
+            passed = _run_cell(page, LOOP_CELL, shots["PASS"])
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            raise
+        finally:
+            browser.close()
+    assert "collectives: FAIL" in failed and "must add each received chunk" in failed, failed
+    assert "collectives: PASS" in passed and "FAIL" not in passed, passed
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for shot in shots.values():
+        shutil.copy(shot, SCREENSHOTS / shot.name)
