@@ -10,6 +10,6 @@ export LABS_IMPL=solutions PYTHONHASHSEED=0
 .venv/bin/ruff format --check .
 # Two pytest workers (pytest-xdist), a test file each at a time: a notebook's cells stay in order in
 # one kernel, and a file's module-scoped fixtures (the grading run) are built once. Many tests wait
-# on rank processes, so two workers keep two cores busy: 10.5 min instead of 15 on 2 cores. Pass
+# on rank processes, so two workers keep two cores busy: about 11 min instead of 15 on 2 cores. Pass
 # `-n 0` to run everything in this process (the last -n wins).
 exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
