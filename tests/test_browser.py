@@ -19,6 +19,7 @@ collective visualizer instead (the target is a row of ``TARGETS``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -231,6 +232,36 @@ CELL_STATES = """() => {
 }"""
 
 
+@contextlib.contextmanager
+def browser_page(tmp_path: Path):
+    """A page of Debian's Chromium (its own profile under ``tmp_path``); on an error, a picture
+    of the page goes to ``tmp_path / "failure.png"`` before the error propagates."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        page = browser.pages[0] if browser.pages else browser.new_page()
+        page.set_default_timeout(120_000)
+        try:
+            yield page
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def _open_notebook(page, base: str, notebook: str) -> None:
+    page.goto(f"{base}/lab/tree/notebooks/{notebook}?token={TOKEN}")
+    page.wait_for_function(KERNEL_IDLE)
+
+
 def _run_all(page) -> None:
     """Run > Run All Cells, then wait until every code cell has its execution count."""
     page.get_by_role("menuitem", name="Run", exact=True).click()
@@ -288,8 +319,6 @@ def test_without_chromium_the_test_skips_except_under_ci(monkeypatch, ci, outcom
 
 @pytest.mark.slow
 def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     base, served = jupyter_lab
     goal = target()
     stem = goal.notebook.split("_")[0]
@@ -297,55 +326,38 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
     editor_shot = tmp_path / "editor.png"
     notebook = served / "notebooks" / goal.notebook
     code_cells = sum(c.cell_type == "code" for c in nbformat.read(notebook, as_version=4).cells)
-    with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
+    with browser_page(tmp_path) as page:
+        _open_notebook(page, base, goal.notebook)
+        page.wait_for_function(
+            f"() => document.querySelectorAll('.jp-Notebook .jp-CodeCell').length === {code_cells}"
         )
-        page = browser.pages[0] if browser.pages else browser.new_page()
-        page.set_default_timeout(120_000)
-        try:
-            page.goto(f"{base}/lab/tree/notebooks/{goal.notebook}?token={TOKEN}")
-            page.wait_for_function(KERNEL_IDLE)
-            page.wait_for_function(
-                f"() => document.querySelectorAll('.jp-Notebook .jp-CodeCell').length "
-                f"=== {code_cells}"
-            )
-            _run_all(page)
+        _run_all(page)
 
-            control = page.locator(goal.control).first
-            control.scroll_into_view_if_needed()
-            page.wait_for_function(f"() => document.querySelector('{goal.chart} img') !== null")
-            before = _text(page, goal.verdict), _image(page, goal.chart)
-            if goal.flips:
-                assert before[0].startswith(goal.flips[0] + ":"), before[0]
-            if control.evaluate("e => e.tagName") == "SELECT":
-                control.select_option(goal.value)
-            else:
-                control.fill(goal.value)
-                control.press("Enter")
-            deadline = time.monotonic() + 60
-            while (after := (_text(page, goal.verdict), _image(page, goal.chart))) and (
-                (goal.verdict and after[0] == before[0]) or after[1] in (before[1], None)
-            ):
-                assert time.monotonic() < deadline, (
-                    f"the widget did not update: {before[0]!r} -> {after[0]!r}"
-                )
-                time.sleep(0.25)
-            if goal.flips:
-                assert after[0].startswith(goal.flips[1] + ":"), after[0]
-            page.locator(goal.verdict or goal.chart).first.scroll_into_view_if_needed()
-            page.screenshot(path=str(shot))
-            shown = _open_from_file_browser(page, EDITED)
-            page.screenshot(path=str(editor_shot))
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            raise
-        finally:
-            browser.close()
+        control = page.locator(goal.control).first
+        control.scroll_into_view_if_needed()
+        page.wait_for_function(f"() => document.querySelector('{goal.chart} img') !== null")
+        before = _text(page, goal.verdict), _image(page, goal.chart)
+        if goal.flips:
+            assert before[0].startswith(goal.flips[0] + ":"), before[0]
+        if control.evaluate("e => e.tagName") == "SELECT":
+            control.select_option(goal.value)
+        else:
+            control.fill(goal.value)
+            control.press("Enter")
+        deadline = time.monotonic() + 60
+        while (after := (_text(page, goal.verdict), _image(page, goal.chart))) and (
+            (goal.verdict and after[0] == before[0]) or after[1] in (before[1], None)
+        ):
+            assert time.monotonic() < deadline, (
+                f"the widget did not update: {before[0]!r} -> {after[0]!r}"
+            )
+            time.sleep(0.25)
+        if goal.flips:
+            assert after[0].startswith(goal.flips[1] + ":"), after[0]
+        page.locator(goal.verdict or goal.chart).first.scroll_into_view_if_needed()
+        page.screenshot(path=str(shot))
+        shown = _open_from_file_browser(page, EDITED)
+        page.screenshot(path=str(editor_shot))
     first_lines = (served / EDITED).read_text().splitlines()[:3]
     for line in first_lines:
         assert line.strip() in shown, f"the editor does not show {line!r} of {EDITED}:\n{shown}"
@@ -353,11 +365,6 @@ def test_notebook_runs_and_its_widget_responds_in_a_real_browser(jupyter_lab, tm
     shutil.copy(shot, SCREENSHOTS / shot.name)
     shutil.copy(editor_shot, SCREENSHOTS / editor_shot.name)
     print(f"verdict: {before[0]!r} -> {after[0]!r}; screenshots in {SCREENSHOTS}")
-
-
-def _open_notebook(page, base: str, notebook: str) -> None:
-    page.goto(f"{base}/lab/tree/notebooks/{notebook}?token={TOKEN}")
-    page.wait_for_function(KERNEL_IDLE)
 
 
 def _run_cell(page, containing: str, screenshot: Path) -> str:
@@ -382,33 +389,16 @@ def test_a_planted_bug_reads_fail_with_its_hint_then_the_fix_reads_pass(learner_
     the lab cell of notebook 00 run, FAIL with the hint; the file fixed, the same cell re-run (no
     kernel restart: the ranks import the file afresh), PASS. Screenshots of both verdicts land in
     out/browser/."""
-    from playwright.sync_api import sync_playwright
-
     base, served = learner_lab
     solution = (ROOT / "solutions" / "collectives.py").read_text()
     assert solution.count(LOOP_BUG[0]) == 1
     (served / EDITED).write_text(solution.replace(*LOOP_BUG))
     shots = {verdict: tmp_path / f"verdict_{verdict.lower()}.png" for verdict in ("FAIL", "PASS")}
-    with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        page = browser.pages[0] if browser.pages else browser.new_page()
-        page.set_default_timeout(120_000)
-        try:
-            _open_notebook(page, base, LOOP_NOTEBOOK)
-            failed = _run_cell(page, LOOP_CELL, shots["FAIL"])
-            (served / EDITED).write_text(solution)
-            passed = _run_cell(page, LOOP_CELL, shots["PASS"])
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            raise
-        finally:
-            browser.close()
+    with browser_page(tmp_path) as page:
+        _open_notebook(page, base, LOOP_NOTEBOOK)
+        failed = _run_cell(page, LOOP_CELL, shots["FAIL"])
+        (served / EDITED).write_text(solution)
+        passed = _run_cell(page, LOOP_CELL, shots["PASS"])
     assert "collectives: FAIL" in failed and "must add each received chunk" in failed, failed
     assert "collectives: PASS" in passed and "FAIL" not in passed, passed
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
