@@ -408,11 +408,19 @@ class MixedPrecision:
         return self.param_dtype == torch.float16
 
 
-def mixed_precision(precision: str, reduce_dtype: str | None = None) -> MixedPrecision | None:
+def mixed_precision(
+    precision: str, reduce_dtype: str | None = None, dtype: str = "float32"
+) -> MixedPrecision | None:
     """The policy a lab's ``precision`` ("fp32", "bf16-mixed", "fp16-mixed") and ``reduce_dtype``
-    ("fp32", or the parameters' own: "bf16" / "fp16"; None: fp32) name; None for fp32."""
+    ("fp32", or the parameters' own: "bf16" / "fp16"; None: fp32) name; None for fp32. ``dtype``
+    is the lab's fp32 run's dtype, which a mixed precision needs to be "float32"."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+    if precision != "fp32" and dtype != "float32":
+        raise ValueError(
+            f"dtype={dtype!r} with precision={precision!r}: mixed precision keeps fp32 masters of"
+            " bf16/fp16 weights; use dtype='float32'"
+        )
     if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"reduce_dtype={reduce_dtype!r} is not one of {tuple(REDUCE_DTYPES)}")
     if precision == "fp32":

@@ -61,7 +61,6 @@ from labs.theory.dims import check_divides, check_positive
 from labs.theory.overlap import VARIANTS, MiB, all_reduce_calls, bucket_layout
 from labs.train import (
     FP16_LOSS_SCALE,
-    PRECISIONS,
     LossScaler,
     MixedPrecision,
     Rule,
@@ -424,19 +423,10 @@ def run(
     """
     if variant not in (*VARIANTS, "all"):
         raise ValueError(f"variant={variant!r} is not one of {(*VARIANTS, 'all')}")
-    for name, value, choices in (
-        ("model", model, MODELS),
-        ("dtype", dtype, DTYPES),
-        ("precision", precision, PRECISIONS),
-    ):
+    for name, value, choices in (("model", model, MODELS), ("dtype", dtype, DTYPES)):
         if value not in choices:
             raise ValueError(f"{name}={value!r} is not one of {choices}")
-    mixed = mixed_precision(precision, reduce_dtype)
-    if mixed is not None and dtype != "float32":
-        raise ValueError(
-            f"dtype={dtype!r} with precision={precision!r}: mixed precision keeps fp32 masters of"
-            " bf16/fp16 weights; use dtype='float32'"
-        )
+    mixed = mixed_precision(precision, reduce_dtype, dtype)
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {bucket_mb!r}")
     if not loss_scale > 0:

@@ -67,7 +67,6 @@ from labs.theory import zero as theory
 from labs.theory.dims import check_positive, divisors
 from labs.train import (
     FP16_LOSS_SCALE,
-    PRECISIONS,
     LossScaler,
     MixedPrecision,
     TrainConfig,
@@ -571,14 +570,7 @@ def check_options(
     reduce_dtype=None,
     vs_torch=False,
 ):
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
-    mixed = mixed_precision(precision, reduce_dtype)
-    if mixed is not None and dtype != "float32":
-        raise ValueError(
-            f"dtype={dtype!r} with precision={precision!r}: mixed precision keeps fp32 masters of"
-            " bf16/fp16 weights; use dtype='float32'"
-        )
+    mixed = mixed_precision(precision, reduce_dtype, dtype)
     if mixed is not None and offload:
         raise ValueError(
             f"offload=True with precision={precision!r} is not part of this lab (the host would"
