@@ -181,7 +181,7 @@ def check_labs(labs, plans, *, steps, timeout, vs_torch, deadline, log) -> list[
     ``passed`` only when it ran and matched its reference. A configuration the lab refuses at a
     world smaller than its own ranks (fewer GPUs) is "not exercised"."""
     from labs.bench import run_lab
-    from labs.bench_report import fmt
+    from labs.bench.report import fmt
 
     rows = []
     for lab in labs:
@@ -410,7 +410,7 @@ def measure_throughput(
 ) -> list[dict]:
     """One row per mode: tokens/s, MFU, peak memory (and the calculator's, with
     ``predict_memory``)."""
-    from labs.bench_report import fmt
+    from labs.bench.report import fmt
     from labs.experiments.zero import warm_imports
     from labs.runtime.launcher import launch
     from labs.theory.flops import flops_per_token, mfu
@@ -588,7 +588,7 @@ def check_verdict(report: dict) -> tuple[bool, str]:
 
 
 def markdown(report: dict) -> str:
-    from labs.bench_report import fmt, name
+    from labs.bench.report import fmt, name
 
     env = report["environment"]
     t = report["throughput"]
@@ -783,7 +783,7 @@ def main(argv=None) -> int:
     def log(text: str) -> None:
         print(text, flush=True)
 
-    from labs.bench_report import hardware
+    from labs.bench.report import hardware
     from labs.run import LABS
     from labs.runtime.impl import set_implementation
 

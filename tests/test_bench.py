@@ -1,4 +1,4 @@
-"""The course benchmark (labs/bench.py) and the GPU validation path's CPU run
+"""The course benchmark (labs/bench/) and the GPU validation path's CPU run
 (scripts/gpu_check.py).
 
 Harness tests: they run the reference solutions (``--impl solutions``), so they are not marked
@@ -15,7 +15,8 @@ import types
 import nbformat
 import pytest
 
-from labs import bench, bench_report
+from labs import bench
+from labs.bench import report as bench_report
 from labs.run import LABS
 from scripts import gpu_check
 from tests.helpers import run_cli

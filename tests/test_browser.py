@@ -34,7 +34,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labs.grading.processes import descendants
+from labs.grade.processes import descendants
 from tests.helpers import ROOT
 
 CHROMIUM = Path("/usr/bin/chromium")

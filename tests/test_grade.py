@@ -31,10 +31,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labs.grade import _inside_repository, discover_labs
-from labs.grading import notebooks, sandbox, submission
-from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic
-from labs.grading.results import check_id, interleave, read_test_run
+from labs.grade import _inside_repository, discover_labs, notebooks, sandbox, submission
+from labs.grade.report import NOT_ISOLATED, Result, feedback_page, write_atomic
+from labs.grade.results import check_id, interleave, read_test_run
 from labs.release import build_release
 from tests.helpers import ROOT, junit_outcomes, run_cli
 
@@ -1094,7 +1093,7 @@ def test_reports_are_replaced_whole(tmp_path):
 
 DAEMON_SCRIPT = """
 import subprocess, sys, time
-from labs.grading.processes import become_subreaper, descendants, kill_leftovers
+from labs.grade.processes import become_subreaper, descendants, kill_leftovers
 assert become_subreaper()
 # a child that starts a daemon in its own session and exits: the daemon is re-parented to us
 subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.Popen("

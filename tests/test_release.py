@@ -37,7 +37,9 @@ def test_no_solutions_hidden_tests_or_instructor_tools(released):
         "solutions",
         "hidden_tests",
         ".ci",
-        "labs/grading",
+        "labs/grade",
+        "labs/release",
+        "labs/stubs",
         *release.INSTRUCTOR_TOOLS,
         *release.INSTRUCTOR_TESTS,
     ):

@@ -5,7 +5,7 @@ it ended.
 
 ``labs.grade`` starts this as PID 1 of the sandbox's PID namespace (``bwrap --as-pid-1``), from the
 standard library only (``-I -S``: no site-packages, no ``PYTHONPATH``, nothing a submission could
-have put on the path). SPEC (written by ``labs.grading.sandbox.Sandbox.command``) says what to
+have put on the path). SPEC (written by ``labs.grade.sandbox.Sandbox.command``) says what to
 do:
 
 1. ``copy``: [source, destination] folders, copied in order (the course release, then the files of

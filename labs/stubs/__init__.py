@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "solutions"
 LABS = ROOT / "labs"
 BEGIN = "### BEGIN SOLUTION"
@@ -161,7 +161,3 @@ def main(argv=None) -> int:
         )
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

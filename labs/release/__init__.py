@@ -18,8 +18,8 @@ What the release holds, and how it differs from this (the instructor's) reposito
                             tests run on the learner's code, not the solutions
 ``.release.json``           the course commit it came from, its exercises, notebooks and tests
 not shipped                 ``solutions/``, ``hidden_tests/``, ``.ci/``; the instructor tools
-                            ``labs/release.py``, ``labs/grade.py``, ``labs/grading/``,
-                            ``labs/stubs.py``, ``scripts/execute_notebooks.py``,
+                            ``labs/release/``, ``labs/grade/``, ``labs/stubs/``,
+                            ``scripts/execute_notebooks.py``,
                             ``scripts/nbbuild.py`` and any other script that selects the
                             solutions (e.g. GPU validation); the instructor-only tests
                             (``INSTRUCTOR_TESTS`` and any other test file that uses the
@@ -49,13 +49,20 @@ from labs import stubs
 from labs.check import lab_of_test_file  # the rule labs.check and labs.grade use too
 from labs.runtime.impl import EXERCISES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ".release.json"
-NOT_SHIPPED_DIRS = ("solutions", "hidden_tests", ".ci", "notebooks/src", "out", "labs/grading")
+NOT_SHIPPED_DIRS = (
+    "solutions",
+    "hidden_tests",
+    ".ci",
+    "notebooks/src",
+    "out",
+    # the instructor tools
+    "labs/release",
+    "labs/grade",
+    "labs/stubs",
+)
 INSTRUCTOR_TOOLS = (
-    "labs/release.py",
-    "labs/grade.py",
-    "labs/stubs.py",
     "scripts/execute_notebooks.py",
     "scripts/nbbuild.py",
 )
@@ -352,7 +359,3 @@ def main(argv=None) -> int:
         archive = shutil.make_archive(str(out), "zip", root_dir=out.parent, base_dir=out.name)
         print(f"wrote {archive}")
     return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from labs.runtime.impl import EXERCISES, IMPL_ENV, IMPLEMENTATIONS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 UNWRITTEN = re.compile(r"exercise (\S+) is not written yet")
 HINT = re.compile(r"^\s*hint:\s*(.+)$", re.M)
@@ -244,7 +244,3 @@ def main(argv=None) -> int:
     print()
     print("\n".join(summary(args.exercise, args.impl, verdicts)))
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

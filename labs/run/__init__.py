@@ -137,7 +137,3 @@ def main(argv=None) -> int:
     if report and not args.json:
         print(profiling.format_report(report), flush=True)
     return 0 if summary.passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

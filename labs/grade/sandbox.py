@@ -54,7 +54,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from labs.grading.processes import run_item
+from labs.grade.processes import run_item
 
 BWRAP_AT_LEAST = (0, 7)  # --size for a tmpfs
 DISABLE_USERNS_SINCE = (0, 8)  # older: a user namespace may be nested inside the sandbox

@@ -6,7 +6,7 @@ submission's code in a sandbox of its own.
 
 SUBMISSIONS_DIR holds one folder per student, each a copy of the student release
 (``python -m labs.release``) with their work in it. For every student and every lab, three
-items, each in a fresh bubblewrap sandbox (``labs.grading.sandbox``):
+items, each in a fresh bubblewrap sandbox (``labs.grade.sandbox``):
 
 1. **public tests**: the lab's released tests marked ``exercise`` (the instructor's copies) run
    with pytest against the student's ``labs/``, per-test timeout (pytest-timeout), a time budget
@@ -15,7 +15,7 @@ items, each in a fresh bubblewrap sandbox (``labs.grading.sandbox``):
    and the student's modules are in; with ``--conceal-hidden`` only how many passed leaves it;
 3. **notebook**: the student's notebook runs headless (nbclient) with a per-cell and a
    per-notebook timeout; "executed" means every code cell of the release, matched by cell id, ran
-   in order to the end with the release's tags (``labs.grading.notebooks``).
+   in order to the end with the release's tags (``labs.grade.notebooks``).
 
 What a lab is, found at run time from what the course has:
 
@@ -39,9 +39,16 @@ What an item sees: the instructor's release, with only the student's exercise mo
 (tests, ``labs/runtime``, conftest, pytest config) is the instructor's, and any other file the
 student changed is listed in the feedback as ignored. ``import solutions`` fails there; the
 repository, other students, the report and the network are not there at all. Results come back
-on a channel the grader checks against its own list of tests (``labs.grading.results``). The
-submission folders are read without following any link (``labs.grading.submission``). Without
+on a channel the grader checks against its own list of tests (``labs.grade.results``). The
+submission folders are read without following any link (``labs.grade.submission``). Without
 bubblewrap the grader refuses to run, unless told ``--unsafe-no-sandbox``.
+
+The grader's parts live beside this module (instructor-only: never shipped in the release):
+``sandbox`` (the bubblewrap sandbox and its limits), ``inside`` (the sandbox's first process),
+``processes`` (one item run to its end or its limit), ``pytest_plugin`` (streams each test's
+outcome to the grader), ``results`` (checks that stream against the grader's own list),
+``run_notebook`` and ``notebooks`` (a student's notebook, run and judged), ``submission`` (a
+student's folder, read without trusting it) and ``report`` (the files written).
 
 REPORT_DIR gets ``scores.csv`` (student x lab), ``summary.md``, ``scores.json``, rewritten whole
 after each student, and per student ``feedback.md`` (each failed check with its message), the
@@ -66,8 +73,8 @@ from pathlib import Path
 
 import nbformat
 
-from labs.grading import notebooks, sandbox, submission
-from labs.grading.processes import (
+from labs.grade import notebooks, sandbox, submission
+from labs.grade.processes import (
     LOG_KEEP_BYTES,
     Finished,
     become_subreaper,
@@ -75,9 +82,9 @@ from labs.grading.processes import (
     run_item,
     stop_all,
 )
-from labs.grading.report import NOT_ISOLATED, Result, feedback_page, write_atomic, write_reports
-from labs.grading.results import read_test_run
-from labs.grading.sandbox import Limits, Sandbox
+from labs.grade.report import NOT_ISOLATED, Result, feedback_page, write_atomic, write_reports
+from labs.grade.results import read_test_run
+from labs.grade.sandbox import Limits, Sandbox
 from labs.release import (
     ROOT,
     build_release,
@@ -87,7 +94,7 @@ from labs.release import (
     source_files,
 )
 
-GRADING = Path(__file__).resolve().parent / "grading"
+GRADING = Path(__file__).resolve().parent  # the pieces copied into the sandbox
 SOLUTIONS_SHIM = 'raise ImportError("the reference solutions are not available while grading")\n'
 REPORT_FILES = ("scores.csv", "scores.json", "summary.md")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
@@ -320,7 +327,7 @@ def _pythonpath(session: Session, item: Path) -> str:
 
 
 def read_student(session: Session, name: str) -> Student:
-    """The student's folder read without trusting it (``labs.grading.submission``)."""
+    """The student's folder read without trusting it (``labs.grade.submission``)."""
     folder = session.submissions / name
     student = Student(name, submission.display(name), folder)
     found = submission.scan(folder)
@@ -499,7 +506,7 @@ def _limit_notes(session: Session, done: Finished, messages: list[str]) -> list[
 
 
 def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, out: Path) -> None:
-    """Run the student's notebook in a sandbox; "executed" as ``labs.grading.notebooks`` says."""
+    """Run the student's notebook in a sandbox; "executed" as ``labs.grade.notebooks`` says."""
     args = session.args
     rel = f"notebooks/{lab.notebook}"
     res.notebook_executed = "no"
@@ -936,7 +943,3 @@ def _grade_all(session: Session, students: list[str]) -> None:
         pool.shutdown(wait=True)
         if not session.sandbox.isolated:
             kill_leftovers()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from the single-process reference, and the pipeline bubble measured / theory. Wr
 than ``SLOWER``: why, from profiling with ``scripts/profile_vs_torch.py``) and ``bench.png``. A lab
 whose module is not in this copy of the course is skipped with a note; a lab that fails is a row
 saying why, and the others still run. Exit status 0 when every row ran (or was skipped), 1
-otherwise. What it writes, and its columns, is ``labs.bench_report``.
+otherwise. What it writes, and its columns, is ``labs.bench.report``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
-from labs.bench_report import SLOWER, hardware, write
+from labs.bench.report import SLOWER, hardware, write
 from labs.theory.dims import check_positive
 
 
@@ -479,7 +479,3 @@ def main(argv=None) -> int:
     print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

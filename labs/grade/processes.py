@@ -12,7 +12,7 @@ status      the sandbox's init says how the item ended (exit code, processes lef
             only that process holds it
 ==========  ======================================================================================
 
-In a sandbox (``labs.grading.sandbox``) the item's processes live in their own PID namespace:
+In a sandbox (``labs.grade.sandbox``) the item's processes live in their own PID namespace:
 when its init exits, the kernel kills all of them, and ``run_item`` waits for that. At the time
 limit the grader kills bubblewrap and the init. Without a sandbox (``--unsafe-no-sandbox``) the
 item runs in its own process group; the grader is a Linux *child subreaper*

@@ -3,7 +3,7 @@ grader.
 
     python -I run_notebook.py NOTEBOOK.ipynb CELL_TIMEOUT_S OUTPUT_LIMIT_BYTES
 
-NOTEBOOK is the one ``labs.grading.notebooks.prepare`` wrote: the student's cells, with the
+NOTEBOOK is the one ``labs.grade.notebooks.prepare`` wrote: the student's cells, with the
 release's tags on the release's cells and no tags on the student's own. It runs from its folder
 with the environment it is given (``PYTHONPATH`` and ``LABS_IMPL=labs`` for the kernel; ``-I``
 keeps this process itself on the installed packages only). Cells tagged ``raises-exception`` may

@@ -11,7 +11,7 @@ Loaded with ``-p labs_grade_plugin`` by ``labs.grade`` inside the sandbox (from 
 
 Lines: ``{"collected": [nodeid, ...]}`` once, then ``{"nodeid", "when", "outcome", "message",
 "duration"}`` for every setup/call/teardown report. The grader checks the stream against the
-tests it collected itself (``labs.grading.results``).
+tests it collected itself (``labs.grade.results``).
 
 The checks: once the tests are selected and ordered, a check item ``<parent>::<name>_<i>`` is
 put right after test ``i``, beside it (same module or class, so no fixture of the test's module

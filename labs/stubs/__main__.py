@@ -1,0 +1,7 @@
+"""``python -m labs.stubs``: see ``labs.stubs``."""
+
+import sys
+
+from labs.stubs import main
+
+sys.exit(main())
