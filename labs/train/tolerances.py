@@ -127,7 +127,9 @@ _MIXED = {
         5e-3,
         "losses are fp32 from bf16 logits; the bf16 rounding of the averaged gradient moves"
         " AdamW's updates, so later losses part (measured <= 2.9e-4 after 20 steps, 1.2e-3 after"
-        " 30: DDP, 4 ranks reducing in bf16)",
+        " 30 on an Intel Xeon; <= 4.5e-4 after 20 and 6.2e-3 after 30 on an AMD EPYC, whose bf16"
+        " kernels round otherwise: DDP, 4 ranks reducing in bf16); after step 20 the bound grows"
+        " (_MIXED_DRIFT)",
     ),
     ("mixed_grad", torch.bfloat16): (
         3e-2,
@@ -157,6 +159,12 @@ _MIXED = {
         " (measured <= 0.14 of a tensor's largest, 4 ranks, 20 steps)",
     ),
 }
+# A mixed-precision run parts from its reference like an fp32 run (_DRIFT) but from bf16's or
+# fp16's rounding, 2^16 times coarser: after step 20 its losses' bound doubles every 10 steps
+# (5e-3 at step 20, 7.1e-3 at 25, 1e-2 at 30 for bf16), up to 4x. A real bug shows in the first
+# steps, where the bounds are the base ones; the gradients are compared after step 1 and the
+# parameters have their own wide bound, so only the losses' rule grows.
+_MIXED_DRIFT = dict(grows_after=20, doubling_steps=10, max_growth=4.0)
 TOLERANCE_TABLE: dict[tuple[str, torch.dtype | None, str], Rule] = {
     # losses, gradients, outputs, logits against the single-process reference
     **{
@@ -213,7 +221,9 @@ TOLERANCE_TABLE: dict[tuple[str, torch.dtype | None, str], Rule] = {
     ),
     # notebooks 02 and 03 in mixed precision (bf16-mixed, fp16-mixed): see _MIXED
     **{
-        (quantity, dtype, backend): Rule(rel, why)
+        (quantity, dtype, backend): Rule(
+            rel, why, **(_MIXED_DRIFT if quantity == "mixed_loss" else {})
+        )
         for (quantity, dtype), (rel, why) in _MIXED.items()
         for backend in BACKENDS
     },
