@@ -3,6 +3,8 @@
     python -m labs.check collectives          # your labs/collectives.py
     python -m labs.check ddp -k naive         # only the tests whose name matches "naive"
     python -m labs.check ddp --impl solutions # the reference, to see what passing looks like
+    python -m labs.check mesh --reference pipeline_parallel
+                                              # your mesh on the reference's pipeline parallelism
 
 The learner's loop: edit ``labs/<exercise>.py``, re-run the notebook's check cell or this
 command, read each failing test's reason (and its hint, when the check gives one), repeat.
@@ -10,7 +12,9 @@ command, read each failing test's reason (and its hint, when the check gives one
 Which tests run: the tests marked ``exercise`` in ``tests/test_<exercise>.py`` and
 ``tests/test_<exercise>_*.py`` (:func:`lab_of_test_file` is the rule; ``labs.release`` and
 ``labs.grade`` use the same one), with ``LABS_IMPL=labs``: on **your** code, whatever the
-environment says, unless ``--impl`` asks for the reference.
+environment says, unless ``--impl`` asks for the reference. ``--reference EX[,EX...]`` (or
+``LABS_REFERENCE``) runs the reference for those earlier exercises alone, so that a lab can be
+checked before the ones it builds on are written.
 
 What it prints, one line per test as it ends, then a summary::
 
@@ -36,7 +40,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from labs.runtime.impl import EXERCISES, IMPL_ENV, IMPLEMENTATIONS
+from labs.runtime.impl import EXERCISES, IMPL_ENV, IMPLEMENTATIONS, REFERENCE_ENV, set_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -189,13 +193,24 @@ def check(
     keyword: str | None = None,
     timeout: float | None = None,
     tests: Path = TESTS,
+    reference: str | None = None,
 ) -> tuple[int, list[Verdict]]:
     """Run exercise ``name``'s tests (from the folder ``tests``) on ``impl``'s code in this
-    process, printing each verdict; returns (exit status, verdicts)."""
+    process, printing each verdict; returns (exit status, verdicts). ``reference``: exercises
+    whose reference stands in for the learner's ("zero,pipeline_parallel"; None: as
+    ``LABS_REFERENCE`` says)."""
     import pytest
 
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; choose from {', '.join(EXERCISES)}")
+    if reference is None:
+        reference = os.environ.get(REFERENCE_ENV, "")
+    chosen = set_reference(reference)
+    if name in chosen:
+        raise ValueError(
+            f"--reference names {name!r}, the exercise being checked: to see the reference pass,"
+            " use --impl solutions"
+        )
     files = exercise_test_files(name, tests)
     if not files:
         raise ValueError(
@@ -207,6 +222,8 @@ def check(
     args += [f"--timeout={timeout:g}"] if timeout else []
     printer = VerdictPrinter()
     print(f"checking {name}: the tests marked exercise in {', '.join(f.name for f in files)}")
+    if chosen:
+        print(f"with the reference for {', '.join(chosen)} (LABS_REFERENCE)")
     code = pytest.main(args, plugins=[printer])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED or (not printer.verdicts and code == 0):
         raise ValueError(f"no test of exercise {name!r} matches -k {keyword!r}")
@@ -228,6 +245,12 @@ def main(argv=None) -> int:
         default="labs",
         help="whose code the tests run: labs (yours, the default) or solutions (the reference)",
     )
+    parser.add_argument(
+        "--reference",
+        metavar="EX[,EX...]",
+        default=None,
+        help="run the reference for these earlier exercises alone (default: LABS_REFERENCE)",
+    )
     parser.add_argument("-k", dest="keyword", help="only tests whose name matches (pytest -k)")
     parser.add_argument("--timeout", type=float, help="seconds per test (default: pyproject's)")
     parser.add_argument(
@@ -238,7 +261,9 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        status, verdicts = check(args.exercise, args.impl, args.keyword, args.timeout, args.tests)
+        status, verdicts = check(
+            args.exercise, args.impl, args.keyword, args.timeout, args.tests, args.reference
+        )
     except ValueError as exc:
         parser.error(str(exc))
     print()

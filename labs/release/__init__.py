@@ -2,10 +2,13 @@
 
     python -m labs.release OUT_DIR             # a folder students clone or unpack
     python -m labs.release OUT_DIR --archive   # ... and OUT_DIR.zip next to it
+    python -m labs.release OUT_DIR --reveal collectives,ddp
+                                               # ... with the reference of these exercises
+                                               # (after their deadline), and no other
 
 What the release holds, and how it differs from this (the instructor's) repository:
 
-==========================  =================================================================
+===========================  ================================================================
 ``labs/<exercise>.py``      the learner stubs, generated from ``solutions/`` (``labs.stubs``),
                             whatever ``labs/`` holds here
 ``notebooks/NN_*.ipynb``    outputs, execution counts and widget state cleared
@@ -17,14 +20,16 @@ What the release holds, and how it differs from this (the instructor's) reposito
                             its loop goes (edit, ``python -m labs.check``, hint); the
                             tests run on the learner's code, not the solutions
 ``.release.json``           the course commit it came from, its exercises, notebooks and tests
-not shipped                 ``solutions/``, ``hidden_tests/``, ``.ci/``; the instructor tools
-                            ``labs/release/``, ``labs/grade/``, ``labs/stubs/``,
-                            ``scripts/execute_notebooks.py``,
+``solutions/<exercise>.py`` only for the exercises ``--reveal`` names (``LABS_REFERENCE=EX``
+                            then runs that reference in place of the learner's code)
+not shipped                 the other ``solutions/``, ``hidden_tests/``, ``.ci/``; the
+                            instructor tools ``labs/release/``, ``labs/grade/``,
+                            ``labs/stubs/``, ``scripts/execute_notebooks.py``,
                             ``scripts/nbbuild.py`` and any other script that selects the
                             solutions (e.g. GPU validation); the instructor-only tests
                             (``INSTRUCTOR_TESTS`` and any other test file that uses the
                             ``solutions`` package)
-==========================  =================================================================
+===========================  ================================================================
 
 Everything else (runtime, models, data, measurement, theory, widgets, experiments) ships as is.
 Files are taken as git sees them (tracked plus untracked, minus ``.gitignore``), so build outputs,
@@ -47,7 +52,7 @@ import nbformat
 
 from labs import stubs
 from labs.check import lab_of_test_file  # the rule labs.check and labs.grade use too
-from labs.runtime.impl import EXERCISES
+from labs.runtime.impl import EXERCISES, parse_exercises
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ".release.json"
@@ -106,6 +111,20 @@ README_BANNER = (
     "edit, re-run, until every line says PASS. `bash scripts/test.sh` runs all the public tests "
     "on your code.\n\n"
 )
+
+
+def revealed_note(reveal: tuple[str, ...]) -> str:
+    """The README's line about the references this release holds."""
+    names = ", ".join(f"`{name}`" for name in reveal)
+    first = reveal[0]
+    return (
+        f"> **Revealed references**: {names} (in `solutions/`). To run the reference for one of"
+        f" them in place of your code, while your other exercises still run yours:"
+        f" `LABS_REFERENCE={first} bash scripts/course.sh`, `python -m labs.run ... --reference"
+        f" {first}`, `python -m labs.check EX --reference {first}`.\n\n"
+    )
+
+
 # The instructor's README describes the suite running on the solutions; in the release it runs
 # on the learner's code.
 README_ON_SOLUTIONS = re.compile(r"against\s+the\s+reference\s+solutions")
@@ -185,7 +204,7 @@ def learner_test_script(text: str) -> str:
     return new
 
 
-def _transform(rel: str, text: str) -> str:
+def _transform(rel: str, text: str, reveal: tuple[str, ...] = ()) -> str:
     if rel.startswith("notebooks/") and rel.endswith(".ipynb"):
         return clear_notebook(text)
     if rel == "conftest.py":
@@ -205,14 +224,18 @@ def _transform(rel: str, text: str) -> str:
     if rel == "README.md":
         text = README_ON_SOLUTIONS.sub("against your code in `labs/`", text)
         lines = text.split("\n", 2)  # keep the title first
-        return "\n".join(lines[:2]) + "\n" + README_BANNER + (lines[2] if len(lines) > 2 else "")
+        banner = README_BANNER + (revealed_note(reveal) if reveal else "")
+        return "\n".join(lines[:2]) + "\n" + banner + (lines[2] if len(lines) > 2 else "")
     return text
 
 
-def release_plan(exclude: tuple[str, ...] = ()) -> dict[str, str | Path]:
+def release_plan(
+    exclude: tuple[str, ...] = (), reveal: tuple[str, ...] = ()
+) -> dict[str, str | Path]:
     """Release path -> its text (a transformed or generated file) or the source Path to copy as
     is. ``exclude``: more folders (relative to the repository) to leave out, such as the
-    submissions and the report of ``labs.grade`` when they are inside the repository."""
+    submissions and the report of ``labs.grade`` when they are inside the repository;
+    ``reveal``: the exercises whose reference ships (``solutions/<name>.py``)."""
     exercises = exercise_names()
     stub_names = {f"labs/{name}.py" for name in EXERCISES}
     plan: dict[str, str | Path] = {}
@@ -233,7 +256,11 @@ def release_plan(exclude: tuple[str, ...] = ()) -> dict[str, str | Path]:
             continue
         if rel.startswith("scripts/") and rel not in REWRITTEN and USES_SOLUTIONS.search(text):
             continue  # an instructor's script (it selects the solutions)
-        plan[rel] = _transform(rel, text)
+        plan[rel] = _transform(rel, text, reveal)
+    if reveal:
+        plan["solutions/__init__.py"] = ROOT / "solutions" / "__init__.py"
+    for name in reveal:
+        plan[f"solutions/{name}.py"] = ROOT / "solutions" / f"{name}.py"
     for name in exercises:  # the stubs, generated from solutions/ whatever labs/ holds now
         plan[f"labs/{name}.py"] = generated_stub(name)
     return plan
@@ -262,10 +289,20 @@ def _commit(root: Path) -> dict:
         return {"commit": None, "dirty": None}
 
 
-def build_release(out: Path, force: bool = False, exclude: tuple[str, ...] = ()) -> dict:
+def build_release(
+    out: Path,
+    force: bool = False,
+    exclude: tuple[str, ...] = (),
+    reveal: tuple[str, ...] | str = (),
+) -> dict:
     """Write the student release into the empty or missing folder ``out`` (``force``: replace what
-    is there; ``exclude``: see ``release_plan``); returns its manifest."""
+    is there; ``exclude``: see ``release_plan``; ``reveal``: exercises whose reference ships);
+    returns its manifest."""
     out = Path(out).resolve()
+    reveal = parse_exercises(reveal, what="--reveal")
+    missing = [name for name in reveal if name not in exercise_names()]
+    if missing:
+        raise ValueError(f"--reveal: no solutions/{missing[0]}.py in this course to reveal")
     if ROOT.is_relative_to(out):
         raise ValueError(
             f"OUT_DIR={out} would contain the course itself; choose a folder outside {ROOT}"
@@ -274,7 +311,7 @@ def build_release(out: Path, force: bool = False, exclude: tuple[str, ...] = ())
         shutil.rmtree(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"OUT_DIR={out} is not empty; remove it or pass --force")
-    plan = release_plan(exclude)
+    plan = release_plan(exclude, reveal)
     for rel, content in plan.items():
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -288,6 +325,7 @@ def build_release(out: Path, force: bool = False, exclude: tuple[str, ...] = ())
         **_commit(ROOT),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "exercises": {name: exercise_notebook(name) for name in exercises},
+        "revealed": list(reveal),
         "notebooks": sorted(r for r in plan if r.startswith("notebooks/") and r.endswith(".ipynb")),
         "public_tests": sorted(r for r in plan if r.startswith("tests/test_")),
     }
@@ -295,12 +333,28 @@ def build_release(out: Path, force: bool = False, exclude: tuple[str, ...] = ())
     return manifest
 
 
+def revealed_in(path: Path) -> list[str]:
+    """The exercises whose reference the release at ``path`` holds, as its manifest says."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.exists():
+        return []
+    return list(json.loads(manifest.read_text()).get("revealed", []))
+
+
 def check_release(path: Path) -> list[str]:
     """Problems with the release at ``path`` (empty when it follows every rule in the module
     docstring)."""
     path, problems = Path(path), []
+    revealed = revealed_in(path)
     for d in NOT_SHIPPED_DIRS:
-        if (path / d).exists():
+        if d == "solutions" and (path / d).exists():
+            allowed = {"__init__.py", *(f"{name}.py" for name in revealed)}
+            problems += [
+                f"solutions/{f.name} is in the release but not revealed"
+                for f in sorted((path / d).rglob("*"))
+                if f.is_file() and f.relative_to(path / d).as_posix() not in allowed
+            ]
+        elif (path / d).exists():
             problems.append(f"{d}/ is in the release")
     for rel in (*INSTRUCTOR_TOOLS, *INSTRUCTOR_TESTS):
         if (path / rel).exists():
@@ -340,10 +394,16 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--archive", action="store_true", help="also write OUT_DIR.zip")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--reveal",
+        metavar="EX[,EX...]",
+        default="",
+        help="ship the reference of these exercises (e.g. after their deadline), no other",
+    )
     args = parser.parse_args(argv)
     out = args.out.resolve()
     try:
-        manifest = build_release(out, force=args.force)
+        manifest = build_release(out, force=args.force, reveal=args.reveal)
     except ValueError as exc:
         parser.error(str(exc))
     problems = check_release(out)
@@ -354,6 +414,7 @@ def main(argv=None) -> int:
     )
     print(
         f"wrote {out}: {exercises} exercise stubs, {notebooks} notebooks, {tests} public test files"
+        + (f", the reference of {', '.join(manifest['revealed'])}" if manifest["revealed"] else "")
     )
     if args.archive:
         archive = shutil.make_archive(str(out), "zip", root_dir=out.parent, base_dir=out.name)
