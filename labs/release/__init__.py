@@ -224,7 +224,13 @@ def _transform(rel: str, text: str, reveal: tuple[str, ...] = ()) -> str:
     if rel == "README.md":
         text = README_ON_SOLUTIONS.sub("against your code in `labs/`", text)
         lines = text.split("\n", 2)  # keep the title first
-        banner = README_BANNER + (revealed_note(reveal) if reveal else "")
+        banner = README_BANNER
+        if reveal:  # the first sentence says none is included
+            banner = banner.replace(
+                "The reference solutions are not included:",
+                "Only the reference solutions your instructor revealed (below) are included:",
+            )
+            banner += revealed_note(reveal)
         return "\n".join(lines[:2]) + "\n" + banner + (lines[2] if len(lines) > 2 else "")
     return text
 
