@@ -59,7 +59,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labs.data.shapes import IGNORE
-from labs.measure.timeline import Timeline
 from labs.models.vision import MultimodalModel, decode, fuse, run_blocks
 from labs.runtime.flat import course_units
 from labs.runtime.impl import exercise
@@ -146,7 +145,6 @@ def train_step_pp(
     *,
     pipe: Pipe,
     microbatches: int,
-    timeline: Timeline | None = None,
 ) -> float | None:
     """One optimizer step of the pipeline on this rank's ``stage``. ``batch``: the global batch
     (images [B, 3, S, S], tokens [B, L], targets [B, L]), which every rank loads. Cut it into

@@ -9,8 +9,9 @@ gradients and optimizer state: nothing is replicated, nothing all-reduced.
 
 Communication contract, point to point only, on the pipeline's group (WORLD here, a sub-group
 of the mesh in notebook 08; peers are ``dist.get_global_rank(group, s ± 1)``). The plumbing is
-given in ``labs.runtime.pipe``: ``Pipe`` (where this rank sits) and ``p2p`` (one batch of sends
-and receives with the neighbours, its results read by name: ``.from_prev``, ``.from_next``):
+given in ``labs.runtime.pipe``: ``Pipe`` (where this rank sits) and ``p2p``, the one way every
+schedule here talks (one batch of sends and receives with the neighbours, its results read by
+name: ``.from_prev``, ``.from_next``; ``wait_sends=False`` leaves the sends in flight):
 
     forward   stage s -> s+1   each micro-batch's output activation     [B/M, T, H]
     backward  stage s+1 -> s   the gradient of that activation          [B/M, T, H]
@@ -34,6 +35,10 @@ Loss: the mean over the global batch, as in the reference. A micro-batch's cross
 mean over its (B/M)·T tokens, so the global mean is (1/M)·Σ_i loss_i: the last stage scales
 each micro-batch's loss by 1/M, and the M backwards accumulate the reference's gradient.
 
+The schedules carry no instrumentation: the lab times each ``forward_step``, ``backward_step``,
+``backward_input_step`` and ``backward_weight_step`` from outside
+(``labs.runtime.pipe.record_ops``).
+
 References: Huang et al., "GPipe" (2019); Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021) §2.2; Qi et al., "Zero Bubble Pipeline
 Parallelism" (2024) §2-3; picotron; the Ultra-Scale Playbook.
@@ -42,14 +47,11 @@ Parallelism" (2024) §2-3; picotron; the Ultra-Scale Playbook.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.measure.timeline import Timeline
 from labs.models.transformer import Transformer, run_blocks
 from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
@@ -102,15 +104,6 @@ def build_stage(model: Transformer, *, plan: Sequence[int], stage: int) -> Stage
         "exercise build_stage is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
     )
-
-
-def _span(
-    timeline: Timeline | None, name: str, microbatch: int, chunk: int = 0
-) -> AbstractContextManager:
-    """A timeline span around one operation ("F" or "B"), or nothing when not measuring."""
-    if timeline is None:
-        return nullcontext()
-    return timeline.span(name, microbatch=microbatch, chunk=chunk)
 
 
 def forward_step(
@@ -172,48 +165,34 @@ def activation_shape(stage: StageModule, microbatches: Microbatches) -> tuple[in
 
 
 @torch.no_grad()
-def naive_forward(
-    stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline: Timeline | None = None
-) -> torch.Tensor | None:
+def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe) -> torch.Tensor | None:
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
-    from the previous stage (the first embeds ``tokens`` [B, T]), run the stage (span "F", micro-
-    batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at
-    a time. ``p2p`` (``labs.runtime.pipe``) does the sends and receives."""
+    from the previous stage (the first embeds ``tokens`` [B, T]), run the stage, send on. Returns
+    logits [B, T, V] on the last stage, else None. One stage computes at a time. ``p2p``
+    (``labs.runtime.pipe``) does the sends and receives."""
     raise NotImplementedError(
         "exercise naive_forward is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
     )
 
 
-def train_step_afab(
-    stage: StageModule,
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
-) -> float | None:
+def train_step_afab(stage: StageModule, microbatches: Microbatches, *, pipe: Pipe) -> float | None:
     """GPipe (all forward, all backward) over ``microbatches`` [(x [b, T], y [b, T]), ...]. Every
-    forward: receive, ``forward_step`` (span "F"), send on, keeping input and output; then every
-    backward in the same order: receive the output's gradient, ``backward_step`` (span "B"), send
-    the input's gradient back. Returns the step's loss (sum of the scaled micro-batch losses) on
-    the last stage, None elsewhere; gradients stay accumulated in ``.grad``. The shape of what
-    travels: ``activation_shape``."""
+    forward: receive, ``forward_step``, send on, keeping input and output; then every backward in
+    the same order: receive the output's gradient, ``backward_step``, send the input's gradient
+    back. Returns the step's loss (sum of the scaled micro-batch losses) on the last stage, None
+    elsewhere; gradients stay accumulated in ``.grad``. The shape of what travels:
+    ``activation_shape``."""
     raise NotImplementedError(
         "exercise train_step_afab is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
     )
 
 
-def train_step_1f1b(
-    stage: StageModule,
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
-) -> float | None:
+def train_step_1f1b(stage: StageModule, microbatches: Microbatches, *, pipe: Pipe) -> float | None:
     """1F1B (PipeDream-Flush) on stage s: warm-up, min(P-s-1, M) forwards; steady state, one forward
     then one backward (a result's send and the next receive of the other direction in one ``p2p``
-    batch); cool-down, the warm-up's backwards. Spans, return value and gradients as in
+    batch); cool-down, the warm-up's backwards. Return value and gradients as in
     :func:`train_step_afab`. Any M works, also M < P."""
     raise NotImplementedError(
         "exercise train_step_1f1b is not written yet: "
@@ -221,20 +200,14 @@ def train_step_1f1b(
     )
 
 
-def train_step_zb_h1(
-    stage: StageModule,
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
-) -> float | None:
+def train_step_zb_h1(stage: StageModule, microbatches: Microbatches, *, pipe: Pipe) -> float | None:
     """ZB-H1 on stage s: 1F1B's forwards and backwards, each backward split into B
-    (``backward_input_step``, span "B"), whose gradient goes back at once, and W
-    (``backward_weight_step``, span "W"). Stage s holds its s latest W's back: after each B the
-    oldest waiting W runs once more than s wait; the last s run after the last B, in the
-    cool-down where 1F1B idles. Sends are non-blocking (``dist.isend``, waited for at the end)
-    and each ``dist.recv`` blocks right before the B or F that needs it, so a W never waits for
-    a message. Needs M >= P (``check_schedule``). Returns as :func:`train_step_afab`."""
+    (``backward_input_step``), whose gradient goes back at once, and W (``backward_weight_step``).
+    Stage s holds its s latest W's back: after each B the oldest waiting W runs once more than s
+    wait; the last s run after the last B, in the cool-down where 1F1B idles. Sends are left in
+    flight (``p2p(..., wait_sends=False)``, waited for at the end) and each receive blocks right
+    before the B or F that needs it, so a W never waits for a message. Needs M >= P
+    (``check_schedule``). Returns as :func:`train_step_afab`."""
     check_schedule("zb-h1", pipe.size, len(microbatches))
     raise NotImplementedError(
         "exercise train_step_zb_h1 is not written yet: "
@@ -243,20 +216,17 @@ def train_step_zb_h1(
 
 
 def train_step_interleaved(
-    chunks: list[StageModule],
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
+    chunks: list[StageModule], microbatches: Microbatches, *, pipe: Pipe
 ) -> float | None:
     """Interleaved 1F1B (Megatron-LM's order): ``chunks[c]`` is virtual stage c·P + rank; the k-th
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
     ``interleaved_warmup(P, M, rank, V)`` forwards; steady state: forward k+warmup, backward k;
-    cool-down: the rest. Sends are non-blocking (``dist.isend``, waited for at the end); each
-    ``dist.recv`` blocks right before the operation that needs it, into a buffer of the pipe's
-    dtype on its device, tagged (direction, micro-batch, receiving virtual stage): one neighbour
-    sends activations and gradients of several chunks.
-    Spans carry ``chunk=c``. Returns the loss where the last virtual stage is, else None."""
+    cool-down: the rest. Sends are left in flight (``p2p(..., wait_sends=False)``, waited for at
+    the end); each receive blocks right before the operation that needs it. One neighbour sends
+    activations and gradients of several chunks, but every rank runs the same (micro-batch, chunk)
+    order and messages of one direction arrive in the order they were sent, so each receive gets
+    the message its operation needs. Returns the loss where the last virtual stage is, else
+    None."""
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     raise NotImplementedError(
         "exercise train_step_interleaved is not written yet: "

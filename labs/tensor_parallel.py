@@ -46,8 +46,8 @@ from labs.models.transformer import (
     Block,
     ModelConfig,
     RMSNorm,
-    Transformer,
     apply_rotary,
+    run_blocks,
 )
 from labs.runtime.tensor_comm import shard_weight
 from labs.theory.dims import ParallelDims, check_divides
@@ -63,16 +63,23 @@ from .tensor_parallel_comm import (
 NOTEBOOK = "04_tensor_parallel.ipynb"
 
 
-# --- layers, each cut from the full layer of the original model (``shard_weight``) ---
+# --- layers: plain modules, each cut from the full layer of the original (``shard_weight``) ---
 class ColumnParallelLinear(nn.Module):
-    """Y = X A, A split by columns (output features; rows of ``nn.Linear.weight``): rank r computes
-    X A_r.
+    """Y = X A, the weight A [in, out] split by columns (output features; rows of
+    ``nn.Linear.weight``): rank r holds A_r [in, out/tp] (``weight`` [out/tp, in], cut from
+    ``full``'s) and computes its own columns of Y from the whole X.
 
-        X [B, T, in] --f--> X A_0 | X A_1 | ... | X A_{N-1}
-        Y_r [B, T, out/tp]   (gather_output: [B, T, out])
+        A = [ A_0 | A_1 | ... | A_{N-1} ]            X [B, T, in], the same on every rank
 
-    ``copy_input``: enter the region first (f; with SP the all-gather from [B, T/tp, in]); False
-    when the caller entered it once for several linears reading the same input (q, k, v)."""
+        Y = X A = [ X A_0 | X A_1 | ... | X A_{N-1} ]
+                    rank 0  rank 1        rank N-1   Y_r = X A_r [B, T, out/tp]
+
+    Forward: nothing joins the Y_r (the row-parallel layer after it reads them split);
+    ``gather_output`` all-gathers them along the last dim, [B, T, out]. Backward: every rank's
+    X A_r used all of X, so X's gradient is the sum of the ranks' terms: f (entering the region)
+    all-reduces it. With SP, X arrives [B, T/tp, in] and f is an all-gather along T (backward:
+    reduce-scatter). ``copy_input``: enter the region here; False when the caller entered it once
+    for several linears reading the same input (q, k, v)."""
 
     def __init__(
         self,
@@ -98,12 +105,21 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A, A split by rows (input features; columns of ``nn.Linear.weight``); the input arrives
-    split.
+    """Y = X A, the weight A [in, out] split by rows (input features; columns of
+    ``nn.Linear.weight``): rank r holds A_r [in/tp, out] (``weight`` [out, in/tp], cut from
+    ``full``'s). X arrives split by columns, as a column-parallel layer leaves it.
 
-        X_0 | X_1 | ... [B, T, in/tp]
-        Y = X_0 A_0 + X_1 A_1 + ...  --g-->  [B, T, out]   (SP: [B, T/tp, out])
-    """
+            | A_0     |
+        A = | A_1     |        X = [ X_0 | X_1 | ... | X_{N-1} ]      X_r [B, T, in/tp]
+            | ...     |
+            | A_{N-1} |
+
+        Y = X A = X_0 A_0 + X_1 A_1 + ... + X_{N-1} A_{N-1}
+                  rank 0    rank 1          rank N-1                  X_r A_r [B, T, out]
+
+    Forward: rank r computes its term X_r A_r; g (leaving the region) all-reduces the terms into
+    Y, [B, T, out] on every rank (SP: reduce-scatter along T, [B, T/tp, out]). Backward: each term
+    receives Y's whole gradient, g's identity (SP: all-gather along T)."""
 
     def __init__(
         self,
@@ -125,9 +141,19 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token table split by vocabulary rows: rank r holds ids [r V/tp, (r+1) V/tp). forward(idx
-    [B, T]): its rows, zeros for ids held elsewhere, then ``exit_parallel_region`` -> [B, T, H] (SP:
-    [B, T/tp, H])."""
+    """The token table E [V, H] split by rows (vocabulary): rank r holds E_r, the rows of ids
+    [r V/tp, (r+1) V/tp) (``weight`` [V/tp, H], cut from ``full``'s).
+
+            | E_0     |   ids [0, V/tp)
+        E = | E_1     |   ids [V/tp, 2 V/tp)
+            | ...     |
+            | E_{N-1} |
+
+        x = lookup_0(idx) + lookup_1(idx) + ... + lookup_{N-1}(idx)     [B, T, H]
+
+    forward(idx [B, T]): rank r's lookup_r gives E_r's row for each id it holds and zeros for the
+    others; ``exit_parallel_region`` (g: all-reduce; SP: reduce-scatter along T) sums the ranks'
+    lookups -> [B, T, H] (SP: [B, T/tp, H]). Every id is held by exactly one rank."""
 
     def __init__(
         self,
@@ -194,15 +220,23 @@ def sequence_parallel_norm(
     )
 
 
-class ParallelBlock(Block):
-    """The course's Block on ``full``'s children (cut by ``apply_tensor_parallel``'s plan): norms,
-    residual adds (and dropout, if any) on x, [B, T/tp, H] with SP; attention and MLP entered once
-    each, outputs back in x's shape."""
+class ParallelBlock(nn.Module):
+    """The course's pre-norm residual block over ``full``'s children, whose linears
+    ``apply_tensor_parallel``'s plan then cuts: each rank holds nh/tp query and nkv/tp key/value
+    heads and F/tp columns of the MLP.
+
+        x -> attn_norm -> f -> q, k, v (nh/tp, nkv/tp heads) -> attention -> o_proj -> g -> + x
+          -> mlp_norm  -> f -> gate, up (F/tp columns) -> silu(gate) * up -> down_proj -> g -> + x
+
+    f (``enter_parallel_region``; SP: all-gather along T) enters each region once, for the three
+    (two) linears reading its output; g leaves it inside the row-parallel o_proj and down_proj
+    (SP: reduce-scatter along T). Norms and residual adds run on x: [B, T, H], the same on every
+    rank (SP: [B, T/tp, H], each rank its share of the tokens)."""
 
     def __init__(
         self, full: Block, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
     ):
-        nn.Module.__init__(self)
+        super().__init__()
         self.attn_norm = full.attn_norm
         self.attn = full.attn
         self.mlp_norm = full.mlp_norm
@@ -217,10 +251,11 @@ class ParallelBlock(Block):
         )
 
 
-class TensorParallelTransformer(Transformer):
-    """The course model, tensor-parallel: the same parameter names, each rank holding its shards;
-    ``Transformer.forward`` runs unchanged, the loss is vocab-parallel. Filled by
-    ``apply_tensor_parallel``."""
+class TensorParallelTransformer(nn.Module):
+    """The course model, tensor-parallel: the same parameter names, each rank holding its shards
+    (``tok_emb`` vocab-parallel, the ``ParallelBlock`` layers, ``norm``, ``lm_head`` column-parallel
+    over V); filled by ``apply_tensor_parallel``. The forward is the course model's; the logits stay
+    split over V and so does the loss (``VocabParallelCrossEntropy``)."""
 
     def __init__(
         self,
@@ -229,7 +264,7 @@ class TensorParallelTransformer(Transformer):
         group: dist.ProcessGroup | None,
         sequence_parallel: bool = False,
     ):
-        nn.Module.__init__(self)
+        super().__init__()
         self.cfg = cfg
         self.group = group
         self.sequence_parallel = sequence_parallel
@@ -245,8 +280,11 @@ class TensorParallelTransformer(Transformer):
         (every rank)."""
         if self.sequence_parallel:
             check_divides(idx.shape[1], "sequence length T", dist.get_world_size(self.group), "tp")
-        # [B, T, V/tp]: the vocabulary stays split
-        logits = super().forward(idx, positions=positions)
+        if positions is None:
+            # from the ids: under sequence parallelism the embedding returns T/tp tokens
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        x = run_blocks(self.layers, self.tok_emb(idx), self.cfg, positions)  # [B, T, H] (SP: T/tp)
+        logits = self.lm_head(self.norm(x))  # [B, T, V/tp]: the vocabulary stays split
         if targets is None:
             return logits  # the loss never gathers them either: ``VocabParallelCrossEntropy``
         loss = VocabParallelCrossEntropy.apply(
@@ -313,7 +351,7 @@ class AsyncColumnParallelLinear(nn.Module):
         return y
 
 
-class AsyncParallelAttention(Attention):
+class AsyncParallelAttention(nn.Module):
     """``attention`` (a ``ParallelBlock``'s: q/k/v column-parallel, o row-parallel) entering the TP
     region itself: q, k and v come from one ``LinearWithAsyncCommunication`` on x [B, T, H] (SP:
     [B, T/tp, H]), so the all-reduce (SP: reduce-scatter) of x's gradient overlaps with their three
@@ -322,7 +360,7 @@ class AsyncParallelAttention(Attention):
     def __init__(
         self, attention: Attention, *, group: dist.ProcessGroup | None, sequence_parallel: bool
     ):
-        nn.Module.__init__(self)
+        super().__init__()
         self.n_head = attention.n_head
         self.n_kv_head = attention.n_kv_head
         self.head_dim = attention.head_dim
@@ -349,14 +387,14 @@ class AsyncParallelAttention(Attention):
         return self.o_proj(y)
 
 
-class AsyncParallelMLP(MLP):
+class AsyncParallelMLP(nn.Module):
     """``mlp`` (a ``ParallelBlock``'s: gate/up column-parallel, down row-parallel) entering the TP
     region itself: gate and up from one ``LinearWithAsyncCommunication`` on x [B, T, H] (SP:
     [B, T/tp, H]), their weight gradients computed while x's gradient is all-reduced
     (SP: reduce-scattered)."""
 
     def __init__(self, mlp: MLP, *, group: dist.ProcessGroup | None, sequence_parallel: bool):
-        nn.Module.__init__(self)
+        super().__init__()
         self.gate_proj = mlp.gate_proj
         self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
@@ -371,18 +409,22 @@ class AsyncParallelMLP(MLP):
         return self.down_proj(F.silu(gate) * up)  # row-parallel, then g (SP: reduce-scatter)
 
 
-class AsyncParallelBlock(Block):
+class AsyncParallelBlock(nn.Module):
     """``block`` (a ``ParallelBlock``) with ``AsyncParallelAttention`` and ``AsyncParallelMLP``:
-    they enter the region themselves, so the forward is the plain ``Block``'s (norms and residuals
+    they enter the region themselves, so the forward is the course block's (norms and residuals
     on x, [B, T/tp, H] with SP)."""
 
     def __init__(self, block: ParallelBlock):
-        nn.Module.__init__(self)
+        super().__init__()
         kw = dict(group=block.group, sequence_parallel=block.sequence_parallel)
         self.attn_norm = block.attn_norm
         self.attn = AsyncParallelAttention(block.attn, **kw)
         self.mlp_norm = block.mlp_norm
         self.mlp = AsyncParallelMLP(block.mlp, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # [B, T, H] (SP: [B, T/tp, H])
+        return x + self.mlp(self.mlp_norm(x))
 
 
 def apply_async_communication(model: TensorParallelTransformer) -> TensorParallelTransformer:

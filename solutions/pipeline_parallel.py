@@ -7,8 +7,9 @@ gradients and optimizer state: nothing is replicated, nothing all-reduced.
 
 Communication contract, point to point only, on the pipeline's group (WORLD here, a sub-group
 of the mesh in notebook 08; peers are ``dist.get_global_rank(group, s ± 1)``). The plumbing is
-given in ``labs.runtime.pipe``: ``Pipe`` (where this rank sits) and ``p2p`` (one batch of sends
-and receives with the neighbours, its results read by name: ``.from_prev``, ``.from_next``):
+given in ``labs.runtime.pipe``: ``Pipe`` (where this rank sits) and ``p2p``, the one way every
+schedule here talks (one batch of sends and receives with the neighbours, its results read by
+name: ``.from_prev``, ``.from_next``; ``wait_sends=False`` leaves the sends in flight):
 
     forward   stage s -> s+1   each micro-batch's output activation     [B/M, T, H]
     backward  stage s+1 -> s   the gradient of that activation          [B/M, T, H]
@@ -32,6 +33,10 @@ Loss: the mean over the global batch, as in the reference. A micro-batch's cross
 mean over its (B/M)·T tokens, so the global mean is (1/M)·Σ_i loss_i: the last stage scales
 each micro-batch's loss by 1/M, and the M backwards accumulate the reference's gradient.
 
+The schedules carry no instrumentation: the lab times each ``forward_step``, ``backward_step``,
+``backward_input_step`` and ``backward_weight_step`` from outside
+(``labs.runtime.pipe.record_ops``).
+
 References: Huang et al., "GPipe" (2019); Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM" (2021) §2.2; Qi et al., "Zero Bubble Pipeline
 Parallelism" (2024) §2-3; picotron; the Ultra-Scale Playbook.
@@ -40,14 +45,11 @@ Parallelism" (2024) §2-3; picotron; the Ultra-Scale Playbook.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labs.measure.timeline import Timeline
 from labs.models.transformer import Transformer, run_blocks
 from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
@@ -104,15 +106,6 @@ def build_stage(model: Transformer, *, plan: Sequence[int], stage: int) -> Stage
     layer_ids = range(start, start + plan[stage])
     return StageModule(model, layer_ids, first=stage == 0, last=stage == len(plan) - 1)
     ### END SOLUTION
-
-
-def _span(
-    timeline: Timeline | None, name: str, microbatch: int, chunk: int = 0
-) -> AbstractContextManager:
-    """A timeline span around one operation ("F" or "B"), or nothing when not measuring."""
-    if timeline is None:
-        return nullcontext()
-    return timeline.span(name, microbatch=microbatch, chunk=chunk)
 
 
 def forward_step(
@@ -182,20 +175,17 @@ def activation_shape(stage: StageModule, microbatches: Microbatches) -> tuple[in
 
 
 @torch.no_grad()
-def naive_forward(
-    stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe, timeline: Timeline | None = None
-) -> torch.Tensor | None:
+def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe) -> torch.Tensor | None:
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
-    from the previous stage (the first embeds ``tokens`` [B, T]), run the stage (span "F", micro-
-    batch 0), send on. Returns logits [B, T, V] on the last stage, else None. One stage computes at
-    a time. ``p2p`` (``labs.runtime.pipe``) does the sends and receives."""
+    from the previous stage (the first embeds ``tokens`` [B, T]), run the stage, send on. Returns
+    logits [B, T, V] on the last stage, else None. One stage computes at a time. ``p2p``
+    (``labs.runtime.pipe``) does the sends and receives."""
     ### BEGIN SOLUTION
     if stage.first:
         x = tokens  # [B, T]
     else:
         x = p2p(pipe, recv_prev=(*tokens.shape, stage.cfg.n_embd)).from_prev  # [B, T, H]
-    with _span(timeline, "F", 0):
-        out = stage(x)  # [B, T, H] or [B, T, V]
+    out = stage(x)  # [B, T, H] or [B, T, V]
     if not stage.last:
         p2p(pipe, send_next=out)
         return None
@@ -203,29 +193,22 @@ def naive_forward(
     ### END SOLUTION
 
 
-def train_step_afab(
-    stage: StageModule,
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
-) -> float | None:
+def train_step_afab(stage: StageModule, microbatches: Microbatches, *, pipe: Pipe) -> float | None:
     """GPipe (all forward, all backward) over ``microbatches`` [(x [b, T], y [b, T]), ...]. Every
-    forward: receive, ``forward_step`` (span "F"), send on, keeping input and output; then every
-    backward in the same order: receive the output's gradient, ``backward_step`` (span "B"), send
-    the input's gradient back. Returns the step's loss (sum of the scaled micro-batch losses) on
-    the last stage, None elsewhere; gradients stay accumulated in ``.grad``. The shape of what
-    travels: ``activation_shape``."""
+    forward: receive, ``forward_step``, send on, keeping input and output; then every backward in
+    the same order: receive the output's gradient, ``backward_step``, send the input's gradient
+    back. Returns the step's loss (sum of the scaled micro-batch losses) on the last stage, None
+    elsewhere; gradients stay accumulated in ``.grad``. The shape of what travels:
+    ``activation_shape``."""
     ### BEGIN SOLUTION
     M = len(microbatches)
     shape = activation_shape(stage, microbatches)  # [b, T, H]
     held = []
     loss = 0.0
     # all forwards: every stage ends up holding M micro-batches
-    for i, (x, y) in enumerate(microbatches):
+    for x, y in microbatches:
         inp = x if stage.first else p2p(pipe, recv_prev=shape).from_prev
-        with _span(timeline, "F", i):
-            out = forward_step(stage, inp, y, n_microbatches=M)
+        out = forward_step(stage, inp, y, n_microbatches=M)
         if stage.last:
             loss += out.item()
         else:
@@ -234,8 +217,7 @@ def train_step_afab(
     # all backwards, in the same order
     for i in range(M):
         grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
-        with _span(timeline, "B", i):
-            in_grad = backward_step(*held[i], grad)  # held[i]: (input, output)
+        in_grad = backward_step(*held[i], grad)  # held[i]: (input, output)
         if not stage.first:
             p2p(pipe, send_prev=in_grad)
         held[i] = None  # this micro-batch's graph is gone; drop its tensors too
@@ -243,16 +225,10 @@ def train_step_afab(
     ### END SOLUTION
 
 
-def train_step_1f1b(
-    stage: StageModule,
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
-) -> float | None:
+def train_step_1f1b(stage: StageModule, microbatches: Microbatches, *, pipe: Pipe) -> float | None:
     """1F1B (PipeDream-Flush) on stage s: warm-up, min(P-s-1, M) forwards; steady state, one forward
     then one backward (a result's send and the next receive of the other direction in one ``p2p``
-    batch); cool-down, the warm-up's backwards. Spans, return value and gradients as in
+    batch); cool-down, the warm-up's backwards. Return value and gradients as in
     :func:`train_step_afab`. Any M works, also M < P."""
     ### BEGIN SOLUTION
     M = len(microbatches)
@@ -267,18 +243,18 @@ def train_step_1f1b(
         return x if stage.first else p2p(pipe, recv_prev=shape).from_prev
 
     def forward(i: int, inp: torch.Tensor) -> torch.Tensor:
+        """Micro-batch i through the stage; its input and output are held until its backward."""
         _, y = microbatches[i]
-        with _span(timeline, "F", i):
-            out = forward_step(stage, inp, y, n_microbatches=M)
+        out = forward_step(stage, inp, y, n_microbatches=M)
         held.append((inp, out))
         if stage.last:
             losses.append(out.item())
         return out
 
-    def backward(i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The backward of the oldest micro-batch held."""
         inp, out = held.pop(0)
-        with _span(timeline, "B", i):
-            return backward_step(inp, out, grad)
+        return backward_step(inp, out, grad)
 
     # warm-up: forwards only, so that the last stage can start its first backward
     for i in range(warmup):
@@ -287,43 +263,37 @@ def train_step_1f1b(
             p2p(pipe, send_next=out)
     # steady state: one forward, one backward; at most P - s micro-batches are held
     inp = input_of(warmup) if M > warmup else None
-    for j in range(M - warmup):
-        out = forward(warmup + j, inp)
+    for i in range(warmup, M):
+        out = forward(i, inp)
         if stage.last:
             grad = None
         else:
             grad = p2p(pipe, send_next=out, recv_next=shape).from_next
-        in_grad = backward(j, grad)
-        more = warmup + j + 1 < M
+        in_grad = backward(grad)
+        more = i + 1 < M
         if stage.first:
-            inp = input_of(warmup + j + 1) if more else None
+            inp = input_of(i + 1) if more else None
         else:
             received = p2p(pipe, send_prev=in_grad, recv_prev=shape if more else None)
             inp = received.from_prev
     # cool-down: the backwards of the warm-up's micro-batches
-    for i in range(M - warmup, M):
+    for _ in range(warmup):
         grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
-        in_grad = backward(i, grad)
+        in_grad = backward(grad)
         if not stage.first:
             p2p(pipe, send_prev=in_grad)
     return sum(losses) if stage.last else None
     ### END SOLUTION
 
 
-def train_step_zb_h1(
-    stage: StageModule,
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
-) -> float | None:
+def train_step_zb_h1(stage: StageModule, microbatches: Microbatches, *, pipe: Pipe) -> float | None:
     """ZB-H1 on stage s: 1F1B's forwards and backwards, each backward split into B
-    (``backward_input_step``, span "B"), whose gradient goes back at once, and W
-    (``backward_weight_step``, span "W"). Stage s holds its s latest W's back: after each B the
-    oldest waiting W runs once more than s wait; the last s run after the last B, in the
-    cool-down where 1F1B idles. Sends are non-blocking (``dist.isend``, waited for at the end)
-    and each ``dist.recv`` blocks right before the B or F that needs it, so a W never waits for
-    a message. Needs M >= P (``check_schedule``). Returns as :func:`train_step_afab`."""
+    (``backward_input_step``), whose gradient goes back at once, and W (``backward_weight_step``).
+    Stage s holds its s latest W's back: after each B the oldest waiting W runs once more than s
+    wait; the last s run after the last B, in the cool-down where 1F1B idles. Sends are left in
+    flight (``p2p(..., wait_sends=False)``, waited for at the end) and each receive blocks right
+    before the B or F that needs it, so a W never waits for a message. Needs M >= P
+    (``check_schedule``). Returns as :func:`train_step_afab`."""
     check_schedule("zb-h1", pipe.size, len(microbatches))
     ### BEGIN SOLUTION
     M = len(microbatches)
@@ -331,74 +301,69 @@ def train_step_zb_h1(
     warmup = min(pipe.size - pipe.rank - 1, M)
     held = {}  # micro-batch -> (input, output) until its B, then (output, output grad) until W
     waiting = []  # micro-batches whose W is held back, oldest first
-    sends = []
+    in_flight = []  # p2p batches whose sends are still travelling
     losses = []
 
-    def recv(peer: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=pipe.dtype, device=pipe.device)  # [b, T, H]
-        dist.recv(t, peer, pipe.group)
-        return t
-
     def forward(i: int) -> None:
+        """Receive micro-batch i's input (or take its tokens), run it, send the output on."""
         x, y = microbatches[i]
-        inp = x if stage.first else recv(pipe.prev)
-        with _span(timeline, "F", i):
-            out = forward_step(stage, inp, y, n_microbatches=M)
+        inp = x if stage.first else p2p(pipe, recv_prev=shape).from_prev
+        out = forward_step(stage, inp, y, n_microbatches=M)
         if stage.last:
             losses.append(out.item())
         else:
-            sends.append(dist.isend(out.detach(), pipe.next, pipe.group))
+            in_flight.append(p2p(pipe, send_next=out, wait_sends=False))
         held[i] = (inp, out)
 
     def weight(i: int) -> None:
+        """W of micro-batch i: its weights' gradients; its graph is freed."""
         out, grad = held.pop(i)
-        with _span(timeline, "W", i):
-            backward_weight_step(stage, out, grad)
+        backward_weight_step(stage, out, grad)
 
     def backward(i: int) -> None:
-        grad = None if stage.last else recv(pipe.next)
+        """B of micro-batch i: its input's gradient goes back at once; then the oldest W runs
+        unless s W's would be left waiting."""
+        grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
         inp, out = held[i]
-        with _span(timeline, "B", i):
-            in_grad = backward_input_step(inp, out, grad)
+        in_grad = backward_input_step(inp, out, grad)
         if not stage.first:
-            sends.append(dist.isend(in_grad, pipe.prev, pipe.group))
+            in_flight.append(p2p(pipe, send_prev=in_grad, wait_sends=False))
         held[i] = (out, grad)  # what W needs
         waiting.append(i)
         if len(waiting) > pipe.rank:  # stage s keeps s W's back
             weight(waiting.pop(0))
 
-    # warm-up, steady state and cool-down as in 1F1B
+    # warm-up: forwards only, as in 1F1B
     for i in range(warmup):
         forward(i)
-    for j in range(M - warmup):
-        forward(warmup + j)
-        backward(j)
+    # steady state: one forward, one B (and the W it releases)
+    for i in range(warmup, M):
+        forward(i)
+        backward(i - warmup)
+    # cool-down: the B's of the warm-up's micro-batches
     for i in range(M - warmup, M):
         backward(i)
     # the held-back W's fill the end of the step, where 1F1B idles
     for i in waiting:
         weight(i)
-    for work in sends:
-        work.wait()
+    for sent in in_flight:  # every message has left before the step ends
+        sent.wait()
     return sum(losses) if stage.last else None
     ### END SOLUTION
 
 
 def train_step_interleaved(
-    chunks: list[StageModule],
-    microbatches: Microbatches,
-    *,
-    pipe: Pipe,
-    timeline: Timeline | None = None,
+    chunks: list[StageModule], microbatches: Microbatches, *, pipe: Pipe
 ) -> float | None:
     """Interleaved 1F1B (Megatron-LM's order): ``chunks[c]`` is virtual stage c·P + rank; the k-th
     forward / backward is on (micro-batch, chunk) = ``interleaved_op(k, P, V, forward)``. Warm-up:
     ``interleaved_warmup(P, M, rank, V)`` forwards; steady state: forward k+warmup, backward k;
-    cool-down: the rest. Sends are non-blocking (``dist.isend``, waited for at the end); each
-    ``dist.recv`` blocks right before the operation that needs it, into a buffer of the pipe's
-    dtype on its device, tagged (direction, micro-batch, receiving virtual stage): one neighbour
-    sends activations and gradients of several chunks.
-    Spans carry ``chunk=c``. Returns the loss where the last virtual stage is, else None."""
+    cool-down: the rest. Sends are left in flight (``p2p(..., wait_sends=False)``, waited for at
+    the end); each receive blocks right before the operation that needs it. One neighbour sends
+    activations and gradients of several chunks, but every rank runs the same (micro-batch, chunk)
+    order and messages of one direction arrive in the order they were sent, so each receive gets
+    the message its operation needs. Returns the loss where the last virtual stage is, else
+    None."""
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     ### BEGIN SOLUTION
     P = pipe.size
@@ -407,53 +372,44 @@ def train_step_interleaved(
     shape = activation_shape(chunks[0], microbatches)  # [b, T, H]
     warmup = interleaved_warmup(P, M, pipe.rank, V)
     total = V * M
-    held = {}
-    sends = []
+    held = {}  # (micro-batch, chunk) -> (input, output) until its backward
+    in_flight = []  # p2p batches whose sends are still travelling
     losses = []
 
-    def tag(kind: str, mb: int, vs: int) -> int:  # unique per message of the step
-        return (vs * M + mb) * 2 + (kind == "B")
-
-    def recv(kind: str, mb: int, vs: int, peer: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=pipe.dtype, device=pipe.device)
-        dist.recv(t, peer, pipe.group, tag=tag(kind, mb, vs))
-        return t
-
     def forward(k: int) -> None:
+        """This rank's k-th forward: receive (or take the tokens), run the chunk, send on."""
         mb, c = interleaved_op(k, P, V, True)
         stage = chunks[c]
-        vs = c * P + pipe.rank
         x, y = microbatches[mb]
-        inp = x if stage.first else recv("F", mb, vs, pipe.prev)
-        with _span(timeline, "F", mb, c):
-            out = forward_step(stage, inp, y, n_microbatches=M)
+        inp = x if stage.first else p2p(pipe, recv_prev=shape).from_prev
+        out = forward_step(stage, inp, y, n_microbatches=M)
         if stage.last:
             losses.append(out.item())
         else:
-            send_tag = tag("F", mb, vs + 1)
-            sends.append(dist.isend(out.detach(), pipe.next, pipe.group, tag=send_tag))
+            in_flight.append(p2p(pipe, send_next=out, wait_sends=False))
         held[mb, c] = (inp, out)
 
     def backward(k: int) -> None:
+        """This rank's k-th backward: receive the output's gradient, run it, send back."""
         mb, c = interleaved_op(k, P, V, False)
         stage = chunks[c]
-        vs = c * P + pipe.rank
-        grad = None if stage.last else recv("B", mb, vs, pipe.next)
+        grad = None if stage.last else p2p(pipe, recv_next=shape).from_next
         inp, out = held.pop((mb, c))
-        with _span(timeline, "B", mb, c):
-            in_grad = backward_step(inp, out, grad)
+        in_grad = backward_step(inp, out, grad)
         if not stage.first:
-            send_tag = tag("B", mb, vs - 1)
-            sends.append(dist.isend(in_grad, pipe.prev, pipe.group, tag=send_tag))
+            in_flight.append(p2p(pipe, send_prev=in_grad, wait_sends=False))
 
-    for k in range(warmup):  # warm-up: forwards only
+    # warm-up: forwards only
+    for k in range(warmup):
         forward(k)
-    for k in range(total - warmup):  # steady state: one forward, one backward
-        forward(warmup + k)
+    # steady state: one forward, one backward
+    for k in range(warmup, total):
+        forward(k)
+        backward(k - warmup)
+    # cool-down: the remaining backwards
+    for k in range(total - warmup, total):
         backward(k)
-    for k in range(total - warmup, total):  # cool-down: the remaining backwards
-        backward(k)
-    for work in sends:
-        work.wait()
+    for sent in in_flight:  # every message has left before the step ends
+        sent.wait()
     return sum(losses) if losses else None
     ### END SOLUTION

@@ -371,3 +371,65 @@ def test_a_bf16_pipeline_matches_a_bf16_reference():
     # each message is a micro-batch's [b, T, H] activation (or its gradient) in bf16: 2 bytes
     message = 4 * TrainConfig().seq_len * MODEL.n_embd * torch.bfloat16.itemsize
     assert first["sent"] == [message] * 2 and last["sent"] == [message] * 2
+
+
+def test_the_schedules_carry_no_instrumentation():
+    """A schedule's signature is the lesson's: its stage(s), the micro-batches and the pipe; the
+    timeline is the harness's (``labs.runtime.pipe.record_ops``)."""
+    import inspect
+
+    from labs.runtime.impl import exercise
+
+    pp = exercise("pipeline_parallel")
+    for name in ("train_step_afab", "train_step_1f1b", "train_step_zb_h1"):
+        assert list(inspect.signature(getattr(pp, name)).parameters) == [
+            "stage",
+            "microbatches",
+            "pipe",
+        ], name
+    assert list(inspect.signature(pp.train_step_interleaved).parameters) == [
+        "chunks",
+        "microbatches",
+        "pipe",
+    ]
+    assert list(inspect.signature(pp.naive_forward).parameters) == ["stage", "tokens", "pipe"]
+
+
+def test_record_ops_names_each_operation_by_micro_batch_and_chunk():
+    """The pipe's record of a schedule, in one process: a forward's micro-batch is found from its
+    targets (the same tensor or a view of the same memory), a backward's from the output it starts
+    from, a chunk from the stage; a stage's forward outside forward_step (naive) is an "F" of its
+    own; the lesson's functions are restored afterwards."""
+    import types
+
+    from labs.measure import Timeline
+    from labs.runtime.pipe import record_ops
+
+    lesson = types.ModuleType("lesson")
+    lesson.forward_step = lambda stage, inputs, targets, *, n_microbatches: stage(inputs) * 2
+    lesson.backward_step = lambda inputs, output, output_grad: None
+    lesson.backward_input_step = lambda inputs, output, output_grad: None
+    lesson.backward_weight_step = lambda stage, output, output_grad: None
+    original = lesson.forward_step
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    y = torch.arange(8).view(4, 2)
+    targets = y.chunk(2)
+    timeline = Timeline(barrier=False)
+    x = torch.ones(2, 2)
+    with record_ops(lesson, timeline, chunks=chunks, targets=targets):
+        late = lesson.forward_step(chunks[1], x, y.chunk(2)[1], n_microbatches=2)  # a new view
+        early = lesson.forward_step(chunks[0], x, targets[0], n_microbatches=2)
+        lesson.backward_input_step(x, late, None)
+        lesson.backward_weight_step(chunks[1], late, None)
+        lesson.backward_step(x, early, None)
+        chunks[0](x)  # naive placement: the stage called directly
+    assert lesson.forward_step is original
+    assert [(e.name, e.meta["microbatch"], e.meta["chunk"]) for e in timeline.events] == [
+        ("F", 1, 1),
+        ("F", 0, 0),
+        ("B", 1, 1),
+        ("W", 1, 1),
+        ("B", 0, 0),
+        ("F", 1, 0),  # chunk 0's second forward
+    ]
+    assert not chunks[0]._forward_pre_hooks and not chunks[0]._forward_hooks

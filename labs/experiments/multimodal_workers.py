@@ -24,7 +24,7 @@ from labs.models.vision import MultimodalConfig, build_multimodal
 from labs.runtime.device import ddp_device_ids, deterministic_algorithms, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import report_progress
-from labs.runtime.pipe import pipe_group
+from labs.runtime.pipe import pipe_group, record_ops
 from labs.train import TrainConfig, make_optimizer, multimodal_data_for
 
 
@@ -61,6 +61,7 @@ def pp_worker(
     with the splits' steps interleaved (so every split meets the same machine load); the last
     ``timed`` steps of each are recorded on a timeline. Returns one result per split."""
     mm = exercise("multimodal")
+    pp = exercise("pipeline_parallel")  # the schedule train_step_pp runs, timed by the pipe
     pipe = pipe_group()
     batches = _on(pipe.device, multimodal_data_for(cfg, train))
     runs = []
@@ -82,14 +83,17 @@ def pp_worker(
             # a new Timeline starts with a barrier, which lines the ranks' clocks up
             timeline = Timeline() if step >= train.steps - timed else None
             measured = CommLedger() if step == 0 else contextlib.nullcontext()
-            with run["timer"].step(), measured as ledger:
+            recorded = contextlib.nullcontext()
+            if timeline is not None:  # the pipe times the stage's operations
+                targets = batch[2].chunk(microbatches)  # as train_step_pp cuts them
+                recorded = record_ops(pp, timeline, chunks=[run["stage"]], targets=targets)
+            with run["timer"].step(), measured as ledger, recorded:
                 loss = mm.train_step_pp(
                     run["stage"],
                     run["optimizer"],
                     batch,
                     pipe=pipe,
                     microbatches=microbatches,
-                    timeline=timeline,
                 )
             if step == 0:
                 run["sent"] = ledger.sent_bytes()

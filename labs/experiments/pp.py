@@ -57,7 +57,7 @@ from labs.models.transformer import ModelConfig, build_model
 from labs.runtime.device import one_thread
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import RankResults, launch, report_progress
-from labs.runtime.pipe import pipe_group
+from labs.runtime.pipe import pipe_group, record_ops
 from labs.theory import pipeline as theory
 from labs.theory.dims import ParallelDims, check_divides, check_positive
 from labs.theory.memory import param_counts
@@ -101,22 +101,25 @@ def split_microbatches(
 
 
 def _run_step(pp, schedule, chunks, x, y, microbatches, pipe, timeline, torch_pipeline=None):
-    """One step of ``schedule`` on this rank: the loss on the rank of the last stage (naive: the
-    logits). DualPipeV: torch's (``torch_pipeline``)."""
+    """One step of ``schedule`` on this rank, its operations spans on ``timeline`` (recorded by the
+    pipe, ``record_ops``: the schedules carry no instrumentation): the loss on the rank of the last
+    stage (naive: the logits). DualPipeV: torch's (``torch_pipeline``, its stages timed alike)."""
     x = x.to(pipe.device)
     y = y.to(pipe.device)
-    if schedule == "naive":
-        return pp.naive_forward(chunks[0], x, pipe=pipe, timeline=timeline)
     if schedule == "dualpipev":
         return torch_pipeline.step(x, y, timeline)
+    if schedule == "naive":
+        with record_ops(pp, timeline, chunks=chunks, targets=[y]):
+            return pp.naive_forward(chunks[0], x, pipe=pipe)
     mbs = split_microbatches(x, y, microbatches)
-    if schedule == "interleaved":
-        return pp.train_step_interleaved(chunks, mbs, pipe=pipe, timeline=timeline)
-    step = {
-        "1f1b": pp.train_step_1f1b,
-        "zb-h1": pp.train_step_zb_h1,
-    }.get(schedule, pp.train_step_afab)
-    return step(chunks[0], mbs, pipe=pipe, timeline=timeline)
+    with record_ops(pp, timeline, chunks=chunks, targets=[t for _, t in mbs]):
+        if schedule == "interleaved":
+            return pp.train_step_interleaved(chunks, mbs, pipe=pipe)
+        step = {
+            "1f1b": pp.train_step_1f1b,
+            "zb-h1": pp.train_step_zb_h1,
+        }.get(schedule, pp.train_step_afab)
+        return step(chunks[0], mbs, pipe=pipe)
 
 
 def pipeline_worker(
