@@ -105,7 +105,9 @@ def test_a_release_reveals_the_named_references_and_nothing_of_the_others(tmp_pa
         "import sys\n"
         # the instructor's editable install would find the course's own solutions/: a student's
         # copy has only the release's
-        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]\n"
+        "sys.meta_path[:] = [\n"
+        "    f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')\n"
+        "]\n"
         "from labs.runtime.impl import exercise\n"
         "print(exercise('zero').__name__, exercise('ddp').__name__)\n"
         "exercise('pipeline_parallel')\n"
