@@ -14,16 +14,16 @@
 #
 # The wheelhouse holds a wheel of every pin of requirements.txt and of what they depend on, plus
 # pip, setuptools and wheel (what pip needs to build the course's editable install), for one
-# platform and one Python: --platform is a pip platform tag (default manylinux_2_28_x86_64, Linux
-# x86-64; macosx_14_0_arm64 for Apple silicon, macOS 14 or later, the oldest torch 2.13 has
-# wheels for; win_amd64 for Windows), --python the version
-# (default: the interpreter's). torch comes first, from --torch-index: by default on Linux
-# PyTorch's CPU index (https://download.pytorch.org/whl/cpu: torch 2.13.0+cpu, about 190 MB,
-# instead of PyPI's CUDA build, several GB with its nvidia-* wheels); elsewhere PyPI (its macOS
-# and Windows torch is the CPU build). `--torch-index pypi` takes PyPI's build on Linux too (the
-# CUDA build: a GPU box); `--torch-index https://download.pytorch.org/whl/cu128` another CUDA build.
-# A torch wheel already in DIR, or in pip's own find-links, is used as is (pip prefers the local
-# version 2.13.0+cpu over 2.13.0), so a CPU wheel copied into DIR by hand also works.
+# platform and one Python. --platform is a pip platform tag: manylinux_2_28_x86_64 (the default,
+# Linux x86-64), macosx_14_0_arm64 (Apple silicon: torch 2.13's macOS wheels need macOS 14), or
+# win_amd64. --python is the version, 3.11 to 3.13 (default: the interpreter's). torch comes first,
+# from --torch-index: on Linux PyTorch's CPU index by default (https://download.pytorch.org/whl/cpu:
+# torch 2.13.0+cpu, about 192 MB, instead of PyPI's CUDA build, several GB with its nvidia-*
+# wheels); elsewhere PyPI, whose macOS and Windows torch is the CPU build. `--torch-index pypi`
+# takes PyPI's build on Linux too (the CUDA build: a GPU box), a URL another index (e.g.
+# https://download.pytorch.org/whl/cu128). A torch wheel already in DIR, or in pip's own
+# find-links, is used as is (pip prefers the local version 2.13.0+cpu to 2.13.0), so a CPU wheel
+# copied into DIR by hand works too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUPPORTED="3.11, 3.12 or 3.13 (CI tests 3.11)"
@@ -37,7 +37,7 @@ usage() {
 }
 
 WHEELHOUSE_OUT=""
-PLATFORM="manylinux_2_28_x86_64"
+PLATFORM=""
 PYVER=""
 TORCH_INDEX=""
 while [ $# -gt 0 ]; do
@@ -49,7 +49,7 @@ while [ $# -gt 0 ]; do
     *) echo "error: unknown option $1" >&2; usage ;;
   esac
 done
-if [ -z "$WHEELHOUSE_OUT" ] && { [ -n "$PYVER" ] || [ -n "$TORCH_INDEX" ]; }; then
+if [ -z "$WHEELHOUSE_OUT" ] && [ -n "$PLATFORM$PYVER$TORCH_INDEX" ]; then
   echo "error: --platform, --python and --torch-index go with --wheelhouse DIR" >&2
   usage
 fi
@@ -82,6 +82,7 @@ if [ -n "$WHEELHOUSE_OUT" ]; then
     3.11 | 3.12 | 3.13) ;;
     *) echo "error: --python $PYVER: the course runs on Python $SUPPORTED" >&2; exit 1 ;;
   esac
+  PLATFORM="${PLATFORM:-manylinux_2_28_x86_64}"
   if [ -z "$TORCH_INDEX" ]; then
     case "$PLATFORM" in
       *linux*) TORCH_INDEX="$CPU_INDEX" ;;
@@ -112,18 +113,21 @@ if [ -n "$WHEELHOUSE_OUT" ]; then
   start=$SECONDS
   if [ -n "$torch_pin" ]; then
     # torch alone first, so that a platform without its wheel fails here, with a message
-    torch_source=()
-    if [ "$TORCH_INDEX" != pypi ]; then
-      torch_source=(--index-url "$TORCH_INDEX")
+    if [ "$TORCH_INDEX" = pypi ]; then
+      torch_where="the package index"
+      torch_source=(--retries 2)
+    else
+      torch_where="$TORCH_INDEX"
+      torch_source=(--retries 2 --index-url "$TORCH_INDEX")
     fi
-    echo "$torch_pin from ${torch_source[1]:-the package index}"
-    if ! "$PY" scripts/pip_for_platform.py download --quiet --retries 2 "${target[@]}" --no-deps \
+    echo "$torch_pin from $torch_where"
+    if ! "$PY" scripts/pip_for_platform.py download --quiet "${target[@]}" --no-deps \
       "${torch_source[@]}" "$torch_pin"; then
-      echo "error: no $torch_pin wheel for $PLATFORM, Python $PYVER from" \
-        "${torch_source[1]:-the package index}. torch 2.13's own wheels are" \
-        "manylinux_2_28_x86_64 (Linux; CPU builds on $CPU_INDEX), macosx_14_0_arm64 (macOS 14" \
-        "or later) and win_amd64. A wheel copied into $DIR by hand is used on the next run;" \
-        "--torch-index pypi takes PyPI's build (on Linux the CUDA build: several GB)." >&2
+      echo "error: no $torch_pin wheel for $PLATFORM, Python $PYVER from $torch_where." \
+        "torch 2.13's own wheels are manylinux_2_28_x86_64 (Linux; CPU builds on $CPU_INDEX)," \
+        "macosx_14_0_arm64 (macOS 14 or later) and win_amd64. A wheel copied into $DIR by hand" \
+        "is used on the next run; --torch-index pypi takes PyPI's build (on Linux the CUDA" \
+        "build: several GB)." >&2
       exit 1
     fi
   fi
