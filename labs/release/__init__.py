@@ -25,7 +25,8 @@ What the release holds, and how it differs from this (the instructor's) reposito
 not shipped                 the other ``solutions/``, ``hidden_tests/``, ``.ci/``; the
                             instructor tools ``labs/release/``, ``labs/grade/``,
                             ``labs/stubs/``, ``scripts/execute_notebooks.py``,
-                            ``scripts/nbbuild.py`` and any other script that selects the
+                            ``scripts/nbbuild.py``, ``scripts/instructors_guide.py`` and any
+                            other script that selects the
                             solutions (e.g. GPU validation); the instructor-only tests
                             (``INSTRUCTOR_TESTS`` and any other test file that uses the
                             ``solutions`` package)
@@ -70,6 +71,7 @@ NOT_SHIPPED_DIRS = (
 INSTRUCTOR_TOOLS = (
     "scripts/execute_notebooks.py",
     "scripts/nbbuild.py",
+    "scripts/instructors_guide.py",  # reads the instructor-only catalogue of classic mistakes
 )
 # Tests that check the course itself rather than the learner's work, or need solutions/.
 INSTRUCTOR_TESTS = (
@@ -81,6 +83,8 @@ INSTRUCTOR_TESTS = (
     "tests/test_readme_figures.py",  # reads the notebooks' outputs, which the release clears
     "tests/classic_bugs.py",  # the catalog of classic mistakes: it quotes solution lines
     "tests/test_classic_bugs.py",
+    "tests/test_instructors_guide.py",  # reads that catalogue
+    "tests/test_wheelhouse.py",  # checks the course's offline setup, and needs a package index
 )
 REWRITTEN = (
     "conftest.py",
