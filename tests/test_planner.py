@@ -15,7 +15,6 @@ from labs.theory.context_parallel import kv_bytes, ring_bytes_per_rank
 from labs.theory.dims import divisors
 from labs.theory.memory import GIB, ModelSpec, memory_per_rank
 from labs.theory.pipeline import bubble_fraction
-from labs.theory.plan_report import format_result, format_scaling, summary
 from labs.theory.planner import (
     Cluster,
     candidates,
@@ -27,6 +26,7 @@ from labs.theory.planner import (
     rule_plan,
     scaling,
 )
+from labs.theory.planner.report import format_result, format_scaling, summary
 from labs.theory.presets import preset
 from labs.theory.tensor_parallel import collectives
 from labs.theory.zero import comm_bytes

@@ -71,10 +71,9 @@ s/c tokens of every per-token term.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from labs.theory.memory import ModelSpec  # memory imports this module
+from labs.theory.model import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
 

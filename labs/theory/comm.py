@@ -74,3 +74,34 @@ def bus_bandwidth(op: str, k: float, n: int, seconds: float) -> float:
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     return BYTES_PER_RANK[op](k, n) / seconds
+
+
+def collective(op: str, k: float, n: int, *, bandwidth_gbs: float | None = None) -> dict:
+    """One collective's figures (``python -m labs.theory comm``): ``bytes_per_rank`` and
+    ``ring_steps``, and with a per-rank ``bandwidth_gbs`` (GB/s) the ``seconds`` it takes."""
+    if op not in BYTES_PER_RANK:
+        raise ValueError(f"op={op!r} is not one of {tuple(sorted(BYTES_PER_RANK))}")
+    sent = BYTES_PER_RANK[op](k, n)
+    result = {
+        "op": op,
+        "tensor_bytes": k,
+        "ranks": n,
+        "bytes_per_rank": sent,
+        "ring_steps": ring_steps(op, n),
+    }
+    if bandwidth_gbs is not None:
+        if bandwidth_gbs <= 0:
+            raise ValueError(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
+        result["seconds"] = sent / (bandwidth_gbs * 1e9)
+    return result
+
+
+def format_collective(r: dict) -> str:
+    """``collective``'s result as one sentence."""
+    text = (
+        f"{r['op']} of {r['tensor_bytes']:.4g} B over {r['ranks']} ranks: "
+        f"{r['bytes_per_rank']:.4g} B sent per rank in {r['ring_steps']} ring steps"
+    )
+    if "seconds" in r:
+        text += f", {r['seconds'] * 1e3:.3g} ms at the given bandwidth"
+    return text

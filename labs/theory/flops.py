@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from labs.theory.activations import RECOMPUTE
 from labs.theory.dims import check_positive
-from labs.theory.memory import ModelSpec, param_count
+from labs.theory.model import ModelSpec, param_count
 
 
 def matmul_params(spec: ModelSpec) -> int:

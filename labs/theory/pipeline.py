@@ -75,7 +75,6 @@ B·T·H·itemsize per boundary it feeds, per direction (``p2p_bytes_per_rank``).
 
 from __future__ import annotations
 
-import argparse
 from functools import lru_cache
 from statistics import median
 
@@ -811,34 +810,6 @@ def format_pp_vs_tp(r: dict) -> str:
     )
 
 
-# --- the `bubble` command of python -m labs.theory -----------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bubble`` command's options."""
-    parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULES)}")
-    parser.add_argument("--stages", type=int, required=True, help="P: pipeline stages (ranks)")
-    parser.add_argument("--microbatches", type=int, required=True, help="M: micro-batches per step")
-    parser.add_argument(
-        "--virtual",
-        type=int,
-        default=None,
-        help="V: model chunks per rank (interleaved; default 1; dualpipev: always 2)",
-    )
-    parser.add_argument(
-        "--t-forward", type=float, default=1.0, help="forward time of one micro-batch per stage"
-    )
-    parser.add_argument(
-        "--t-backward", type=float, default=2.0, help="backward time of one micro-batch per stage"
-    )
-    parser.add_argument(
-        "--t-weight",
-        type=float,
-        default=None,
-        help="the weight-gradient part W of --t-backward (zb-h1, dualpipev; default half of it)",
-    )
-
-
 def figures(
     schedule: str,
     stages: int,
@@ -848,7 +819,8 @@ def figures(
     t_b: float = 2.0,
     t_w: float | None = None,
 ) -> dict:
-    """Everything the calculator shows: formula and simulated bubble, step times, activations
+    """Everything the calculator (``python -m labs.theory bubble``) shows: formula and simulated
+    bubble, step times, activations
     held. ``virtual``: default 1 (dualpipev: 2); ``t_w``: the W part of t_b for the split
     schedules (default t_b / 2)."""
     virtual = chunks_per_rank(schedule, 1) if virtual is None else virtual
@@ -892,21 +864,8 @@ def figures(
     }
 
 
-def cli(args: argparse.Namespace) -> dict:
-    """The ``bubble`` command's result: ``figures`` for the given schedule."""
-    return figures(
-        args.schedule,
-        args.stages,
-        args.microbatches,
-        args.virtual,
-        args.t_forward,
-        args.t_backward,
-        args.t_weight,
-    )
-
-
 def format_result(r: dict) -> str:
-    """``cli``'s result, one figure per line."""
+    """``figures``' result, one figure per line (``python -m labs.theory bubble``)."""
     v = f", V={r['virtual']}" if r["schedule"] == "interleaved" else ""
     w = f", t_w={r['t_weight']:g}" if r.get("t_weight") is not None else ""
     lines = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from labs.theory.memory import ModelSpec, param_count
+from labs.theory.model import ModelSpec, param_count
 
 PRESETS: dict[str, ModelSpec] = {
     # the course model: labs.models.transformer.ModelConfig() with its defaults

@@ -23,8 +23,8 @@ import matplotlib.pyplot as plt
 from labs.theory.dims import AXES, ParallelDims
 from labs.theory.exports import export
 from labs.theory.memory import PP_SCHEDULES
-from labs.theory.plan_report import format_result, summary
 from labs.theory.planner import ASSUMPTIONS, evaluate_layout, plan
+from labs.theory.planner.report import format_result, summary
 from labs.theory.presets import GPUS, PRESETS, preset
 
 AXIS_COLOURS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "cp": "tab:purple"}
