@@ -334,6 +334,21 @@ class Plan(ModelOptions):
     efficiency: float = option(
         ASSUMPTIONS["efficiency"], group="run", help=f"default {ASSUMPTIONS['efficiency']}"
     )
+    fp32_grad_accum: bool = option(
+        False, group="run", help="bf16-mixed: accumulate gradients in fp32 and reduce them in fp32"
+    )
+    comm_efficiency: float = option(
+        ASSUMPTIONS["comm_efficiency"],
+        group="run",
+        help="share of a link's bandwidth a collective reaches"
+        f" (default {ASSUMPTIONS['comm_efficiency']})",
+    )
+    overlap_penalty: float = option(
+        ASSUMPTIONS["overlap_penalty"],
+        group="run",
+        help="share of overlapped communication that still slows the compute beside it"
+        f" (default {ASSUMPTIONS['overlap_penalty']})",
+    )
     layout: str | None = option(
         None,
         group="run",
@@ -353,13 +368,18 @@ class Plan(ModelOptions):
     peak_tflops: float | None = option(
         None, group="cluster", help="dense bf16 TFLOP/s per GPU (overrides --gpu's)"
     )
-    intra_bw: float = option(450.0, group="cluster", help="GB/s per GPU inside a node (NVLink)")
-    inter_bw: float = option(50.0, group="cluster", help="GB/s per GPU between nodes (InfiniBand)")
+    intra_bw: float | None = option(
+        None, group="cluster", help="GB/s per GPU inside a node (default: the --gpu's NVLink)"
+    )
+    inter_bw: float | None = option(
+        None, group="cluster", help="GB/s per GPU between nodes (default: the --gpu's NIC)"
+    )
     export: str | None = option(
         None,
         group="cluster",
         choices=("torchrun", "accelerate", "deepspeed"),
-        help="print a launch command or config for the plan instead of the plan",
+        help="print a launch command or config instead of the plan: for the fastest layout that"
+        " tool can express (accelerate: no PP, ZeRO-2/3; DeepSpeed: no CP)",
     )
     offload: bool = option(
         False, group="cluster", help="DeepSpeed export: optimizer state on the CPU"

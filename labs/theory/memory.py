@@ -262,36 +262,35 @@ def _state(
     return out
 
 
-def _stage_activations(
-    spec: ModelSpec,
-    *,
-    stage: int,
-    pp: int,
-    m: int,
-    schedule: str,
-    virtual: int,
-    layers: int,
-    **size: object,
-) -> tuple[float, int, dict]:
-    """(bytes, micro-batches held, one micro-batch's parts) of stage ``stage`` at its peak."""
-    per_mb = stage_activation_bytes(
-        spec, layers=layers, first=stage == 0, last=stage == pp - 1, **size
-    )
-    if pp == 1:
-        return per_mb["total"], 1, per_mb
-    if schedule != "interleaved":
-        held = in_flight_microbatches(schedule, pp, m, stage)
-        return held * per_mb["total"], held, per_mb
-    # interleaved: chunk c holds layers/V of the stage; only the first stage's first chunk keeps
-    # the embedding's, the last stage's last chunk the loss's
-    chunk = stage_activation_bytes(spec, layers=layers / virtual, first=False, last=False, **size)[
-        "total"
-    ]
-    chunk_bytes = [chunk] * virtual
+def _activation_parts(
+    spec: ModelSpec, *, layers: int, first: bool, last: bool, virtual: int, **size: object
+) -> tuple[dict, list[float]]:
+    """One micro-batch's activation parts on a stage with ``layers`` layers (``first``: it has the
+    embedding, ``last`` the loss), and what each of its ``virtual`` chunks holds per chunk
+    micro-batch: chunk c holds layers/V of the stage; only the first stage's first chunk keeps the
+    embedding's, the last stage's last chunk the loss's."""
+    per_mb = stage_activation_bytes(spec, layers=layers, first=first, last=last, **size)
+    if virtual == 1:
+        return per_mb, [per_mb["total"]]
+    chunk = stage_activation_bytes(spec, layers=layers / virtual, first=False, last=False, **size)
+    chunk_bytes = [chunk["total"]] * virtual
     chunk_bytes[0] += per_mb["embedding"]
     chunk_bytes[-1] += per_mb["final_norm"] + per_mb["loss"]
-    peak, held = interleaved_peak(pp, m, stage, virtual, chunk_bytes)
-    return peak, held, per_mb
+    return per_mb, chunk_bytes
+
+
+def _stage_activations(
+    per_mb: dict, chunk_bytes: list[float], *, stage: int, pp: int, m: int, schedule: str
+) -> tuple[float, int]:
+    """(bytes, micro-batches held) of stage ``stage`` at its peak: the micro-batches its
+    schedule holds at once (``in_flight_microbatches``; interleaved: its order of chunk
+    operations, ``interleaved_peak``)."""
+    if pp == 1:
+        return per_mb["total"], 1
+    if schedule != "interleaved":
+        held = in_flight_microbatches(schedule, pp, m, stage)
+        return held * per_mb["total"], held
+    return interleaved_peak(pp, m, stage, len(chunk_bytes), chunk_bytes)
 
 
 def memory_per_rank(
@@ -364,33 +363,36 @@ def memory_per_rank(
         recompute=recompute,
         fp8=fp8,
     )
+    # stages with the same layers, embedding and head hold the same state and the same
+    # activations per micro-batch; only how many micro-batches they hold differs
+    kinds = {}
     stages = []
     for stage in range(pp):
-        state = _state(
-            spec,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            stage=stage,
-            zero=zero,
-            dp=dp,
-            offload=offload,
-            precision=precision,
-            optimizer=optimizer,
-            fp32_grad_accum=fp32_grad_accum,
-            exact_shards=exact_shards,
-            optimizer_bytes=optimizer_bytes,
-        )
         layers = layers_on_stage(spec.n_layers, pp, stage)
-        activations, in_flight, per_mb = _stage_activations(
-            spec,
-            stage=stage,
-            pp=pp,
-            m=m,
-            schedule=schedule,
-            virtual=virtual,
-            layers=layers,
-            **size,
+        kind = (layers, stage == 0, stage == pp - 1)
+        if kind not in kinds:
+            state = _state(
+                spec,
+                tp=tp,
+                pp=pp,
+                ep=ep,
+                stage=stage,
+                zero=zero,
+                dp=dp,
+                offload=offload,
+                precision=precision,
+                optimizer=optimizer,
+                fp32_grad_accum=fp32_grad_accum,
+                exact_shards=exact_shards,
+                optimizer_bytes=optimizer_bytes,
+            )
+            parts = _activation_parts(
+                spec, layers=layers, first=kind[1], last=kind[2], virtual=virtual, **size
+            )
+            kinds[kind] = (state, *parts)
+        state, per_mb, chunk_bytes = kinds[kind]
+        activations, in_flight = _stage_activations(
+            per_mb, chunk_bytes, stage=stage, pp=pp, m=m, schedule=schedule
         )
         stages.append(
             {
@@ -404,7 +406,7 @@ def memory_per_rank(
                 "stage": stage,
                 "layers": layers,
                 "in_flight": in_flight,
-                "activations_per_microbatch": per_mb,
+                "activations_per_microbatch": dict(per_mb),
             }
         )
     worst = max(stages, key=lambda s: s["total_bytes"])

@@ -12,5 +12,6 @@ from labs.theory.planner.published import compare_published as compare_published
 from labs.theory.planner.published import evaluate_run as evaluate_run
 from labs.theory.planner.published import format_published as format_published
 from labs.theory.planner.published import format_references as format_references
+from labs.theory.planner.published import format_table as format_table
+from labs.theory.planner.published import published_table as published_table
 from labs.theory.planner.published import reference_checks as reference_checks
-from labs.theory.planner.published import reported_mfu as reported_mfu

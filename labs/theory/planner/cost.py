@@ -14,32 +14,46 @@ the rank's parameters, m micro-batches and ℓ layers on the stage (``comm_per_s
     dp  over dp·cp ranks: ZeRO-0 all-reduce of Ψ_r gradients; ZeRO-1 reduce-scatter +
         all-gather; ZeRO-2 a reduce-scatter per micro-batch (the gradients are sharded, so
         they cannot accumulate) + an all-gather; ZeRO-3 two all-gathers of the weights and a
-        reduce-scatter per micro-batch
+        reduce-scatter per micro-batch (with PP: of the stage's weights, for every micro-batch
+        the stage runs)
 
 **The cost model** (rough, and the same for every layout): compute C = hardware FLOPs /
 (G·peak·efficiency), perfectly parallel. A pipeline runs at the pace of its slowest stage, the
 one with the most layers (or the last, which also runs the head): its compute C_s =
 C·(its work / the mean stage's), the difference being the ``imbalance``; so t_f = C_s/(3m) and
 t_b = 2C_s/(3m) per micro-batch, and the schedule stretches C_s by its bubble
-(``labs.theory.pipeline.step_time``, ZB-H1 with W = B). TP and PP traffic sits on the critical
-path. CP's ring overlaps the attention blocks it feeds (12·L·nh·hd·seq of the FLOPs per token):
-only its excess over that compute shows. DP traffic overlaps only the compute that runs beside
-it: a gradient all-reduce or reduce-scatter overlaps the last micro-batch's backward,
-ZeRO-1/2's all-gather of the updated weights the next step's first forward, ZeRO-3's gathers
-each micro-batch's forward and backward; what does not fit under that compute is exposed. A
-group whose ranks lie in one node moves data at the intra-node bandwidth, otherwise at the
-inter-node one (ranks fill the (dp, pp, cp, tp) grid of ``labs.theory.dims``, tp innermost).
-Step = C + imbalance + bubble + exposed communication; scaling efficiency = C / step: the share
-of an ideal, perfectly parallel step that survives. Not modelled: kernels that run slower on
-small matrices (a micro-batch of few tokens per rank) or while communication shares the GPU,
-message latency, and anything a framework fuses. So the search likes fine splits (deep
-pipelines with many micro-batches, CP at short sequences) more than a real cluster would.
+(``labs.theory.pipeline.step_time``, ZB-H1 with W = B). A group whose ranks lie in one node
+moves data at the intra-node bandwidth, otherwise at the inter-node one (ranks fill the (dp,
+pp, cp, tp) grid of ``labs.theory.dims``, tp innermost), each at ``comm_efficiency`` of the link
+(a collective's bus bandwidth stays under the line rate). TP and PP traffic sits on the critical
+path. The rest overlaps the compute that runs beside it, and no more: CP's ring the attention
+blocks it feeds (12·L·nh·hd·seq of the FLOPs per token), a gradient all-reduce or
+reduce-scatter the last micro-batch's backward, ZeRO-1/2's all-gather of the updated weights
+the next step's first forward, ZeRO-3's gathers and reduce-scatters each micro-batch's forward
+and backward. Overlap is not free: a collective of c seconds beside t seconds of compute adds
+max(0, c - t) + ``overlap_penalty``·min(c, t) (``overlapped``): what does not fit under the
+compute, and the slowdown of the compute while the two share the GPU (NCCL's kernels take
+streaming multiprocessors and memory bandwidth). However large ZeRO-3's traffic grows, it is
+never assumed hidden: its per-GPU bytes do not shrink as DP grows, so past some size it sets the
+step. Step = C + imbalance + bubble + exposed communication; scaling efficiency = C / step: the
+share of an ideal, perfectly parallel step that survives. Not modelled: kernels that run slower
+on small matrices (a micro-batch of few tokens per rank), message latency, and anything a
+framework fuses. So the search likes fine splits (deep pipelines with many micro-batches, CP at
+short sequences) more than a real cluster would.
+
+``comm_efficiency`` (0.8) and ``overlap_penalty`` (0.25) are the model's two fitted constants,
+set on the one published comparison of the same model with and without model parallelism
+(Narayanan et al. 2021, Table 2: GPT-3 175B on 384 / 768 / 1,536 A100s, ZeRO-3 144 / 88 / 44
+TFLOP/s per GPU against PTD-P's 153 / 149 / 141): with them the planner orders the two as the
+paper does at every size, within 6 % of its throughput ratios (tests/test_published_runs.py and
+``labs.theory.planner.published`` hold every published run beside ours).
 
 Assumptions (defaults, every one an argument): bf16 mixed precision with AdamW (16 bytes of
-state per parameter), no activation recomputation, sequence parallelism with TP, 10% of GPU
-memory kept free (allocator, communication buffers, FSDP's gathered layer and other transients
-the calculator leaves out), a global batch of about 4M tokens, matmuls at 60% of peak, H100
-figures (989 TFLOP/s, NVLink 450 GB/s and InfiniBand 50 GB/s per GPU). Bandwidths and
+state per parameter; ``fp32_grad_accum`` adds fp32 gradients, 4 bytes more, reduced in fp32), no
+activation recomputation, sequence parallelism with TP, 10% of GPU memory kept free (allocator,
+communication buffers, FSDP's gathered layer and other transients the calculator leaves out), a
+global batch of about 4M tokens, matmuls at 60% of peak, H100 figures (989 TFLOP/s, NVLink 450
+GB/s and InfiniBand 50 GB/s per GPU; ``labs.theory.presets.GPUS`` has each GPU's). Bandwidths and
 communication volumes are in decimal GB (10^9 bytes), as links are quoted; memory in GiB.
 """
 
@@ -62,6 +76,9 @@ ASSUMPTIONS = dict(
     schedule=None,  # None: 1f1b, interleaved (V = 2, 4) and zb-h1 where they apply
     headroom=0.10,
     efficiency=0.60,
+    fp32_grad_accum=False,
+    comm_efficiency=0.80,
+    overlap_penalty=0.25,
 )
 
 TOKENS_PER_BATCH = 1 << 22  # default global batch: about 4M tokens
@@ -112,9 +129,11 @@ def comm_per_step(
     layers: int,
     precision: str = "bf16-mixed",
     recompute: str = "none",
+    fp32_grad_accum: bool = False,
 ) -> dict[str, float]:
     """Bytes one GPU sends per step along each axis of ``layout`` (dp, tp, pp, cp, zero, and
-    optionally virtual): see the docstring."""
+    optionally virtual): see the docstring. With ``fp32_grad_accum`` the gradients are reduced
+    in fp32."""
     dp, tp, pp, cp, zero = (layout[k] for k in ("dp", "tp", "pp", "cp", "zero"))
     v = layout.get("virtual", 1)
     e = PRECISIONS[precision]["param"]
@@ -125,19 +144,21 @@ def comm_per_step(
     kv = 2 * mbs * seq * (spec.kv_heads // tp) * spec.hd * e
     n = dp * cp
     return {
-        "dp": sum(_dp_collectives(zero, params, n, m, precision).values()),
+        "dp": sum(_dp_collectives(zero, params, n, m, precision, fp32_grad_accum).values()),
         "tp": (4 + 2 * full) * layers * m * all_reduce_bytes(act, tp),
         "pp": 0.0 if pp == 1 else (1 if pp == 2 else 2) * v * m * act / tp,
         "cp": (3 + full) * layers * m * all_gather_bytes(kv, cp),
     }
 
 
-def _dp_collectives(zero: int, params: int, n: int, m: int, precision: str) -> dict[str, float]:
+def _dp_collectives(
+    zero: int, params: int, n: int, m: int, precision: str, fp32_grads: bool = False
+) -> dict[str, float]:
     """Bytes of each data-parallel collective of a step, by when it runs: ``grad_sync`` (with
     the last micro-batch's backward), ``weight_gather`` (before the next step's first forward),
     ``per_microbatch_forward`` and ``per_microbatch_backward`` (each of the m micro-batches),
-    summed over the step."""
-    grads = params * PRECISIONS[precision]["grad"]
+    summed over the step. ``fp32_grads``: gradients reduced in fp32 (4 bytes each)."""
+    grads = params * (4 if fp32_grads else PRECISIONS[precision]["grad"])
     weights = params * PRECISIONS[precision]["param"]
     out = dict.fromkeys(
         ("grad_sync", "weight_gather", "per_microbatch_forward", "per_microbatch_backward"), 0.0
@@ -167,15 +188,33 @@ def _spans(layout: dict) -> dict[str, int]:
     return {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": tp * cp * pp * dp}
 
 
+def overlapped(comm_s: float, compute_s: float, penalty: float) -> float:
+    """Seconds a collective of ``comm_s`` adds to ``compute_s`` of compute it runs beside: what
+    does not fit under the compute, plus ``penalty`` of the time the two share the GPU (NCCL's
+    kernels take streaming multiprocessors and memory bandwidth from the matmuls)."""
+    return max(0.0, comm_s - compute_s) + penalty * min(comm_s, compute_s)
+
+
 def _exposed_dp(
-    zero: int, params: int, n: int, m: int, precision: str, bandwidth: float, t_f: float, t_b: float
+    zero: int,
+    params: int,
+    n: int,
+    m: int,
+    precision: str,
+    bandwidth: float,
+    t_f: float,
+    t_b: float,
+    penalty: float,
+    fp32_grads: bool,
 ) -> float:
     """Seconds of data-parallel traffic the compute beside it does not hide (see the
     docstring): each collective against the micro-batch compute it overlaps."""
-    c = {k: v / bandwidth for k, v in _dp_collectives(zero, params, n, m, precision).items()}
-    exposed = max(0.0, c["grad_sync"] - t_b) + max(0.0, c["weight_gather"] - t_f)
-    exposed += m * max(0.0, c["per_microbatch_forward"] / m - t_f)
-    exposed += m * max(0.0, c["per_microbatch_backward"] / m - t_b)
+    collectives = _dp_collectives(zero, params, n, m, precision, fp32_grads)
+    c = {k: v / bandwidth for k, v in collectives.items()}
+    exposed = overlapped(c["grad_sync"], t_b, penalty)
+    exposed += overlapped(c["weight_gather"], t_f, penalty)
+    exposed += m * overlapped(c["per_microbatch_forward"] / m, t_f, penalty)
+    exposed += m * overlapped(c["per_microbatch_backward"] / m, t_b, penalty)
     return exposed
 
 
@@ -214,6 +253,9 @@ def evaluate(
     schedule: str | None = "1f1b",
     headroom: float = 0.10,
     efficiency: float = 0.60,
+    fp32_grad_accum: bool = False,
+    comm_efficiency: float = 0.80,
+    overlap_penalty: float = 0.25,
     replica: bool = True,
 ) -> dict:
     """Every figure of one layout (dp, tp, pp, cp, zero; optionally mbs, schedule and virtual,
@@ -253,6 +295,7 @@ def evaluate(
         microbatches=m,
         schedule=sched,
         virtual=v,
+        fp32_grad_accum=fp32_grad_accum,
     )
     mem = memory_per_rank(spec, zero=zero, dp=dp * cp if zero else 1, **run)
     whole = None
@@ -269,9 +312,12 @@ def evaluate(
         layers=mem["layers"],
         precision=precision,
         recompute=recompute,
+        fp32_grad_accum=fp32_grad_accum,
     )
     bandwidth = {
-        axis: (cluster.intra_gbps if span <= cluster.node else cluster.inter_gbps) * 1e9
+        axis: (cluster.intra_gbps if span <= cluster.node else cluster.inter_gbps)
+        * 1e9
+        * comm_efficiency
         for axis, span in _spans(layout).items()
     }
     seconds = {axis: comm[axis] / bandwidth[axis] for axis in comm}
@@ -288,8 +334,19 @@ def evaluate(
     exposed_by_axis = {
         "tp": seconds["tp"],
         "pp": seconds["pp"],
-        "cp": max(0.0, seconds["cp"] - attention),  # the ring hides behind attention only
-        "dp": _exposed_dp(zero, mem["params"], dp * cp, m, precision, bandwidth["dp"], t_f, t_b),
+        "cp": overlapped(seconds["cp"], attention, overlap_penalty),  # beside attention only
+        "dp": _exposed_dp(
+            zero,
+            mem["params"],
+            dp * cp,
+            m,
+            precision,
+            bandwidth["dp"],
+            t_f,
+            t_b,
+            overlap_penalty,
+            fp32_grad_accum,
+        ),
     }
     exposed = sum(exposed_by_axis.values())
     total = piped + exposed
@@ -349,6 +406,12 @@ def check_assumptions(assumptions: dict) -> dict:
         raise ValueError(
             "headroom must be in [0, 1) and efficiency in (0, 1],"
             f" got headroom={a['headroom']!r}, efficiency={a['efficiency']!r}"
+        )
+    if not 0 < a["comm_efficiency"] <= 1 or not 0 <= a["overlap_penalty"] <= 1:
+        raise ValueError(
+            "comm_efficiency must be in (0, 1] and overlap_penalty in [0, 1],"
+            f" got comm_efficiency={a['comm_efficiency']!r},"
+            f" overlap_penalty={a['overlap_penalty']!r}"
         )
     return a
 

@@ -21,6 +21,8 @@ messages where the two share a check.
 
 from __future__ import annotations
 
+import functools
+
 from labs.theory import exports
 from labs.theory.memory import GIB
 from labs.theory.memory_report import gpu_memory_gib
@@ -41,16 +43,18 @@ def report(
     gpu: str = "H100 80GB",
     gpu_mem: str | float | None = None,
     peak_tflops: float | None = None,
-    intra_bw: float = 450.0,
-    inter_bw: float = 50.0,
+    intra_bw: float | None = None,
+    inter_bw: float | None = None,
     gpus_per_node: int = 8,
     global_batch: int | None = None,
     **assumptions: object,
 ) -> dict:
     """What ``python -m labs.theory plan`` prints: the plan's ``summary`` (with ``layout``, the
     given layout's), and with ``export`` ("torchrun", "accelerate" or "deepspeed") also the
-    launch command or config. ``gpu`` names a GPU of ``labs.theory.presets.GPUS``, whose memory
-    and peak ``gpu_mem`` (GiB, or a number with a unit) and ``peak_tflops`` override."""
+    launch command or config, of the fastest layout that tool can express. ``gpu`` names a GPU
+    of ``labs.theory.presets.GPUS``, whose memory, peak and links ``gpu_mem`` (GiB, or a number
+    with a unit), ``peak_tflops``, ``intra_bw`` and ``inter_bw`` (GB/s per GPU inside a node and
+    between nodes) override."""
     if gpu not in GPUS:
         raise ValueError(
             f"gpu={gpu!r} is not one of {tuple(GPUS)}; or give --gpu-mem and --peak-tflops"
@@ -62,12 +66,22 @@ def report(
         gpus_per_node=gpus_per_node,
         gpu_mem_gib=gpu_memory_gib(gpu_mem) if gpu_mem is not None else card.memory_gib,
         peak_tflops=peak_tflops if peak_tflops is not None else card.peak_tflops,
-        intra_gbps=intra_bw,
-        inter_gbps=inter_bw,
+        intra_gbps=intra_bw if intra_bw is not None else card.intra_gbps,
+        inter_gbps=inter_bw if inter_bw is not None else card.inter_gbps,
         global_batch=global_batch,
         **assumptions,
     )
-    p = evaluate_layout(spec, layout, **kw) if layout is not None else plan(spec, **kw)
+    if layout is not None:
+        p = evaluate_layout(spec, layout, **kw)
+    elif export:  # the fastest layout the tool can express
+        try:
+            p = plan(spec, only=functools.partial(exports.can_express, export), **kw)
+        except ValueError as e:
+            raise ValueError(
+                f"of the layouts {export} can express: {e}; or use --export torchrun (any layout)"
+            ) from None
+    else:
+        p = plan(spec, **kw)
     out = summary(p, model=model)
     if export:
         out["export"] = exports.export(export, p, offload=offload)

@@ -16,9 +16,11 @@ as the explanation of the choice: "the rule picks X; the fastest estimate is Y, 
      on data-parallel sharding (DP is whatever is left, possibly 1): PP splits the layers (the
      state), CP the sequence (the activations). Of the replicas that fit, the smallest wins
      (most data parallelism, least model-parallel traffic); a tie goes to the faster estimate.
-  DP takes the remaining factor, dp = G/(tp·pp·cp). With PP it shards the optimizer state only
-  (ZeRO-1); without PP it is FSDP (ZeRO-3). ZeRO shards over the dp·cp ranks that hold the
-  same weights, as Megatron and torchtitan do.
+  DP takes the remaining factor, dp = G/(tp·pp·cp). With PP the rule pairs it with ZeRO-1 (the
+  optimizer state sharded), as DeepSpeed's pipeline engine and Megatron's distributed optimizer
+  do; without PP it is FSDP (ZeRO-3). That pairing is the rule's, not a law: torchtitan and
+  Llama 3 run FSDP under PP, and the search tries every ZeRO stage with PP. ZeRO shards over the
+  dp·cp ranks that hold the same weights, as Megatron and torchtitan do.
 """
 
 from __future__ import annotations

@@ -3,22 +3,22 @@
 
 **The search.** ``plan`` enumerates every layout of the G GPUs: tp (a divisor of the node
 size), pp (at most one stage per layer), cp, dp = G/(tp·pp·cp) (dividing the global batch);
-the ZeRO stage (0-3 without PP; 0 or 1 with PP, as DeepSpeed's pipeline engine and Megatron's
-distributed optimizer allow); the micro-batch size mbs (1, 2, 4, 8 dividing the batch per DP
-rank; the micro-batch count is then m = batch / (dp·mbs)); and, with PP, the schedule: 1F1B,
-interleaved 1F1B with V = 2 or 4 chunks per rank (when pp divides m) and zero-bubble ZB-H1
-(when m >= pp). GPipe/AFAB has 1F1B's bubble and holds more, so it is tried only when asked
-for. Each layout's memory comes from the calculator; those that fit the budget (GPU memory
-less ``headroom``) are timed with the cost model below, and the fastest wins (ties: less
-communication, then less memory). The five fastest are reported.
+the ZeRO stage (0-3, with or without PP: torchtitan and Llama 3 shard with FSDP under PP, where
+DeepSpeed's pipeline engine stops at ZeRO-1); the micro-batch size mbs (1, 2, 4, 8 dividing the
+batch per DP rank; the micro-batch count is then m = batch / (dp·mbs)); and, with PP, the
+schedule: 1F1B, interleaved 1F1B with V = 2 or 4 chunks per rank (when pp divides m) and
+zero-bubble ZB-H1 (when m >= pp). GPipe/AFAB has 1F1B's bubble and holds more, so it is tried
+only when asked for. Each layout's memory comes from the calculator; those that fit the budget
+(GPU memory less ``headroom``) are timed with the cost model (``labs.theory.planner.cost``), and
+the fastest wins (ties: less communication, then less memory). The five fastest are reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from labs.theory.dims import divisors
-from labs.theory.memory import GIB, PP_SCHEDULES
+from labs.theory.memory import GIB, PP_SCHEDULES, ZERO_STAGES
 from labs.theory.model import ModelSpec
 from labs.theory.planner.cost import (
     MBS_CHOICES,
@@ -79,7 +79,7 @@ def candidates(spec: ModelSpec, *, seq: int, batch: int, cluster: Cluster, a: di
                 mbs_options = [a["mbs"]] if a["mbs"] else MBS_CHOICES
                 for mbs in (b for b in mbs_options if per_rank % b == 0):
                     m = per_rank // mbs
-                    zeros = (0,) if dp * cp == 1 else ((0, 1, 2, 3) if pp == 1 else (0, 1))
+                    zeros = (0,) if dp * cp == 1 else ZERO_STAGES
                     for schedule, v in _schedules(pp, m, spec.n_layers, a["schedule"]):
                         for zero in zeros:
                             out.append(
@@ -114,9 +114,11 @@ def plan(
     peak_tflops: float = 989.0,
     intra_gbps: float = 450.0,
     inter_gbps: float = 50.0,
+    only: Callable[[dict], bool] | None = None,
     **assumptions: object,
 ) -> dict:
-    """The fastest layout that fits (see the module docstring): ``evaluate``'s figures for it,
+    """The fastest layout that fits (see the module docstring), of those ``only`` keeps when
+    given (a layout dict -> bool, e.g. what an export can express): ``evaluate``'s figures for it,
     plus ``dp``, ``tp``, ``pp``, ``cp``, ``zero``, ``mbs``, ``schedule``, ``virtual``,
     ``global_batch``, ``top`` (the five fastest layouts that fit, each a short dict),
     ``candidates`` (layouts tried) and ``fitting`` (layouts that fit); the rule's view:
@@ -132,6 +134,8 @@ def plan(
     check_inputs(spec, seq=seq, batch=batch, cluster=cluster, a=a)
     kw = dict(seq=seq, global_batch=batch, cluster=cluster, **a)
     tried = candidates(spec, seq=seq, batch=batch, cluster=cluster, a=a)
+    if only is not None:
+        tried = [layout for layout in tried if only(layout)]
     fitting = []
     for layout in tried:
         result, _ = try_layout(spec, layout, **{**kw, "replica": False})
