@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from labs.theory import exports
+from labs.theory import cli, exports
 from labs.theory.planner import plan, rule_plan
 from labs.theory.presets import preset
 
@@ -250,3 +250,26 @@ def test_deepspeed_takes_the_searched_micro_batch():
     assert config["train_micro_batch_size_per_gpu"] == p["mbs"]
     assert config["gradient_accumulation_steps"] == p["microbatches"]
     assert config["train_batch_size"] == p["global_batch"] == p["mbs"] * p["microbatches"] * p["dp"]
+
+
+def test_plan_with_an_export_picks_the_fastest_layout_that_tool_can_express():
+    """``plan --export accelerate`` plans among the layouts accelerate can express (no PP, ZeRO-2
+    or 3), ``--export deepspeed`` among DeepSpeed's (no CP; ZeRO 0-1 with PP); ``can_express``
+    says which, the same rules the exports raise on."""
+    argv = ["plan", "--preset", "llama3-8b", "--seq", "131072", "--gpus", "64"]
+    free = cli.run(argv)
+    fsdp = cli.run([*argv, "--export", "accelerate"])
+    assert exports.can_express("accelerate", fsdp) and fsdp["export"].startswith("compute_env")
+    assert fsdp["step_time_s"] >= free["step_time_s"]
+    for layout, kind, ok in (
+        ({"dp": 8, "tp": 1, "pp": 1, "cp": 1, "zero": 1}, "accelerate", False),
+        ({"dp": 8, "tp": 1, "pp": 1, "cp": 1, "zero": 2}, "accelerate", True),
+        ({"dp": 2, "tp": 1, "pp": 4, "cp": 1, "zero": 3}, "accelerate", False),
+        ({"dp": 2, "tp": 1, "pp": 4, "cp": 1, "zero": 1}, "deepspeed", True),
+        ({"dp": 2, "tp": 1, "pp": 4, "cp": 1, "zero": 2}, "deepspeed", False),
+        ({"dp": 2, "tp": 1, "pp": 1, "cp": 4, "zero": 3}, "deepspeed", False),
+        ({"dp": 2, "tp": 1, "pp": 1, "cp": 4, "zero": 3}, "torchrun", True),
+    ):
+        assert exports.can_express(kind, layout) is ok, (kind, layout)
+    with pytest.raises(ValueError, match="of the layouts deepspeed can express"):
+        cli.run([*argv, "--export", "deepspeed"])  # 128K tokens need CP

@@ -5,7 +5,9 @@ Every module is parsed (nothing is imported), and every ``import`` statement cou
 level and inside functions: a function-level import is still a dependency, only a later one.
 Relative imports are resolved, and ``from pkg import name`` is an edge to ``pkg.name`` when that is
 a module, else to ``pkg`` itself. Imports under ``if TYPE_CHECKING:`` run only under a type
-checker: they count for the layering rules but not for cycles or for "imports torch".
+checker: they count for the layering rules and for cycles (a module that needs another's types
+still depends on it, so two modules that import each other only for type hints are still a circle,
+issue 27), but not for "imports torch".
 
 The layers (COURSE.md section 2, issue 18):
 
@@ -123,9 +125,14 @@ def import_graph() -> list[Edge]:
 
 def runtime_graph(edges: list[Edge]) -> dict[str, set[str]]:
     """Module -> the modules of ours it imports when it runs."""
+    return dependency_graph([edge for edge in edges if not edge.typing_only])
+
+
+def dependency_graph(edges: list[Edge]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports, for running or for type checking."""
     graph = defaultdict(set)
     for edge in edges:
-        if not edge.typing_only and edge.target.split(".")[0] in PACKAGES:
+        if edge.target.split(".")[0] in PACKAGES:
             graph[edge.source].add(edge.target)
     return graph
 
@@ -239,8 +246,22 @@ def test_cycles_are_found():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_a_cycle_through_type_checking_imports_is_a_cycle():
+    """activations.py and memory.py once imported each other, one of them only for the ModelSpec
+    type: the runtime graph has no cycle there, the dependency graph does."""
+    edges = [
+        Edge("labs.theory.memory", "labs.theory.activations", 1, False),
+        Edge("labs.theory.activations", "labs.theory.memory", 2, True),
+    ]
+    assert cycles(runtime_graph(edges)) == []
+    assert cycles(dependency_graph(edges)) == [
+        ["labs.theory.activations", "labs.theory.memory", "labs.theory.activations"]
+    ]
+
+
 def test_no_import_cycles():
-    found = cycles(runtime_graph(import_graph()))
+    """No circle of imports, counting those made only for type checking."""
+    found = cycles(dependency_graph(import_graph()))
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
 
 
@@ -283,6 +304,18 @@ def test_theory_never_imports_torch():
                 seen.add(nxt)
                 frontier.append((nxt, [*path, nxt]))
     assert not bad, "labs.theory must run without torch:\n" + "\n".join(bad)
+
+
+def test_theory_holds_formulas_and_one_command_line():
+    """``labs.theory`` is formulas; its command line is one module, ``labs.theory.cli`` (issue 27):
+    nothing else there parses arguments, and no formula module imports the command line."""
+    edges = import_graph()
+    parsers = sorted(
+        {e.source for e in edges if in_layer(e.source, ("labs.theory",)) and e.target == "argparse"}
+    )
+    assert parsers == ["labs.theory.cli"], parsers
+    users = sorted({e.source for e in edges if e.target == "labs.theory.cli"})
+    assert users == ["labs.theory.__main__"], users
 
 
 def notebook_of(module: str) -> str | None:

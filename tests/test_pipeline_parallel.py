@@ -219,7 +219,7 @@ def test_dualpipev_through_torch_matches_the_reference():
     assert s["virtual"] == 2 and s["plan"] == [1] * 8
     assert s["microbatches_held"] == s["theory_microbatches_held"] == [9, 9, 9, 9]
     assert s["comm_bytes_per_rank"] == s["theory_comm_bytes_per_rank"]
-    assert s["theory_bubble_fraction"] == pytest.approx(3 / 51)
+    assert s["theory_bubble_fraction"] == pytest.approx(3 / 27)  # as ZB-H1 (DeepSeek's table)
 
 
 @pytest.mark.exercise

@@ -19,6 +19,23 @@ def test_ring_formulas():
     assert comm.ring_steps("all_reduce", 8) == 14
 
 
+def test_collective_time_uses_nccl_tests_bus_factors():
+    """nccl-tests (doc/PERFORMANCE.md, src/*.cu): busbw = algbw x f with f = 2(N-1)/N for
+    all-reduce, (N-1)/N for reduce-scatter, all-gather and all-to-all, 1 for broadcast, whose K
+    bytes must all leave the root: a broadcast takes K/B, not its average bytes per rank / B."""
+    k, n, bw = 8e9, 8, 1e9
+    assert comm.collective_seconds("broadcast", k, n, bw) == 8.0
+    assert comm.broadcast_bytes(k, n) / bw == 7.0  # what the ledger counts per rank, on average
+    assert comm.collective_seconds("all_reduce", k, n, bw) == comm.all_reduce_bytes(k, n) / bw
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert comm.collective_seconds(op, k, n, bw) == comm.BYTES_PER_RANK[op](k, n) / bw
+    t = comm.collective_seconds("broadcast", k, n, bw)
+    assert comm.bus_bandwidth("broadcast", k, n, t) == bw  # = algbw for a broadcast
+    t = comm.collective_seconds("all_reduce", k, n, bw)
+    assert comm.bus_bandwidth("all_reduce", k, n, t) == pytest.approx(bw)  # busbw: the link's
+    assert comm.collective(op="broadcast", k=k, n=n, bandwidth_gbs=1)["seconds"] == 8.0
+
+
 @pytest.mark.parametrize("k, n", [(-1, 4), (10, 0), (10, 2.5), (10, True)])
 def test_bad_sizes_are_rejected(k, n):
     with pytest.raises(ValueError):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from labs.theory import cli
 from labs.theory import context_parallel as cpt
 from tests.helpers import assert_torch_free
 
@@ -157,8 +158,8 @@ def test_bad_input_is_a_clear_value_error(call, message):
 
 
 def test_cli_result():
-    args = type("Args", (), {"cp": 4, "causal": True, "zigzag": False})()
-    result = cpt.cli(args)
+    result = cli.run(["cp", "--cp", "4", "--no-zigzag"])
+    assert result == cpt.work_summary(4, causal=True, zigzag=False)
     assert result["blocks_computed_per_rank"] == [3, 7, 11, 15] and result["layout"] == "contiguous"
 
 

@@ -3,11 +3,10 @@ own cache), weights per rank (against the built model), messages per token, the 
 cache capacity, the CLI front end and the widget's pure functions. Measured TP / placement figures
 are in tests/test_inference.py."""
 
-import argparse
-
 import pytest
 import torch
 
+from labs.theory import cli
 from labs.theory import inference as inf
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes
 from labs.theory.memory import GIB, ModelSpec
@@ -160,9 +159,7 @@ def test_cache_capacity_by_hand():
 
 
 def test_cli_and_readable_result():
-    parser = argparse.ArgumentParser()
-    inf.add_arguments(parser)
-    result = inf.cli(parser.parse_args(["--preset", "llama3-70b", "--degree", "8", "--batch", "8"]))
+    result = cli.run(["infer", "--preset", "llama3-70b", "--degree", "8", "--batch", "8"])
     assert result["kv_bytes_per_token"] == 320 * 1024
     assert result["tp"]["kv_cache_bytes_per_rank"] == [8 * 4096 * 320 * 1024 // 8] * 8
     assert result["tp"]["latency_s"] < result["placement"]["latency_s"]

@@ -1,10 +1,9 @@
 """MoE theory (labs.theory.moe): parameter counts against built models, capacity, drops, all-to-all
 bytes. No processes; the formulas are checked against real modules and simulated routing."""
 
-import argparse
-
 import pytest
 
+from labs.theory import cli
 from labs.theory import moe as theory
 from labs.theory.memory import ModelSpec
 from tests.helpers import assert_torch_free
@@ -156,9 +155,7 @@ def test_capacity_sweep_drops_less_as_capacity_grows():
 
 
 def test_cli_function_and_no_torch():
-    parser = argparse.ArgumentParser()
-    theory.add_arguments(parser)
-    result = theory.cli(parser.parse_args(["--preset", "mixtral-8x7b", "--ep", "8"]))
+    result = cli.run(["moe", "--preset", "mixtral-8x7b", "--ep", "8"])
     assert result["total"] == theory.moe_param_counts(theory.MIXTRAL_8X7B)["total"]
     assert "46.70 B parameters" in theory.format_result(result)
     assert_torch_free("import labs.theory.moe as m; m.moe_param_counts(m.MIXTRAL_8X7B)")

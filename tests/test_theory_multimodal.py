@@ -4,7 +4,6 @@ labs.theory.pipeline's; the split search against brute force; the calculator and
 encoder against theirs without it. Theory and harness only (no exercise code): not marked
 exercise."""
 
-import argparse
 import itertools
 import json
 
@@ -17,10 +16,11 @@ from labs.experiments.multimodal import SIZES, specs
 from labs.measure import SavedActivations
 from labs.models.transformer import ModelConfig, count_params
 from labs.models.vision import MultimodalConfig, VisionConfig, build_multimodal, fuse, run_blocks
+from labs.theory import cli, pipeline
 from labs.theory import multimodal as theory
-from labs.theory import multimodal_plan, pipeline
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.memory import memory_per_rank, param_counts_per_rank, state_bytes
+from labs.theory.planner import multimodal as multimodal_plan
 from labs.theory.presets import preset
 from tests.helpers import assert_torch_free
 
@@ -286,29 +286,13 @@ def test_planner_with_an_encoder():
 
 
 def test_cli_and_no_torch():
-    parser = argparse.ArgumentParser()
-    multimodal_plan.add_arguments(parser)
-    r = multimodal_plan.cli(
-        parser.parse_args(
-            [
-                "--text-tokens",
-                "1024",
-                "--gpus",
-                "16",
-                "--layout",
-                "4,1,4,1,1",
-                "--global-batch",
-                "1024",
-            ]
-        )
-    )
+    argv = ["multimodal", "--text-tokens", "1024", "--gpus", "16", "--layout", "4,1,4,1,1"]
+    r = cli.run([*argv, "--global-batch", "1024"])
     text = multimodal_plan.format_result(r)
     assert json.loads(json.dumps(r))["layout"]["pp"] == 4  # the --json output
     assert "rebalanced" in text and "split (8, 8, 8, 8)" in text and len(r["memory_gib"]) == 4
     with pytest.raises(ValueError, match="layout='4,1' must be five integers"):
-        multimodal_plan.cli(
-            parser.parse_args(["--text-tokens", "10", "--gpus", "16", "--layout", "4,1"])
-        )
+        cli.run(["multimodal", "--text-tokens", "10", "--gpus", "16", "--layout", "4,1"])
     assert_torch_free("import labs.theory.multimodal")
 
 

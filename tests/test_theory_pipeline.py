@@ -432,20 +432,41 @@ def test_dualpipev_runs_every_op_once_in_a_v():
 
 
 @pytest.mark.parametrize("t_b", [1.0, 1.5, 2.0])
-def test_dualpipev_bubble_is_half_of_zero_bubbles_run_on_paper(t_b):
-    """Nothing overlapped, W = t_b / 2: a rank idles (P-1) t_f/2, one chunk's forward per rank of
-    the ramp; with F = B = W that is (P-1)/(6M+P-1) of the step, half of ZB-H1's idle time; and
-    every rank holds 2P+1 chunk micro-batches (DeepSeek's S+1, S = 2P stages)."""
+def test_dualpipev_bubble_is_zero_bubbles_run_on_paper(t_b):
+    """DeepSeek's DualPipeV order with each forward-and-backward pair run as one operation (both
+    inputs first, both outputs after, as DeepSeek's ``_forward_backward_chunk`` and torch's
+    runtime do), W = t_b / 2: a rank idles (P-1) t_f, ZB-H1's idle time; with F = B = W that is
+    (P-1)/(3M+P-1) of the step, DeepSeek's own table's (PP/2-1)(F&B+B-3W) with PP = 2P stages and
+    F&B = F + B; every rank holds 2P+1 chunk micro-batches (DeepSeek's PP+1)."""
     for p, m in DUALPIPE_CASES:
         sim = th.simulate("dualpipev", p, m, 2, t_f=1.0, t_b=t_b)
         step = th.step_time("dualpipev", p, m, 1.0, t_b, virtual=2)
-        assert sim["makespan"] == pytest.approx(step) == m * (1 + t_b) + (p - 1) / 2, (p, m)
+        assert sim["makespan"] == pytest.approx(step) == m * (1 + t_b) + (p - 1), (p, m)
+        assert th.idle_time("dualpipev", p, 1.0, t_b, virtual=2) == th.idle_time("zb-h1", p, 1, t_b)
         assert sim["in_flight"] == [2 * p + 1] * p
         if t_b == 2.0:
             assert sim["bubble_fraction"] == pytest.approx(th.bubble_fraction("dualpipev", p, m, 2))
-            assert th.bubble_fraction("dualpipev", p, m, 2) == (p - 1) / (6 * m + p - 1)
-            zb_idle = th.idle_time("zb-h1", p, 1.0, t_b)
-            assert th.idle_time("dualpipev", p, 1.0, t_b, virtual=2) == zb_idle / 2
+            assert th.bubble_fraction("dualpipev", p, m, 2) == (p - 1) / (3 * m + p - 1)
+            # DeepSeek's table in a chunk's times (F = 1/2, B = 1, W = 1/2, F&B = F + B)
+            deepseek = th.dualpipe_bubble_time(2 * p, 0.5, 1.0, 0.5)
+            assert th.idle_time("dualpipev", p, 1.0, t_b, virtual=2) == deepseek
+
+
+def test_dualpipev_pairs_wait_for_both_inputs():
+    """The pairs are DeepSeek's: in phases 4 and 5 every forward runs with a full backward of the
+    other chunk, except the last rank's first one. Run as two independent operations instead,
+    the same order idles half as long, a bubble of (P-1)/(6M+P-1): the figure the course taught
+    before, which no implementation reaches (notebook 05 measured 0.128 at P = 4, M = 8)."""
+    p, m = 4, 8
+    pairs = th.paired_operations("dualpipev", p, m, 2)
+    for r, ops in enumerate(th.schedule_ops("dualpipev", p, m, 2)):
+        assert all(ops[i][0] == "F" and ops[i + 1][0] == "BW" for i in pairs[r])
+        assert len(pairs[r]) == 2 * (m - 2 * p + r + 1) + (p - r - 1) - (r == p - 1)
+    assert th.paired_operations("zb-h1", p, m) == [frozenset()] * p
+    assert th.simulate("dualpipev", p, m, 2)["bubble_fraction"] == pytest.approx(3 / 27)
+    unpaired = th.simulate("dualpipev", p, m, 2, paired=False)
+    assert unpaired["bubble_fraction"] == pytest.approx(3 / 51)
+    assert unpaired["makespan"] == m * 3 + (p - 1) / 2
 
 
 def test_dualpipev_bytes_and_held():
@@ -480,7 +501,7 @@ def test_split_schedules_cli_general_times_and_bad_input():
         "--json",
     )
     assert r["virtual"] == 2 and r["in_flight_microbatches"] == [9, 9, 9, 9]
-    assert r["bubble_fraction"] == pytest.approx(3 / 51) == r["simulated_bubble_fraction"]
+    assert r["bubble_fraction"] == pytest.approx(3 / 27) == r["simulated_bubble_fraction"]
     out = run_cli(
         "-m", "labs.theory", "bubble", "--schedule", "zb-h1", "--stages", "4",
         "--microbatches", "8", "--t-weight", "0.5",
@@ -502,4 +523,4 @@ def test_bubble_calculator_draws_dualpipev():
     hatches = [b.get_hatch() for b in fig.axes[0].patches]
     assert hatches.count("xx") == sum(name == "BW" for name, *_ in ops)
     assert hatches.count("..") == sum(name == "W" for name, *_ in ops) > 0
-    assert r["bubble_fraction"] == pytest.approx(3 / 51)
+    assert r["bubble_fraction"] == pytest.approx(3 / 27)

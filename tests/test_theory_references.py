@@ -6,8 +6,8 @@ all-reduce. Decimal GB only where the source prints them. Theory only: not marke
 import pytest
 
 from labs.theory.activations import layer_terms, playbook_layer_bytes, terms_bytes
+from labs.theory.planner.published import format_references, reference_checks
 from labs.theory.presets import PRESETS
-from labs.theory.published import format_references, reference_checks
 
 ROWS = reference_checks()
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from labs.theory.memory_report import GIB, compare, format_rows
-from labs.theory.presets import preset
+from labs.theory.presets import GPUS, preset
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -237,8 +237,11 @@ def calculator_rows(model: str = "llama3-8b", **run) -> list[dict]:
     return compare(preset(model), configs, **run)
 
 
-def calculator_table(model: str = "llama3-8b", *, gpu_mem_gib: float = 80.0, **run) -> str:
-    """``calculator_rows`` as the calculator's table, and what FP8 saves over bf16-mixed."""
+def calculator_table(
+    model: str = "llama3-8b", *, gpu_mem_gib: float = GPUS["H100 80GB"].memory_gib, **run
+) -> str:
+    """``calculator_rows`` as the calculator's table on an H100's 79.6 GiB (``gpu_mem_gib``), and
+    what FP8 saves over bf16-mixed."""
     rows = calculator_rows(model, **run)
     bf16, fp8 = rows[1], rows[2]
     saved = bf16["total_bytes"] - fp8["total_bytes"]

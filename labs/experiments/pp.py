@@ -16,7 +16,7 @@ course does not ask you to write: ``labs.experiments.pp_torch``):
 * theory: bytes each rank sends (ledger) = ``p2p_bytes_per_rank``; the order of F, B (and W)
   on each rank = ``schedule_ops``; the peak number of micro-batches whose activations a stage
   holds (saved-tensor accounting, ``labs.experiments.pp_timeline``) = ``in_flight_microbatches``;
-  the measured bubble next to (P-1)/(V·M+P-1) (zb-h1: (P-1)/(3M+P-1); dualpipev (P-1)/(6M+P-1));
+  the measured bubble next to (P-1)/(V·M+P-1) (zb-h1 and dualpipev: (P-1)/(3M+P-1));
 * torch: ``torch.distributed.pipelining`` (ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
   / ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble, ``pp_torch.VS_TORCH``) on the same
   split: same losses, step time side by side.

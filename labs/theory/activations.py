@@ -44,7 +44,11 @@ Recomputation (``recompute``):
                them (torchtitan's policy saves the reduce-scatter's output, not the partial sum):
                sequence-sharded under SP, whole without it.
     full       checkpoint each block: keep only its input, e·h per token (recomputing the block in
-               backward needs one block's activations for a moment; that transient is not counted)
+               backward needs one block's activations for a moment; that transient is not counted).
+               Under sequence parallelism that input is sequence-sharded, e·h/t per token, as
+               Megatron-LM keeps it ([s/t, b, h], the layer's input in the sequence-parallel
+               region); Korthikanti et al. 2022, Table 2 lists full recomputation as 2sbh, the
+               input without SP, which is what we count with TP alone.
 
 The order full <= selective <= none holds for every layout (a property test checks it over the
 presets and every parallel degree and schedule).
@@ -71,10 +75,9 @@ s/c tokens of every per-token term.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from labs.theory.memory import ModelSpec  # memory imports this module
+from labs.theory.model import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -11,6 +11,12 @@ Ultra-Scale Playbook, appendix A0) send:
     all-to-all        (N-1)/N K    (even split: keep 1/N, send the rest)
     broadcast         (N-1)/N K    per rank on average (pipelined chain)
 
+Time is another matter for a broadcast: the root must send all K bytes, so at a rank's
+bandwidth B it takes K/B, not (N-1)/N·K/B. ``collective_seconds`` uses nccl-tests' bus factors
+(doc/PERFORMANCE.md and src/*.cu: t = K·f/B with f = 2(N-1)/N for all-reduce, (N-1)/N for
+reduce-scatter, all-gather and all-to-all, 1 for broadcast and reduce), and ``bus_bandwidth``
+is nccl-tests' busbw = K/t · f.
+
 Pure Python: no torch needed.
 """
 
@@ -63,14 +69,67 @@ BYTES_PER_RANK = {
 }
 
 
+# nccl-tests' bus factor f per collective: its time is f·K/B on links of B bytes/s per rank
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,  # all K bytes leave the root
+}
+
+
+def collective_seconds(op: str, k: float, n: int, bandwidth: float) -> float:
+    """Seconds collective ``op`` of K bytes over N ranks takes at ``bandwidth`` bytes/s per rank
+    (the bus factor's f·K/B): for a broadcast K/B, which its bytes per rank on average would
+    underestimate by (N-1)/N."""
+    _check(k, n)
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
+    return BUS_FACTOR[op](n) * k / bandwidth
+
+
 def ring_steps(op: str, n: int) -> int:
     """Rounds of neighbour exchange in the ring algorithm: N-1 per phase."""
     return 2 * (n - 1) if op == "all_reduce" else (n - 1)
 
 
 def bus_bandwidth(op: str, k: float, n: int, seconds: float) -> float:
-    """Bus bandwidth (bytes/s), as nccl-tests defines it: bytes a rank sends over the time.
-    Unlike the algorithm bandwidth K / t, it does not depend on N for an ideal ring."""
+    """Bus bandwidth (bytes/s), as nccl-tests defines it: the algorithm bandwidth K / t times the
+    bus factor (``BUS_FACTOR``). For an ideal ring it does not depend on N."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    return BYTES_PER_RANK[op](k, n) / seconds
+    _check(k, n)
+    return k / seconds * BUS_FACTOR[op](n)
+
+
+def collective(op: str, k: float, n: int, *, bandwidth_gbs: float | None = None) -> dict:
+    """One collective's figures (``python -m labs.theory comm``): ``bytes_per_rank`` and
+    ``ring_steps``, and with a per-rank ``bandwidth_gbs`` (GB/s) the ``seconds`` it takes
+    (``collective_seconds``)."""
+    if op not in BYTES_PER_RANK:
+        raise ValueError(f"op={op!r} is not one of {tuple(sorted(BYTES_PER_RANK))}")
+    sent = BYTES_PER_RANK[op](k, n)
+    result = {
+        "op": op,
+        "tensor_bytes": k,
+        "ranks": n,
+        "bytes_per_rank": sent,
+        "ring_steps": ring_steps(op, n),
+    }
+    if bandwidth_gbs is not None:
+        if bandwidth_gbs <= 0:
+            raise ValueError(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
+        result["seconds"] = collective_seconds(op, k, n, bandwidth_gbs * 1e9)
+    return result
+
+
+def format_collective(r: dict) -> str:
+    """``collective``'s result as one sentence."""
+    text = (
+        f"{r['op']} of {r['tensor_bytes']:.4g} B over {r['ranks']} ranks: "
+        f"{r['bytes_per_rank']:.4g} B sent per rank in {r['ring_steps']} ring steps"
+    )
+    if "seconds" in r:
+        text += f", {r['seconds'] * 1e3:.3g} ms at the given bandwidth"
+    return text

@@ -33,7 +33,6 @@ does): q, k, v, out and the fp32 log-sum-exp,
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable
 
 from labs.theory.dims import check_divides, check_positive
@@ -267,22 +266,13 @@ def format_long_context(rows: list[dict], *, flash: bool = True) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``cp`` command's options."""
-    parser.add_argument("--cp", type=int, default=4, help="context-parallel degree")
-    parser.add_argument("--causal", action="store_true", default=True)
-    parser.add_argument("--no-causal", dest="causal", action="store_false")
-    parser.add_argument("--zigzag", action="store_true", default=True)
-    parser.add_argument("--no-zigzag", dest="zigzag", action="store_false")
-
-
-def cli(args: argparse.Namespace) -> dict:
-    """The ``cp`` command's result: blocks computed and masked per rank, and the imbalance."""
-    work = work_per_rank(args.cp, causal=args.causal, zigzag=args.zigzag)
+def work_summary(cp: int, *, causal: bool = True, zigzag: bool = True) -> dict:
+    """Blocks computed and masked per rank, and the imbalance (``python -m labs.theory cp``)."""
+    work = work_per_rank(cp, causal=causal, zigzag=zigzag)
     return {
-        "cp": args.cp,
-        "causal": args.causal,
-        "layout": LAYOUTS[args.zigzag],
+        "cp": cp,
+        "causal": causal,
+        "layout": LAYOUTS[zigzag],
         "blocks_computed_per_rank": [w["computed"] for w in work],
         "blocks_masked_per_rank": [w["masked"] for w in work],
         "imbalance": imbalance(work),

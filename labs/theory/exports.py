@@ -234,6 +234,19 @@ def deepspeed_config(
     return config
 
 
+def can_express(kind: str, layout: Mapping) -> bool:
+    """Whether ``export(kind, ...)`` can express a layout (dp, tp, pp, cp, zero): accelerate's
+    FSDP has no PP and shards with ZeRO-2 or 3; DeepSpeed has no ring-attention CP and allows ZeRO
+    0 or 1 with PP; torchrun runs our mesh lab, any layout."""
+    if kind == "accelerate":
+        return layout["pp"] == 1 and layout.get("zero", 3) in (2, 3)
+    if kind == "deepspeed":
+        return layout["cp"] == 1 and (layout["pp"] == 1 or layout.get("zero", 1) <= 1)
+    if kind == "torchrun":
+        return True
+    raise ValueError(f"export={kind!r} is not one of ('torchrun', 'accelerate', 'deepspeed')")
+
+
 def export(kind: str, plan: Mapping, **kw: object) -> str:
     """The text of one export: ``torchrun`` (command), ``accelerate`` (YAML) or ``deepspeed``
     (JSON)."""

@@ -24,6 +24,14 @@ matmul, down_proj, whose output nothing saves, is not rerun);
 matmul and attention output), only pointwise ops that FLOP counts leave out. MFU counts model
 FLOPs (recompute="none"); hardware FLOPs utilisation (HFU) counts what was executed.
 
+Conventions differ for selective recomputation: we count the rerun attention core's forward,
+4·b·s²·h per layer, against the whole step, 0.9 % for GPT-3 (s = 2,048, h = 12,288).
+Korthikanti et al. 2022 give 2.7 % for GPT-3, and the HFU - MFU gaps of their Table 5 (as
+Megatron-LM's README reprints it: 22B 43.7 / 41.5 %, 175B 52.8 / 51.4 %, 530B 57.0 / 56.0 %, 1T
+57.0 / 56.3 %) are three times ours within rounding: the same FLOPs against the forward pass
+alone, a third of a step (4·b·s²·h / (24·b·s·h²·(1 + s/6h)) = 2.7 % for GPT-3).
+``labs.theory.planner.published`` holds both side by side.
+
     MFU = FLOPs per step / (step time · peak FLOP/s per GPU · GPUs)
 """
 
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 from labs.theory.activations import RECOMPUTE
 from labs.theory.dims import check_positive
-from labs.theory.memory import ModelSpec, param_count
+from labs.theory.model import ModelSpec, param_count
 
 
 def matmul_params(spec: ModelSpec) -> int:

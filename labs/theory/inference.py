@@ -40,11 +40,10 @@ the stages read their parts one after another (the whole model), then N hops.
 
 from __future__ import annotations
 
-import argparse
-
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes
 from labs.theory.dims import check_divides, check_positive
-from labs.theory.memory import GIB, ModelSpec, layers_on_stage, stage_params
+from labs.theory.memory import GIB
+from labs.theory.model import ModelSpec, layers_on_stage, stage_params
 from labs.theory.presets import GPUS, PRESETS, preset
 
 MODES = ("tp", "placement")
@@ -331,69 +330,60 @@ def preset_table(
     return "\n".join(lines)
 
 
-# --- the `infer` command of python -m labs.theory ---------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``infer`` command's options."""
-    parser.add_argument("--preset", default="llama3-8b", help=f"one of {', '.join(PRESETS)}")
-    parser.add_argument(
-        "--degree", type=int, default=8, help="N: GPUs for the model (tp or pp degree)"
-    )
-    parser.add_argument("--batch", type=int, default=1, help="B: sequences decoded together")
-    parser.add_argument("--seq", type=int, default=4096, help="T: cached positions per sequence")
-    parser.add_argument("--gpu", default="H100 80GB", help=f"one of {', '.join(HBM_TBS)}")
-    parser.add_argument(
-        "--dtype-bytes", type=int, default=2, help="e: bytes per weight and cache element"
-    )
-
-
-def cli(args: argparse.Namespace) -> dict:
-    """The ``infer`` command's result: the cache, its capacity and the decode time, for TP and for
-    placement on ``--degree`` GPUs."""
-    spec = preset(args.preset)
+def serving_figures(
+    name: str,
+    *,
+    degree: int = 8,
+    batch: int = 1,
+    seq: int = 4096,
+    gpu: str = "H100 80GB",
+    dtype_bytes: int = 2,
+) -> dict:
+    """The cache, its capacity and the decode time for preset ``name``, for TP and for placement
+    on ``degree`` GPUs (``python -m labs.theory infer``)."""
+    spec = preset(name)
     out = {
-        "preset": args.preset,
-        "degree": args.degree,
-        "batch": args.batch,
-        "seq": args.seq,
-        "gpu": args.gpu,
-        "kv_bytes_per_token": kv_cache_bytes_per_token(spec, dtype_bytes=args.dtype_bytes),
+        "preset": name,
+        "degree": degree,
+        "batch": batch,
+        "seq": seq,
+        "gpu": gpu,
+        "kv_bytes_per_token": kv_cache_bytes_per_token(spec, dtype_bytes=dtype_bytes),
     }
     for mode in MODES:
-        tp = args.degree if mode == "tp" else 1
-        pp = 1 if mode == "tp" else args.degree
+        tp = degree if mode == "tp" else 1
+        pp = 1 if mode == "tp" else degree
         cache = [
             kv_cache_bytes_per_rank(
                 spec,
-                batch=args.batch,
-                seq=args.seq,
+                batch=batch,
+                seq=seq,
                 tp=tp,
                 pp=pp,
                 stage=s if pp > 1 else 0,
-                dtype_bytes=args.dtype_bytes,
+                dtype_bytes=dtype_bytes,
             )
-            for s in range(args.degree)
+            for s in range(degree)
         ]
-        capacity = cache_capacity(spec, gpu=args.gpu, tp=tp, pp=pp, dtype_bytes=args.dtype_bytes)
+        capacity = cache_capacity(spec, gpu=gpu, tp=tp, pp=pp, dtype_bytes=dtype_bytes)
         out[mode] = {
             "kv_cache_bytes_per_rank": cache,
             "capacity_tokens": capacity["tokens"],
             **decode_time(
                 spec,
                 mode=mode,
-                degree=args.degree,
-                batch=args.batch,
-                context=args.seq,
-                gpu=args.gpu,
-                dtype_bytes=args.dtype_bytes,
+                degree=degree,
+                batch=batch,
+                context=seq,
+                gpu=gpu,
+                dtype_bytes=dtype_bytes,
             ),
         }
     return out
 
 
 def format_result(r: dict) -> str:
-    """``cli``'s result: one line for the cache, one per mode."""
+    """``serving_figures``' result: one line for the cache, one per mode."""
     lines = [
         f"{r['preset']} on {r['degree']} x {r['gpu']}, B={r['batch']}, T={r['seq']}: "
         f"KV cache {r['kv_bytes_per_token'] / 1024:.0f} KiB per position on one GPU"

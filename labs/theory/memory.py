@@ -54,11 +54,18 @@ The rank reported is the stage with the largest total.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import lru_cache
 
 from labs.theory.activations import RECOMPUTE, stage_activation_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
+
+# the model and its parameters live in labs.theory.model; these names stay importable from here
+from labs.theory.model import ModelSpec as ModelSpec
+from labs.theory.model import layers_on_stage as layers_on_stage
+from labs.theory.model import layers_params as layers_params
+from labs.theory.model import param_count as param_count
+from labs.theory.model import param_counts as param_counts
+from labs.theory.model import param_counts_per_rank as param_counts_per_rank
+from labs.theory.model import stage_params as stage_params
 from labs.theory.pipeline import check_schedule, in_flight_microbatches, interleaved_peak
 
 PRECISIONS = {
@@ -68,94 +75,6 @@ PRECISIONS = {
 }
 OPTIMIZERS = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The dimensions that fix a decoder-only transformer's parameter count.
-
-    ``arch="llama"``: RMSNorm (weight only), no biases, rotary positions, SwiGLU MLP
-    (gate, up, down), grouped-query attention (``n_kv_heads``), untied head by default.
-    ``arch="gpt"``: LayerNorm (weight and bias), biases everywhere, learned positions
-    (``max_positions``), GELU MLP (up, down), multi-head attention, tied head.
-    """
-
-    arch: str = "llama"
-    vocab_size: int = 256
-    hidden: int = 64
-    n_layers: int = 2
-    n_heads: int = 8
-    n_kv_heads: int | None = None  # None: = n_heads
-    ffn_hidden: int | None = None  # None: 4 * hidden
-    tied_embeddings: bool = False
-    max_positions: int = 1024  # gpt only: rows of the learned position table
-    head_dim: int | None = None  # None: hidden // n_heads
-    n_experts: int = 1  # > 1: every MLP is this many SwiGLU experts behind a router (llama only)
-    top_k: int = 1  # experts each token runs through (with n_experts > 1)
-
-    def __post_init__(self):
-        if self.arch not in ("llama", "gpt"):
-            raise ValueError(f"arch={self.arch!r} is not one of ('llama', 'gpt')")
-        required = ("vocab_size", "hidden", "n_layers", "n_heads", "max_positions")
-        check_positive(**{n: getattr(self, n) for n in required})
-        check_positive(n_experts=self.n_experts, top_k=self.top_k)
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"top_k={self.top_k} is larger than n_experts={self.n_experts}: a token cannot"
-                f" pick more experts than exist; use top_k <= {self.n_experts}"
-            )
-        if self.n_experts > 1 and self.arch != "llama":
-            raise ValueError(
-                f"n_experts={self.n_experts} with arch={self.arch!r}: experts are SwiGLU MLPs;"
-                " use arch='llama'"
-            )
-        optional = ("n_kv_heads", "ffn_hidden", "head_dim")  # None: the default above
-        check_positive(**{n: getattr(self, n) for n in optional if getattr(self, n) is not None})
-        if self.head_dim is None and self.hidden % self.n_heads:
-            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"heads={self.n_heads} is not divisible by kv_heads={self.kv_heads}")
-
-    @property
-    def kv_heads(self) -> int:
-        """nkv: key/value heads."""
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def ffn(self) -> int:
-        """F: the MLP's hidden width."""
-        return self.ffn_hidden or 4 * self.hidden
-
-    @property
-    def hd(self) -> int:
-        """hd: the head dimension."""
-        return self.head_dim or self.hidden // self.n_heads
-
-    @property
-    def moe(self) -> bool:
-        """Whether the MLPs are mixtures of experts."""
-        return self.n_experts > 1
-
-
-def param_counts(spec: ModelSpec) -> dict[str, int]:
-    """Exact parameter count by part: ``embedding``, ``per_layer`` (and its ``attention``,
-    ``mlp``, ``norms``), ``final_norm``, ``head`` (0 when tied), ``experts`` (the expert
-    weights of all layers, which expert parallelism splits; 0 for a dense model) and ``total``.
-
-    Llama: per layer  h·nh·hd + 2·h·nkv·hd + nh·hd·h   (q, k, v, o)
-                    + 3·h·F                             (gate, up, down)
-                    + 2·h                               (two RMSNorm weights)
-           total    V·h (embedding) + L·per_layer + h (final norm) + V·h (head, untied)
-           MoE      the MLP is E experts of 3·h·F and a router h·E (``labs.theory.moe``)
-    GPT:   the playbook's N = h·V + L(12h² + 13h) + 2h when F = 4h, plus the learned
-           positions (max_positions·h), which the playbook leaves out.
-    """
-    return param_counts_per_rank(spec)
-
-
-def param_count(spec: ModelSpec) -> int:
-    """The exact number of parameters (``param_counts``' total)."""
-    return param_counts(spec)["total"]
 
 
 def check_training(
@@ -241,90 +160,6 @@ def state_bytes(
 
 PP_SCHEDULES = ("1f1b", "afab", "gpipe", "interleaved", "zb-h1")
 GIB = 2**30
-
-
-def param_counts_per_rank(spec: ModelSpec, *, tp: int = 1, ep: int = 1) -> dict[str, int]:
-    """``param_counts`` for one tensor-parallel rank (``tp`` must divide heads, kv-heads and F) of
-    one expert-parallel group of ``ep`` ranks (each holds n_experts / ep experts)."""
-    return dict(_counts_per_rank(spec, tp, ep))
-
-
-@lru_cache(maxsize=1024)
-def _counts_per_rank(spec: ModelSpec, tp: int, ep: int) -> tuple[tuple[str, int], ...]:
-    h = spec.hidden
-    V = math.ceil(spec.vocab_size / tp)
-    F = spec.ffn
-    L = spec.n_layers
-    experts = 0  # per layer
-    if spec.arch == "llama":
-        attention = (2 * h * spec.n_heads * spec.hd + 2 * h * spec.kv_heads * spec.hd) // tp
-        expert = 3 * h * F // tp
-        if spec.moe:
-            experts = spec.n_experts // ep * expert
-            mlp = experts + h * spec.n_experts  # the router is replicated
-        else:
-            mlp = expert
-        norms = 2 * h
-        embedding = V * h
-        final_norm = h
-    else:
-        # column-parallel qkv and up (weights and biases split), row-parallel o and down (biases
-        # replicated)
-        attention = (4 * h * h + 3 * h) // tp + h
-        mlp = (2 * h * F + F) // tp + h
-        norms = 4 * h
-        embedding = V * h + spec.max_positions * h
-        final_norm = 2 * h
-    per_layer = attention + mlp + norms
-    head = 0 if spec.tied_embeddings else V * h
-    total = embedding + L * per_layer + final_norm + head
-    return (
-        ("embedding", embedding),
-        ("attention", attention),
-        ("mlp", mlp),
-        ("norms", norms),
-        ("per_layer", per_layer),
-        ("final_norm", final_norm),
-        ("head", head),
-        ("experts", L * experts),
-        ("total", total),
-    )
-
-
-def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
-    """Layers of pipeline stage ``stage``: n_layers // pp, one more on the first n_layers % pp
-    stages."""
-    return n_layers // pp + (1 if stage < n_layers % pp else 0)
-
-
-def stage_params(spec: ModelSpec, *, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
-    """Parameters one rank of pipeline stage ``stage`` holds (before ZeRO), the layers split
-    evenly."""
-    return layers_params(
-        spec,
-        layers=layers_on_stage(spec.n_layers, pp, stage),
-        first=stage == 0,
-        last=stage == pp - 1,
-        pp=pp,
-        tp=tp,
-        ep=ep,
-    )
-
-
-def layers_params(
-    spec: ModelSpec, *, layers: int, first: bool, last: bool, pp: int, tp: int = 1, ep: int = 1
-) -> int:
-    """Parameters one TP rank of a pipeline stage holds with ``layers`` blocks: the ``first`` stage
-    also the embedding, the ``last`` the final norm and the head (and, tied across pp > 1 stages,
-    its own copy of the table)."""
-    c = param_counts_per_rank(spec, tp=tp, ep=ep)
-    n = layers * c["per_layer"] + (c["embedding"] if first else 0)
-    if last:
-        tied_copy = (
-            math.ceil(spec.vocab_size / tp) * spec.hidden if spec.tied_embeddings and pp > 1 else 0
-        )
-        n += c["final_norm"] + c["head"] + tied_copy
-    return n
 
 
 def _check_layout(
@@ -427,36 +262,35 @@ def _state(
     return out
 
 
-def _stage_activations(
-    spec: ModelSpec,
-    *,
-    stage: int,
-    pp: int,
-    m: int,
-    schedule: str,
-    virtual: int,
-    layers: int,
-    **size: object,
-) -> tuple[float, int, dict]:
-    """(bytes, micro-batches held, one micro-batch's parts) of stage ``stage`` at its peak."""
-    per_mb = stage_activation_bytes(
-        spec, layers=layers, first=stage == 0, last=stage == pp - 1, **size
-    )
-    if pp == 1:
-        return per_mb["total"], 1, per_mb
-    if schedule != "interleaved":
-        held = in_flight_microbatches(schedule, pp, m, stage)
-        return held * per_mb["total"], held, per_mb
-    # interleaved: chunk c holds layers/V of the stage; only the first stage's first chunk keeps
-    # the embedding's, the last stage's last chunk the loss's
-    chunk = stage_activation_bytes(spec, layers=layers / virtual, first=False, last=False, **size)[
-        "total"
-    ]
-    chunk_bytes = [chunk] * virtual
+def _activation_parts(
+    spec: ModelSpec, *, layers: int, first: bool, last: bool, virtual: int, **size: object
+) -> tuple[dict, list[float]]:
+    """One micro-batch's activation parts on a stage with ``layers`` layers (``first``: it has the
+    embedding, ``last`` the loss), and what each of its ``virtual`` chunks holds per chunk
+    micro-batch: chunk c holds layers/V of the stage; only the first stage's first chunk keeps the
+    embedding's, the last stage's last chunk the loss's."""
+    per_mb = stage_activation_bytes(spec, layers=layers, first=first, last=last, **size)
+    if virtual == 1:
+        return per_mb, [per_mb["total"]]
+    chunk = stage_activation_bytes(spec, layers=layers / virtual, first=False, last=False, **size)
+    chunk_bytes = [chunk["total"]] * virtual
     chunk_bytes[0] += per_mb["embedding"]
     chunk_bytes[-1] += per_mb["final_norm"] + per_mb["loss"]
-    peak, held = interleaved_peak(pp, m, stage, virtual, chunk_bytes)
-    return peak, held, per_mb
+    return per_mb, chunk_bytes
+
+
+def _stage_activations(
+    per_mb: dict, chunk_bytes: list[float], *, stage: int, pp: int, m: int, schedule: str
+) -> tuple[float, int]:
+    """(bytes, micro-batches held) of stage ``stage`` at its peak: the micro-batches its
+    schedule holds at once (``in_flight_microbatches``; interleaved: its order of chunk
+    operations, ``interleaved_peak``)."""
+    if pp == 1:
+        return per_mb["total"], 1
+    if schedule != "interleaved":
+        held = in_flight_microbatches(schedule, pp, m, stage)
+        return held * per_mb["total"], held
+    return interleaved_peak(pp, m, stage, len(chunk_bytes), chunk_bytes)
 
 
 def memory_per_rank(
@@ -529,33 +363,36 @@ def memory_per_rank(
         recompute=recompute,
         fp8=fp8,
     )
+    # stages with the same layers, embedding and head hold the same state and the same
+    # activations per micro-batch; only how many micro-batches they hold differs
+    kinds = {}
     stages = []
     for stage in range(pp):
-        state = _state(
-            spec,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            stage=stage,
-            zero=zero,
-            dp=dp,
-            offload=offload,
-            precision=precision,
-            optimizer=optimizer,
-            fp32_grad_accum=fp32_grad_accum,
-            exact_shards=exact_shards,
-            optimizer_bytes=optimizer_bytes,
-        )
         layers = layers_on_stage(spec.n_layers, pp, stage)
-        activations, in_flight, per_mb = _stage_activations(
-            spec,
-            stage=stage,
-            pp=pp,
-            m=m,
-            schedule=schedule,
-            virtual=virtual,
-            layers=layers,
-            **size,
+        kind = (layers, stage == 0, stage == pp - 1)
+        if kind not in kinds:
+            state = _state(
+                spec,
+                tp=tp,
+                pp=pp,
+                ep=ep,
+                stage=stage,
+                zero=zero,
+                dp=dp,
+                offload=offload,
+                precision=precision,
+                optimizer=optimizer,
+                fp32_grad_accum=fp32_grad_accum,
+                exact_shards=exact_shards,
+                optimizer_bytes=optimizer_bytes,
+            )
+            parts = _activation_parts(
+                spec, layers=layers, first=kind[1], last=kind[2], virtual=virtual, **size
+            )
+            kinds[kind] = (state, *parts)
+        state, per_mb, chunk_bytes = kinds[kind]
+        activations, in_flight = _stage_activations(
+            per_mb, chunk_bytes, stage=stage, pp=pp, m=m, schedule=schedule
         )
         stages.append(
             {
@@ -569,7 +406,7 @@ def memory_per_rank(
                 "stage": stage,
                 "layers": layers,
                 "in_flight": in_flight,
-                "activations_per_microbatch": per_mb,
+                "activations_per_microbatch": dict(per_mb),
             }
         )
     worst = max(stages, key=lambda s: s["total_bytes"])

@@ -1,6 +1,7 @@
-"""The memory calculator's front-end logic, shared by the CLI and the widget
+"""The memory calculator's reports, shared by the command line and the widget
 (``labs.widgets.memory``): a model from a preset or free dimensions, the fits / does-not-fit
-verdict, sweeps, and ``python -m labs.theory memory``. Pure Python.
+verdict, sweeps, comparisons and tables, and ``report``, what ``python -m labs.theory memory``
+prints (the command line itself is ``labs.theory.cli``). Pure Python.
 
     python -m labs.theory memory --preset llama3-8b --seq 4096 --mbs 1 --zero 3 --dp 8 \\
         --gpu-mem 80
@@ -17,7 +18,6 @@ Bad input (a degree that does not divide the heads, more stages than layers, ZeR
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Iterable
 
@@ -27,7 +27,6 @@ from labs.theory.flops import flops_per_token, mfu
 from labs.theory.memory import (
     GIB,
     OPTIMIZERS,
-    PP_SCHEDULES,
     PRECISIONS,
     ModelSpec,
     fits,
@@ -280,122 +279,48 @@ def format_playbook_comparison(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--preset`` or free dimensions (``--layers --hidden ...``): the model options every
-    calculator shares."""
-    model = parser.add_argument_group(
-        "model: a preset, or free dimensions (which override a preset's)"
-    )
-    model.add_argument(
-        "--preset", help="tiny, gpt2-small, llama3.2-1b, llama3-8b, llama3-70b, llama3-405b"
-    )
-    model.add_argument("--arch", default=None, help="llama (default) or gpt, for free dimensions")
-    helps = {
-        "head_dim": "attention head width (default hidden / heads)",
-        "experts": "experts per MoE layer (default 1: a dense MLP)",
-        "top_k": "experts each token runs through (with --experts)",
-    }
-    for name in DIMS:
-        model.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=None, help=helps.get(name)
-        )
-    return model
-
-
-def spec_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
-    """(name, spec) of the model that ``add_model_arguments``' options give (and ``--tied``, where a
-    command has it)."""
-    dims = {name: getattr(args, name) for name in DIMS}
-    return model_spec(args.preset, arch=args.arch, tied=getattr(args, "tied", None), **dims)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``memory`` command's options."""
-    model = add_model_arguments(parser)
-    model.add_argument(
-        "--tied", action="store_true", default=None, help="tie the output head to the embedding"
-    )
-    run = parser.add_argument_group("training run")
-    run.add_argument("--seq", type=int, default=4096, help="sequence length")
-    run.add_argument(
-        "--mbs", type=int, default=1, help="micro-batch size (sequences per rank per micro-batch)"
-    )
-    run.add_argument("--precision", default="bf16-mixed", help=" or ".join(PRECISIONS))
-    run.add_argument(
-        "--fp8", action="store_true", help="bf16-mixed with FP8 linear layers (activations)"
-    )
-    run.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
-    run.add_argument(
-        "--optimizer-bytes",
-        type=float,
-        default=None,
-        help="optimizer state bytes per parameter, fp32 master copy not included"
-        " (default: the optimizer's, 8 for AdamW)",
-    )
-    run.add_argument(
-        "--offload", action="store_true", help="optimizer state in host memory (ZeRO-Offload)"
-    )
-    run.add_argument(
-        "--fp32-grad-accum", action="store_true", help="bf16-mixed: accumulate gradients in fp32"
-    )
-    run.add_argument(
-        "--zero", type=int, default=0, help="ZeRO stage 0-3 (shards over the dp ranks)"
-    )
-    for degree in ("dp", "tp", "pp", "cp", "ep"):
-        run.add_argument("--" + degree, type=int, default=1, help=f"{degree} degree")
-    run.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp >= 2)")
-    run.add_argument("--recompute", default="none", help="none, selective or full")
-    run.add_argument(
-        "--microbatches", type=int, default=None, help="micro-batches per step (default: pp)"
-    )
-    run.add_argument("--schedule", default="1f1b", help=", ".join(PP_SCHEDULES))
-    run.add_argument(
-        "--virtual", type=int, default=1, help="model chunks per pipeline rank (interleaved)"
-    )
-    gpu = parser.add_argument_group("GPU")
-    gpu.add_argument(
-        "--gpu-mem",
-        type=str,
-        default=None,
-        help="GPU memory in GiB (79.6 for an H100 '80 GB'; or 79.6GiB, 80GB): adds 'fits'",
-    )
-    gpu.add_argument(
-        "--step-time", type=float, default=None, help="measured step time in seconds (for MFU)"
-    )
-    gpu.add_argument(
-        "--peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU (for MFU)"
-    )
-
-
-def cli(args: argparse.Namespace) -> dict:
-    """The ``memory`` command's result: ``memory_per_rank`` with the model, the configuration,
-    FLOPs per token, and (given a GPU) the verdict and MFU."""
-    name, spec = spec_from_args(args)
-    config = {key: getattr(args, key) for key in RUN_KEYS if key != "exact_shards"}
+def report(
+    spec: ModelSpec,
+    *,
+    model: str = "custom",
+    gpu_mem: str | float | None = None,
+    step_time: float | None = None,
+    peak_tflops: float | None = None,
+    **run: object,
+) -> dict:
+    """What ``python -m labs.theory memory`` prints: ``memory_per_rank`` (``run`` holds its
+    keywords) with the model's name and parameters, the configuration, FLOPs per token, with
+    ``gpu_mem`` (GiB, or a number with a unit: ``gpu_memory_gib``) the verdict, and with a measured
+    ``step_time`` (s) and ``peak_tflops`` the MFU."""
+    unknown = sorted(set(run) - set(RUN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown keyword(s) {unknown}; choose from {RUN_KEYS}")
+    config = {key: run[key] for key in RUN_KEYS if key in run}
     result = memory_per_rank(spec, **config)
-    config["microbatches"] = args.microbatches or args.pp
-    out = {"model": name, "total_params": param_count(spec), **result, "config": config}
-    if args.gpu_mem is not None:
-        gpu_mem = gpu_memory_gib(args.gpu_mem)
+    config["microbatches"] = config.get("microbatches") or config.get("pp", 1)
+    out = {"model": model, "total_params": param_count(spec), **result, "config": config}
+    if gpu_mem is not None:
+        gib = gpu_memory_gib(gpu_mem)
         out.update(
-            gpu_mem_gib=gpu_mem,
-            fits=fits(result["total_bytes"], gpu_mem),
-            verdict=verdict(result["total_bytes"], gpu_mem),
+            gpu_mem_gib=gib,
+            fits=fits(result["total_bytes"], gib),
+            verdict=verdict(result["total_bytes"], gib),
         )
-    out["flops_per_token"] = flops_per_token(spec, seq=args.seq)
-    if args.step_time is not None and args.peak_tflops is not None:
-        tokens = args.seq * args.mbs * config["microbatches"] * args.dp
+    out["flops_per_token"] = flops_per_token(spec, seq=config["seq"])
+    if step_time is not None and peak_tflops is not None:
+        degrees = {axis: config.get(axis, 1) for axis in ("dp", "tp", "pp", "cp")}
+        tokens = config["seq"] * config["mbs"] * config["microbatches"] * degrees["dp"]
         out["mfu"] = mfu(
             out["flops_per_token"] * tokens,
-            step_time_s=args.step_time,
-            peak_flops=args.peak_tflops * 1e12,
-            n_gpus=args.dp * args.tp * args.pp * args.cp,
+            step_time_s=step_time,
+            peak_flops=peak_tflops * 1e12,
+            n_gpus=degrees["dp"] * degrees["tp"] * degrees["pp"] * degrees["cp"],
         )
     return out
 
 
 def format_result(r: dict) -> str:
-    """``cli``'s result: the model, the run, the stage and GiB per rank by part."""
+    """``report``'s result as text: the model, the run, the stage and GiB per rank by part."""
     c = r["config"]
     parallel = " ".join(f"{d}={c[d]}" for d in ("dp", "tp", "pp", "cp"))
     if c["sp"]:

@@ -40,13 +40,12 @@ rows to expect.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 from dataclasses import dataclass
 
 from labs.theory.dims import check_divides, check_positive
-from labs.theory.memory import ModelSpec, param_counts
+from labs.theory.model import ModelSpec, param_counts
 
 
 def check_top_k(top_k: int, n_experts: int) -> None:
@@ -249,44 +248,14 @@ def capacity_sweep(
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``moe`` command's options."""
-    parser.add_argument(
-        "--preset", choices=("mixtral-8x7b",), default=None, help="a published model"
-    )
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--ffn", type=int, default=14336, help="one expert's SwiGLU hidden size")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel ranks (for the per-rank count)"
-    )
-
-
-def cli(args: argparse.Namespace) -> dict:
-    """The ``moe`` command's result: ``moe_param_counts`` and the active share."""
-    if args.preset == "mixtral-8x7b":
-        spec = MIXTRAL_8X7B
-    else:
-        dense = ModelSpec(
-            vocab_size=args.vocab,
-            hidden=args.hidden,
-            n_layers=args.layers,
-            n_heads=args.heads,
-            n_kv_heads=args.kv_heads,
-            ffn_hidden=args.ffn,
-        )
-        spec = MoESpec(dense, n_experts=args.experts, top_k=args.top_k)
-    counts = moe_param_counts(spec, ep=args.ep)
-    return {**counts, "active_share": counts["active"] / counts["total"], "ep": args.ep}
+def param_summary(spec: MoESpec, *, ep: int = 1) -> dict:
+    """``moe_param_counts`` with the active share and ``ep`` (``python -m labs.theory moe``)."""
+    counts = moe_param_counts(spec, ep=ep)
+    return {**counts, "active_share": counts["active"] / counts["total"], "ep": ep}
 
 
 def format_result(r: dict) -> str:
-    """``cli``'s result as one sentence."""
+    """``param_summary``'s result as one sentence."""
     return (
         f"{r['total'] / 1e9:.2f} B parameters in all, {r['active'] / 1e9:.2f} B active per token"
         f" ({100 * r['active_share']:.0f}%); {r['per_rank'] / 1e9:.2f} B per rank"

@@ -34,16 +34,21 @@ Bubble (the Ultra-Scale Playbook, "Pipeline parallelism"; Narayanan et al. 2021,
                           ``ScheduleDualPipeV``): one model in S = 2P stages laid out as a V, rank
                           r holds stages r and 2P-1-r (chunks 0 and 1), so the first and the last
                           stage share rank 0. Its order: a warm-up of forwards, then pairs of
-                          a forward of one chunk with a full backward ("BW") of the other
-                          (overlapped on a GPU, one after the other here), and a cool-down whose
-                          later backwards are split into B and W, the W's filling its gaps.
-                          Run on paper with nothing overlapped and F = B = W, a rank idles
-                          (P-1) t_f/2, one chunk's forward per rank of the ramp: half of ZB-H1's
-                          idle time, as interleaving with V = 2 halves 1F1B's; the idle share
-                          is (P-1)/(6M + P-1). (Exact for t_w = t_b/2 and t_f <= t_b <= 2 t_f; a
-                          test runs the schedule. DeepSeek's table read with S = 2P stages and
-                          F&B = F + B gives twice that idle time: its figure is DualPipe's, ours
-                          the schedule's own.) It needs M >= 2P.
+                          a forward of one chunk with a full backward ("BW") of the other, and a
+                          cool-down whose later backwards are split into B and W, the W's filling
+                          its gaps. A pair is one operation: DeepSeek's ``_forward_backward_chunk``
+                          receives both inputs, computes the two (overlapped on a GPU; one after
+                          the other here, F&B = F + B) and only then sends both outputs, and
+                          torch's runtime sends after the pair too. Run on paper that way, a rank
+                          idles (P-1) t_f for t_w = t_b/2 and t_f <= t_b <= 2 t_f: ZB-H1's idle
+                          time, a bubble of (P-1)/(3M + P-1) at F = B = W (11.1 % at P = 4,
+                          M = 8). That is DeepSeek's own figure: its repository's table gives
+                          DualPipeV DualPipe's bubble, (S/2 - 1)(F&B + B - 3W) in a chunk's
+                          times, which with S = 2P and F&B = F + B is (P-1)·t_f at F = B = W.
+                          (Scheduling the two halves of a pair independently, each as soon as its
+                          own input exists, would halve the idle time to (P-1) t_f/2: no
+                          implementation runs it so.) Other times: ``simulate``. It needs
+                          M >= 2P.
 
 Operation names: "F" forward, "B" backward (with a "W" after it somewhere: only the input's
 gradient), "W" the weight gradient, "BW" a full backward where a schedule mixes both kinds
@@ -75,7 +80,6 @@ B·T·H·itemsize per boundary it feeds, per direction (``p2p_bytes_per_rank``).
 
 from __future__ import annotations
 
-import argparse
 from functools import lru_cache
 from statistics import median
 
@@ -144,12 +148,12 @@ def check_schedule(schedule: str, stages: int, microbatches: int, virtual: int =
 
 # With F = B = W (t_b = 2 t_f, t_w = t_f) the split schedules' bubble is 1F1B's with the
 # micro-batches counted this many times: (P-1)/(k·M + P-1).
-SPLIT_FACTOR = {"zb-h1": 3, "dualpipev": 6}
+SPLIT_FACTOR = {"zb-h1": 3, "dualpipev": 3}
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Idle share of the step's total time on each rank: (P-1)/(V·M + P-1); with F = B = W,
-    zb-h1 (P-1)/(3M + P-1) and dualpipev (P-1)/(6M + P-1)."""
+    zb-h1 and dualpipev (P-1)/(3M + P-1)."""
     check_schedule(schedule, stages, microbatches, virtual)
     k = SPLIT_FACTOR.get(schedule, virtual)
     return (stages - 1) / (k * microbatches + stages - 1)
@@ -157,7 +161,7 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int 
 
 def bubble_over_ideal(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Bubble time relative to the ideal (bubble-free) time: (P-1)/(V·M); with F = B = W, zb-h1
-    (P-1)/(3M) and dualpipev (P-1)/(6M)."""
+    and dualpipev (P-1)/(3M)."""
     check_schedule(schedule, stages, microbatches, virtual)
     k = SPLIT_FACTOR.get(schedule, virtual)
     return (stages - 1) / (k * microbatches)
@@ -234,20 +238,26 @@ def _held_counts_all(
     stages: int, microbatches: int, virtual: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     out = []
-    for ops in schedule_ops("interleaved", stages, microbatches, virtual):
+    for rank in range(stages):
+        # the rank's interleaved order (``schedule_ops``), counted: after its warm-up every
+        # forward follows the backward of the micro-batch ``warm`` forwards behind it. Both
+        # visit the chunks with period P·V, so past the warm-up the counts repeat every P·V
+        # forwards: the first period shows them all.
+        warm = interleaved_warmup(stages, microbatches, rank, virtual)
         counts = [0] * virtual
         seen = set()
-        for name, _, chunk in ops:
-            counts[chunk] += 1 if name == "F" else -1
-            if name == "F":
-                seen.add(tuple(counts))
-        out.append(
-            tuple(
-                c
-                for c in seen
-                if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in seen)
-            )
-        )
+        for j in range(min(virtual * microbatches, warm + 1 + stages * virtual)):
+            counts[interleaved_op(j, stages, virtual, True)[1]] += 1
+            if j > warm:
+                counts[interleaved_op(j - warm - 1, stages, virtual, False)[1]] -= 1
+            seen.add(tuple(counts))
+        # the moments no other beats on every chunk: one that beats another has a larger sum,
+        # so it comes first, or something that beats it does
+        frontier = []
+        for c in sorted(seen, key=sum, reverse=True):
+            if not any(all(x >= y for x, y in zip(o, c)) for o in frontier):
+                frontier.append(c)
+        out.append(tuple(frontier))
     return tuple(out)
 
 
@@ -284,7 +294,8 @@ def idle_time(
         interleaved     (P-1)(t_f + t_b)/V
         zb-h1           (P-1)(t_f + t_b - 2 t_w), exact when a W is no longer than a forward or
                         the B before it (t_w <= t_f and t_w <= t_b - t_w)
-        dualpipev       (P-1) t_f/2, exact for t_w = t_b/2 and t_f <= t_b <= 2 t_f
+        dualpipev       (P-1) t_f, exact for t_w = t_b/2 and t_f <= t_b <= 2 t_f (a forward and
+                        a backward paired as one operation, see the module docstring)
 
     ``simulate`` runs each schedule and confirms these (tests)."""
     check_positive(stages=stages, virtual=virtual)
@@ -301,7 +312,7 @@ def idle_time(
                 f"t_w={t_w!r}: dualpipev's idle time is known in closed form for t_w = t_b/2 only;"
                 " run the schedule with simulate(..., t_w=...) instead"
             )
-        return (stages - 1) * t_f / 2
+        return (stages - 1) * t_f
     return (stages - 1) * (t_f + t_b) / virtual
 
 
@@ -361,6 +372,18 @@ def schedule_ops(
     return order
 
 
+def paired_operations(
+    schedule: str, stages: int, microbatches: int, virtual: int = 1
+) -> list[frozenset[int]]:
+    """Per rank, the positions i in its ``schedule_ops`` where operations i and i+1 run as one
+    (DualPipeV's overlapped forward-and-backward pairs: both inputs first, both outputs after);
+    empty for every other schedule."""
+    check_schedule(schedule, stages, microbatches, virtual)
+    if schedule != "dualpipev":
+        return [frozenset()] * stages
+    return [_dualpipe_v_walk(stages, microbatches, r)[1] for r in range(stages)]
+
+
 def _zero_bubble_h1(stages: int, microbatches: int, rank: int) -> list[tuple]:
     """Rank ``rank``'s ZB-H1 order: 1F1B's F's and B's, each B followed by a W, the ``rank``
     latest W's held back until the end."""
@@ -381,17 +404,25 @@ def _zero_bubble_h1(stages: int, microbatches: int, rank: int) -> list[tuple]:
 
 
 def _dualpipe_v(stages: int, microbatches: int, rank: int) -> list[tuple]:
-    """Rank ``rank``'s DualPipeV order; chunk 0 is stage r, chunk 1 stage 2P-1-r (the V's way
-    back). Each chunk takes its micro-batches in order; a split backward's W waits in a queue
-    until a phase below runs the oldest one. Phases (torch's ``ScheduleDualPipeV``):
+    """Rank ``rank``'s DualPipeV order (``_dualpipe_v_walk``'s operations)."""
+    return list(_dualpipe_v_walk(stages, microbatches, rank)[0])
+
+
+@lru_cache(maxsize=256)
+def _dualpipe_v_walk(stages: int, microbatches: int, rank: int) -> tuple[tuple, frozenset]:
+    """Rank ``rank``'s DualPipeV order, and the positions i where operations i and i+1 are one
+    overlapped pair (a forward and a full backward). Chunk 0 is stage r, chunk 1 stage 2P-1-r
+    (the V's way back). Each chunk takes its micro-batches in order; a split backward's W waits
+    in a queue until a phase below runs the oldest one. Phases (torch's ``ScheduleDualPipeV``):
 
     1. 2(P-r-1) forwards of chunk 0: the ranks further down the V need them first
     2. r+1 times: a forward of chunk 0, then of chunk 1
     3. P-r-1 times: chunk 1's B and at once its W, then a forward of chunk 1
     4. M-2P+r+1 times: F of chunk 0 with a full backward BW of chunk 1, then F of chunk 1 with
-       BW of chunk 0 (each pair overlapped on a GPU: one's communication under the other's
-       compute)
-    5. P-r-1 times: BW of chunk 1, then F of chunk 1 with BW of chunk 0
+       BW of chunk 0: each a pair, one operation (overlapped on a GPU: one's communication under
+       the other's compute); the last rank runs its first F-of-0-then-BW-of-1 unpaired, as
+       DeepSeek's code does, "to further reduce bubble size"
+    5. P-r-1 times: BW of chunk 1, then the pair F of chunk 1 with BW of chunk 0
     6. r+1 times: a backward of chunk 1, then of chunk 0; from the middle of this phase on
        (before chunk 1's on odd ranks, before chunk 0's on even ones) they split: B now, W later
     7. P-r-1 times: a postponed W, then chunk 0's B
@@ -402,6 +433,7 @@ def _dualpipe_v(stages: int, microbatches: int, rank: int) -> list[tuple]:
     done = {}  # (kind, chunk) -> micro-batches done: forwards "F", backwards "B"
     postponed = []  # the W's of split backwards, oldest first
     ops = []
+    pairs = set()  # positions of the pairs' forwards
 
     def run(name: str, chunk: int) -> None:
         kind = "F" if name == "F" else "B"
@@ -415,6 +447,11 @@ def _dualpipe_v(stages: int, microbatches: int, rank: int) -> list[tuple]:
         if postponed:
             ops.append(postponed.pop(0))
 
+    def pair(forward_chunk: int, backward_chunk: int) -> None:
+        pairs.add(len(ops))
+        run("F", forward_chunk)
+        run("BW", backward_chunk)
+
     for _ in range(2 * (P - r - 1)):
         run("F", 0)
     for _ in range(r + 1):
@@ -424,15 +461,16 @@ def _dualpipe_v(stages: int, microbatches: int, rank: int) -> list[tuple]:
         run("B", 1)
         weight()
         run("F", 1)
-    for _ in range(M - 2 * P + r + 1):
-        run("F", 0)
-        run("BW", 1)
-        run("F", 1)
-        run("BW", 0)
+    for i in range(M - 2 * P + r + 1):
+        if i == 0 and r == P - 1:
+            run("F", 0)
+            run("BW", 1)
+        else:
+            pair(0, 1)
+        pair(1, 0)
     for _ in range(P - r - 1):
         run("BW", 1)
-        run("F", 1)
-        run("BW", 0)
+        pair(1, 0)
     split = False
     for i in range(r + 1):
         if i == (r + 1) // 2 and r % 2 == 1:
@@ -446,7 +484,7 @@ def _dualpipe_v(stages: int, microbatches: int, rank: int) -> list[tuple]:
         run("B", 0)
     for _ in range(r + 1):
         weight()
-    return ops
+    return tuple(ops), frozenset(pairs)
 
 
 def _needs(name: str, mb: int, vs: int, last: int) -> list[tuple]:
@@ -468,10 +506,14 @@ def simulate(
     t_b: float | list = 2.0,
     t_delay: float = 0.0,
     t_w: float | None = None,
+    paired: bool = True,
 ) -> dict:
     """Run the schedule on paper: each rank takes its operations in order, each as soon as its
     input exists (the previous virtual stage's forward, the next one's backward), plus ``t_delay``
-    (what holds a real operation up: a message's latency, a busy CPU). ``t_f`` / ``t_b``: one rank's
+    (what holds a real operation up: a message's latency, a busy CPU). A DualPipeV pair
+    (``paired_operations``) waits for both its inputs and hands on both outputs when both are
+    done; ``paired=False`` runs its two halves as independent operations instead, which no
+    implementation does (it halves DualPipeV's idle time). ``t_f`` / ``t_b``: one rank's
     forward / backward of a micro-batch, the same for every rank or a list with one time per rank.
     zb-h1 and dualpipev split backwards into B (t_b - t_w) and W (t_w, default t_b / 2); a full
     backward "BW" takes t_b. A rank's chunk takes 1/V (dualpipev: 1/2) of each time. Returns
@@ -503,7 +545,10 @@ def simulate(
         "BW": [t / chunks for t in t_bs],
     }
     last = stages * chunks - 1
-    end = {}  # (name, micro-batch, virtual stage) -> when that operation ended
+    pairs = paired_operations(schedule, stages, microbatches, virtual)
+    if not paired:
+        pairs = [frozenset()] * stages
+    end = {}  # (name, micro-batch, virtual stage) -> when that operation's output exists
     free = [0.0] * stages  # when each rank is next free
     nxt = [0] * stages  # each rank's next operation in ``order``
     events = []
@@ -511,28 +556,32 @@ def simulate(
         progressed = False
         for r in range(stages):
             while nxt[r] < len(order[r]):
-                name, mb, chunk = order[r][nxt[r]]
-                vs = virtual_stage(schedule, stages, r, chunk)
-                needs = _needs(name, mb, vs, last)
+                # one operation, or a pair run as one: both inputs first, both outputs after
+                ops = order[r][nxt[r] : nxt[r] + (2 if nxt[r] in pairs[r] else 1)]
+                keys = [(n, mb, virtual_stage(schedule, stages, r, c)) for n, mb, c in ops]
+                needs = [x for key in keys for x in _needs(*key, last) if x not in keys]
                 if any(n not in end for n in needs):
                     break  # its input is not computed yet: the next rank in line may be able to go
-                start = max([free[r]] + [end[n] for n in needs]) + t_delay
-                finish = start + cost[name][r]
-                end[(name, mb, vs)] = finish
-                if name == "BW":  # the input's gradient is ready when the full backward ends
-                    end[("B", mb, vs)] = finish
+                finish = max([free[r]] + [end[n] for n in needs])
+                for name, mb, chunk in ops:
+                    start = finish + t_delay
+                    finish = start + cost[name][r]
+                    events.append(
+                        {
+                            "rank": r,
+                            "name": name,
+                            "microbatch": mb,
+                            "chunk": chunk,
+                            "start": start,
+                            "end": finish,
+                        }
+                    )
+                for name, mb, vs in keys:
+                    end[(name, mb, vs)] = finish
+                    if name == "BW":  # the input's gradient is ready when the full backward ends
+                        end[("B", mb, vs)] = finish
                 free[r] = finish
-                events.append(
-                    {
-                        "rank": r,
-                        "name": name,
-                        "microbatch": mb,
-                        "chunk": chunk,
-                        "start": start,
-                        "end": finish,
-                    }
-                )
-                nxt[r] += 1
+                nxt[r] += len(ops)
                 progressed = True
         # an internal invariant, tested for every schedule
         assert progressed, f"schedule {schedule} deadlocks"
@@ -811,34 +860,6 @@ def format_pp_vs_tp(r: dict) -> str:
     )
 
 
-# --- the `bubble` command of python -m labs.theory -----------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bubble`` command's options."""
-    parser.add_argument("--schedule", required=True, help=f"one of {', '.join(SCHEDULES)}")
-    parser.add_argument("--stages", type=int, required=True, help="P: pipeline stages (ranks)")
-    parser.add_argument("--microbatches", type=int, required=True, help="M: micro-batches per step")
-    parser.add_argument(
-        "--virtual",
-        type=int,
-        default=None,
-        help="V: model chunks per rank (interleaved; default 1; dualpipev: always 2)",
-    )
-    parser.add_argument(
-        "--t-forward", type=float, default=1.0, help="forward time of one micro-batch per stage"
-    )
-    parser.add_argument(
-        "--t-backward", type=float, default=2.0, help="backward time of one micro-batch per stage"
-    )
-    parser.add_argument(
-        "--t-weight",
-        type=float,
-        default=None,
-        help="the weight-gradient part W of --t-backward (zb-h1, dualpipev; default half of it)",
-    )
-
-
 def figures(
     schedule: str,
     stages: int,
@@ -848,7 +869,8 @@ def figures(
     t_b: float = 2.0,
     t_w: float | None = None,
 ) -> dict:
-    """Everything the calculator shows: formula and simulated bubble, step times, activations
+    """Everything the calculator (``python -m labs.theory bubble``) shows: formula and simulated
+    bubble, step times, activations
     held. ``virtual``: default 1 (dualpipev: 2); ``t_w``: the W part of t_b for the split
     schedules (default t_b / 2)."""
     virtual = chunks_per_rank(schedule, 1) if virtual is None else virtual
@@ -892,21 +914,8 @@ def figures(
     }
 
 
-def cli(args: argparse.Namespace) -> dict:
-    """The ``bubble`` command's result: ``figures`` for the given schedule."""
-    return figures(
-        args.schedule,
-        args.stages,
-        args.microbatches,
-        args.virtual,
-        args.t_forward,
-        args.t_backward,
-        args.t_weight,
-    )
-
-
 def format_result(r: dict) -> str:
-    """``cli``'s result, one figure per line."""
+    """``figures``' result, one figure per line (``python -m labs.theory bubble``)."""
     v = f", V={r['virtual']}" if r["schedule"] == "interleaved" else ""
     w = f", t_w={r['t_weight']:g}" if r.get("t_weight") is not None else ""
     lines = [

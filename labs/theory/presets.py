@@ -5,14 +5,15 @@ from the published config on the meta device (tests/test_theory_memory.py builds
 
 GPU memory is what ``nvidia-smi`` reports, in GiB (MiB / 1024): the "80 GB" of an H100 is
 81559 MiB = 79.6 GiB. Peak FLOP/s are the dense bf16 tensor-core figures of the data sheets
-(SXM parts), for MFU.
+(SXM parts), for MFU. Link bandwidths (GB/s = 10^9 bytes/s, one way, per GPU) are the planner's
+defaults for a cluster of that GPU.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from labs.theory.memory import ModelSpec, param_count
+from labs.theory.model import ModelSpec, param_count
 
 PRESETS: dict[str, ModelSpec] = {
     # the course model: labs.models.transformer.ModelConfig() with its defaults
@@ -52,14 +53,24 @@ PRESETS: dict[str, ModelSpec] = {
 class GPU(NamedTuple):
     memory_gib: float  # as nvidia-smi reports it: MiB / 1024
     peak_tflops: float  # dense bf16
+    intra_gbps: float  # GB/s one way per GPU to the others of its node (NVLink, or PCIe)
+    inter_gbps: float  # GB/s one way per GPU between nodes (one NIC per GPU)
 
 
+# Links: NVLink as the data sheets give it in both directions, halved (H100/H200 SXM 900 GB/s,
+# A100 SXM 600 GB/s); between nodes one NIC per GPU as in NVIDIA's DGX systems (DGX H100: 400 Gb/s
+# NDR; DGX A100, and Selene where Narayanan et al. 2021 ran: 200 Gb/s HDR). The RTX 4090 has no
+# NVLink: PCIe 4.0 x16 inside a node, and we assume a 100 Gb/s NIC between nodes.
 GPUS: dict[str, GPU] = {
-    "A100 40GB": GPU(memory_gib=40960 / 1024, peak_tflops=312.0),
-    "A100 80GB": GPU(memory_gib=81920 / 1024, peak_tflops=312.0),
-    "H100 80GB": GPU(memory_gib=81559 / 1024, peak_tflops=989.0),
-    "H200 141GB": GPU(memory_gib=143771 / 1024, peak_tflops=989.0),
-    "RTX 4090 24GB": GPU(memory_gib=24564 / 1024, peak_tflops=165.2),
+    "A100 40GB": GPU(memory_gib=40960 / 1024, peak_tflops=312.0, intra_gbps=300.0, inter_gbps=25.0),
+    "A100 80GB": GPU(memory_gib=81920 / 1024, peak_tflops=312.0, intra_gbps=300.0, inter_gbps=25.0),
+    "H100 80GB": GPU(memory_gib=81559 / 1024, peak_tflops=989.0, intra_gbps=450.0, inter_gbps=50.0),
+    "H200 141GB": GPU(
+        memory_gib=143771 / 1024, peak_tflops=989.0, intra_gbps=450.0, inter_gbps=50.0
+    ),
+    "RTX 4090 24GB": GPU(
+        memory_gib=24564 / 1024, peak_tflops=165.2, intra_gbps=32.0, inter_gbps=12.5
+    ),
 }
 
 

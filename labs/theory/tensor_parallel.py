@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 from labs.theory.comm import BYTES_PER_RANK, all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
-from labs.theory.memory import ModelSpec, param_counts
+from labs.theory.model import ModelSpec, param_counts
 from labs.theory.presets import PRESETS
 
 

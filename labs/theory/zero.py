@@ -65,7 +65,8 @@ from collections.abc import Iterable
 
 from labs.theory.comm import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 from labs.theory.dims import check_positive
-from labs.theory.memory import ModelSpec, param_counts, state_bytes
+from labs.theory.memory import state_bytes
+from labs.theory.model import ModelSpec, param_counts
 from labs.theory.presets import PRESETS
 
 STAGES = (0, 1, 2, 3)

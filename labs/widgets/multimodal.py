@@ -23,10 +23,10 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from labs.theory import multimodal as theory
-from labs.theory import multimodal_plan
 from labs.theory.activations import stage_activation_bytes
 from labs.theory.flops import flops_per_token
 from labs.theory.memory import param_count
+from labs.theory.planner import multimodal as multimodal_plan
 from labs.widgets.pipeline import draw_gantt
 
 ENCODER_COLOUR = "tab:orange"
@@ -302,6 +302,7 @@ def print_memory(mem: dict) -> None:
 
 
 def print_plan(plan: dict, *, model: str = "custom", encoder: str = "custom") -> None:
-    """``labs.theory.multimodal_plan.plan_with_encoder``'s result as its command line prints it."""
+    """``plan_with_encoder``'s result (``labs.theory.planner.multimodal``) as its command line
+    prints it."""
     summary = multimodal_plan.plan_summary(plan, model=model, encoder=encoder)
     print(multimodal_plan.format_result(summary))

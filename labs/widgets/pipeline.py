@@ -330,7 +330,7 @@ def plot_bubble_vs_microbatches(
     )
     for schedule, label, fewest in (
         ("zb-h1", "ZB-H1: (P-1)/(3M+P-1)", stages),
-        ("dualpipev", "DualPipeV: (P-1)/(6M+P-1)", 2 * stages),
+        ("dualpipev", "DualPipeV: (P-1)/(3M+P-1), M >= 2P", 2 * stages),
     ):
         zb = [m for m in ms if m >= fewest]
         chunks = theory.chunks_per_rank(schedule)

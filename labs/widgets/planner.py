@@ -23,8 +23,8 @@ import matplotlib.pyplot as plt
 from labs.theory.dims import AXES, ParallelDims
 from labs.theory.exports import export
 from labs.theory.memory import PP_SCHEDULES
-from labs.theory.plan_report import format_result, summary
 from labs.theory.planner import ASSUMPTIONS, evaluate_layout, plan
+from labs.theory.planner.report import format_result, summary
 from labs.theory.presets import GPUS, PRESETS, preset
 
 AXIS_COLOURS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "cp": "tab:purple"}
@@ -252,8 +252,12 @@ def planner_widget(
         "gpus": w.IntText(value=gpus, description="GPUs", layout=narrow),
         "gpus_per_node": w.IntText(value=gpus_per_node, description="per node", layout=narrow),
         "gpu": w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
-        "intra": w.FloatText(value=450.0, description="intra GB/s", layout=narrow, style=style),
-        "inter": w.FloatText(value=50.0, description="inter GB/s", layout=narrow, style=style),
+        "intra": w.FloatText(
+            value=GPUS[gpu].intra_gbps, description="intra GB/s", layout=narrow, style=style
+        ),
+        "inter": w.FloatText(
+            value=GPUS[gpu].inter_gbps, description="inter GB/s", layout=narrow, style=style
+        ),
         "recompute": w.Dropdown(
             options=["none", "selective", "full"], value=recompute, description="recompute"
         ),
@@ -320,6 +324,15 @@ def planner_widget(
             display(fig)
             plt.close(fig)
 
+    def links(change):
+        """A GPU brings its cluster's links (``labs.theory.presets.GPUS``); edit them after."""
+        card = GPUS[change["new"]]
+        for name, value in (("intra", card.intra_gbps), ("inter", card.inter_gbps)):
+            c[name].unobserve(redraw, "value")  # the GPU's own change redraws once, after
+            c[name].value = value
+            c[name].observe(redraw, "value")
+
+    c["gpu"].observe(links, "value")
     for widget in c.values():
         widget.observe(redraw, "value")
     redraw()
