@@ -8,31 +8,38 @@ One switch, the environment variable ``LABS_IMPL``:
 
 Launched ranks inherit the environment, so every rank runs the same implementation.
 ``python -m labs.run --impl ...`` and the test suite set it for you.
+
+``EXERCISES`` (every exercise, in the order the notebooks teach them) and ``builds_on(name)``
+(the earlier exercises one needs) come from the labs' declarations
+(``labs.experiments.spec``); reading them imports every lab module once.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 
 IMPL_ENV = "LABS_IMPL"
 IMPLEMENTATIONS = ("labs", "solutions")
-EXERCISES = (
-    "collectives",
-    "activations",  # notebook 01: bytes of training state and saved activations, measured
-    "ddp",
-    "zero",
-    "tensor_parallel",
-    "tensor_parallel_comm",  # notebook 04's communication operators (part 1 of its lab)
-    "pipeline_parallel",
-    "context_parallel",
-    "expert_parallel",
-    "mesh",
-    "inference",
-    "multimodal",
-    "diagnosis",  # notebook 10: which rank to suspect, from the launcher's report
-)
+
+
+def __getattr__(name: str):
+    if name == "EXERCISES":  # built from the labs' declarations on first use (no import cycle)
+        from labs.experiments.spec import exercises
+
+        return exercises()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def builds_on(name: str) -> tuple[str, ...]:
+    """The earlier exercises exercise ``name`` needs (its lab's runs call them, or its notebook
+    teaches them first), e.g. ``builds_on("mesh")``: zero, tensor_parallel, pipeline_parallel,
+    context_parallel."""
+    from labs.experiments.spec import builds_on as declared
+
+    return declared(name)
 
 
 def implementation() -> str:
@@ -51,7 +58,12 @@ def set_implementation(impl: str) -> None:
 
 
 def exercise(name: str) -> ModuleType:
-    """The exercise module ``name`` from the selected implementation, e.g. ``exercise("ddp")``."""
-    if name not in EXERCISES:
-        raise ValueError(f"unknown exercise {name!r}; choose from {EXERCISES}")
-    return importlib.import_module(f"{implementation()}.{name}")
+    """The exercise module ``name`` from the selected implementation, e.g. ``exercise("ddp")``.
+    An exercise is a plain module directly in the package (the learner's folder holds nothing
+    else); anything else is refused, naming the exercises."""
+    module = f"{implementation()}.{name}"
+    plain = name.isidentifier() and not name.startswith("_")
+    found = importlib.util.find_spec(module) if plain else None
+    if found is None or found.submodule_search_locations is not None:  # none, or a package
+        raise ValueError(f"unknown exercise {name!r}; choose from {__getattr__('EXERCISES')}")
+    return importlib.import_module(module)
