@@ -17,7 +17,6 @@ Launched ranks inherit the environment, so every rank runs the same implementati
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 from types import ModuleType
 
@@ -62,8 +61,13 @@ def exercise(name: str) -> ModuleType:
     An exercise is a plain module directly in the package (the learner's folder holds nothing
     else); anything else is refused, naming the exercises."""
     module = f"{implementation()}.{name}"
-    plain = name.isidentifier() and not name.startswith("_")
-    found = importlib.util.find_spec(module) if plain else None
-    if found is None or found.submodule_search_locations is not None:  # none, or a package
-        raise ValueError(f"unknown exercise {name!r}; choose from {__getattr__('EXERCISES')}")
-    return importlib.import_module(module)
+    if name.isidentifier() and not name.startswith("_"):
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # the exercise exists and imports something missing
+                raise
+        else:
+            if not hasattr(found, "__path__"):  # a package is the course's own code
+                return found
+    raise ValueError(f"unknown exercise {name!r}; choose from {__getattr__('EXERCISES')}")
