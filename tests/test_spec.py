@@ -14,6 +14,7 @@ from labs.experiments import spec
 from labs.run import build_parser, main
 from labs.runtime import impl
 from tests.classic_bugs import CATALOG, RUNS
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLS = re.compile(r"""exercise\(\s*["'](\w+)["']\s*\)""")
@@ -31,6 +32,29 @@ def test_the_registries_are_read_off_the_declarations():
     for x in labs:
         assert (ROOT / "notebooks" / f"{x.notebook}.ipynb").exists(), x.notebook
         assert spec.lab(x.name) is x and x.module.LAB is x
+
+
+def test_the_listings_read_from_the_source_are_the_declarations():
+    """EXERCISES, builds_on and labs.run's lab names come from the declarations' literal fields,
+    read without importing the labs (each imports torch): they say what the imported ones say."""
+    assert [
+        (x.name, x.notebook, x.exercises, x.builds_on, x.command) for x in spec.all_labs()
+    ] == [(x.name, x.notebook, x.exercises, x.builds_on, x.command) for x in spec.listings()]
+    assert spec.command_names() == sorted(spec.command_labs())
+
+
+def test_listing_the_labs_imports_none_of_them():
+    code = (
+        "import sys\n"
+        "from labs.experiments import spec\n"
+        "print(len(spec.exercises()), spec.command_names()[0], spec.builds_on('mesh')[0])\n"
+        "assert 'torch' not in sys.modules and 'labs.experiments.ddp' not in sys.modules\n"
+    )
+    proc = run_cli("-c", code, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["13", "collectives", "zero"]
+    help_ = run_cli("-m", "labs.run", "--help", timeout=60)
+    assert help_.returncode == 0 and "collectives,cp,ddp,infer,memory" in help_.stdout
 
 
 def test_a_lab_without_a_command_still_declares_its_exercise():

@@ -28,16 +28,19 @@ itself as a :class:`Lab`:
 
 The fields of ``Options`` give ``labs.run``'s options (``--bucket-mb``, with their types,
 defaults, choices and help: ``add_options``) and ``run``'s keywords alike, so the two cannot
-disagree. Every registry reads the declarations (``all_labs``): ``labs.run``'s labs
-(``command_labs``), ``labs.runtime.impl.EXERCISES`` and ``builds_on``, ``labs.bench``'s
-configurations, ``labs.experiments.profiling``'s profiled labs, ``scripts/gpu_check.py``'s plan and
-the classic-bug catalogue's small runs. This module imports no torch: finding one lab imports its
-module only (``lab``); listing them all imports every lab module (``all_labs``).
+disagree. Every registry reads the declarations: ``labs.run``'s labs,
+``labs.runtime.impl.EXERCISES`` and ``builds_on`` (their literal fields, read from the source
+without importing anything: ``listings``), ``labs.bench``'s configurations,
+``labs.experiments.profiling``'s profiled labs, ``scripts/gpu_check.py``'s plan and the
+classic-bug catalogue's small runs (the declarations themselves, imported: ``all_labs``,
+``command_labs``). This module imports no torch; running one lab imports its module only
+(``lab``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import importlib
@@ -45,6 +48,7 @@ import pkgutil
 import types
 import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 PACKAGE = "labs.experiments"
@@ -250,6 +254,66 @@ class Lab:
 
 
 # --- the registries -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """A lab as its declaration's literal fields say, read without importing its module."""
+
+    name: str
+    notebook: str
+    exercises: tuple[str, ...]
+    builds_on: tuple[str, ...]
+    command: bool  # it declares options: ``python -m labs.run <name>`` runs it
+
+
+def _lab_modules() -> list[tuple[str, Path]]:
+    """(name, file) of each one-word module of ``labs.experiments`` (a lab's parts are
+    ``<name>_<part>`` modules)."""
+    package = importlib.import_module(PACKAGE)
+    folder = Path(package.__path__[0])
+    return [
+        (m.name, folder / f"{m.name}.py")
+        for m in pkgutil.iter_modules(package.__path__)
+        if "_" not in m.name and not m.ispkg
+    ]
+
+
+def _listing(path: Path) -> Listing | None:
+    """The ``LAB = Lab(...)`` of the module at ``path``, its literal fields read from the source:
+    listing the labs must not import them (a lab module imports torch)."""
+    for node in ast.parse(path.read_text()).body:
+        if not (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["LAB"]
+            and isinstance(node.value, ast.Call)
+        ):
+            continue
+        fields = {k.arg: k.value for k in node.value.keywords}
+        try:
+            name, notebook, exercises, builds_on = (
+                ast.literal_eval(fields[key]) if key in fields else ()
+                for key in ("name", "notebook", "exercises", "builds_on")
+            )
+        except (KeyError, ValueError) as e:
+            raise ValueError(
+                f"{path}: LAB's name, notebook, exercises and builds_on must be written out as"
+                " literals (the lab lists are read from the source)"
+            ) from e
+        options = fields.get("options")
+        command = options is not None and not (
+            isinstance(options, ast.Constant) and options.value is None
+        )
+        return Listing(name, notebook, tuple(exercises), tuple(builds_on), command)
+    return None
+
+
+@functools.cache
+def listings() -> tuple[Listing, ...]:
+    """Every lab's listing, in notebook order, importing no lab: what ``EXERCISES``,
+    ``builds_on`` and ``labs.run``'s list of labs need."""
+    found = [_listing(path) for _, path in _lab_modules()]
+    return tuple(sorted((x for x in found if x is not None), key=lambda x: x.notebook))
+
+
 def lab(name: str) -> Lab | None:
     """The lab named ``name`` (importing its module only), or None when there is none."""
     if not name.isidentifier() or "_" in name:
@@ -266,27 +330,28 @@ def lab(name: str) -> Lab | None:
 
 @functools.cache
 def all_labs() -> tuple[Lab, ...]:
-    """Every lab, in notebook order: the ``LAB`` of each module ``labs.experiments.<name>`` that
-    declares one (its ``<name>_<part>`` modules are not searched: some are slow to import)."""
-    package = importlib.import_module(PACKAGE)
-    names = [m.name for m in pkgutil.iter_modules(package.__path__) if "_" not in m.name]
-    found = [lab(name) for name in names]
-    return tuple(sorted((x for x in found if x is not None), key=lambda x: x.notebook))
+    """Every lab, in notebook order: the ``LAB`` of each listed module, imported."""
+    return tuple(lab(x.name) for x in listings())
 
 
 def command_labs() -> dict[str, Lab]:
-    """The labs ``python -m labs.run`` runs, by name."""
+    """The labs ``python -m labs.run`` runs, by name (importing them all)."""
     return {x.name: x for x in all_labs() if x.command}
+
+
+def command_names() -> list[str]:
+    """The names ``python -m labs.run`` takes, importing no lab."""
+    return sorted(x.name for x in listings() if x.command)
 
 
 def exercises() -> tuple[str, ...]:
     """Every exercise module, in the order the notebooks teach them."""
-    return tuple(name for x in all_labs() for name in x.exercises)
+    return tuple(name for x in listings() for name in x.exercises)
 
 
-def teacher(exercise: str) -> Lab:
+def teacher(exercise: str) -> Listing:
     """The lab whose notebook teaches ``exercise``."""
-    for x in all_labs():
+    for x in listings():
         if exercise in x.exercises:
             return x
     raise ValueError(f"unknown exercise {exercise!r}; choose from {exercises()}")

@@ -31,12 +31,12 @@ from labs.experiments import spec
 
 
 def build_parser(lab: spec.Lab | None = None) -> argparse.ArgumentParser:
-    """The command line: the options every lab takes, then ``lab``'s own (from its ``Options``).
-    Without a lab, the lab names are every lab's (which imports them all)."""
+    """The command line: the options every lab takes, then ``lab``'s own (from its ``Options``);
+    without a lab, every lab's name (read from the declarations, importing none)."""
     parser = argparse.ArgumentParser(
         prog="python -m labs.run", description="Run a lab and print its summary."
     )
-    names = [lab.name] if lab is not None else sorted(spec.command_labs())
+    names = [lab.name] if lab is not None else spec.command_names()
     parser.add_argument("lab", choices=names, help="which lab")
     parser.add_argument(
         "--nproc", type=int, default=None, help="ranks (default: WORLD_SIZE under torchrun, else 4)"
