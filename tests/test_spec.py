@@ -37,9 +37,9 @@ def test_the_registries_are_read_off_the_declarations():
 def test_the_listings_read_from_the_source_are_the_declarations():
     """EXERCISES, builds_on and labs.run's lab names come from the declarations' literal fields,
     read without importing the labs (each imports torch): they say what the imported ones say."""
-    assert [
-        (x.name, x.notebook, x.exercises, x.builds_on, x.command) for x in spec.all_labs()
-    ] == [(x.name, x.notebook, x.exercises, x.builds_on, x.command) for x in spec.listings()]
+    assert [(x.name, x.notebook, x.exercises, x.builds_on, x.command) for x in spec.all_labs()] == [
+        (x.name, x.notebook, x.exercises, x.builds_on, x.command) for x in spec.listings()
+    ]
     assert spec.command_names() == sorted(spec.command_labs())
 
 
