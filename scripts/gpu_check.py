@@ -148,13 +148,10 @@ def gpu_spec(
 
 
 def lab_ranks(lab: str) -> int:
-    """The ranks a lab runs at by default (its ``run``'s ``nproc``)."""
-    import importlib
-    import inspect
+    """The ranks a lab runs at by default (its declaration's ``ranks``, ``LAB.ranks``)."""
+    from labs.experiments.spec import command_labs
 
-    from labs.run import LABS
-
-    return inspect.signature(importlib.import_module(LABS[lab]).run).parameters["nproc"].default
+    return command_labs()[lab].ranks
 
 
 # What a world of one cannot show: said wherever the labs ran on one GPU.
@@ -681,7 +678,7 @@ def markdown(report: dict) -> str:
 
 
 def parse_args(argv):
-    from labs.run import LABS
+    from labs.experiments.spec import command_labs
 
     p = argparse.ArgumentParser(
         prog="python scripts/gpu_check.py", description=__doc__.split("\n")[0]
@@ -703,7 +700,7 @@ def parse_args(argv):
         help="the course's tiny default model for the throughput phase",
     )
     p.add_argument(
-        "--labs", nargs="+", choices=sorted(LABS), default=None, help="default: every lab"
+        "--labs", nargs="+", choices=sorted(command_labs()), default=None, help="default: every lab"
     )
     p.add_argument(
         "--ranks",
@@ -784,14 +781,14 @@ def main(argv=None) -> int:
         print(text, flush=True)
 
     from labs.bench.report import hardware
-    from labs.run import LABS
+    from labs.experiments.spec import command_labs
     from labs.runtime.impl import set_implementation
 
     set_implementation("solutions")  # the course's own answers: ranks inherit the switch
     names = gpu_names()
     on_gpus = bool(names) and args.backend != "gloo"
     peak, gpu_gib, source = gpu_spec(names if on_gpus else [], args.peak_tflops)
-    labs = args.labs or list(LABS)
+    labs = args.labs or list(command_labs())
     plans = {lab: lab_plan(args.ranks or lab_ranks(lab), len(names), args.backend) for lab in labs}
     env = {
         **hardware(),

@@ -14,7 +14,6 @@ lab changes: the experiment module's ``launch`` is wrapped for the duration of t
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 
@@ -81,10 +80,10 @@ def profiled(fn, top: int):
 
 def profile_lab(lab: str, *, nproc: int, steps: int, top: int, options: dict) -> list[dict]:
     """Run ``lab`` with its launches profiled; one record per launch: desc and per-rank digests."""
-    from labs.run import LABS
+    from labs.experiments.spec import command_labs
     from labs.runtime.launcher import RankResults
 
-    module = importlib.import_module(LABS[lab])
+    module = command_labs()[lab].module
     original = module.launch
     launches = []
 
@@ -122,10 +121,10 @@ def report(launches: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from labs.run import LABS
+    from labs.experiments.spec import command_labs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("lab", choices=sorted(LABS))
+    parser.add_argument("lab", choices=sorted(command_labs()))
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15, help="operators shown for rank 0")

@@ -8,7 +8,8 @@ plants each one and runs the lab). It shows solution lines, so the student relea
 ``module`` is the module the edit applies to (a solution, or for notebook 01, which has no
 exercise module, the lab's own measurement code); ``old`` must occur exactly once in it; ``check``
 is the name of a check that must FAIL and ``hint`` a substring of that check's hint. ``options``
-are passed to the lab's ``run`` on top of ``RUNS[lab]`` (small runs: 2 ranks, 2 steps).
+are passed to the lab's ``run`` on top of its small run (``RUNS[lab]``: its declaration's
+``small_run``, 2 ranks, about a second).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from labs.experiments.spec import command_labs
+
 
 class Bug(NamedTuple):
     id: str
@@ -33,20 +36,8 @@ class Bug(NamedTuple):
     options: dict = {}
 
 
-# Each lab's run for the catalog: small and quick (about a second each on 2 cores).
-RUNS = {
-    "collectives": dict(nproc=2, steps=1, numel=1200),  # N = 2, 3, 4 divide it
-    "zero": dict(nproc=2, steps=2),
-    "ddp": dict(nproc=2, steps=2, variant="all"),
-    "tp": dict(nproc=2, steps=2),
-    "pp": dict(nproc=2, steps=2, microbatches=4, layers=2, batch_size=8, op_time=0.0),
-    "cp": dict(nproc=2, steps=2),
-    "moe": dict(nproc=2, steps=2),
-    "mesh": dict(nproc=2, steps=2, tp=2),
-    "infer": dict(nproc=2, steps=1, mode="tp", prompts=2, new_tokens=4),
-    "multimodal": dict(nproc=2, steps=2, mode="pp"),
-    "memory": dict(nproc=2, steps=2),
-}
+# Each lab's run for the catalog: its declared small run (about a second each on 2 cores).
+RUNS = {name: dict(lab.small_run) for name, lab in command_labs().items()}
 
 CATALOG: dict[str, list[Bug]] = {
     "collectives": [

@@ -59,6 +59,20 @@ def run_json(*args, **kw) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check(summary, name: str) -> dict:
+    """The check named ``name`` (the first of that name) of a lab's summary, a ``RunSummary`` or
+    the dict ``--json`` printed: its name, ok, measured, expected, tolerance, where, hint."""
+    checks = summary["checks"] if isinstance(summary, dict) else summary.to_dict()["checks"]
+    found = [c for c in checks if c["name"] == name]
+    assert found, f"no check named {name!r}; the checks: {[c['name'] for c in checks]}"
+    return found[0]
+
+
+def checks_ok(summary, *names: str) -> bool:
+    """Whether the checks ``names`` of a lab's summary (``check``) all passed."""
+    return all(check(summary, name)["ok"] for name in names)
+
+
 def find_widget(root, css_class: str):
     """The widget under ``root`` (an ipywidgets container) that carries ``css_class``.
 

@@ -8,6 +8,7 @@ exercise.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import sys
 import types
@@ -17,7 +18,7 @@ import pytest
 
 from labs import bench
 from labs.bench import report as bench_report
-from labs.run import LABS
+from labs.experiments.spec import Bench, Lab, command_labs, option
 from scripts import gpu_check
 from tests.helpers import run_cli
 
@@ -114,7 +115,7 @@ def _summary(**kw):
 
 
 def test_row_ratios_bubble_and_slow_note():
-    entry = bench.Entry(torch="torch.distributed.pipelining")
+    entry = Bench(torch="torch.distributed.pipelining")
     row = bench.row_from_summary(_summary(), entry, wall_s=1.0)
     assert row["comm_ratio"] == pytest.approx(200 / 210)  # the rank farthest from theory
     assert row["state_ratio"] == 1.0 and row["theory_comm_bytes"] == 210
@@ -125,9 +126,9 @@ def test_row_ratios_bubble_and_slow_note():
     assert "1.50x torch's" in row["note"]  # > 20% slower: the row carries a note
     fast = bench.row_from_summary(_summary(step_time_s=0.23), entry, wall_s=1.0)
     assert fast["note"] == ""  # within 20%
-    unpadded = bench.row_from_summary(_summary(), bench.Entry(bubble=False, note="why"), wall_s=1.0)
+    unpadded = bench.row_from_summary(_summary(), Bench(bubble=False, note="why"), wall_s=1.0)
     assert unpadded["bubble"] is None and unpadded["note"].startswith("why Ours is 1.50x")
-    cp = bench.row_from_summary(_summary(lab="cp"), bench.BENCH["cp"][0], wall_s=1.0)
+    cp = bench.row_from_summary(_summary(lab="cp"), bench.configurations("cp")[0], wall_s=1.0)
     assert "not of the same parallel job" in cp["note"] and bench.EXPLANATIONS["cp"] in cp["note"]
     md = bench_report.markdown(
         [row, fast],
@@ -143,37 +144,70 @@ def test_repeats_keep_the_fastest_time_and_the_worst_difference():
             step_time_s=0.3, torch_step_time_s=0.25, max_rel_loss_diff=3e-7, matches_reference=False
         ),
     ]
-    merged = bench.merge_repeats(runs, bench.Entry())
+    merged = bench.merge_repeats(runs, Bench())
     assert (merged["step_time_s"], merged["torch_step_time_s"]) == (0.3, 0.2)
     assert merged["max_rel_loss_diff"] == 3e-7 and merged["matches_reference"] is False
     with pytest.raises(ValueError, match="repeats must be"):
         bench.run_bench(labs=["collectives"], repeats=0, progress=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class PickyOptions:
+    """A lab that refuses 2 ranks, before running anything."""
+
+    seed: int = option(0)
+
+    def check(self, *, nproc: int, steps: int, vs_torch: bool) -> None:
+        if nproc != 4:
+            raise ValueError(f"nproc={nproc} is not one of (4,)")
+
+
+def _declare(monkeypatch, name: str, run, options=PickyOptions, bench_options=None) -> None:
+    """A lab ``labs.experiments.<name>`` that exists for this test only."""
+    module = types.ModuleType(f"labs.experiments.{name}")
+    module.LAB = Lab(
+        name=name,
+        notebook="99_none",
+        exercises=(),
+        options=options,
+        bench=(Bench(options=bench_options or {}),),
+    )
+    module.run = run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
 def test_missing_and_failing_labs_are_rows(monkeypatch):
-    monkeypatch.setitem(LABS, "ghost", "labs.experiments.ghost_lab_not_here")
     [row] = bench.run_lab("ghost", nproc=2, steps=2)
     assert row["status"] == "skipped" and "not in this copy" in row["note"]
-    for name, exc, status in (
-        ("boom", RuntimeError("rank 1 died"), "failed"),
-        ("picky", ValueError("nproc=2 is not one of (4,)"), "invalid"),
-        ("stub", NotImplementedError("write ring_all_reduce"), "not written"),
+
+    @dataclasses.dataclass(frozen=True)
+    class Easy:
+        seed: int = option(0)
+
+    for name, exc, options, status in (
+        ("boom", RuntimeError("rank 1 died"), Easy, "failed"),
+        ("late", ValueError("comparing: shapes differ"), Easy, "failed"),  # not an argument's
+        ("picky", None, PickyOptions, "invalid"),  # refused up front: the run never starts
+        ("stub", NotImplementedError("write ring_all_reduce"), Easy, "not written"),
     ):
-        module = types.ModuleType(f"labs.experiments.{name}_fake")
 
         def run(*, nproc, steps, backend, vs_torch, timeout, _exc=exc):
-            raise _exc
+            raise _exc or AssertionError("a refused run must not start")
 
-        module.run = run
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-        monkeypatch.setitem(LABS, name, module.__name__)
+        _declare(monkeypatch, name, run, options)
         [row] = bench.run_lab(name, nproc=2, steps=2)
-        assert row["status"] == status and str(exc) in row["note"]
-    monkeypatch.setitem(
-        bench.BENCH, "boom", [bench.Entry(options={"stage": 3})]
-    )  # an option the lab lost
-    [row] = bench.run_lab("boom", nproc=2, steps=2)
-    assert row["status"] == "invalid" and "takes no option(s) ['stage']" in row["note"]
+        assert row["status"] == status and str(exc or "is not one of (4,)") in row["note"], row
+    # a configuration with an option the lab lost
+    _declare(monkeypatch, "lost", lambda **kw: None, Easy, bench_options={"stage": 3})
+    [row] = bench.run_lab("lost", nproc=2, steps=2)
+    assert row["status"] == "invalid" and "has no option(s) ['stage']" in row["note"]
+
+
+def test_every_lab_declares_its_bench_configurations():
+    for name, lab in command_labs().items():
+        assert lab.bench and bench.configurations(name) == lab.bench
+        for entry in lab.bench:  # every configuration names only options the lab has
+            assert set(entry.options_for(lab.ranks)) <= set(lab.option_names()), name
 
 
 # --- the GPU path: its planning, and its CPU run with the same code

@@ -9,7 +9,9 @@ from labs.experiments.checks import (
     collectives_checks,
     compare_tensors,
     compare_values,
+    find,
     losses_check,
+    matches,
     passed,
     ranks_check,
     scale_hint,
@@ -73,6 +75,42 @@ def test_an_unexplained_difference_still_names_the_tensor():
     assert not check.ok and "a.weight" in check.hint
 
 
+def test_a_lab_diagnoses_the_worst_tensor_by_name_when_no_scale_explains_it():
+    """A hint may be a function of the worst tensor's name (DDP: "the ranks hold different
+    gradients for <name>"); a scale the numbers show still comes first."""
+    noisy = tensors()
+    noisy["a.weight"] = noisy["a.weight"] + torch.linspace(0, 1, 12).view(4, 3)
+    seen = []
+
+    def diagnose(name: str) -> str:
+        seen.append(name)
+        return f"{name}: its all-reduce never ran"
+
+    check = compare_tensors("gradients", noisy, tensors(), tolerance=1e-5, hint=diagnose)
+    assert not check.ok and check.hint == "a.weight: its all-reduce never ran"
+    assert seen == ["a.weight"] and check.tensor == "a.weight"  # the name, as a field
+    doubled = compare_tensors(
+        "gradients", tensors(2.0), tensors(), tolerance=1e-5, what="gradients", hint=diagnose
+    )
+    assert "reduced twice" in doubled.hint
+    assert compare_tensors("gradients", tensors(), tensors(), tolerance=1e-5, hint=diagnose).ok
+
+
+def test_checks_say_what_they_compare_against_and_one_rule_reads_the_reference():
+    ref = tensors()
+    checks = training_checks(
+        losses=[1.0], reference_losses=[1.0], grads=[ref], reference_grads=ref, world_size=1
+    )
+    checks.append(calls_check("bytes per call", [[8.0]], [[16.0]]))
+    checks.append(Check("ranks hold identical parameters", True))
+    assert [c.against for c in checks] == ["reference", "reference", "theory", ""]
+    assert matches(checks, "reference") is True and matches(checks, "theory") is False
+    assert matches(checks, "torch") is None and not passed(checks)
+    assert find(checks, "bytes per call").expected == 16.0
+    with pytest.raises(KeyError, match="no check named 'nope'"):
+        find(checks, "nope")
+
+
 def test_values_exact_and_relative():
     assert compare_values("calls", 4, 4).ok
     assert not compare_values("calls", 5, 4).ok
@@ -113,6 +151,8 @@ def test_summary_carries_the_verdict_into_its_json():
         "tolerance",
         "where",
         "hint",
+        "against",
+        "tensor",
     }
     assert "checks" not in dict(s) and s.verdict().endswith("PASS: 1 checks")
 
@@ -224,5 +264,6 @@ def test_training_checks_point_at_the_update_when_only_parameters_differ():
         "naive: parameters after step 2",
     ]
     assert [c.ok for c in checks] == [True, True, False]
-    assert "zeroed at the start of every step" in checks[2].hint
-    assert checks[2].tolerance == 1e-3  # the table's rule for parameters after AdamW steps
+    params = find(checks, "naive: parameters after step 2")
+    assert "zeroed at the start of every step" in params.hint
+    assert params.tolerance == 1e-3  # the table's rule for parameters after AdamW steps

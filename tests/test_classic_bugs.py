@@ -4,21 +4,18 @@ solutions PASS the same small runs."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from labs.run import LABS
+from labs.experiments.spec import command_labs
 from tests.classic_bugs import CATALOG, RUNS, all_bugs, edited_source, planted
 
 pytestmark = pytest.mark.slow
 
-LABS_WITH_CATALOG = sorted(LABS)
+LABS_WITH_CATALOG = sorted(command_labs())
 
 
 def run_lab(lab: str, options: dict | None = None):
-    module = importlib.import_module(LABS[lab])
-    return module.run(**{"timeout": 120.0, **RUNS[lab], **(options or {})})
+    return command_labs()[lab].run(**{"timeout": 120.0, **RUNS[lab], **(options or {})})
 
 
 def test_every_lab_has_at_least_five_classic_bugs():

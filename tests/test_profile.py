@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from labs import launch
-from labs.experiments.profiling import PROFILED_LABS, exposed_table, profile_report
+from labs.experiments.profiling import exposed_table, profile_report, profiled_labs
+from labs.experiments.spec import command_labs
 from labs.measure.profile import PROFILE_ENV, WAIT_EVENT, profiling, trace_path
 from labs.measure.timing import StepTimer
 from labs.measure.trace import (
@@ -24,7 +25,7 @@ from labs.measure.trace import (
     step_figures,
     subtract,
 )
-from labs.run import LABS, main
+from labs.run import main
 
 # --- interval arithmetic --------------------------------------------------------------------
 
@@ -222,7 +223,7 @@ def test_labs_run_profile_json_and_refusals(tmp_path, capsys):
     assert code == 0
     assert [r["step"] for r in summary["profile"]["steps"]] == [1, 1]
     assert set(summary["profile"]) == {"folder", "traces", "steps", "medians"}
-    for lab in sorted(set(LABS) - set(PROFILED_LABS)):  # they time something else
+    for lab in sorted(set(command_labs()) - set(profiled_labs())):  # they time something else
         assert main([lab, "--profile", str(tmp_path)]) == 2
         assert "--profile applies to labs whose ranks run training steps" in capsys.readouterr().err
     assert main(["ddp", "--steps", "1", "--profile", str(tmp_path)]) == 2

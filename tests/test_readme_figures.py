@@ -39,7 +39,7 @@ SOURCE_NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-
 NOT_MEASURED = {
     "0.1": "the DDP lab's bucket size, a setting",
     "1e-8": "AdamW's eps, a setting",
-    "1e-5": "the course's tolerance against the reference (labs.train.TOLERANCES)",
+    "1e-5": "the course's tolerance against the reference (labs.train.rule, fp32)",
     "20%": "the threshold above which bench.md explains a slowdown",
     "0.97": "Llama-3.2-1B's parameter count, from its configuration",
     "5e-4": "TF32's rounding of a matmul's inputs (2^-11), a property of the format",

@@ -1,25 +1,22 @@
 """`python -m labs.run`: the summary contract, the stub message, and the torchrun worker mode."""
 
-import importlib
 import inspect
 import json
-import re
 import time
 
 import pytest
 import torch
 
 from labs.experiments.common import (
-    ALIASES,
     SUMMARY_KEYS,
     RunSummary,
     format_summary,
     new_summary,
     to_json,
 )
+from labs.experiments.spec import command_labs
 from labs.measure.timing import StepTimer, step_time, time_steps
-from labs.run import LABS
-from tests.helpers import TORCHRUN, json_lines, run_cli, run_json
+from tests.helpers import TORCHRUN, checks_ok, json_lines, run_cli, run_json
 
 
 def test_json_summary_has_every_required_key():
@@ -39,7 +36,7 @@ def test_json_summary_has_every_required_key():
         summary["lab"] == "collectives" and summary["nproc"] == 2 and summary["impl"] == "solutions"
     )
     assert summary["backend"] == "gloo"
-    assert summary["exact_int"] and summary["bytes_match_theory"]
+    assert checks_ok(summary, "integer sum equals dist.all_reduce", "bytes sent per rank")
     assert summary["torch_step_time_s"] > 0
     assert summary["passed"] is True and all(c["ok"] for c in summary["checks"])
     assert {"chunk sent in each round", "bytes per send"} <= {c["name"] for c in summary["checks"]}
@@ -92,7 +89,8 @@ def test_summary_reads_like_a_dict_and_writes_flat_json():
     assert isinstance(s, RunSummary) and s.step_time_s == 0.25 and s.loss is None
     assert s.details == {"variant": "all", "max_rel_param_diff": 2e-7, "variants": s["variants"]}
     assert "max_rel_param_diff" in s and "lab" in s and "nope" not in s and s.get("nope") is None
-    assert list(s) == [*SUMMARY_KEYS, "variant", "max_rel_param_diff", "variants"]
+    keys = [*SUMMARY_KEYS, "variant", "max_rel_param_diff", "variants", "matches_reference"]
+    assert list(s) == keys
     with pytest.raises(KeyError):
         s["nope"]
     with pytest.raises(TypeError, match="contract key"):
@@ -100,22 +98,45 @@ def test_summary_reads_like_a_dict_and_writes_flat_json():
     out = json.loads(to_json(s))
     assert list(out)[: len(SUMMARY_KEYS)] == list(SUMMARY_KEYS)  # flat: the contract first
     assert out["step_time_s"] == 0.25 and out["variant"] == "all" and "details" not in out
-    # an old metric name stays in the JSON as an alias, at every level
-    assert out["max_param_rel_diff"] == out["max_rel_param_diff"] == 2e-7
-    assert out["variants"]["naive"]["max_grad_rel_diff"] == 1e-7
+    assert (
+        out["max_rel_param_diff"] == 2e-7 and out["variants"]["naive"]["max_rel_grad_diff"] == 1e-7
+    )
     assert format_summary(s).splitlines()[0].split() == ["lab", "ddp"]
 
 
-@pytest.mark.parametrize("lab", sorted(LABS))
-def test_every_lab_returns_the_one_summary_type(lab):
-    run = importlib.import_module(LABS[lab]).run
-    assert inspect.signature(run).return_annotation in ("RunSummary", RunSummary), lab
+def test_matches_reference_is_read_off_the_checks_by_one_rule():
+    from labs.experiments.checks import Check
+
+    s = new_summary("ddp", nproc=2, backend="gloo", steps=1)
+    assert s["matches_reference"] is None  # no check against the reference: nothing to say
+    s.add_checks(
+        [Check("losses", True, against="reference"), Check("bytes", False, against="theory")]
+    )
+    assert s["matches_reference"] is True and not s.passed
+    s.add_checks([Check("gradients after step 1", False, 2.0, 0.0, against="reference")])
+    assert s["matches_reference"] is False and s.check("gradients after step 1").measured == 2.0
+    assert json.loads(to_json(s))["matches_reference"] is False
+    with pytest.raises(TypeError, match="derived from the checks"):
+        s["matches_reference"] = True
+    with pytest.raises(KeyError, match="no check named"):
+        s.check("parameters")
 
 
-def test_metric_names_follow_one_pattern():
-    for old, new in ALIASES.items():
-        assert re.fullmatch(r"(torch_)?max_(abs|rel)_[a-z_]+_diff", new), new
-        assert old != new
+@pytest.mark.parametrize("lab", sorted(command_labs()))
+def test_every_lab_runs_one_way_and_returns_the_one_summary_type(lab):
+    """``run(*, nproc, steps, backend, vs_torch, timeout, **options)``: the lab's own options are
+    its ``Options``' fields, which give the command line's too."""
+    run = command_labs()[lab].run
+    signature = inspect.signature(run)
+    assert signature.return_annotation in ("RunSummary", RunSummary), lab
+    assert list(signature.parameters) == [
+        "nproc",
+        "steps",
+        "backend",
+        "vs_torch",
+        "timeout",
+        "options",
+    ], lab
 
 
 def test_step_time_drops_the_warm_up_step():
@@ -146,7 +167,7 @@ def test_unfilled_stub_gives_one_line_naming_the_function():
     "args, message",
     [
         (["nope"], "invalid choice"),
-        (["collectives", "--nproc", "0"], "nprocs must be an integer >= 1"),
+        (["collectives", "--nproc", "0"], "nproc must be an integer >= 1, got 0"),
         (["collectives", "--bogus"], "unrecognized arguments"),
         (["collectives", "--numel", "0"], "numel must be >= 1"),
         # rejected before any rank starts, naming the valid values (issue 22)
@@ -169,11 +190,9 @@ def test_bad_arguments_exit_2_with_a_message(args, message):
 # placement over 4 stages in inference. On gloo, 2 steps each: 7-14 s a job on 2 busy cores,
 # under 3 minutes for the 15 jobs (measured).
 TORCHRUN_ARGS = {"mesh": {2: ["--dp", "2"], 4: ["--tp", "2", "--pp", "2"]}}
-TORCHRUN_JOBS = [(lab, 2) for lab in sorted(LABS)] + [
+TORCHRUN_JOBS = [(lab, 2) for lab in sorted(command_labs())] + [
     (lab, 4) for lab in ("infer", "mesh", "moe", "pp")
 ]
-# the summary's verdict against the reference (the bench's check, ``labs.bench.BENCH``)
-VERDICT = {"collectives": "exact_int", "infer": "tokens_match"}
 
 
 @pytest.mark.slow
@@ -198,7 +217,7 @@ def test_every_lab_runs_under_torchrun(lab, nproc):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [summary] = json_lines(proc.stdout)  # rank 0 prints, the others do not
     assert summary["lab"] == lab and summary["nproc"] == nproc and summary["backend"] == "gloo"
-    assert summary[VERDICT.get(lab, "matches_reference")] is True, summary
+    assert summary["matches_reference"] is True, summary
     assert summary["passed"] is True, [c for c in summary["checks"] if not c["ok"]]
 
 
@@ -221,4 +240,5 @@ def test_under_torchrun_each_rank_is_a_worker():
     summaries = json_lines(proc.stdout)
     assert len(summaries) == 1, "only rank 0 prints the summary"
     summary = summaries[0]
-    assert summary["nproc"] == 2 and summary["bytes_match_theory"] and summary["exact_int"]
+    assert summary["nproc"] == 2 and summary["passed"] and summary["matches_reference"]
+    assert checks_ok(summary, "integer sum equals dist.all_reduce", "bytes sent per rank")

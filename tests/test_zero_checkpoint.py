@@ -17,9 +17,9 @@ from labs.checkpoint import load, load_full
 from labs.experiments.zero import build
 from labs.experiments.zero_checkpoint import checkpoint_demo
 from labs.runtime.impl import exercise
-from labs.train import TOLERANCES, TrainConfig
+from labs.train import TrainConfig, rule
 
-TOL = TOLERANCES[torch.float32]
+TOL = rule("value", torch.float32).rel
 
 
 @pytest.fixture(scope="module")

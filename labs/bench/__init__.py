@@ -4,8 +4,9 @@
     python -m labs.bench --out docs/bench --impl solutions
     python -m labs.bench --labs zero tp --nproc 2 4 --steps 3
 
-Each configuration in ``BENCH`` of each lab in ``labs.run.LABS`` runs its experiment
-(``labs.experiments.<lab>.run``) with ``vs_torch=True``, ``--repeats`` times, and becomes one row:
+Each configuration of each lab (its declaration's ``bench``: ``LAB.bench`` in
+``labs.experiments.<lab>``, ``labs.experiments.spec.Bench``) runs the lab's ``run`` with
+``vs_torch=True``, ``--repeats`` times, and becomes one row:
 step time ours / torch's (DDP, FSDP2 ``fully_shard``, DTensor TP, ``torch.distributed.pipelining``,
 ``dist.all_reduce``; the fastest of the repeats, the least disturbed by other processes), bytes sent
 per rank measured / theory, state bytes per rank measured / theory, the largest relative difference
@@ -20,101 +21,16 @@ otherwise. What it writes, and its columns, is ``labs.bench.report``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import importlib
-import inspect
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from labs.bench.report import SLOWER, hardware, write
+from labs.experiments import spec
+from labs.experiments.spec import Bench
 from labs.theory.dims import check_positive
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """How the bench runs one configuration of a lab, and what its ``torch_step_time_s`` times."""
-
-    # the lab's options, or a function nproc -> options
-    options: dict | Callable[[int], dict] = dataclasses.field(default_factory=dict)
-    torch: str | None = None  # PyTorch's counterpart, or None where there is none
-    like_for_like: bool = True  # False: torch's time is not of the same parallel job
-    check: str = "matches_reference"  # the summary's verdict against the reference
-    vs_torch: bool = True  # False: this configuration is not comparable with torch's (see its note)
-    note: str = ""  # shown under the table whatever the timing
-    bubble: bool = True  # False: the lab's bubble figure means nothing in this configuration
-    label: str = ""  # how the table names it (default: its options)
-
-    def options_for(self, nproc: int) -> dict:
-        return self.options(nproc) if callable(self.options) else dict(self.options)
-
-
-def _mesh(nproc: int) -> dict:
-    return {"dp": nproc // 2, "tp": 2} if nproc % 2 == 0 else {"dp": nproc}
-
-
-# Lab -> its configurations (one row each). A lab missing here runs with its defaults.
-BENCH: dict[str, list[Entry]] = {
-    "collectives": [Entry(torch="dist.all_reduce", check="exact_int")],
-    "memory": [
-        Entry(
-            options={"precisions": ("fp32",), "recomputes": ("none",)}, label="fp32, no recompute"
-        )
-    ],
-    "ddp": [Entry(options={"variant": "bucketed"}, torch="DistributedDataParallel")],
-    "zero": [
-        Entry(
-            options={"stage": 1},
-            torch="ZeroRedundancyOptimizer under DDP",
-            note="The same job, two algorithms: ours reduce-scatters the gradients and all-gathers"
-            " the updated shards (2Ψ per step); torch's DDP all-reduces them (2Ψ), then"
-            " ZeroRedundancyOptimizer broadcasts each rank's updated parameters (Ψ more).",
-        ),
-        Entry(options={"stage": 3}, torch="FSDP2 fully_shard"),
-    ],
-    "tp": [Entry(options={"sp": False}, torch="DTensor parallelize_module")],
-    "pp": [
-        Entry(
-            options={"schedule": "1f1b", "op_time": 0.0},
-            torch="torch.distributed.pipelining",
-            bubble=False,
-            note="Unpadded: the same job as torch's. Its idle time is message latency around ~1 ms "
-            "operations, not the schedule's bubble (see the padded row below).",
-        ),
-        Entry(
-            options={"schedule": "1f1b", "op_time": 0.02},
-            vs_torch=False,
-            note="Each forward padded to 20 ms and each backward to 40 ms with sleeps (the lab's "
-            "op_time), as if every stage's compute were that long, so the bubble is measurable on "
-            "CPU: compare its bubble with the theory, not its time with torch's (unpadded, in the "
-            "row above).",
-        ),
-    ],
-    "cp": [Entry(torch="SDPA, one process (no CPU context_parallel)", like_for_like=False)],
-    "moe": [Entry()],
-    "mesh": [Entry(options=_mesh)],
-    "infer": [
-        Entry(
-            options={"mode": "tp"},
-            torch="transformers generate, one process",
-            like_for_like=False,
-            check="tokens_match",
-        )
-    ],
-    "multimodal": [
-        Entry(options={"mode": "pp"}),
-        Entry(
-            options={"mode": "dp", "bucket_mb": 25.0},
-            torch="DistributedDataParallel",
-            note="25 MiB buckets, torch DDP's default, which the lab's torch run uses: at the "
-            "lab's default 0.1 MiB (bucketing made visible on a tiny model) ours makes 9 "
-            "all-reduces per step to torch's 1, each a gloo round trip, and was 1.5-1.9x slower "
-            "(profiled).",
-        ),
-    ],
-}
 
 # Why ours is slower than torch's where it is (profiled with scripts/profile_vs_torch.py): text,
 # then the run's own figures where the summary has them.
@@ -204,7 +120,7 @@ def _most(value) -> float | None:
     return None if value is None else max(_per_rank(value))
 
 
-def row_from_summary(s: Mapping, entry: Entry, wall_s: float) -> dict:
+def row_from_summary(s: Mapping, entry: Bench, wall_s: float) -> dict:
     """One bench row from a lab's summary (a ``labs.experiments.common.RunSummary``: the contract's
     keys and its own)."""
     diff_key = next((k for k in DIFF_KEYS if s.get(k) is not None), None)
@@ -214,7 +130,7 @@ def row_from_summary(s: Mapping, entry: Entry, wall_s: float) -> dict:
     theory_bubble = s.get("theory_bubble_fraction")
     if not entry.bubble:
         bubble = theory_bubble = None
-    matches = s.get(entry.check)
+    matches = s.get("matches_reference")  # read off the run's checks (RunSummary)
     return {
         "lab": s["lab"],
         "config": label(entry, s["nproc"]),
@@ -245,7 +161,7 @@ def row_from_summary(s: Mapping, entry: Entry, wall_s: float) -> dict:
     }
 
 
-def note_for(s: Mapping, entry: Entry) -> str:
+def note_for(s: Mapping, entry: Bench) -> str:
     """The configuration's note, and why ours is slower than torch's when it is by more than
     ``SLOWER``."""
     ours = s.get("step_time_s")
@@ -262,9 +178,9 @@ def note_for(s: Mapping, entry: Entry) -> str:
     return " ".join(filter(None, parts))
 
 
-def merge_repeats(summaries: list[Mapping], entry: Entry) -> dict:
+def merge_repeats(summaries: list[Mapping], entry: Bench) -> dict:
     """One summary from repeated runs: the fastest step times (the least disturbed by other
-    processes), the largest difference from the reference, the reference check of every run."""
+    processes), the largest difference from the reference, every run's checks against it."""
     merged = dict(summaries[0])
     for key in ("step_time_s", "torch_step_time_s"):
         times = [s[key] for s in summaries if s.get(key) is not None]
@@ -272,19 +188,19 @@ def merge_repeats(summaries: list[Mapping], entry: Entry) -> dict:
     for key in DIFF_KEYS:
         if merged.get(key) is not None:
             merged[key] = max(s[key] for s in summaries)
-    if merged.get(entry.check) is not None:
-        merged[entry.check] = all(s.get(entry.check) for s in summaries)
+    if merged.get("matches_reference") is not None:
+        merged["matches_reference"] = all(s.get("matches_reference") for s in summaries)
     return merged
 
 
-def label(entry: Entry, nproc: int) -> str:
+def label(entry: Bench, nproc: int) -> str:
     """The configuration's label, or its options as ``key=value`` pairs."""
     return entry.label or " ".join(f"{k}={v}" for k, v in entry.options_for(nproc).items())
 
 
 def run_config(
     lab: str,
-    entry: Entry,
+    entry: Bench,
     *,
     nproc: int,
     steps: int,
@@ -297,8 +213,6 @@ def run_config(
     bench row. A failure is a row too: status "failed", "not written" (a stub), "invalid" (the lab
     refused these options, e.g. this rank count) or "skipped" (the lab is not in this copy of the
     course)."""
-    from labs.run import LABS
-
     base = {
         "lab": lab,
         "config": label(entry, nproc),
@@ -306,49 +220,40 @@ def run_config(
         "backend": backend,
         "steps": steps,
     }
-    try:
-        module = importlib.import_module(LABS[lab])
-    except ModuleNotFoundError as e:
-        if e.name != LABS[lab]:
-            raise
+    declared = spec.lab(lab)
+    if declared is None:
         return {
             **base,
             "status": "skipped",
-            "note": f"{LABS[lab]} is not in this copy of the course yet",
+            "note": f"labs.experiments.{lab} is not in this copy of the course yet",
         }
-    accepted = inspect.signature(module.run).parameters
     options = entry.options_for(nproc)
-    ignored = sorted(set(options) - set(accepted))
-    if ignored:  # the lab renamed an option: say so rather than bench something else quietly
-        return {
-            **base,
-            "status": "invalid",
-            "note": f"{LABS[lab]}.run takes no option(s) {ignored}",
-        }
+    vs_torch = vs_torch and entry.vs_torch
     t0 = time.perf_counter()
     summaries = []
     try:
+        declared.parse(options, nproc=nproc, steps=steps, vs_torch=vs_torch)
+    except ValueError as e:  # the lab refuses these options (e.g. this rank count), or lost one
+        return {**base, "status": "invalid", "note": f"ValueError: {e}"[:300]}
+    except NotImplementedError as e:  # a check that asks the exercise (the mesh's)
+        return {**base, "status": "not written", "note": f"NotImplementedError: {e}"[:300]}
+    try:
         for _ in range(repeats):
             summaries.append(
-                module.run(
+                declared.run(
                     nproc=nproc,
                     steps=steps,
                     backend=backend,
-                    vs_torch=vs_torch and entry.vs_torch,
+                    vs_torch=vs_torch,
                     timeout=timeout,
                     **options,
                 )
             )
     except Exception as e:
-        # RankError, LaunchTimeout, ValueError, NotImplementedError: the row says which
+        # RankError, LaunchTimeout, NotImplementedError, an error while comparing: the row says
         message = getattr(e, "message", None) or (str(e).splitlines() or [""])[0]
-        status = (
-            "not written"
-            if "NotImplementedError" in (type(e).__name__, getattr(e, "exc_type", ""))
-            else "invalid"
-            if isinstance(e, ValueError)
-            else "failed"
-        )
+        unwritten = "NotImplementedError" in (type(e).__name__, getattr(e, "exc_type", ""))
+        status = "not written" if unwritten else "failed"
         return {
             **base,
             "status": status,
@@ -358,13 +263,16 @@ def run_config(
     return row_from_summary(merge_repeats(summaries, entry), entry, time.perf_counter() - t0)
 
 
+def configurations(lab: str) -> tuple[Bench, ...]:
+    """The bench's configurations of ``lab``: its declaration's (one with its defaults when the lab
+    is not in this copy of the course, for the row that says so)."""
+    declared = spec.lab(lab)
+    return declared.bench if declared is not None else (Bench(),)
+
+
 def run_lab(lab: str, *, nproc: int, steps: int, **kw) -> list[dict]:
-    """Every configuration of ``lab`` in ``BENCH`` (its defaults if it has none there): one row
-    each."""
-    return [
-        run_config(lab, entry, nproc=nproc, steps=steps, **kw)
-        for entry in BENCH.get(lab, [Entry()])
-    ]
+    """Every configuration of ``lab`` (``configurations``): one row each."""
+    return [run_config(lab, entry, nproc=nproc, steps=steps, **kw) for entry in configurations(lab)]
 
 
 def run_bench(
@@ -377,16 +285,15 @@ def run_bench(
     timeout: float = 180.0,
     progress: bool = True,
 ) -> list[dict]:
-    """Every lab in ``labs`` (default: all of ``labs.run.LABS``) at every rank count in
+    """Every lab in ``labs`` (default: every ``labs.run`` lab) at every rank count in
     ``nprocs``."""
     from tqdm.auto import tqdm
 
-    from labs.run import LABS
-
-    labs = list(labs or LABS)
-    unknown = [lab for lab in labs if lab not in LABS]
+    known = spec.command_labs()
+    labs = list(labs or known)
+    unknown = [lab for lab in labs if lab not in known]
     if unknown:
-        raise ValueError(f"labs={unknown} are not labs; choose from {sorted(LABS)}")
+        raise ValueError(f"labs={unknown} are not labs; choose from {sorted(known)}")
     for n in nprocs:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"nproc must be integers >= 1, got {n!r}")
@@ -395,7 +302,7 @@ def run_bench(
             f"steps must be an integer >= 2 (the first step is a warm-up), got {steps!r}"
         )
     check_positive(repeats=repeats)
-    jobs = [(lab, entry, n) for lab in labs for entry in BENCH.get(lab, [Entry()]) for n in nprocs]
+    jobs = [(lab, entry, n) for lab in labs for entry in configurations(lab) for n in nprocs]
     rows = []
     with tqdm(jobs, desc="bench", unit="run", disable=not progress, position=0) as bar:
         for lab, entry, n in bar:
@@ -415,8 +322,6 @@ def run_bench(
 
 
 def main(argv=None) -> int:
-    from labs.run import LABS
-
     parser = argparse.ArgumentParser(
         prog="python -m labs.bench", description=__doc__.split("\n")[0]
     )
@@ -424,7 +329,11 @@ def main(argv=None) -> int:
         "--out", default="out/bench", help="folder for bench.csv, bench.md, bench.png"
     )
     parser.add_argument(
-        "--labs", nargs="+", choices=sorted(LABS), default=None, help="default: every lab"
+        "--labs",
+        nargs="+",
+        choices=sorted(spec.command_labs()),
+        default=None,
+        help="default: every lab",
     )
     parser.add_argument(
         "--nproc", nargs="+", type=int, default=[4], help="rank counts (each lab at each)"

@@ -24,6 +24,11 @@ What the labs build their verdicts from:
     collectives_checks(per_rank_triples, expected)       # per (phase, op): bytes per call
     losses_check(losses, reference)      # wrong at step 1: the forward; only later: the update
 
+A check says what it compares against (``against``): "reference" (the single-process run),
+"theory" (a formula's figure), "torch" (PyTorch's own implementation), or "" (the ranks' own
+consistency: identical replicas, every parameter placed once). ``matches(checks, "reference")``
+is the one rule that turns the checks into a lab's ``matches_reference``.
+
 The hints are guesses from the numbers' shape (a ratio near N, near 1/N, near 0, an offset by
 one chunk), not proofs: each names the likely cause and where to look. A lab adds its own where
 the numbers say more (a ring's chunk per round, a schedule's order, where greedy tokens part).
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 _RATIO_SLACK = 0.02  # a scale within 2% of N (or 1/N, 2, 0) counts as that scale
@@ -43,7 +48,10 @@ _RATIO_SLACK = 0.02  # a scale within 2% of N (or 1/N, 2, 0) counts as that scal
 class Check:
     """One comparison of a lab run: ``ok`` when ``measured`` equals ``expected`` within
     ``tolerance`` (relative; None for an exact check). ``where`` says which rank, step,
-    parameter or op; ``hint`` (failures only) the likely cause."""
+    parameter or op; ``hint`` (failures only) the likely cause; ``against`` what the figure is
+    compared with: "reference", "theory", "torch", or "" (the run's own consistency); ``tensor``
+    (``compare_tensors``) the tensor the figures are of, by name: the worst, or the first missing
+    or misshapen one."""
 
     name: str
     ok: bool
@@ -52,6 +60,8 @@ class Check:
     tolerance: float | None = None
     where: str = ""
     hint: str = ""
+    against: str = ""
+    tensor: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,6 +121,15 @@ def tensor_scale(actual, expected) -> tuple[float, float]:
     return s, float((a - s * e).norm()) / math.sqrt(ee)
 
 
+# A failure's hint when no scale explains it: a text, or a function of the worst tensor's name (a
+# lab's own diagnosis of that tensor, e.g. "the ranks hold different gradients for <name>").
+Hint = str | Callable[[str], str]
+
+
+def _hint_for(hint: Hint, name: str) -> str:
+    return hint(name) if callable(hint) else hint
+
+
 def compare_tensors(
     name: str,
     actual: Mapping[str, Any],
@@ -122,7 +141,8 @@ def compare_tensors(
     what: str = "values",
     known_scales: Mapping[float, str] | None = None,
     absolute: tuple[str, ...] = (),
-    hint: str = "",
+    hint: Hint = "",
+    against: str = "reference",
 ) -> Check:
     """Every tensor of ``expected`` against the one of the same name in ``actual``: the largest
     relative difference (``max |a − e| / max |e|``, per tensor) must be within ``tolerance``.
@@ -131,8 +151,8 @@ def compare_tensors(
     Tensors whose name ends with one of ``absolute`` are compared against the largest magnitude
     of all of ``expected`` instead of their own (a quantity that is zero in exact arithmetic, so
     its computed value is rounding noise). A failure's hint: the classic cause read off the scale
-    (``scale_hint``, with the lab's ``known_scales`` first), else ``hint``, else a line naming the
-    tensor."""
+    (``scale_hint``, with the lab's ``known_scales`` first), else ``hint`` (a text, or a function
+    of the tensor's name), else a line naming the tensor."""
     from labs.train import max_rel_diff
 
     missing = sorted(k for k in expected if actual.get(k) is None)
@@ -145,6 +165,8 @@ def compare_tensors(
             where=f"{where}, {', '.join(missing[:4])}".strip(", "),
             hint=f"{what} of these tensors never arrived: is a parameter skipped (frozen, unused, "
             "tied) or never reduced?",
+            against=against,
+            tensor=missing[0],
         )
     largest = max((float(e.abs().max()) for e in expected.values() if e.numel()), default=1.0)
     worst_name = None
@@ -158,9 +180,11 @@ def compare_tensors(
                 measured=list(got.shape),
                 expected=list(ref.shape),
                 where=f"{where}, {key}".strip(", "),
-                hint=hint
+                hint=_hint_for(hint, key)
                 or "the shard or the gathered tensor has the wrong shape: check the split "
                 "dimension and the chunk sizes",
+                against=against,
+                tensor=key,
             )
         if key.endswith(absolute) and absolute:
             rel = (got.double() - ref.double()).abs().max().item() / (largest or 1.0)
@@ -179,7 +203,7 @@ def compare_tensors(
             found = scale_hint(what, scale, world_size, known_scales)
         found = (
             found
-            or hint
+            or _hint_for(hint, worst_name)
             or (
                 f"{worst_name} differs from the reference by more than rounding: check the code "
                 "that reduces or updates it"
@@ -193,6 +217,8 @@ def compare_tensors(
         tolerance=tolerance,
         where=f"{where}, {worst_name}".strip(", "),
         hint=found,
+        against=against,
+        tensor=worst_name or "",
     )
 
 
@@ -225,6 +251,7 @@ def losses_check(
             len(reference),
             where="steps",
             hint="the run reported another number of losses than it made steps",
+            against="reference",
         )
     diffs = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, reference)]
     diffs = [math.inf if math.isnan(d) else d for d in diffs]  # a nan loss is never close
@@ -251,6 +278,7 @@ def losses_check(
         tolerance=bounds[worst],
         where=f"step {worst + 1} of {len(diffs)}",
         hint=hint,
+        against="reference",
     )
 
 
@@ -265,7 +293,8 @@ def ranks_check(
     what: str = "values",
     known_scales: Mapping[float, str] | None = None,
     absolute: tuple[str, ...] = (),
-    hint: str = "",
+    hint: Hint = "",
+    against: str = "reference",
 ) -> Check:
     """``compare_tensors`` on every rank: ``actual[r]`` (None: rank r holds none of them) against
     ``expected[r]`` (or one mapping for every rank). Returns the first rank's failure, else the
@@ -288,10 +317,19 @@ def ranks_check(
                 known_scales=known_scales,
                 absolute=absolute,
                 hint=hint,
+                against=against,
             )
         )
     if not checks:
-        return Check(name, False, "nothing", "every rank's", tolerance, hint="no rank reported any")
+        return Check(
+            name,
+            False,
+            "nothing",
+            "every rank's",
+            tolerance,
+            hint="no rank reported any",
+            against=against,
+        )
     failed = [c for c in checks if not c.ok]
     if failed:
         return failed[0]
@@ -309,6 +347,7 @@ def calls_check(
     hint: str = "",
     tolerance: float = 1e-9,
     known_scales: Mapping[float, str] | None = None,
+    against: str = "theory",
 ) -> Check:
     """Per rank, the figure of every call (e.g. the bytes of each all-reduce, in the order they
     were issued) against the expected list: first the number of calls, then call by call (within
@@ -327,6 +366,7 @@ def calls_check(
                 hint=count_hint
                 or f"rank {r} issued {len(got)} calls where {len(want)} were expected: a "
                 "collective skipped, issued twice, or issued per tensor instead of per bucket?",
+                against=against,
             )
         for i, (m, e) in enumerate(zip(got, want)):
             if abs(m - e) > tolerance * max(abs(e), 1.0):
@@ -341,6 +381,7 @@ def calls_check(
                     or hint
                     or f"call {i + 1} on rank {r} moved {m:g} {what} instead of {e:g}: check the "
                     "tensor (or chunk) it was given",
+                    against=against,
                 )
     first = list(measured[0]) if measured else []
     return Check(
@@ -349,6 +390,7 @@ def calls_check(
         first,
         list(expected[0]) if expected else [],
         where=f"{len(measured)} ranks, {len(first)} calls each",
+        against=against,
     )
 
 
@@ -362,13 +404,17 @@ def compare_values(
     hint: str = "",
     world_size: int | None = None,
     what: str = "values",
+    against: str = "theory",
 ) -> Check:
     """``measured`` against ``expected`` (numbers, or equal-length lists compared element by
     element): exactly when ``tolerance`` is None, else within ``tolerance`` relative. A failure
-    carries ``hint``, or a scale hint when the measured figure is a multiple of the expected."""
+    carries ``hint``, or a scale hint when the measured figure is a multiple of the expected.
+    ``against``: what ``expected`` comes from, a formula ("theory", the usual case) or another."""
     pairs = list(zip(measured, expected)) if isinstance(expected, list) else [(measured, expected)]
     if isinstance(expected, list) and len(measured) != len(expected):
-        return Check(name, False, measured, expected, tolerance, where, hint or "lengths differ")
+        return Check(
+            name, False, measured, expected, tolerance, where, hint or "lengths differ", against
+        )
 
     def close(m, e) -> bool:
         if tolerance is None:
@@ -381,7 +427,7 @@ def compare_values(
         m, e = bad[0]
         if e:
             hint = scale_hint(what, m / e, world_size)
-    return Check(name, ok, measured, expected, tolerance, where, "" if ok else hint)
+    return Check(name, ok, measured, expected, tolerance, where, "" if ok else hint, against)
 
 
 def collectives_checks(
@@ -434,7 +480,7 @@ def training_checks(
     known_scales: Mapping[float, str] | None = None,
     absolute: tuple[str, ...] = (),
     first_step_hint: str = "",
-    grad_hint: str = "",
+    grad_hint: Hint = "",
     mixed: bool = False,
 ) -> list[Check]:
     """The three checks of a training lab against its single-process reference, with the course's
@@ -448,7 +494,9 @@ def training_checks(
     * ``parameters after step S``: every rank's, by name (when ``params`` is given).
 
     AdamW hides a gradient's scale from the losses (it divides by the gradient's own RMS), so a
-    gradient N times too large trains the same model: only the gradient check sees it. ``prefix``
+    gradient N times too large trains the same model: only the gradient check sees it.
+    ``grad_hint``: a failed gradient check's hint when no scale explains it (a text, or a function
+    of the worst tensor's name). ``prefix``
     names the variant in each check's name ("naive: losses"); ``loss_dtype``: the dtype the loss
     is computed in, when not the model's (the course model's is at least fp32). The bounds of the
     losses and of the parameters after the last step grow over a long run (``Rule.at``).
@@ -474,21 +522,21 @@ def training_checks(
             first_step_hint=first_step_hint,
         )
     ]
+    grads_check = None
     if grads is not None:
-        checks.append(
-            ranks_check(
-                f"{prefix}gradients after step 1",
-                grads,
-                reference_grads,
-                tolerance=grad_rule.rel,
-                step=1,
-                world_size=world_size,
-                what="gradients",
-                known_scales=known_scales,
-                absolute=absolute,
-                hint=grad_hint,
-            )
+        grads_check = ranks_check(
+            f"{prefix}gradients after step 1",
+            grads,
+            reference_grads,
+            tolerance=grad_rule.rel,
+            step=1,
+            world_size=world_size,
+            what="gradients",
+            known_scales=known_scales,
+            absolute=absolute,
+            hint=grad_hint,
         )
+        checks.append(grads_check)
     if params is not None:
         check = ranks_check(
             f"{prefix}parameters after step {steps}",
@@ -500,7 +548,7 @@ def training_checks(
             what="parameters",
             absolute=absolute,
         )
-        if not check.ok and grads is not None and checks[-1].ok:
+        if not check.ok and grads_check is not None and grads_check.ok:
             check = dataclasses.replace(
                 check,
                 hint=(
@@ -520,6 +568,22 @@ def passed(checks: Iterable[Check]) -> bool:
     """True when there is at least one check and every check passed."""
     checks = list(checks)
     return bool(checks) and all(c.ok for c in checks)
+
+
+def matches(checks: Iterable[Check], against: str) -> bool | None:
+    """Whether every check against ``against`` ("reference", "theory", "torch") passed; None when
+    the run made none. A summary's ``matches_reference`` is ``matches(checks, "reference")``."""
+    found = [c for c in checks if c.against == against]
+    return all(c.ok for c in found) if found else None
+
+
+def find(checks: Iterable[Check], name: str) -> Check:
+    """The check named ``name``; KeyError naming the checks there are."""
+    checks = list(checks)
+    for c in checks:
+        if c.name == name:
+            return c
+    raise KeyError(f"no check named {name!r}; the checks: {[c.name for c in checks]}")
 
 
 def _short(value: Any) -> str:

@@ -2,19 +2,21 @@
 
 An *experiment* (``labs.experiments.<lab>``) runs one lab on N ranks and checks it
 three ways: against the single-process reference, against the theory's figures and,
-where one exists, against PyTorch's own implementation. Each module exposes
+where one exists, against PyTorch's own implementation. Each module declares itself (``LAB``,
+its ``Options``: ``labs.experiments.spec``) and exposes
 
-    run(*, nproc, steps, backend="auto", vs_torch=False, timeout=..., <lab options>) -> RunSummary
-    add_arguments(parser)          # its own command-line options for ``python -m labs.run``
+    run(*, nproc=None, steps, backend="auto", vs_torch=False, timeout=..., **options) -> RunSummary
 
 and ``run`` returns a :class:`RunSummary`: the ``labs.run --json`` contract's keys
-(``SUMMARY_KEYS``) as fields, the lab's own figures in ``details``. A summary reads like a dict
-(``summary["matches_reference"]``, ``"worst_grad" in summary``, ``summary.get(...)``), and
-``to_json`` writes it flat, the contract's keys first, as the README documents.
+(``SUMMARY_KEYS``) as fields, the lab's own figures in ``details``, and its checks, the verdict.
+A summary reads like a dict (``summary["max_rel_grad_diff"]``, ``"worst_grad" in summary``,
+``summary.get(...)``), and ``to_json`` writes it flat, the contract's keys first, as the README
+documents. What it says about the run's correctness it reads off its checks, by name
+(``summary.check("losses").ok``); ``matches_reference`` is derived from them by one rule
+(``labs.experiments.checks.matches``).
 
 Metric names follow the contract's pattern, ``max_<abs|rel>_<what>_diff`` (``max_rel_grad_diff``,
-``max_rel_param_diff``, ...). Names used before that rule are kept in the JSON as aliases
-(``ALIASES``).
+``max_rel_param_diff``, ...).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-from labs.experiments.checks import Check, passed, verdict_table
+from labs.experiments.checks import Check, find, matches, passed, verdict_table
 from labs.theory.memory import ModelSpec
 
 # A summary's figure: one number, one per rank, or (``infer --mode both``) one per mode.
@@ -61,6 +63,15 @@ class RunSummary(MutableMapping):
         """The verdict: at least one check, and every check passed."""
         return passed(self.checks)
 
+    @property
+    def matches_reference(self) -> bool | None:
+        """Every check against the single-process reference passed (None: the run made none)."""
+        return matches(self.checks, "reference")
+
+    def check(self, name: str) -> Check:
+        """The check named ``name`` (e.g. ``summary.check("bucketed: losses").ok``)."""
+        return find(self.checks, name)
+
     def add_checks(self, checks: Iterable[Check]) -> None:
         self.checks.extend(checks)
 
@@ -68,34 +79,39 @@ class RunSummary(MutableMapping):
         """The verdict table: a line per check, then PASS, or FAIL with what failed and a hint."""
         return verdict_table(self.checks, lab=self.lab)
 
-    # Mapping access: a contract key reads and writes its field, any other key the details.
+    # Mapping access: a contract key reads and writes its field, a key derived from the checks
+    # reads its property, any other key the details.
     def __getitem__(self, key: str) -> Any:
-        if key in _FIELDS:
+        if key in _FIELDS or key in DERIVED_KEYS:
             return getattr(self, key)
         return self.details[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
+        if key in DERIVED_KEYS:
+            raise TypeError(f"{key!r} is derived from the checks: add a check instead")
         if key in _FIELDS:
             setattr(self, key, value)
         else:
             self.details[key] = value
 
     def __delitem__(self, key: str) -> None:
-        if key in _FIELDS:
+        if key in _FIELDS or key in DERIVED_KEYS:
             raise TypeError(f"{key!r} is a contract key: set it to None rather than delete it")
         del self.details[key]
 
     def __iter__(self) -> Iterator[str]:
         yield from SUMMARY_KEYS
         yield from self.details
+        yield from DERIVED_KEYS
 
     def __len__(self) -> int:
-        return len(SUMMARY_KEYS) + len(self.details)
+        return len(SUMMARY_KEYS) + len(self.details) + len(DERIVED_KEYS)
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat dict ``--json`` writes: contract keys, the details' keys, the aliases, then
-        ``passed`` and ``checks`` (name, ok, measured, expected, tolerance, where, hint)."""
-        out = with_aliases(dict(self))
+        """The flat dict ``--json`` writes: contract keys, the details' keys, the keys derived
+        from the checks, then ``passed`` and ``checks`` (name, ok, measured, expected, tolerance,
+        where, hint, against)."""
+        out = dict(self)
         out["passed"] = self.passed
         out["checks"] = [c.to_dict() for c in self.checks]
         return out
@@ -105,32 +121,8 @@ SUMMARY_KEYS = tuple(
     f.name for f in dataclasses.fields(RunSummary) if f.name not in ("details", "checks")
 )
 _FIELDS = frozenset(SUMMARY_KEYS)
-
-# Old metric name -> its name now. ``to_dict`` (and so ``--json``) writes both, at every level of
-# a summary (e.g. each DDP variant's row), so scripts that read the old names keep working.
-ALIASES = {
-    "max_grad_rel_diff": "max_rel_grad_diff",
-    "max_param_rel_diff": "max_rel_param_diff",
-    "torch_max_param_rel_diff": "torch_max_rel_param_diff",
-    "max_logits_rel_diff": "max_rel_logit_diff",
-    "max_output_rel_diff": "max_rel_output_diff",
-    "max_input_grad_rel_diff": "max_rel_input_grad_diff",
-    "router_grad_rel_diff": "max_rel_router_grad_diff",
-}
-
-
-def with_aliases(value: Any) -> Any:
-    """``value`` with every mapping in it (at any depth) a dict that also carries the old name
-    of each renamed key (``ALIASES``)."""
-    if isinstance(value, Mapping):
-        out = {key: with_aliases(item) for key, item in value.items()}
-        for old, new in ALIASES.items():
-            if new in out and old not in out:
-                out[old] = out[new]
-        return out
-    if isinstance(value, list | tuple):
-        return [with_aliases(item) for item in value]
-    return value
+# Keys a summary reads off its checks (properties of RunSummary), written to the JSON too.
+DERIVED_KEYS = ("matches_reference",)
 
 
 def course_spec(cfg) -> ModelSpec:
@@ -164,27 +156,19 @@ def new_summary(lab: str, *, nproc: int, backend: str, steps: int, **details) ->
 
 
 def fill_losses(
-    summary: MutableMapping, losses: list[float], reference: list[float], dtype=None
+    summary: MutableMapping, losses: list[float], reference: list[float]
 ) -> MutableMapping:
     """Record a run's losses beside the reference's: ``loss`` and ``reference_loss`` (last step),
-    ``losses``, ``reference_losses``, ``max_abs_loss_diff``, ``max_rel_loss_diff`` and
-    ``matches_reference`` (every step within the tolerance for ``dtype``, fp32 by default, at that
-    step: ``labs.train.Rule.per_step``)."""
-    import torch
+    ``losses``, ``reference_losses``, ``max_abs_loss_diff`` and ``max_rel_loss_diff``. Whether
+    they match is a check's to say (``labs.experiments.checks.losses_check``)."""
+    from labs.train import compare_losses
 
-    from labs.train import compare_losses, rule
-
-    diff = compare_losses(losses, reference)
-    bounds = rule("value", dtype or torch.float32).per_step(len(losses))
     summary.update(
         loss=losses[-1],
         reference_loss=reference[-1],
         losses=list(losses),
         reference_losses=list(reference),
-        **diff,
-        matches_reference=all(
-            abs(a - b) / abs(b) <= t for a, b, t in zip(losses, reference, bounds)
-        ),
+        **compare_losses(losses, reference),
     )
     return summary
 
@@ -210,11 +194,11 @@ def format_summary(summary: RunSummary | Mapping[str, Any]) -> str:
 
 
 def to_dict(summary: RunSummary | Mapping[str, Any]) -> dict[str, Any]:
-    """The flat dict of a summary, as ``--json`` writes it (contract keys, the lab's, aliases,
-    and for a :class:`RunSummary` its ``passed`` and ``checks``)."""
+    """The flat dict of a summary, as ``--json`` writes it (contract keys, the lab's, and for a
+    :class:`RunSummary` its ``matches_reference``, ``passed`` and ``checks``)."""
     if isinstance(summary, RunSummary):
         return summary.to_dict()
-    return with_aliases(dict(summary))
+    return dict(summary)
 
 
 def to_json(summary: RunSummary | Mapping[str, Any]) -> str:

@@ -35,7 +35,6 @@ Checks, for every variant and every rank:
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from labs.data import TokenWindows
 from labs.experiments.checks import Check, calls_check, compare_values, ranks_check, training_checks
 from labs.experiments.common import RunSummary, fill_losses, new_summary
+from labs.experiments.spec import Bench, Lab, option
 from labs.measure import CommLedger
 from labs.measure.memory import param_bytes, state_bytes
 from labs.measure.timing import StepTimer
@@ -63,13 +63,11 @@ from labs.train import (
     FP16_LOSS_SCALE,
     LossScaler,
     MixedPrecision,
-    Rule,
+    PrecisionOptions,
     TrainConfig,
-    add_precision_arguments,
     make_optimizer,
     max_rel_diff,
     mixed_precision,
-    rule,
     train_reference,
 )
 
@@ -77,6 +75,48 @@ MODELS = ("course", "awkward")
 DTYPES = ("float32", "float64")
 # The course model's 0.43 MB of fp32 gradients in 4 buckets (torch's default, 25, makes 1).
 DEFAULT_BUCKET_MB = 0.1
+
+
+@dataclass(frozen=True)
+class Options(PrecisionOptions):
+    """The DDP lab's options (``run``'s keywords, ``python -m labs.run ddp``'s flags)."""
+
+    variant: str = option(
+        "bucketed",
+        "which DDP to run; 'all' runs the three one after another",
+        choices=(*VARIANTS, "all"),
+    )
+    bucket_mb: float = option(DEFAULT_BUCKET_MB, "bucket capacity in MiB")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    batch_size: int = option(8, "global batch (sequences per step)")
+    model: str = option("course", choices=MODELS)
+    n_layer: int = option(2)
+    n_embd: int = option(64)
+    dtype: str = option(
+        "float32", "float64 shows the parameters match too (see run's docstring)", choices=DTYPES
+    )
+    seed: int = option(0)
+
+    def check(self, *, nproc: int, steps: int, vs_torch: bool) -> None:
+        self.mixed(self.dtype)
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {self.bucket_mb!r}")
+        check_positive(
+            nproc=nproc, steps=steps, grad_accum=self.grad_accum, batch_size=self.batch_size
+        )
+        check_divides(self.batch_size, "batch_size", nproc * self.grad_accum, "nproc*grad_accum")
+
+
+LAB = Lab(
+    name="ddp",
+    notebook="02_data_parallel",
+    exercises=("ddp",),
+    options=Options,
+    ranks=4,
+    small_run={"nproc": 2, "steps": 2, "variant": "all"},
+    bench=(Bench(options={"variant": "bucketed"}, torch="DistributedDataParallel"),),
+    profiled=True,
+)
 
 
 @dataclass(frozen=True)
@@ -365,54 +405,24 @@ def theory_for(
     }
 
 
-def tolerances(job: Job, backend: str) -> dict[str, Rule]:
-    """The tolerance table's rules for this job: "loss", "grad" and "param" (``labs.train.rule``:
-    the "value" and "param" rows by the model's dtype, which the loss is computed in too, or the
-    mixed-precision rows by the parameters' dtype). A rule's bound may grow over a long run
-    (``Rule.at``)."""
-    mixed = job.mixed
-    if mixed is None:
-        dtype = getattr(torch, job.dtype)
-        return {
-            "loss": rule("value", dtype, backend),
-            "grad": rule("value", dtype, backend),
-            "param": rule("param", dtype, backend),
-        }
-    return {
-        kind: rule(f"mixed_{kind}", mixed.param_dtype, backend)
-        for kind in ("loss", "grad", "param")
-    }
-
-
 def run(
     *,
-    nproc: int = 4,
+    nproc: int | None = None,
     steps: int = 5,
     backend: str = "auto",
     vs_torch: bool = False,
     timeout: float = 300.0,
-    variant: str = "bucketed",
-    bucket_mb: float = DEFAULT_BUCKET_MB,
-    grad_accum: int = 1,
-    batch_size: int = 8,
-    model: str = "course",
-    n_layer: int = 2,
-    n_embd: int = 64,
-    dtype: str = "float32",
-    seed: int = 0,
-    precision: str = "fp32",
-    reduce_dtype: str | None = None,
-    loss_scale: float = FP16_LOSS_SCALE,
+    **options,
 ) -> RunSummary:
-    """Train with DDP on ``nproc`` ranks (``variant``: naive, overlapped, bucketed or all) and check
-    it.
+    """Train with DDP on ``nproc`` ranks (default ``LAB.ranks``; ``variant``: naive, overlapped,
+    bucketed or all; the other ``options``: ``Options``) and check it.
 
-    ``matches_reference``: every variant's losses and step-1 gradients equal the reference's
-    within 1e-5 relative. ``params_match_reference``: so do the parameters after the last
-    step. In fp32 that holds on 2 ranks but not always on 4 (torch's DDP misses it by as
-    much): AdamW divides each gradient element by its own RMS, so an element whose gradient
-    is tiny because large terms cancel (~1e-7) is updated by ~lr whatever its value, and its
-    last-bit differences (the sum split over ranks) become ~1e-4 relative parameter changes.
+    The verdict (``summary.checks``): every variant's losses and step-1 gradients equal the
+    reference's within 1e-5 relative, and its parameters after the last step within the table's
+    "param" rule (1e-3). Within 1e-5 they hold on 2 ranks but not always on 4 in fp32 (torch's DDP
+    misses it by as much): AdamW divides each gradient element by its own RMS, so an element whose
+    gradient is tiny because large terms cancel (~1e-7) is updated by ~lr whatever its value, and
+    its last-bit differences (the sum split over ranks) become ~1e-4 relative parameter changes.
     ``dtype="float64"`` shrinks those differences below 1e-12: the parameter check the tests make.
 
     ``precision`` "bf16-mixed" or "fp16-mixed": the model in bf16/fp16 with the exercise's
@@ -421,30 +431,21 @@ def run(
     table's mixed rows; ``max_rel_loss_diff_vs_fp32``: how far the losses are from the fp32
     reference's. fp16 scales the loss from ``loss_scale`` (``labs.train.LossScaler``).
     """
-    if variant not in (*VARIANTS, "all"):
-        raise ValueError(f"variant={variant!r} is not one of {(*VARIANTS, 'all')}")
-    for name, value, choices in (("model", model, MODELS), ("dtype", dtype, DTYPES)):
-        if value not in choices:
-            raise ValueError(f"{name}={value!r} is not one of {choices}")
-    mixed = mixed_precision(precision, reduce_dtype, dtype)
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {bucket_mb!r}")
-    if not loss_scale > 0:
-        raise ValueError(f"loss_scale must be > 0 (fp16's first loss scale), got {loss_scale!r}")
-    check_positive(nproc=nproc, steps=steps, grad_accum=grad_accum, batch_size=batch_size)
-    check_divides(batch_size, "batch_size", nproc * grad_accum, "nproc*grad_accum")
-    cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, data_seed=seed)
+    nproc = LAB.ranks if nproc is None else nproc
+    o = LAB.parse(options, nproc=nproc, steps=steps, vs_torch=vs_torch)
+    mixed = o.mixed(o.dtype)
+    cfg = TrainConfig(steps=steps, batch_size=o.batch_size, seed=o.seed, data_seed=o.seed)
     job = Job(
-        variants=VARIANTS if variant == "all" else (variant,),
-        model=model,
+        variants=VARIANTS if o.variant == "all" else (o.variant,),
+        model=o.model,
         train=cfg,
-        bucket_mb=bucket_mb,
-        model_cfg=ModelConfig(n_layer=n_layer, n_embd=n_embd),
-        grad_accum=grad_accum,
-        dtype=dtype,
-        precision=precision,
-        reduce_dtype=reduce_dtype,
-        loss_scale=loss_scale,
+        bucket_mb=o.bucket_mb,
+        model_cfg=ModelConfig(n_layer=o.n_layer, n_embd=o.n_embd),
+        grad_accum=o.grad_accum,
+        dtype=o.dtype,
+        precision=o.precision,
+        reduce_dtype=o.reduce_dtype,
+        loss_scale=o.loss_scale,
     )
     per_rank = launch(
         worker,
@@ -464,25 +465,24 @@ def run(
         model=ref_model,
         return_grads=True,
         mixed=mixed,
-        loss_scale=loss_scale,
+        loss_scale=o.loss_scale,
     )
     summary = new_summary(
         "ddp",
         nproc=nproc,
         backend=per_rank.backend,
         steps=steps,
-        variant=variant,
-        model=model,
-        dtype=dtype,
-        precision=precision,
-        reduce_dtype=reduce_dtype or "fp32",
-        bucket_mb=bucket_mb,
-        grad_accum=grad_accum,
-        batch_size=batch_size,
+        variant=o.variant,
+        model=o.model,
+        dtype=o.dtype,
+        precision=o.precision,
+        reduce_dtype=o.reduce_dtype or "fp32",
+        bucket_mb=o.bucket_mb,
+        grad_accum=o.grad_accum,
+        batch_size=o.batch_size,
         n_params=sum(p.numel() for p in ref_model.parameters() if p.requires_grad),
         variants={},
     )
-    tol = tolerances(job, per_rank.backend)
     reduce_itemsize = mixed.reduce_dtype.itemsize if mixed else None
     trainable = backward_order_bytes(ref_model, reduce_itemsize)
     grad_bytes = [g.numel() * (reduce_itemsize or g.element_size()) for g in ref.grads.values()]
@@ -497,9 +497,8 @@ def run(
                 nproc=nproc,
                 grad_bytes=grad_bytes,
                 trainable_bytes=trainable,
-                bucket_mb=bucket_mb,
+                bucket_mb=o.bucket_mb,
             ),
-            tol=tol,
         )
     for v in job.variants:
         summary.add_checks(
@@ -510,7 +509,7 @@ def run(
                 nproc=nproc,
                 theory=summary["variants"][v],
                 broadcast=broadcast_bytes(ref_model, nproc),
-                grad_accum=grad_accum,
+                grad_accum=o.grad_accum,
                 backend=per_rank.backend,
                 mixed=mixed,
             )
@@ -519,19 +518,14 @@ def run(
     row = summary["variants"][job.variants[-1]]
     runs = [r["variants"][job.variants[-1]] for r in per_rank]
     fill_losses(summary, row["losses"], ref.losses)
-    summary["matches_reference"] = all(
-        r["matches_reference"] and r["grads_match_reference"] for r in rows
-    )
     calculator = "fp32" if mixed is None else "bf16-mixed"  # fp16-mixed holds the same bytes
     state_theory = memory_theory.state_bytes(
         summary["n_params"], precision=calculator, optimizer="adamw", dp=nproc
     )
     # the calculator counts fp32 (4 bytes) or mixed precision: scaled to a float64 run's dtype
-    scale = getattr(torch, dtype).itemsize // 4
+    scale = getattr(torch, o.dtype).itemsize // 4
     summary.update(
-        params_match_reference=all(r["params_match_reference"] for r in rows),
         max_rel_param_diff=max(r["max_rel_param_diff"] for r in rows),
-        bytes_match_theory=all(r["bytes_match_theory"] and r["calls_match_theory"] for r in rows),
         comm_bytes_per_rank=[r["sent"][0] for r in runs],
         theory_comm_bytes_per_rank=row["theory_comm_bytes_per_rank"],
         state_bytes_per_rank=[r["state"]["total"] for r in runs],
@@ -559,7 +553,8 @@ def run(
     if len(runs[0]["skipped_steps"]) == steps:  # fp16 took no step: AdamW made no moments yet
         summary["theory_state_breakdown"]["optimizer"] -= 8 * summary["n_params"]
         summary["theory_state_bytes_per_rank"] -= 8 * summary["n_params"]
-    if model == "course":  # the theory's 16 bytes per parameter: the awkward model has frozen ones
+    # the theory's 16 bytes per parameter: the awkward model has frozen ones
+    if o.model == "course":
         summary.add_checks([state_check(summary, runs, nproc, mixed)])
     if vs_torch:
         timing = [r["vs_torch"] for r in per_rank]
@@ -618,37 +613,18 @@ def state_check(summary: RunSummary, runs: list[dict], nproc: int, mixed) -> Che
     )
 
 
-def compare(
-    variant: str, runs: list[dict], ref, *, nproc: int, theory: dict, tol: dict[str, Rule]
-) -> dict:
-    """One variant's per-rank results against the reference (within ``tol``: ``tolerances``) and
-    the theory."""
+def compare(variant: str, runs: list[dict], ref, *, nproc: int, theory: dict) -> dict:
+    """One variant's figures beside the reference's and the theory's (what they must equal, and
+    within what, is its checks': ``variant_checks``)."""
     row = fill_losses({}, _mean_losses([r["losses"] for r in runs]), ref.losses)
-    steps = len(ref.losses)
-    row["matches_reference"] = all(
-        abs(a - b) / abs(b) <= bound
-        for a, b, bound in zip(row["losses"], ref.losses, tol["loss"].per_step(steps))
-    )
-    param_diff = _param_diff([r["params"] for r in runs], ref.params)
-    grad_diff = _param_diff([r["first_grads"] for r in runs], ref.grads)
-    same_names = all(set(r["first_grads"]) == set(ref.grads) for r in runs)
     row.update(
-        max_rel_grad_diff=grad_diff,
-        grads_match_reference=grad_diff <= tol["grad"].rel and same_names,
-        max_rel_param_diff=param_diff,
-        params_match_reference=param_diff <= tol["param"].at(steps),
-        ranks_identical=all(
-            torch.equal(r["params"][n], runs[0]["params"][n]) for r in runs for n in ref.params
-        ),
+        max_rel_grad_diff=_param_diff([r["first_grads"] for r in runs], ref.grads),
+        max_rel_param_diff=_param_diff([r["params"] for r in runs], ref.params),
         all_reduce_calls_per_step=runs[0]["calls"],
         theory_all_reduce_calls=theory["calls"],
         theory_all_reduce_bytes_per_call=theory["per_call"],
         comm_bytes_per_rank_per_step=[r["sent"] for r in runs],
         theory_comm_bytes_per_rank=theory["bytes"],
-        calls_match_theory=all(c == theory["calls"] for r in runs for c in r["calls"]),
-        bytes_match_theory=all(
-            abs(b - theory["bytes"]) <= 1e-9 * theory["bytes"] for r in runs for b in r["sent"]
-        ),
         other_collectives_per_step=max(max(r["other_calls"]) for r in runs),
         broadcast_calls=runs[0]["broadcasts"],
         bucket_buffer_bytes=runs[0]["bucket_bytes"],
@@ -664,8 +640,21 @@ def broadcast_bytes(model: torch.nn.Module, nproc: int) -> list[float]:
     return [(nproc - 1) / nproc * t.numel() * t.element_size() for t in tensors]
 
 
-def _unsynchronised(runs: list[dict], name: str) -> bool:
-    return any(not torch.equal(r["first_grads"][name], runs[0]["first_grads"][name]) for r in runs)
+def unsynchronised_hint(runs: list[dict]):
+    """The hint for a gradient no scale explains, by its name: when the ranks hold different
+    gradients for it after the synchronisation, its all-reduce never ran."""
+
+    def hint(name: str) -> str:
+        held = [r["first_grads"].get(name) for r in runs]
+        if any(g is None for g in held) or all(torch.equal(g, held[0]) for g in held):
+            return ""
+        return (
+            f"the ranks hold different gradients for {name} after the synchronisation: its "
+            "all-reduce never ran (a hook not registered, a bucket never launched) or ran on a "
+            "tensor that is not its .grad"
+        )
+
+    return hint
 
 
 def variant_checks(
@@ -708,6 +697,7 @@ def variant_checks(
             hint="each rank started from other weights and wrapping must overwrite them with "
             "the group's first rank's: broadcast every parameter and buffer from it at wrap time "
             "(broadcast_parameters)",
+            against="",
         )
     ]
     checks += training_checks(
@@ -725,18 +715,9 @@ def variant_checks(
         first_step_hint="the loss (the mean of the ranks') differs at step 1, before any update: "
         "does each rank train on its own B/N sequences of the global batch (rank_data), from "
         "rank 0's weights?",
+        grad_hint=unsynchronised_hint(runs),
         mixed=mixed is not None,
     )
-    grads = checks[2]
-    if not grads.ok and not grads.hint.startswith("gradients are"):  # no scale explains it
-        name = grads.where.rpartition(", ")[2]
-        if name in ref.grads and _unsynchronised(runs, name):
-            checks[2] = dataclasses.replace(
-                grads,
-                hint=f"the ranks hold different gradients for {name} after the synchronisation: "
-                "its all-reduce never ran (a hook not registered, a bucket never launched) or ran "
-                "on a tensor that is not its .grad",
-            )
     checks.append(
         Check(
             f"{prefix}ranks hold identical parameters",
@@ -811,6 +792,7 @@ def skipped_check(prefix: str, runs: list[dict], reference: list[int]) -> Check:
                 " the loss scale halved, on every rank alike; steps that did not overflow must be"
                 " taken: check the overflow test on the fp32 master gradients (after dividing by"
                 " the scale) and LossScaler.update",
+                against="reference",
             )
     return Check(
         f"{prefix}steps skipped for overflow",
@@ -818,6 +800,7 @@ def skipped_check(prefix: str, runs: list[dict], reference: list[int]) -> Check:
         runs[0]["skipped_steps"],
         reference,
         where=f"{len(runs)} ranks, scales {runs[0]['loss_scales']}",
+        against="reference",
     )
 
 
@@ -848,32 +831,3 @@ def sampler_epochs(
                 s.set_epoch(epoch)
         out.append([list(s) for s in samplers])
     return out
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--variant",
-        choices=(*VARIANTS, "all"),
-        default="bucketed",
-        help="which DDP to run; 'all' runs the three one after another",
-    )
-    parser.add_argument(
-        "--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, help="bucket capacity in MiB"
-    )
-    parser.add_argument(
-        "--grad-accum", type=int, default=1, help="micro-batches per optimizer step"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="global batch (sequences per step)"
-    )
-    parser.add_argument("--model", choices=MODELS, default="course")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="float32",
-        help="float64 shows the parameters match too (see run's docstring)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    add_precision_arguments(parser)

@@ -40,11 +40,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from labs.experiments.spec import Lab
 from labs.runtime.device import rank_device
 from labs.runtime.errors import LaunchTimeout, RankDied, RankError
 from labs.runtime.launcher import launch
 from labs.runtime.proc import child_pids
 from labs.theory.memory import state_bytes
+
+# Notebook 10's lab: provoked failures, diagnosed in the notebook (no ``labs.run`` command). Its
+# exercise reads the launcher's reports (``labs/diagnosis.py``).
+LAB = Lab(name="failures", notebook="10_when_it_breaks", exercises=("diagnosis",))
 
 # --- the buggy rank functions ---------------------------------------------------
 

@@ -30,6 +30,14 @@ def comparison_rows(summary: RunSummary) -> list[dict]:
     return out
 
 
+def matches_calculator(summary: RunSummary, row: dict) -> bool:
+    """Whether a configuration's state and saved-activation bytes equal the calculator's on every
+    rank: its two checks, by name."""
+    prefix = f"{row['precision']}/{row['recompute']}: "
+    names = ("state bytes (params, grads, optimizer)", "activation bytes")
+    return all(summary.check(prefix + name).ok for name in names)
+
+
 def format_comparison(summary: RunSummary) -> str:
     """The measured-vs-predicted table (bytes per rank) notebook 01 prints."""
     head = (
@@ -42,7 +50,7 @@ def format_comparison(summary: RunSummary) -> str:
         cells = "".join(
             f"{r['measured'][k]:>12,.0f} /{r['predicted'][k]:>10,.0f}" for k in BYTE_KEYS
         )
-        match = "yes" if r["matches_theory"] else "NO"
+        match = "yes" if matches_calculator(summary, r) else "NO"
         lines.append(f"{r['precision']:<11}{r['recompute']:<10}{cells}  {match}")
     return "\n".join(lines)
 

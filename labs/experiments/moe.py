@@ -24,15 +24,17 @@ instead.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from labs.data import rank_batches
+from labs.experiments.checks import matches
 from labs.experiments.common import RunSummary, course_spec, fill_losses, new_summary
+from labs.experiments.spec import Lab, option
 from labs.measure import CommLedger, state_bytes
 from labs.measure.timing import StepTimer
 from labs.models.moe import MoEConfig, build_moe_model, swap_mlp
@@ -44,7 +46,7 @@ from labs.theory import moe as theory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_positive
 from labs.theory.memory import state_bytes as theory_state_bytes
-from labs.train import TOLERANCES, TrainConfig, make_optimizer, max_rel_diff, train_reference
+from labs.train import TrainConfig, make_optimizer, max_rel_diff, rule, train_reference
 
 # One MoE layer for the layer check: small enough for 4 ranks on 2 cores, big enough to route.
 LAYER_CFG = ModelConfig(n_embd=32, ffn_hidden=64, n_head=4, n_kv_head=2)
@@ -321,12 +323,11 @@ def layer_check(
         "pairs": ref.routing["keep"].numel(),
         "experts_per_rank": [r["experts"] for r in per_rank],
     }
-    checked = ("max_rel_output_diff", "max_rel_input_grad_diff", "max_rel_grad_diff")
-    result["matches_reference"] = max(result[k] for k in checked) <= TOLERANCES[torch.float32]
     result.update(
         _bytes_vs_theory(per_rank, [[r["counts"]] for r in per_rank], ep, experts, LAYER_CFG.n_embd)
     )
     result["checks"] = layer_checks(result, per_rank, ref_grads)
+    result["matches_reference"] = matches(result["checks"], "reference")
     return result
 
 
@@ -342,7 +343,7 @@ def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
     every rank, the dropped pairs, the all-to-alls call by call."""
     from labs.experiments.checks import Check, calls_check, ranks_check
 
-    tol = TOLERANCES[torch.float32]
+    tol = rule("value", torch.float32, per_rank.backend).rel
     n = len(per_rank)
     grads = ranks_check(
         "parameter gradients",
@@ -351,10 +352,8 @@ def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
         tolerance=tol,
         what="gradients",
         world_size=n,
+        hint=routing_hint,
     )
-    if not grads.ok and not grads.hint.startswith("gradients are"):
-        found = routing_hint(grads.where.rpartition(", ")[2])
-        grads = dataclasses.replace(grads, hint=found or grads.hint)
     checks = [
         Check(
             "layer outputs",
@@ -364,6 +363,7 @@ def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
             tol,
             where="every rank's tokens",
             hint=MOE_FORWARD_HINT.replace("at step 1", "for these tokens"),
+            against="reference",
         ),
         Check(
             "input gradients",
@@ -374,6 +374,7 @@ def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
             where="every rank's tokens",
             hint="the tokens' gradients come back through the combine and the two all-to-alls' "
             "backwards (the reverse exchange, splits swapped)",
+            against="reference",
         ),
         grads,
         Check(
@@ -384,6 +385,7 @@ def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
             where=f"capacity {result['capacity']}",
             hint="capacity is decided per group (a rank's tokens): every first choice in token "
             "order before any second choice, at most C pairs per expert",
+            against="reference",
         ),
     ]
     for phase in ("forward", "backward"):
@@ -426,11 +428,7 @@ def _bytes_vs_theory(per_rank, counts, ep, experts, hidden) -> dict:
                 "backward": [x for b in backward for x in b],
             }
         )
-    return {
-        "a2a_bytes_per_rank": measured,
-        "theory_a2a_bytes_per_rank": predicted,
-        "bytes_match_theory": measured == predicted,
-    }
+    return {"a2a_bytes_per_rank": measured, "theory_a2a_bytes_per_rank": predicted}
 
 
 def bytes_table(result: dict) -> str:
@@ -536,37 +534,66 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
     }
 
 
+@dataclass(frozen=True)
+class Options:
+    """The MoE lab's options (``run``'s keywords, ``python -m labs.run moe``'s flags)."""
+
+    experts: int = option(8, "experts per MoE layer (E)")
+    top_k: int = option(2, "experts per token (k)")
+    capacity_factor: float | None = option(
+        1.25,
+        "expert capacity as a multiple of an even share (> 0); 0 is rejected",
+        none_flag=("--no-capacity", "no capacity: drop nothing"),
+    )
+    ep: int | None = option(None, "expert-parallel ranks per group (default: --nproc)")
+    aux_loss_coef: float = option(1e-2, command_line=False)
+    z_loss_coef: float = option(1e-3, command_line=False)
+    seed: int = option(0)
+
+    def moe(self) -> MoEConfig:
+        return MoEConfig(
+            n_experts=self.experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef,
+        )
+
+    def check(self, *, nproc: int, steps: int, vs_torch: bool) -> None:
+        check_options(nproc=nproc, ep=self.ep or nproc, moe=self.moe())
+        TrainConfig(steps=steps, seed=self.seed).per_rank_batch(nproc)  # the batch must split
+
+
+LAB = Lab(
+    name="moe",
+    notebook="07_mixture_of_experts",
+    exercises=("expert_parallel",),
+    options=Options,
+    ranks=4,
+    small_run={"nproc": 2, "steps": 2},
+    profiled=True,
+)
+
+
 def run(
     *,
-    nproc: int = 4,
+    nproc: int | None = None,
     steps: int = 5,
     backend: str = "auto",
     vs_torch: bool = False,
     timeout: float = 120.0,
-    experts: int = 8,
-    top_k: int = 2,
-    capacity_factor: float | None = 1.25,
-    ep: int | None = None,
-    aux_loss_coef: float = 1e-2,
-    z_loss_coef: float = 1e-3,
-    seed: int = 0,
+    **options,
 ) -> RunSummary:
-    """Train the course model with MoE layers on ``nproc`` ranks (EP groups of ``ep``, default all
-    of them, data parallel across groups) and check it against the single-process reference and the
-    theory."""
-    ep = ep or nproc
-    moe = MoEConfig(
-        n_experts=experts,
-        top_k=top_k,
-        capacity_factor=capacity_factor,
-        aux_loss_coef=aux_loss_coef,
-        z_loss_coef=z_loss_coef,
-    )
-    check_options(nproc=nproc, ep=ep, moe=moe)
+    """Train the course model with MoE layers on ``nproc`` ranks (default ``LAB.ranks``; EP groups
+    of ``ep``, default all of them, data parallel across groups; the ``options``: ``Options``) and
+    check it against the single-process reference and the theory."""
+    nproc = LAB.ranks if nproc is None else nproc
+    o = LAB.parse(options, nproc=nproc, steps=steps, vs_torch=vs_torch)
+    ep = o.ep or nproc
+    moe = o.moe()
     cfg = ModelConfig()
-    train = TrainConfig(steps=steps, seed=seed)
-    # a rank's tokens (a batch that does not split over the ranks is an error here)
-    tokens = train.per_rank_batch(nproc) * train.seq_len
+    train = TrainConfig(steps=steps, seed=o.seed)
+    tokens = train.per_rank_batch(nproc) * train.seq_len  # a rank's tokens
     per_rank = launch(
         train_worker,
         nproc,
@@ -580,7 +607,7 @@ def run(
         desc="MoE steps",
     )
     ref_model = build_moe_model(
-        cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=seed, groups=nproc
+        cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=o.seed, groups=nproc
     )
     n_params = count_params(ref_model)
     ref = train_reference(cfg, train, dp=nproc, model=ref_model, return_grads=True)
@@ -591,9 +618,9 @@ def run(
         steps=steps,
         ep=ep,
         dp=nproc,
-        experts=experts,
-        top_k=top_k,
-        capacity_factor=capacity_factor,
+        experts=o.experts,
+        top_k=o.top_k,
+        capacity_factor=o.capacity_factor,
     )
     fill_losses(summary, per_rank[0]["losses"], ref.losses)
     grad_diff = max(
@@ -601,13 +628,10 @@ def run(
         for r in per_rank
         for n, g in r["grads"].items()
     )
-    summary.update(
-        max_rel_grad_diff=grad_diff,
-        grads_match_reference=grad_diff <= TOLERANCES[torch.float32],
-    )
+    summary["max_rel_grad_diff"] = grad_diff
     # Bytes: all-to-alls against the routing decisions, gradient all-reduces and state against the
     # theory.
-    a2a = _bytes_vs_theory(per_rank, [r["counts"] for r in per_rank], ep, experts, cfg.n_embd)
+    a2a = _bytes_vs_theory(per_rank, [r["counts"] for r in per_rank], ep, o.experts, cfg.n_embd)
     counts = theory.moe_param_counts(model_spec(cfg, moe), ep=ep)
     r0 = per_rank[0]
     summary.update(a2a)
@@ -617,7 +641,7 @@ def run(
         _a2a_total(b) for b in a2a["theory_a2a_bytes_per_rank"]
     ]
     # 4 all-to-alls per MoE layer and step: dispatch and combine, forward and backward
-    uniform = theory.expected_all_to_all_bytes(tokens, top_k, ep, cfg.n_embd, 4)
+    uniform = theory.expected_all_to_all_bytes(tokens, o.top_k, ep, cfg.n_embd, 4)
     summary.update(
         uniform_routing_comm_bytes=4 * cfg.n_layer * uniform,
         grad_sync_bytes_per_rank=[r["grad_sync_bytes"] for r in per_rank],
@@ -636,13 +660,13 @@ def run(
         torch_step_time_s=None,  # PyTorch ships no expert-parallel layer to time against
         tokens_per_rank=tokens,
         capacity=None
-        if capacity_factor is None
-        else theory.expert_capacity(tokens, top_k, experts, capacity_factor),
+        if o.capacity_factor is None
+        else theory.expert_capacity(tokens, o.top_k, o.experts, o.capacity_factor),
         chosen_per_expert=[[c["chosen"] for c in r["counts"]] for r in per_rank],
         kept_per_expert=[[c["kept"] for c in r["counts"]] for r in per_rank],
     )
     summary.add_checks(moe_checks(per_rank, ref, summary))
-    summary.add_checks(layer_vs_mixtral(mixtral_check(n_experts=4, seed=seed)))
+    summary.add_checks(layer_vs_mixtral(mixtral_check(n_experts=4, seed=o.seed)))
     return summary
 
 
@@ -687,7 +711,7 @@ def layer_vs_mixtral(m: dict) -> list:
     the combine or the losses would be in both; this is where it shows."""
     from labs.experiments.checks import Check
 
-    tol = TOLERANCES[torch.float32]
+    tol = rule("value", torch.float32).rel  # one process, on the CPU
     aux_diff = abs(m["aux_loss_times_k"] - m["hf_aux_loss"]) / abs(m["hf_aux_loss"])
     return [
         Check(
@@ -700,6 +724,7 @@ def layer_vs_mixtral(m: dict) -> list:
             hint="the layer's output differs from transformers' MixtralSparseMoeBlock on the same "
             "weights: route (softmax, top-k, the k weights renormalised to sum to 1 when k > 1) "
             "and combine (each expert's output weighted by the router, summed per token)",
+            against="reference",
         ),
         Check(
             "load-balancing loss vs Mixtral's",
@@ -710,6 +735,7 @@ def layer_vs_mixtral(m: dict) -> list:
             where="value x k, and its gradient to the router's logits",
             hint="E·Σ_e f_e·P_e per group: f_e, the share of the pairs choosing e, is a count (no "
             "gradient); P_e, the mean probability of e, carries the gradient to the router",
+            against="reference",
         ),
         Check(
             "router z-loss vs its formula",
@@ -718,6 +744,7 @@ def layer_vs_mixtral(m: dict) -> list:
             m["z_loss_formula"],
             tol,
             hint="the mean over tokens of logsumexp(logits)², computed with logsumexp (stable)",
+            against="theory",
         ),
     ]
 
@@ -739,12 +766,8 @@ def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
         backend=summary["backend"],
         world_size=n,
         first_step_hint=MOE_FORWARD_HINT,
+        grad_hint=routing_hint,
     )
-    grads = checks[1]
-    if not grads.ok and not grads.hint.startswith("gradients are"):
-        found = routing_hint(grads.where.rpartition(", ")[2])
-        if found:
-            checks[1] = dataclasses.replace(grads, hint=found)
     for phase in ("forward", "backward"):
         checks.append(
             calls_check(
@@ -780,6 +803,7 @@ def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
                 where="the busiest expert, step 1",
                 hint="an expert keeps at most C = ceil(cf·k·N/E) pairs of a group (slots 0 .. C-1"
                 " in priority order): check capacity_keep's comparison",
+                against="theory",
             )
         )
     checks.append(
@@ -863,25 +887,3 @@ def _balance_curve(cfg: ModelConfig, train: TrainConfig, groups: int, moe: MoECo
         rows["loss"].append(loss.item())
         rows["counts"].append(per_group)
     return rows
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (E)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token (k)")
-    parser.add_argument(
-        "--capacity-factor",
-        type=float,
-        default=1.25,
-        help="expert capacity as a multiple of an even share (> 0); 0 is rejected",
-    )
-    parser.add_argument(
-        "--no-capacity",
-        dest="capacity_factor",
-        action="store_const",
-        const=None,
-        help="no capacity: drop nothing",
-    )
-    parser.add_argument(
-        "--ep", type=int, default=None, help="expert-parallel ranks per group (default: --nproc)"
-    )
-    parser.add_argument("--seed", type=int, default=0)

@@ -22,6 +22,7 @@ import statistics
 
 import torch
 
+from labs.experiments.checks import losses_check, matches
 from labs.experiments.multimodal_setup import SIZES, check_args, reference_run, specs
 from labs.experiments.multimodal_workers import pp_worker
 from labs.measure import idle_fraction
@@ -30,7 +31,7 @@ from labs.models.vision import MultimodalConfig
 from labs.runtime.launcher import launch
 from labs.theory import multimodal as theory
 from labs.theory.pipeline import fit_timeline
-from labs.train import TOLERANCES, TrainConfig, compare_losses
+from labs.train import TrainConfig, compare_losses, rule
 
 
 def measure_timelines(
@@ -164,7 +165,9 @@ def imbalance(
             "losses": runs[-1]["losses"],
             **compare_losses(runs[-1]["losses"], ref.losses),
         }
-        row["matches_reference"] = row["max_rel_loss_diff"] <= TOLERANCES[torch.float32]
+        bounds = rule("value", torch.float32, per_rank.backend).per_step(len(ref.losses))
+        row["checks"] = [losses_check(runs[-1]["losses"], ref.losses, tolerance=bounds)]
+        row["matches_reference"] = matches(row["checks"], "reference")
         rows.append(
             {
                 **row,

@@ -18,9 +18,8 @@ rounds once: the same numbers as an fp32 reduction rounded to bf16).
 
 from __future__ import annotations
 
-import importlib
-
 from labs.experiments.common import RunSummary
+from labs.experiments.spec import Lab, command_labs
 
 # label -> (precision, reduce_dtype)
 POLICIES = {
@@ -28,15 +27,27 @@ POLICIES = {
     "bf16, reduce in fp32": ("bf16-mixed", "fp32"),
     "bf16, reduce in bf16": ("bf16-mixed", "bf16"),
 }
-LABS = {"ddp": "labs.experiments.ddp", "zero": "labs.experiments.zero"}
+
+
+def mixed_precision_labs() -> dict[str, Lab]:
+    """The labs that train in mixed precision (ddp, zero): those whose options extend
+    ``labs.train.PrecisionOptions``."""
+    from labs.train import PrecisionOptions
+
+    return {
+        name: lab
+        for name, lab in command_labs().items()
+        if issubclass(lab.options, PrecisionOptions)
+    }
 
 
 def loss_curves(lab: str = "ddp", *, nproc: int = 4, steps: int = 30, **options) -> dict:
     """One run of ``lab`` ("ddp" or "zero") per policy of ``POLICIES``, the same model, data and
     steps: {label: summary}. ``options`` go to every run (e.g. ``stage=3``, ``variant=...``)."""
-    if lab not in LABS:
-        raise ValueError(f"lab={lab!r} is not one of {tuple(LABS)}")
-    run = importlib.import_module(LABS[lab]).run
+    labs = mixed_precision_labs()
+    if lab not in labs:
+        raise ValueError(f"lab={lab!r} is not one of {tuple(labs)}")
+    run = labs[lab].run
     return {
         label: run(nproc=nproc, steps=steps, precision=precision, reduce_dtype=reduce, **options)
         for label, (precision, reduce) in POLICIES.items()
@@ -45,7 +56,7 @@ def loss_curves(lab: str = "ddp", *, nproc: int = 4, steps: int = 30, **options)
 
 def zero_stages(*, nproc: int = 4, steps: int = 5, precision: str = "bf16-mixed") -> list:
     """ZeRO stages 0-3 in ``precision`` (reducing in fp32): one summary per stage."""
-    zero = importlib.import_module(LABS["zero"])
+    zero = mixed_precision_labs()["zero"]
     return [zero.run(nproc=nproc, steps=steps, stage=k, precision=precision) for k in range(4)]
 
 

@@ -7,29 +7,33 @@
 
 Recording is ``labs.measure.profile`` (the step timer profiles steps 1-3 of each rank's first
 loop), reading is ``labs.measure.trace``. Labs whose ranks run training steps can be profiled
-(``PROFILED_LABS``); the others (collectives, memory, infer) time something else and say so.
+(``profiled_labs``); the others (collectives, memory, infer) time something else and say so.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from labs.experiments.spec import command_labs
 from labs.measure.profile import PROFILED_STEPS, profiling, trace_path
 from labs.measure.trace import format_figures, load_run, median_figures, plot_lanes, step_figures
 from labs.runtime.launcher import under_torchrun
 
-# Labs whose ranks train with a StepTimer-timed loop (python -m labs.run LAB --profile DIR).
-PROFILED_LABS = ("ddp", "zero", "tp", "pp", "cp", "moe", "mesh", "multimodal")
+
+def profiled_labs() -> tuple[str, ...]:
+    """The labs whose ranks train with a StepTimer-timed loop, the ones ``--profile`` applies to
+    (``profiled=True`` in their ``LAB``)."""
+    return tuple(name for name, lab in command_labs().items() if lab.profiled)
 
 
 def check_profiled(lab: str, steps: int) -> None:
     """A clear error for a lab or a run that ``--profile`` cannot profile."""
-    if lab not in PROFILED_LABS:
+    profiled = profiled_labs()
+    if lab not in profiled:
         raise ValueError(
-            f"--profile applies to labs whose ranks run training steps, {', '.join(PROFILED_LABS)};"
+            f"--profile applies to labs whose ranks run training steps, {', '.join(profiled)};"
             f" {lab!r} times something else: profile it with torch.profiler directly"
         )
     if steps < 2:
@@ -72,12 +76,11 @@ def profile_report(folder: str | os.PathLike, nproc: int | None = None) -> dict:
 
 
 def profile_lab(lab: str, folder: str | os.PathLike, **options) -> dict:
-    """Run ``lab`` (one of ``PROFILED_LABS``: "ddp", "zero", ...) with ``options`` (its ``run``'s
+    """Run ``lab`` (one of ``profiled_labs()``: "ddp", "zero", ...) with ``options`` (its ``run``'s
     keywords), each rank profiling steps 1-3 into ``folder``; the lab's ``summary`` and
     ``profile_report``'s figures. Notebook 12."""
     check_profiled(lab, options.get("steps", 5))
-    module = importlib.import_module(f"labs.experiments.{lab}")  # labs.run's LABS entry
-    summary = run_profiled(lab, module.run, folder, **options)
+    summary = run_profiled(lab, command_labs()[lab].run, folder, **options)
     return {"summary": summary, **profile_report(folder, nproc=summary["nproc"])}
 
 

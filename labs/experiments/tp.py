@@ -39,6 +39,7 @@ from labs.experiments.checks import (
     Check,
     collectives_checks,
     compare_values,
+    find,
     ranks_check,
     training_checks,
 )
@@ -50,6 +51,7 @@ from labs.experiments.common import (
     fill_losses,
     new_summary,
 )
+from labs.experiments.spec import Bench, Lab, option
 from labs.experiments.tp_overlap import padded
 from labs.measure import CommLedger, SavedActivations, state_bytes
 from labs.measure.async_collectives import AsyncCollectives
@@ -62,7 +64,6 @@ from labs.theory import memory as memory_theory
 from labs.theory import tensor_parallel as theory
 from labs.theory.dims import check_positive
 from labs.train import (
-    TOLERANCES,
     TrainConfig,
     compare_losses,
     data_for,
@@ -111,6 +112,49 @@ def reference_name(name: str, model: str) -> str:
     from labs.models.hf import hf_llama_name
 
     return "hf." + hf_llama_name(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The TP lab's options (``run``'s keywords, ``python -m labs.run tp``'s flags)."""
+
+    sp: bool = option(False, "sequence parallelism too")
+    async_linear: bool = option(
+        False,
+        "the overlapped variant: each region entrance's backward collective runs while its "
+        "weight gradients are computed (apply_async_communication)",
+    )
+    op_time: float = option(
+        0.0,
+        "pad each matrix product to S seconds (sleep), as if compute were that long: leaves "
+        "the cores to gloo, so an overlap shows in a --profile trace (notebook 04 §11)",
+        metavar="S",
+    )
+    model: str = option("course", "the course model or a transformers Llama", choices=MODELS)
+    seed: int = option(0)
+    batch_size: int = option(8, "sequences per step (every TP rank reads all)")
+    seq_len: int = option(32)
+    model_cfg: ModelConfig | None = option(None, command_line=False)  # default: ModelConfig()
+
+    def check(self, *, nproc: int, steps: int, vs_torch: bool) -> None:
+        train = TrainConfig(steps=steps, batch_size=self.batch_size, seq_len=self.seq_len)
+        check_args(
+            self.model_cfg or ModelConfig(), nproc=nproc, sp=self.sp, model=self.model, train=train
+        )
+        if self.op_time < 0:
+            raise ValueError(f"op_time={self.op_time} must be >= 0 (seconds; 0: no padding)")
+
+
+LAB = Lab(
+    name="tp",
+    notebook="04_tensor_parallel",
+    exercises=("tensor_parallel_comm", "tensor_parallel"),
+    options=Options,
+    ranks=4,
+    small_run={"nproc": 2, "steps": 2},
+    bench=(Bench(options={"sp": False}, torch="DTensor parallelize_module"),),
+    profiled=True,
+)
 
 
 def check_args(cfg: ModelConfig, *, nproc: int, sp: bool, model: str, train: TrainConfig) -> None:
@@ -325,31 +369,24 @@ def measured_comm(records: list[tuple]) -> dict:
 
 def run(
     *,
-    nproc: int = 4,
+    nproc: int | None = None,
     steps: int = 5,
     backend: str = "auto",
     vs_torch: bool = False,
     timeout: float = 300.0,
-    sp: bool = False,
-    model: str = "course",
-    seed: int = 0,
-    batch_size: int = 8,
-    seq_len: int = 32,
-    model_cfg: ModelConfig | None = None,
-    async_linear: bool = False,
-    op_time: float = 0.0,
+    **options,
 ) -> RunSummary:
-    """Train the ``model`` ("course" or "hf-llama") tensor-parallel on ``nproc`` ranks (with
-    sequence parallelism when ``sp``; overlapped, ``apply_async_communication``, when
-    ``async_linear``; every matrix product of ours padded to ``op_time`` seconds, notebook 04
-    §11) and check it against the reference, the theory and (``vs_torch``) DTensor."""
-    cfg = model_cfg or ModelConfig()
-    train = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    check_args(cfg, nproc=nproc, sp=sp, model=model, train=train)
-    if op_time < 0:
-        raise ValueError(f"op_time={op_time} must be >= 0 (seconds; 0: no padding)")
-    full = full_model(cfg, model, seed)
-    reference_model = full if model == "course" else LlamaWithLoss(full)
+    """Train the ``model`` ("course" or "hf-llama") tensor-parallel on ``nproc`` ranks (default
+    ``LAB.ranks``; with sequence parallelism when ``sp``; overlapped,
+    ``apply_async_communication``, when ``async_linear``; every matrix product of ours padded to
+    ``op_time`` seconds, notebook 04 §11; the ``options``: ``Options``) and check it against the
+    reference, the theory and (``vs_torch``) DTensor."""
+    nproc = LAB.ranks if nproc is None else nproc
+    o = LAB.parse(options, nproc=nproc, steps=steps, vs_torch=vs_torch)
+    cfg = o.model_cfg or ModelConfig()
+    train = TrainConfig(steps=steps, batch_size=o.batch_size, seq_len=o.seq_len, seed=o.seed)
+    full = full_model(cfg, o.model, o.seed)
+    reference_model = full if o.model == "course" else LlamaWithLoss(full)
     x, _ = data_for(train)[0]
     with one_thread(), torch.no_grad():
         ref_logits = reference_model(x)
@@ -359,54 +396,45 @@ def run(
         nproc,
         full,
         train,
-        sp,
+        o.sp,
         vs_torch,
-        async_linear,
-        op_time,
+        o.async_linear,
+        o.op_time,
         backend=backend,
         timeout=timeout,
         progress=steps * (2 if vs_torch else 1),
-        desc=f"tp={nproc}{' +sp' if sp else ''}{' async' if async_linear else ''}",
+        desc=f"tp={nproc}{' +sp' if o.sp else ''}{' async' if o.async_linear else ''}",
     )
 
     spec = course_spec(cfg)
-    tol = TOLERANCES[torch.float32]
     s = new_summary(
         "tp",
         nproc=nproc,
         backend=per_rank.backend,
         steps=steps,
-        model=model,
-        sp=sp,
+        model=o.model,
+        sp=o.sp,
         tp=nproc,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        async_linear=async_linear,
-        op_time_s=op_time,
+        batch_size=o.batch_size,
+        seq_len=o.seq_len,
+        async_linear=o.async_linear,
+        op_time_s=o.op_time,
     )
     fill_losses(s, per_rank[0]["losses"], ref.losses)
     logits = torch.cat([r["logits"] for r in per_rank], dim=-1)
     s["max_rel_logit_diff"] = max_rel_diff(logits, ref_logits)
-    s["max_rel_grad_diff"], s["worst_grad"] = worst_difference(per_rank, "grads", ref.grads, model)
+    s["max_rel_grad_diff"], s["worst_grad"] = worst_difference(
+        per_rank, "grads", ref.grads, o.model
+    )
     s["max_rel_param_diff"], s["worst_param"] = worst_difference(
-        per_rank, "params", ref.params, model
+        per_rank, "params", ref.params, o.model
     )
-    s["losses_equal_on_every_rank"] = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     s["logits_shape_per_rank"] = list(per_rank[0]["logits"].shape)
-    # Parameters after training are reported, not checked at 1e-5: AdamW divides each gradient
-    # element by its own RMS, so an element whose gradient is near eps (1e-8) turns a 1e-10
-    # difference into ~1e-4 of its update.
-    s["matches_reference"] = (
-        s["matches_reference"]
-        and s["losses_equal_on_every_rank"]
-        and max(s["max_rel_logit_diff"], s["max_rel_grad_diff"]) <= tol
-    )
 
-    size = dict(tp=nproc, sp=sp, batch=batch_size, seq=seq_len, dtype_bytes=4)
+    size = dict(tp=nproc, sp=o.sp, batch=o.batch_size, seq=o.seq_len, dtype_bytes=4)
     expected = theory.comm_summary(spec, **size)
     s["comm"] = measured_comm(per_rank[0]["comm"])
     s["theory_comm"] = expected["model"]
-    s["comm_matches_theory"] = all(measured_comm(r["comm"]) == expected["model"] for r in per_rank)
     s["comm_bytes_per_rank"] = [sum(c[3] for c in r["comm"]) for r in per_rank]
     s["theory_comm_bytes_per_rank"] = expected["sent_bytes_per_step"]
     params = theory.param_bytes_per_rank(spec, tp=nproc)
@@ -422,15 +450,15 @@ def run(
             per_rank,
             ref,
             ref_logits,
-            model=model,
-            sp=sp,
+            model=o.model,
+            sp=o.sp,
             backend=per_rank.backend,
             calls=theory.collectives(spec, **size),
-            tokens=batch_size * seq_len,
-            async_linear=async_linear,
+            tokens=o.batch_size * o.seq_len,
+            async_linear=o.async_linear,
         )
     )
-    if async_linear:
+    if o.async_linear:
         s["async_collectives"] = per_rank[0]["async_collectives"]
         s.add_checks(async_checks(per_rank, n_layer=cfg.n_layer))
     s.add_checks(
@@ -538,16 +566,10 @@ def tp_checks(
         "logits: a shard cut along the wrong dim, a missing g, or the vocab-parallel embedding's "
         "or loss's mask of the ids a rank holds, [r·V/tp, (r+1)·V/tp))",
     )
-    grads = checks[2]
-    worst = grads.where.rpartition(", ")[2]
-    if not grads.ok and sp and worst.endswith("norm.weight"):
-        checks[2] = dataclasses.replace(
-            grads,
-            hint=f"{worst}: with SP a norm sees T/tp tokens, so its weight's gradient is partial "
-            "and must be all-reduced over the group (sequence_parallel_norm's hook)",
-        )
-    if not grads.ok and async_linear and worst.endswith(COLUMN_WEIGHTS):
-        checks[2] = dataclasses.replace(grads, hint=ASYNC_WEIGHT_GRAD_HINT.format(name=worst))
+    grads = find(checks, "gradients after step 1")
+    diagnosis = grad_hint(grads.tensor, sp=sp, async_linear=async_linear)
+    if not grads.ok and diagnosis:  # what this lab knows of that tensor outranks a scale's guess
+        checks[checks.index(grads)] = dataclasses.replace(grads, hint=diagnosis)
     checks.append(
         Check(
             "losses equal on every rank",
@@ -567,6 +589,18 @@ def tp_checks(
         count_hint=COMM_COUNT_HINT,
     )
     return checks
+
+
+def grad_hint(name: str, *, sp: bool, async_linear: bool) -> str:
+    """What a wrong gradient of ``name`` most likely means in this run ("" when nothing)."""
+    if sp and name.endswith("norm.weight"):
+        return (
+            f"{name}: with SP a norm sees T/tp tokens, so its weight's gradient is partial and "
+            "must be all-reduced over the group (sequence_parallel_norm's hook)"
+        )
+    if async_linear and name.endswith(COLUMN_WEIGHTS):
+        return ASYNC_WEIGHT_GRAD_HINT.format(name=name)
+    return ""
 
 
 # The column-parallel weights, whose gradients LinearWithAsyncCommunication computes (overlapped).
@@ -619,32 +653,6 @@ def async_checks(per_rank: list[dict], *, n_layer: int) -> list[Check]:
     ]
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism too")
-    parser.add_argument(
-        "--async-linear",
-        action="store_true",
-        help="the overlapped variant: each region entrance's backward collective runs while its "
-        "weight gradients are computed (apply_async_communication)",
-    )
-    parser.add_argument(
-        "--op-time",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="pad each matrix product to S seconds (sleep), as if compute were that long: leaves "
-        "the cores to gloo, so an overlap shows in a --profile trace (notebook 04 §11)",
-    )
-    parser.add_argument(
-        "--model", choices=MODELS, default="course", help="the course model or a transformers Llama"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="sequences per step (every TP rank reads all)"
-    )
-    parser.add_argument("--seq-len", type=int, default=32)
-
-
 def comm_table(summary: RunSummary) -> str:
     """The step's collectives per phase and op, measured on rank 0 beside the theory's figures, as a
     table."""
@@ -660,7 +668,7 @@ def comm_table(summary: RunSummary) -> str:
 
 
 def headline(summary: RunSummary) -> dict:
-    """The checks of a run at a glance."""
+    """A run at a glance: its options, its differences from the reference, its verdict."""
     keys = (
         "model",
         "tp",
@@ -670,10 +678,9 @@ def headline(summary: RunSummary) -> dict:
         "max_rel_logit_diff",
         "max_rel_grad_diff",
         "max_rel_loss_diff",
-        "comm_matches_theory",
         "logits_shape_per_rank",
     )
-    return {k: summary[k] for k in keys}
+    return {**{k: summary[k] for k in keys}, "passed": summary.passed}
 
 
 def memory_vs_calculator(summary: RunSummary) -> dict:

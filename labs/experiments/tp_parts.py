@@ -374,6 +374,7 @@ def part_checks(
                         f"{base}'s {direction} differs from the unsharded layer's: check its "
                         "shards and the collectives around it",
                     ),
+                    against="reference",
                 )
             )
     return checks

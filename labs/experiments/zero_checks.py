@@ -13,6 +13,7 @@ bytes; offload's host traffic. Tolerances come from the course's one table
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -60,31 +61,48 @@ def checks(s, per_rank: list[dict], ref, net, *, units, first) -> list[Check]:
     names = {p: name for name, p in net.named_parameters()}
     layout = [(name, [names[p] for p in params]) for name, params in units]
     out = [
-        losses_check(s["losses"], s["reference_losses"], loss.per_step(steps)),
-        grads_check(per_rank, ref.grads, value, n),
-        params_check(
-            per_rank, first.params, param.at(1), n, stage, layout, "params_step1", "step 1"
+        against(
+            "reference", losses_check(s["losses"], s["reference_losses"], loss.per_step(steps))
         ),
-        params_check(
-            per_rank, ref.params, param.at(steps), n, stage, layout, "params", "the last step"
+        against("reference", grads_check(per_rank, ref.grads, value, n)),
+        against(
+            "reference",
+            params_check(
+                per_rank, first.params, param.at(1), n, stage, layout, "params_step1", "step 1"
+            ),
+        ),
+        against(
+            "reference",
+            params_check(
+                per_rank, ref.params, param.at(steps), n, stage, layout, "params", "the last step"
+            ),
         ),
     ]
     numels = [sum(p.numel() for p in params) for _, params in units]
     itemsize = dtype.itemsize
     sizes = comm_itemsizes(itemsize, mixed)
     out += [
-        calls_check(per_rank, expected_calls(numels, stage, n, **sizes), n, stage, mixed),
-        sent_check(per_rank, theory.comm_bytes(numels, stage=stage, dp=n, **sizes), n),
-        state_check(
-            per_rank, s.get("theory_breakdown_per_rank", s["theory_breakdown"]), n, stage, mixed
+        against(
+            "theory",
+            calls_check(per_rank, expected_calls(numels, stage, n, **sizes), n, stage, mixed),
+        ),
+        against(
+            "theory",
+            sent_check(per_rank, theory.comm_bytes(numels, stage=stage, dp=n, **sizes), n),
+        ),
+        against(
+            "theory",
+            state_check(
+                per_rank, s.get("theory_breakdown_per_rank", s["theory_breakdown"]), n, stage, mixed
+            ),
         ),
     ]
     if mixed is not None:
-        out.append(calculator_check(per_rank, s["calculator_bytes"], stage))
+        out.append(against("theory", calculator_check(per_rank, s["calculator_bytes"], stage)))
     if mixed is not None and mixed.loss_scaling:
-        out.append(skipped_check(per_rank, ref.skipped_steps))
+        out.append(against("reference", skipped_check(per_rank, ref.skipped_steps)))
     if stage == 3:
-        out.append(peak_check(per_rank, s["theory_peak_param_bytes"]))
+        out.append(against("theory", peak_check(per_rank, s["theory_peak_param_bytes"])))
     if s["offload"]:
         out.append(
             compare_values(
@@ -98,6 +116,11 @@ def checks(s, per_rank: list[dict], ref, net, *, units, first) -> list[Check]:
             )
         )
     return out
+
+
+def against(kind: str, check: Check) -> Check:
+    """``check`` saying what it compares with: "reference" or "theory"."""
+    return dataclasses.replace(check, against=kind)
 
 
 def losses_check(

@@ -8,45 +8,36 @@ Options every lab takes: ``--nproc``, ``--steps``, ``--impl solutions|labs`` (ov
 ``LABS_IMPL``), ``--json``, ``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``,
 ``--profile DIR`` (a torch.profiler trace per rank, ``DIR/rank<r>.json``, and each profiled step's
 compute, communication and exposed communication: ``labs.experiments.profiling``).
-``python -m labs.run LAB --help`` lists the lab's own options.
+``python -m labs.run LAB --help`` lists the lab's own, which come from its declaration
+(``labs.experiments.<lab>.LAB``, ``labs.experiments.spec``): the fields of its ``Options``.
 
 The summary ends with the verdict: one line per check (losses, gradients, parameters, bytes per
 op and call, state, ...), then ``PASS``, or ``FAIL`` with what failed, where, and a hint at the
 likely cause. ``--json`` carries the same as ``passed`` and ``checks``.
 
 Exit status: 0 when every check passed, 1 when a check failed (or the run did: a rank raised, a
-timeout) or the run made no checks, 2 for bad arguments, 3 when an exercise is not written yet
-(one line names the function to write).
+timeout, an error while comparing) or the run made no checks, 2 for bad arguments (every option
+is judged before any rank starts), 3 when an exercise is not written yet (one line names the
+function to write).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
-# Lab name -> experiment module. Each module has run(**options) and add_arguments(parser).
-LABS = {
-    "collectives": "labs.experiments.collectives",  # notebook 00
-    "memory": "labs.experiments.memory",  # notebook 01
-    "ddp": "labs.experiments.ddp",  # notebook 02
-    "zero": "labs.experiments.zero",  # notebook 03
-    "tp": "labs.experiments.tp",  # notebook 04
-    "pp": "labs.experiments.pp",  # notebook 05
-    "cp": "labs.experiments.cp",  # notebook 06
-    "moe": "labs.experiments.moe",  # notebook 07
-    "mesh": "labs.experiments.mesh",  # notebook 08
-    "infer": "labs.experiments.infer",  # notebook 09
-    "multimodal": "labs.experiments.multimodal",  # notebook 11
-}
+from labs.experiments import spec
 
 
-def build_parser(lab: str | None, module=None) -> argparse.ArgumentParser:
+def build_parser(lab: spec.Lab | None = None) -> argparse.ArgumentParser:
+    """The command line: the options every lab takes, then ``lab``'s own (from its ``Options``);
+    without a lab, every lab's name (read from the declarations, importing none)."""
     parser = argparse.ArgumentParser(
         prog="python -m labs.run", description="Run a lab and print its summary."
     )
-    parser.add_argument("lab", choices=sorted(LABS), help="which lab")
+    names = [lab.name] if lab is not None else spec.command_names()
+    parser.add_argument("lab", choices=names, help="which lab")
     parser.add_argument(
         "--nproc", type=int, default=None, help="ranks (default: WORLD_SIZE under torchrun, else 4)"
     )
@@ -72,43 +63,57 @@ def build_parser(lab: str | None, module=None) -> argparse.ArgumentParser:
         help="write each rank's torch.profiler trace of steps 1-3 to DIR/rank<r>.json and print"
         " each step's compute, communication and exposed communication",
     )
-    if module is not None and hasattr(module, "add_arguments"):
-        module.add_arguments(parser.add_argument_group(f"{lab} options"))
+    if lab is not None:
+        spec.add_options(parser.add_argument_group(f"{lab.name} options"), lab.options)
     return parser
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    lab = next((a for a in argv if not a.startswith("-")), None)
-    if lab not in LABS:
-        build_parser(None).parse_args(argv)  # prints usage and the valid lab names, exits 2
+    name = next((a for a in argv if not a.startswith("-")), None)
+    lab = spec.lab(name) if name else None
+    if lab is None or not lab.command:
+        build_parser().parse_args(argv)  # prints usage and the valid lab names, exits 2
         return 2
-    try:
-        module = importlib.import_module(LABS[lab])
-    except ModuleNotFoundError as e:
-        if e.name != LABS[lab]:
-            raise
-        print(f"error: lab {lab!r} is not part of this copy of the course yet", file=sys.stderr)
-        return 2
-    args = build_parser(lab, module).parse_args(argv)
+    args = build_parser(lab).parse_args(argv)
 
     from labs.experiments import profiling
     from labs.experiments.common import format_summary, to_json
     from labs.runtime.errors import RankError
     from labs.runtime.impl import set_implementation
     from labs.runtime.launcher import under_torchrun
+    from labs.theory.dims import check_positive
 
     if args.impl:
         set_implementation(args.impl)  # ranks inherit the environment
     if args.nproc is None:
         args.nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
-    options = {k: v for k, v in vars(args).items() if k not in ("lab", "impl", "json", "profile")}
+    # Bad arguments, all of them, before any rank starts: exit 2. What fails later is the run's.
+    try:
+        check_positive(nproc=args.nproc, steps=args.steps)
+        if args.profile:
+            profiling.check_profiled(lab.name, args.steps)
+        options = lab.command_line_options(args)
+        lab.parse(options, nproc=args.nproc, steps=args.steps, vs_torch=args.vs_torch)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NotImplementedError as e:  # a lab whose options the exercise judges (the mesh's)
+        print(e, file=sys.stderr)
+        return 3
+    common = dict(
+        nproc=args.nproc,
+        steps=args.steps,
+        backend=args.backend,
+        vs_torch=args.vs_torch,
+        timeout=args.timeout,
+    )
     is_rank0 = int(os.environ.get("RANK", 0)) == 0
     try:
         if args.profile:
-            summary = profiling.run_profiled(lab, module.run, args.profile, **options)
+            summary = profiling.run_profiled(lab.name, lab.run, args.profile, **common, **options)
         else:
-            summary = module.run(**options)
+            summary = lab.run(**common, **options)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
             print(e.message, file=sys.stderr)
@@ -118,10 +123,7 @@ def main(argv=None) -> int:
     except NotImplementedError as e:
         print(e, file=sys.stderr)
         return 3
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, TimeoutError) as e:
+    except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     report = (

@@ -13,6 +13,9 @@ them:
 ``python -m labs.run`` and ``python -m labs.check`` take ``--impl`` and ``--reference`` and set
 them for you. In a student release ``solutions/`` holds only the references the instructor
 revealed (``python -m labs.release OUT --reveal EX``); asking for another one says so.
+
+``EXERCISES`` (every exercise, in the order the notebooks teach them) and ``builds_on(name)``
+(the earlier exercises one needs) come from the labs' declarations (``labs.experiments.spec``).
 """
 
 from __future__ import annotations
@@ -25,21 +28,28 @@ from types import ModuleType
 IMPL_ENV = "LABS_IMPL"
 REFERENCE_ENV = "LABS_REFERENCE"
 IMPLEMENTATIONS = ("labs", "solutions")
-EXERCISES = (
-    "collectives",
-    "activations",  # notebook 01: bytes of training state and saved activations, measured
-    "ddp",
-    "zero",
-    "tensor_parallel",
-    "tensor_parallel_comm",  # notebook 04's communication operators (part 1 of its lab)
-    "pipeline_parallel",
-    "context_parallel",
-    "expert_parallel",
-    "mesh",
-    "inference",
-    "multimodal",
-    "diagnosis",  # notebook 10: which rank to suspect, from the launcher's report
-)
+
+
+def _exercises() -> tuple[str, ...]:
+    """Every exercise, from the labs' declarations (read on first use: no import cycle)."""
+    from labs.experiments.spec import exercises
+
+    return exercises()
+
+
+def __getattr__(name: str):
+    if name == "EXERCISES":
+        return _exercises()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def builds_on(name: str) -> tuple[str, ...]:
+    """The earlier exercises exercise ``name`` needs (its lab's runs call them, or its notebook
+    teaches them first), e.g. ``builds_on("mesh")``: zero, tensor_parallel, pipeline_parallel,
+    context_parallel."""
+    from labs.experiments.spec import builds_on as declared
+
+    return declared(name)
 
 
 def implementation() -> str:
@@ -63,11 +73,11 @@ def parse_exercises(names: str | Iterable[str], *, what: str = REFERENCE_ENV) ->
     if isinstance(names, str):
         names = names.split(",")
     out = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
-    unknown = [n for n in out if n not in EXERCISES]
+    unknown = [n for n in out if n not in _exercises()]
     if unknown:
         raise ValueError(
             f"{what}: unknown exercise {', '.join(map(repr, unknown))}; choose from"
-            f" {', '.join(EXERCISES)}"
+            f" {', '.join(_exercises())}"
         )
     return out
 
@@ -101,18 +111,26 @@ class ReferenceUnavailable(ImportError):
 
 def exercise(name: str) -> ModuleType:
     """The exercise module ``name`` from the selected implementation, e.g. ``exercise("ddp")``:
-    the reference where ``LABS_REFERENCE`` names it, else as ``LABS_IMPL`` says."""
-    if name not in EXERCISES:
-        raise ValueError(f"unknown exercise {name!r}; choose from {EXERCISES}")
+    the reference where ``LABS_REFERENCE`` names it, else as ``LABS_IMPL`` says. An exercise is a
+    plain module directly in the package (the learner's folder holds nothing else); anything else
+    is refused, naming the exercises."""
     package = source_of(name)
-    try:
-        return importlib.import_module(f"{package}.{name}")
-    except ModuleNotFoundError as e:
-        if package != "solutions" or e.name not in ("solutions", f"solutions.{name}"):
-            raise
-        raise ReferenceUnavailable(
-            f"the reference for exercise {name!r} is not in this copy of the course: a student"
-            f" release holds only the solutions its instructor revealed. Write labs/{name}.py"
-            f" (python -m labs.check {name} tells you what is missing), or ask your instructor"
-            f" to reveal it (python -m labs.release OUT --reveal {name})."
-        ) from None
+    module = f"{package}.{name}"
+    if name.isidentifier() and not name.startswith("_"):
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if package == "solutions" and e.name in ("solutions", module) and name in _exercises():
+                raise ReferenceUnavailable(
+                    f"the reference for exercise {name!r} is not in this copy of the course: a"
+                    " student release holds only the solutions its instructor revealed. Write"
+                    f" labs/{name}.py (python -m labs.check {name} tells you what is missing), or"
+                    f" ask your instructor to reveal it (python -m labs.release OUT --reveal"
+                    f" {name})."
+                ) from None
+            if e.name != module:  # the exercise exists and imports something missing
+                raise
+        else:
+            if not hasattr(found, "__path__"):  # a package is the course's own code
+                return found
+    raise ValueError(f"unknown exercise {name!r}; choose from {_exercises()}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labs.experiments.spec import option
 from labs.runtime.device import rank_device
 
 # --- Mixed precision: the policy, dynamic loss scaling --------------------------------------------
@@ -30,26 +31,35 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 FP16_LOSS_SCALE = 2.0**19
 
 
-def add_precision_arguments(parser) -> None:
-    """The ``labs.run`` options of a lab that trains in mixed precision (ddp, zero)."""
-    parser.add_argument(
-        "--precision",
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """The options of a lab that trains in mixed precision (ddp, zero: their ``Options`` extend
+    these): ``labs.run``'s ``--precision``, ``--reduce-dtype`` and ``--loss-scale``."""
+
+    precision: str = option(
+        "fp32",
+        "bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
         choices=PRECISIONS,
-        default="fp32",
-        help="bf16-mixed / fp16-mixed: bf16/fp16 weights and compute, fp32 masters and AdamW",
     )
-    parser.add_argument(
-        "--reduce-dtype",
+    reduce_dtype: str | None = option(
+        None,
+        "mixed precision: reduce the gradients in fp32 (default) or in the weights' dtype",
         choices=tuple(REDUCE_DTYPES),
-        default=None,
-        help="mixed precision: reduce the gradients in fp32 (default) or in the weights' dtype",
     )
-    parser.add_argument(
-        "--loss-scale",
-        type=float,
-        default=FP16_LOSS_SCALE,
-        help="fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
+    loss_scale: float = option(
+        FP16_LOSS_SCALE,
+        "fp16-mixed: the first loss scale (2^19: the first step overflows and is skipped)",
     )
+
+    def mixed(self, dtype: str = "float32") -> MixedPrecision | None:
+        """The policy these options name (None: fp32; ``dtype``: the lab's fp32 runs' dtype);
+        ValueError for a combination that is none."""
+        policy = mixed_precision(self.precision, self.reduce_dtype, dtype)
+        if not self.loss_scale > 0:
+            raise ValueError(
+                f"loss_scale must be > 0 (fp16's first loss scale), got {self.loss_scale!r}"
+            )
+        return policy
 
 
 @dataclass(frozen=True)

@@ -286,11 +286,6 @@ def tokens_agree(
     return True
 
 
-# The fp32-era names, by dtype (the "value" and "param" rows, the same on both backends).
-TOLERANCES = {dtype: rule("value", dtype).rel for dtype in _VALUE}
-PARAM_TOLERANCES = {dtype: rule("param", dtype).rel for dtype in _PARAM}
-
-
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: the relative difference the course's tolerances bound."""
     scale = b.abs().max().item() or 1.0
@@ -316,13 +311,15 @@ def assert_close_tensors(
     what: str = "parameter",
     step: int | None = None,
     rank: int | None = None,
+    backend: str = GLOO,
 ) -> float:
     """Every tensor in ``expected`` matched by name in ``actual`` within the tolerance for
-    ``dtype`` (relative to the reference tensor's largest magnitude): ``PARAM_TOLERANCES``
-    for parameters after optimizer steps, ``TOLERANCES`` for anything else (gradients).
+    ``dtype`` on ``backend`` (relative to the reference tensor's largest magnitude): the table's
+    "param" rule for parameters after optimizer steps, its "value" rule for anything else
+    (gradients).
     Raises naming step, rank, tensor and the difference. Returns the largest relative
     difference found."""
-    tol = (PARAM_TOLERANCES if what == "parameter" else TOLERANCES)[dtype]
+    tol = rule("param" if what == "parameter" else "value", dtype, backend).rel
     missing = sorted(set(expected) - set(actual))
     if missing:
         raise AssertionError(f"{what}s missing from the parallel run: {missing}")
