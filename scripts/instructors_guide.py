@@ -20,15 +20,14 @@ with a solution block) and the lines of each solution block (not blank, not comm
 ``tests/test_stubs.py`` does for the stubs.
 
 What it reads, kept small so the catalogue can change shape: ``all_bugs()`` ((lab, bug) pairs with
-``id``, ``check``, ``hint``, ``options``), the lab's module in ``labs.run.LABS`` (its docstring
-starts "Experiment NN:", the notebook's number), and each solution's ``NOTEBOOK``.
+``id``, ``check``, ``hint``, ``options``), the labs' declarations (each lab's notebook, from
+``labs.experiments.spec.listings``), and each solution's ``NOTEBOOK``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -39,8 +38,8 @@ sys.path.insert(0, str(ROOT))  # ``tests.classic_bugs`` is not an installed pack
 import nbformat  # noqa: E402
 
 from labs import stubs  # noqa: E402
+from labs.experiments.spec import listings  # noqa: E402
 from labs.release import exercise_names, exercise_notebook  # noqa: E402
-from labs.run import LABS  # noqa: E402
 from tests.classic_bugs import all_bugs  # noqa: E402
 
 GUIDE = ROOT / "docs" / "instructors.md"
@@ -51,7 +50,6 @@ REGION = re.compile(
     r"(<!-- END GENERATED (?P=name) -->)",  # group 4: the closing marker
     re.S,
 )
-EXPERIMENT = re.compile(r'^"""Experiment (\d\d):')
 
 
 def notebook_title(notebook: str) -> str:
@@ -61,14 +59,8 @@ def notebook_title(notebook: str) -> str:
 
 
 def lab_notebook(lab: str) -> str:
-    """The notebook of the lab ``python -m labs.run LAB`` runs: its module's docstring opens with
-    "Experiment NN:"."""
-    source = Path(importlib.util.find_spec(LABS[lab]).origin).read_text()
-    match = EXPERIMENT.match(source)
-    if match is None:
-        raise ValueError(f"{LABS[lab]}'s docstring does not open with 'Experiment NN:'")
-    [path] = sorted((ROOT / "notebooks").glob(f"{match.group(1)}_*.ipynb"))
-    return path.name
+    """The notebook of the lab ``python -m labs.run LAB`` runs, as the lab declares it."""
+    return {x.name: f"{x.notebook}.ipynb" for x in listings()}[lab]
 
 
 def _cell(text: str) -> str:
