@@ -44,9 +44,8 @@ def test_notebooks_run_end_to_end_on_the_spawn_path(monkeypatch):
         for name in NOTEBOOKS
         for cell in nbformat.read(ROOT / "notebooks" / name, as_version=4).cells
     ]
-    session = nbformat.v4.new_notebook(
-        cells=[nbformat.from_dict(cell) for cell in committed] + [nbformat.v4.new_code_cell(HISTORY)]
-    )
+    cells = [nbformat.from_dict(cell) for cell in committed]
+    session = nbformat.v4.new_notebook(cells=cells + [nbformat.v4.new_code_cell(HISTORY)])
     NotebookClient(
         session,
         timeout=600,
