@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from labs import launch
 from labs.runtime import LaunchTimeout, RankDied, RankError
-from labs.runtime.pool import worker_pool
+from labs.runtime.pool import Worker, WorkerPool, worker_pool
 from labs.runtime.proc import child_pids
 from tests.helpers import ROOT, alive
 
@@ -275,3 +275,16 @@ def test_the_launchers_contract_holds_under_labs_start_method(monkeypatch):
     results = launch(rank_and_sum, 2, 0.5, timeout=180)
     assert [r["sum"] for r in results] == [1.5, 1.5] and results.backend == "gloo"
     assert worker_pool().history[-1].warm == 2  # it went through the pool
+
+
+def test_a_worker_is_not_reused_once_a_read_once_variable_changed(monkeypatch):
+    """NCCL, CUDA, OpenMP read their variables once per process: a warm worker started without
+    the new value would ignore it. A variable torch sets itself (inductor's cache) is not one."""
+    pool = WorkerPool()
+    pool.idle.append(Worker(dict(os.environ)))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor")
+    pool._retire_unusable()
+    assert len(pool.idle) == 1
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    pool._retire_unusable()
+    assert pool.idle == [] and pool.replaced == ["idle: ['NCCL_DEBUG'] changed"]

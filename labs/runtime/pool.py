@@ -74,9 +74,23 @@ from labs.runtime.impl import EXERCISES
 from labs.runtime.proc import group_members, kill_process_group
 
 RESET_TIMEOUT = 5.0  # seconds a worker gets to reset after a launch before it is replaced
-# Environment variables read once per process (by torch, its C++ libraries, OpenMP, Python
-# itself): a worker serves a launch only when these match the environment it started with.
-READ_ONCE = ("TORCH", "PYTORCH", "NCCL", "GLOO", "CUDA", "OMP", "MKL", "KMP", "OPENBLAS", "PYTHON")
+# Environment variables read once per process (by NCCL, CUDA, OpenMP and the BLAS libraries,
+# gloo, torch's flight recorder and C++ logging, Python's hash seed): a worker serves a launch only
+# when these are as it started with. (Not every TORCH* variable: torch sets some itself, such as
+# TORCHINDUCTOR_CACHE_DIR, and reads most of them when used.)
+READ_ONCE = (
+    "NCCL_",
+    "TORCH_NCCL_",
+    "TORCH_FR_",
+    "TORCH_CPP_LOG_LEVEL",
+    "CUDA_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "GLOO_",
+    "PYTHONHASHSEED",
+)
 _LABS_DIR = Path(__file__).resolve().parent.parent
 _INSTALLED = tuple(
     {str(Path(p).resolve()) for p in (*sysconfig.get_paths().values(), sys.prefix, sys.base_prefix)}
@@ -208,6 +222,7 @@ class WorkerPool:
     idle: list[Worker] = field(default_factory=list)
     keep: int = 0
     history: list[LaunchStart] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # why each replaced worker was not kept
 
     def start(self, jobs, call: bytes, deadline: float) -> list[Worker]:
         """One worker per job, each sent its job: warm ones that match the launch first, then
@@ -244,14 +259,23 @@ class WorkerPool:
 
     def finish(self, workers: list[Worker], outcome: str) -> None:
         """After a launch (``outcome``: "ok", "failed" or "interrupted"): the workers whose rank
-        reported and that reset cleanly are kept; every other is killed and replaced."""
+        reported and that reset cleanly are kept; every other is killed and replaced (why:
+        ``replaced``)."""
+        why = {}
+        for rank, w in enumerate(workers):
+            if outcome == "interrupted":
+                why[rank] = "the launch was interrupted"
+            elif w.retire:
+                why[rank] = "its launch set env="
+            elif not w.alive():
+                why[rank] = "it died"
+            elif not w.reported:
+                why[rank] = "it was still running (hung, or blocked by a failed rank)"
         try:
-            kept = []
-            if outcome != "interrupted":
-                kept = [w for w in workers if w.reported and not w.retire and w.alive()]
-            for w in workers:
-                if w not in kept:
+            for rank, w in enumerate(workers):
+                if rank in why:
                     w.kill()  # first: a peer blocked in a collective must not hold up the reset
+            kept = [w for rank, w in enumerate(workers) if rank not in why]
             for w in kept:
                 try:
                     w.conn.send_bytes(b"release")
@@ -259,13 +283,19 @@ class WorkerPool:
                     w.kill()
             deadline = time.monotonic() + RESET_TIMEOUT
             for w in kept:
-                if w.alive() and w.await_message(deadline) == ("ready",):
+                answer = w.await_message(deadline) if w.alive() else None
+                if answer == ("ready",):
                     w.ready = True
                     self.idle.append(w)
+                elif isinstance(answer, tuple) and len(answer) == 2 and answer[0] == "dirty":
+                    why[workers.index(w)] = f"it was not clean after the launch: {answer[1]}"
+                else:
+                    why[workers.index(w)] = "it did not reset"
         finally:
             for w in workers:
                 if w not in self.idle:
                     w.kill()
+            self.replaced += [f"rank {rank}: {text}" for rank, text in sorted(why.items())]
             self._top_up()
 
     def pids(self) -> list[int]:
@@ -284,9 +314,12 @@ class WorkerPool:
         this process has now (a launch's own ``env=`` does not count: it gets fresh workers)."""
         now = read_once(isolation.rank_environment(os.environ))
         for w in list(self.idle):
-            if not w.alive() or w.read_once != now:
+            changed = sorted(set(now.items()) ^ set(w.read_once.items()))
+            if not w.alive() or changed:
                 self.idle.remove(w)
                 w.kill()
+                names = sorted({name for name, _ in changed})
+                self.replaced.append(f"idle: {'it died' if not names else f'{names} changed'}")
 
     def _top_up(self) -> None:
         """Start workers, in the background, until ``keep`` are idle."""
