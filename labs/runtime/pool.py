@@ -4,7 +4,7 @@
     ...                                                 # launch() collects from workers[r].conn
     worker_pool().finish(workers, "ok")                  # clean workers wait for the next launch
 
-Where ranks cannot be forked (macOS, Windows, a notebook that initialised CUDA, or
+Where ranks cannot be forked (macOS, a notebook that initialised CUDA, or
 ``LABS_START_METHOD=spawn``), each rank is a new interpreter, and ``import torch`` costs about
 2.5 CPU-seconds: 4 ranks take ~10 s on 2 cores, at every launch. So the processes outlive a
 launch. A worker is a ``python`` started here (``subprocess``, in its own process group) that
@@ -39,7 +39,10 @@ a later launch only when its variables that torch and its libraries read once at
 
 Workers die with this process: an idle one reads EOF on its pipe, a busy one notices within a
 second that its parent changed (``_die_with_parent``), and an ``atexit`` handler kills them all.
-What a worker sends home is decoded by ``labs.runtime.wire``, never unpickled.
+What a worker sends home is decoded by ``labs.runtime.wire``, never unpickled. The reset undoes
+what a launch may change by accident, not what code set on tampering with the worker does (it
+could patch the launcher itself): where launches must not trust each other, fork them, each
+from this process.
 """
 
 from __future__ import annotations
