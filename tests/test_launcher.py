@@ -227,7 +227,7 @@ def test_a_rank_finds_its_gpu_from_local_rank_not_its_global_rank(monkeypatch):
     """On the second node of a job, rank 5 is LOCAL_RANK 1: its GPU is cuda:1. The one helper
     that reads LOCAL_RANK, and what a gloo rank binds its process group to (nothing)."""
     from labs.runtime.device import local_rank
-    from labs.runtime.launcher import _bind_device
+    from labs.runtime.rank import _bind_device
 
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -43,16 +43,16 @@ def return_code_runner():
 
 def send_raw_pickle_then_return():
     """Bypass the launcher's encoder: write a plain pickle on the channel to the parent."""
-    from labs.runtime import launcher
+    from labs.runtime import rank
 
-    launcher._parent_conn.send_bytes(pickle.dumps(("ok", RunsCodeWhenUnpickled(), "gloo")))
+    rank._parent_conn.send_bytes(pickle.dumps(("ok", RunsCodeWhenUnpickled(), "gloo")))
     return 0
 
 
 def progress_with_a_code_runner():
-    from labs.runtime import launcher
+    from labs.runtime import rank
 
-    launcher._parent_conn.send_bytes(wire.encode(("progress", RunsCodeWhenUnpickled())))
+    rank._parent_conn.send_bytes(wire.encode(("progress", RunsCodeWhenUnpickled())))
     return 0
 
 

@@ -9,7 +9,7 @@ Where ranks cannot be forked (macOS, a notebook that initialised CUDA, or
 2.5 CPU-seconds: 4 ranks take ~10 s on 2 cores, at every launch. So the processes outlive a
 launch. A worker is a ``python`` started here (``subprocess``, in its own process group) that
 imports torch and the launcher, says "ready", and then runs one rank of one launch at a time
-(``labs.runtime.launcher.run_rank``) for as long as it stays clean.
+(``labs.runtime.rank.run_rank``) for as long as it stays clean.
 
 **Reuse with a reset, not spare fresh processes.** A spare process per rank per launch would
 start every rank pristine, but it costs the same 2.5 CPU-seconds per rank per launch, only
@@ -75,6 +75,7 @@ from labs.runtime import isolation, wire
 from labs.runtime.errors import LaunchTimeout, RankDied
 from labs.runtime.impl import EXERCISES
 from labs.runtime.proc import group_members, kill_process_group
+from labs.runtime.rank import RankJob, run_rank
 
 RESET_TIMEOUT = 5.0  # seconds a worker gets to reset after a launch before it is replaced
 # Environment variables read once per process (by NCCL, CUDA, OpenMP and the BLAS libraries,
@@ -384,9 +385,7 @@ def worker_main(fd: int) -> None:
     threading.Thread(
         target=_die_with_parent, args=(os.getppid(),), name="labs-die-with-parent", daemon=True
     ).start()
-    from labs.runtime import launcher  # torch, torch.distributed and the launcher: the warm part
-
-    state = _WorkerState.capture()
+    state = _WorkerState.capture()  # warm: torch, torch.distributed and the launcher imported
     conn.send_bytes(wire.encode(("ready",)))
     while True:
         try:
@@ -402,7 +401,7 @@ def worker_main(fd: int) -> None:
         except Exception as e:  # e.g. the function's module is not importable here
             fn, args = functools.partial(_reraise, e), ()
         with state.guard():
-            launcher.run_rank(launcher.RankJob(fn=fn, args=args, **fields), conn)
+            run_rank(RankJob(fn=fn, args=args, **fields), conn)
         problem = state.reset()
         try:
             conn.send_bytes(wire.encode(("dirty", problem) if problem else ("ready",)))
