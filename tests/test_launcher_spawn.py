@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from labs import launch
-from labs.runtime import LaunchTimeout, RankDied, RankError
+from labs.runtime import LaunchTimeout, RankDied, RankError, isolation
 from labs.runtime.pool import Worker, WorkerPool, worker_pool
 from labs.runtime.proc import child_pids
 from tests.helpers import ROOT, alive
@@ -288,3 +288,18 @@ def test_a_worker_is_not_reused_once_a_read_once_variable_changed(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     pool._retire_unusable()
     assert pool.idle == [] and pool.replaced == ["idle: ['NCCL_DEBUG'] changed"]
+
+
+def test_a_worker_started_with_a_variable_kept_from_ranks_is_not_reused(monkeypatch):
+    monkeypatch.setattr(isolation, "_kept_env", set())
+    monkeypatch.setenv("LABS_TEST_TOKEN", "secret")
+    pool = WorkerPool()
+    pool.idle.append(Worker(dict(os.environ)))
+    monkeypatch.setattr(isolation, "_kept_env", {"LABS_TEST_TOKEN"})
+    pool._retire_unusable()
+    assert pool.idle == [] and pool.replaced == [
+        "idle: ['LABS_TEST_TOKEN'] must be kept from ranks"
+    ]
+    fresh = Worker(isolation.rank_environment(os.environ))  # what the pool starts now
+    fresh.kill()
+    assert "LABS_TEST_TOKEN" not in fresh.variables

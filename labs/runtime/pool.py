@@ -173,6 +173,7 @@ class Worker:
         child_end.close()
         self.conn = parent_end
         self.read_once = read_once(environ)
+        self.variables = frozenset(environ)  # the names in its environment from the start
         self.retire = retire  # killed after its launch instead of kept (a launch with env=)
         self.ready = False  # said "ready": started, or reset after a launch
         self.reported = False  # its rank's result or error arrived in the current launch
@@ -314,16 +315,24 @@ class WorkerPool:
         self.keep = 0
 
     def _retire_unusable(self) -> None:
-        """Kill idle workers that died, or that started for other read-once variables than
-        this process has now (a launch's own ``env=`` does not count: it gets fresh workers)."""
+        """Kill idle workers that died, that started for other read-once variables than this
+        process has now (a launch's own ``env=`` does not count: it gets fresh workers), or that
+        started with a variable ``keep_from_ranks`` has named since."""
         now = read_once(isolation.rank_environment(os.environ))
         for w in list(self.idle):
-            changed = sorted(set(now.items()) ^ set(w.read_once.items()))
-            if not w.alive() or changed:
-                self.idle.remove(w)
-                w.kill()
-                names = sorted({name for name, _ in changed})
-                self.replaced.append(f"idle: {'it died' if not names else f'{names} changed'}")
+            changed = sorted({name for name, _ in set(now.items()) ^ set(w.read_once.items())})
+            kept = sorted(w.variables & isolation.kept_env())
+            if changed:
+                why = f"{changed} changed"
+            elif kept:
+                why = f"{kept} must be kept from ranks"
+            elif not w.alive():
+                why = "it died"
+            else:
+                continue
+            self.idle.remove(w)
+            w.kill()
+            self.replaced.append(f"idle: {why}")
 
     def _top_up(self) -> None:
         """Start workers, in the background, until ``keep`` are idle."""
