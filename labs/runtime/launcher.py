@@ -191,7 +191,8 @@ def _check_platform() -> None:
             "labs.launch does not run on native Windows: it starts each rank as a POSIX process"
             " group (os.setpgid, os.killpg) so that a failed or interrupted launch can stop a rank"
             " with everything it started. Use WSL2 (Ubuntu) and run the course there: it works"
-            " as on Linux. The calculators and widgets (labs.theory, labs.widgets) work here."
+            " as on Linux. (The calculators and widgets, labs.theory and labs.widgets, start no"
+            " ranks.)"
         )
 
 
@@ -235,16 +236,16 @@ def _run_ranks(
             )
             for rank in range(nprocs)
         ]
+        stderr_paths = [job.stderr_path for job in jobs]
         started = _forked_ranks(jobs) if method == "fork" else _spawned_ranks(jobs, deadline)
         bar = _progress_bar(progress, desc)
         try:
             with started as ranks:
-                stderr_paths = [job.stderr_path for job in jobs]
                 return _collect(ranks, deadline, timeout, bar, lab_label(fn), stderr_paths)
         finally:
             if bar is not None:
                 bar.close()
-            _replay_stderr([job.stderr_path for job in jobs])
+            _replay_stderr(stderr_paths)
 
 
 @contextlib.contextmanager
