@@ -202,28 +202,32 @@ def test_nccl_error_suggests_only_values_that_work(monkeypatch, gpus, fix):
     assert fix in str(error.value) and "nprocs<=0" not in str(error.value)
 
 
-def test_spawn_refuses_functions_it_cannot_import():
-    def local():
-        return 1
+def test_the_start_method_is_forced_by_argument_then_environment(monkeypatch):
+    from labs.runtime.launcher import START_METHOD_ENV, choose_start_method
 
-    with pytest.raises(ValueError, match="Move it into a .py module"):
-        launch(local, 2, start_method="spawn")
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert choose_start_method() == "fork"  # Linux, CUDA not initialised
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert choose_start_method() == "spawn"
+    assert choose_start_method("fork") == "fork"  # the argument wins
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    with pytest.raises(ValueError, match="LABS_START_METHOD='forkserver' is not one of"):
+        launch(rank_and_sum, 2, 0)
+    with pytest.raises(ValueError, match="start_method must be 'fork' or 'spawn'"):
+        launch(rank_and_sum, 2, 0, start_method="thread")
 
 
-@pytest.mark.slow
-def test_spawn_path_runs_an_importable_function():
-    """The fallback for macOS, Windows and CUDA-initialised parents.
-
-    Slower: each rank imports torch."""
-    results = launch(rank_and_sum, 2, 0.0, start_method="spawn", timeout=180)
-    assert [r["sum"] for r in results] == [1.0, 1.0]
+def test_native_windows_gets_a_clear_message(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(RuntimeError, match="does not run on native Windows.*Use WSL2"):
+        launch(rank_and_sum, 2, 0)
 
 
 def test_a_rank_finds_its_gpu_from_local_rank_not_its_global_rank(monkeypatch):
     """On the second node of a job, rank 5 is LOCAL_RANK 1: its GPU is cuda:1. The one helper
     that reads LOCAL_RANK, and what a gloo rank binds its process group to (nothing)."""
     from labs.runtime.device import local_rank
-    from labs.runtime.launcher import _bind_device
+    from labs.runtime.rank import _bind_device
 
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -24,6 +24,10 @@ ROOT = RUNTIME_DIR.parent.parent  # the repository: labs/ and solutions/ sit her
 _PROFILER_MARKER = re.compile(r"^(USDT|STAGE):.*\] (profiler_start|profiler_stop|Completed Stage:)")
 
 
+# The exc_type of a RankFailure for a rank whose message the parent refused to decode.
+REFUSED = "RefusedResult"
+
+
 class RankFailure(NamedTuple):
     """What a rank that raised sends back to the launcher."""
 
@@ -86,6 +90,8 @@ class RankError(RuntimeError):
         self.location = location  # "labs/ddp.py:57" when an exercise raised it
         where = f" in {location}" if location else ""
         text = f"rank {rank} raised {exc_type}{where}: {message}"
+        if exc_type == REFUSED:
+            text = f"rank {rank} sent a result the launcher refused: {message}"
         if others:
             text += f"\n({others})"
         text += f"\n\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
@@ -117,14 +123,41 @@ def _tail_text(rank: int, tail: str) -> str:
 class LaunchTimeout(TimeoutError):
     """The run took longer than ``timeout``; ``unfinished`` lists the ranks still running."""
 
-    def __init__(self, timeout: float, unfinished: list[int], finished: list[int]):
+    # why a run usually times out
+    HANG = (
+        "The usual cause is a collective that some ranks call and others never reach (a skipped"
+        " all_reduce, a send without a matching recv)."
+    )
+
+    def __init__(
+        self, timeout: float, unfinished: list[int], finished: list[int], cause: str = HANG
+    ):
         self.unfinished = unfinished
         super().__init__(
             f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished"
-            f" (rank(s) {finished or 'none'} returned). The usual cause is a collective that"
-            " some ranks call and others never reach (a skipped all_reduce, a send without a"
-            " matching recv). All ranks were killed."
+            f" (rank(s) {finished or 'none'} returned). {cause} All ranks were killed."
         )
+
+
+def refused_message(rank: int, refused) -> tuple[str, str, str, str]:
+    """The RankFailure fields for a rank whose message the parent refused to decode
+    (``refused``: a ``labs.runtime.wire.RefusedMessage``): what it asked for, and how to return
+    plain data instead."""
+    if refused.needs:
+        what = (
+            f"its result needs {refused.needs}, which the launcher does not rebuild. Results"
+            " travel home as plain data, decoded without running any of the rank's code: None,"
+            " bools, numbers, strings, bytes, lists, tuples, dicts, sets, tensors, torch dtypes,"
+            " devices and sizes. Return those instead: .tolist() or torch.from_numpy() for a"
+            " numpy array, dataclasses.asdict() or vars() for an object of your own"
+        )
+    else:
+        what = "what it sent is not a launcher message"
+    note = (
+        f"(no traceback: rank {rank} did not raise; the parent refused its bytes, and nothing of"
+        " them ran here)"
+    )
+    return (REFUSED, f"{what} ({refused.reason})", note, "")
 
 
 def read_stderr(path: str, max_lines: int | None = None) -> str:

@@ -11,12 +11,21 @@ about the parallelism:
   with ``torch.set_num_threads(1)`` per rank (so 4 ranks do not fight over 2 cores);
 * start: on Linux, with CUDA not initialised in this process, ranks are *forked*
   from the already-imported interpreter (~0.1 s for 4 ranks instead of ~9 s of
-  ``import torch`` per rank). Functions defined in a notebook work. Otherwise ranks
-  are *spawned*, and ``fn`` must be importable (defined in a ``.py`` module);
+  ``import torch`` per rank). Otherwise (macOS, a notebook that initialised CUDA) ranks are
+  *spawned*: ``fn`` and ``args`` travel by value (cloudpickle), so a function defined in a
+  notebook cell works there too, and the rank processes stay warm between launches
+  (``labs.runtime.pool``: the second launch of 4 ranks starts in well under a second).
+  ``LABS_START_METHOD=spawn|fork`` in the environment forces one (``start_method=`` wins over
+  it). Native Windows is not supported (it has no process groups to stop a rank with its
+  children): ``launch`` says so and points to WSL2;
 * rendezvous: through a ``FileStore`` in a fresh temporary folder, so two launches
   at once never collide and no port is hard-coded (gloo and NCCL then connect on
   ports the OS picks). A ``TCPStore`` hosted here failed about one launch in ten
   between forked ranks on our 2-core test machine; the file store never did;
+* results: each rank sends its return value home in ``torch.save``'s format, and this process
+  reads it with torch's restricted unpickler (``labs.runtime.wire``): plain data and tensors come
+  back; anything whose unpickling would run code is refused, and nothing a rank sends ever runs
+  here (a grader's verdict is computed in this process);
 * failure: a rank that raises makes ``launch`` raise :class:`RankError` with that
   rank's traceback (its own frames: this package's are left out, and an exercise that raised is
   named by file and line, ``labs/ddp.py:57``), raised from ``launch`` itself: in the parent too
@@ -24,7 +33,8 @@ about the parallelism:
   the last, ``__tracebackhide__``); a rank killed by a signal is named with the signal; a run that
   exceeds ``timeout`` raises :class:`LaunchTimeout` naming the ranks still running.
   In every case (KeyboardInterrupt included) all ranks and their children are
-  killed before ``launch`` returns, so the next launch works.
+  killed before ``launch`` returns (a warm spawned worker that finished cleanly is kept), so the
+  next launch works.
 
 Under ``torchrun`` (RANK/WORLD_SIZE in the environment) ``launch`` does not start
 anything: this process *is* one rank, so it joins the job, runs ``fn`` and returns
@@ -35,48 +45,51 @@ and across nodes.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import importlib
 import itertools
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import connection
 
 import torch
 import torch.distributed as dist
 
-from labs.runtime import audit
+from labs.runtime import audit, pool, wire
+from labs.runtime.audit import lab_label
 
 # choose_backend lives with the device choice; its name stays importable from here. (The device
 # module also asks torch to count GPUs through NVML, so that this process never initialises CUDA.)
-from labs.runtime.device import BACKENDS, choose_backend, exact_fp32, local_rank
+from labs.runtime.device import BACKENDS, choose_backend, local_rank
 from labs.runtime.errors import (
     LaunchTimeout,
     RankDied,
     RankError,
     raise_failure,
-    rank_traceback,
     read_stderr,
+    refused_message,
 )
+from labs.runtime.proc import kill_process_group
+from labs.runtime.rank import RankJob, _bind_device, _to_cpu, report_progress, run_rank
 
 __all__ = [
     "BACKENDS",
+    "START_METHODS",
+    "START_METHOD_ENV",
     "RankResults",
     "choose_backend",
     "launch",
+    "choose_start_method",
     "report_progress",
     "under_torchrun",
 ]
-# The channel to the parent, set in each launched rank (None under torchrun).
-_parent_conn = None
+START_METHOD_ENV = "LABS_START_METHOD"  # "fork" or "spawn": forces how ranks start
+START_METHODS = ("fork", "spawn")
 # Launches so far in this torchrun worker (all its ranks launch the same sequence).
 _torchrun_launches = itertools.count()
 
@@ -96,6 +109,27 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def choose_start_method(requested: str | None = None) -> str:
+    """How a launch from this process starts its ranks: ``requested`` (``launch``'s
+    ``start_method=``) if given, else ``LABS_START_METHOD`` from the environment, else "fork" on
+    Linux with CUDA not initialised here and "spawn" everywhere else."""
+    if requested is not None:
+        if requested not in START_METHODS:
+            raise ValueError(f"start_method must be 'fork' or 'spawn', got {requested!r}")
+        return requested
+    forced = os.environ.get(START_METHOD_ENV, "")
+    if forced:
+        if forced not in START_METHODS:
+            raise ValueError(
+                f"{START_METHOD_ENV}={forced!r} is not one of {START_METHODS}; unset it to let"
+                " the launcher choose (fork on Linux, spawn elsewhere)"
+            )
+        return forced
+    if sys.platform.startswith("linux") and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
 def launch(
     fn: Callable[..., object],
     nprocs: int,
@@ -111,14 +145,16 @@ def launch(
 
     Returns the per-rank return values in rank order, a :class:`RankResults` whose ``backend``
     says which backend the ranks used. ``timeout`` (seconds) bounds the
-    whole run and every collective inside it. ``start_method`` forces "fork" or "spawn".
+    whole run and every collective inside it. ``start_method`` forces "fork" or "spawn" (else
+    ``LABS_START_METHOD``, else the platform's choice: see :func:`choose_start_method`).
     ``progress=N`` draws a progress bar of N ticks in this process; ranks tick it with
     :func:`report_progress`. ``env`` sets environment variables in the ranks before the
     process group starts (e.g. ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``).
 
     What a rank writes to stderr (Python warnings, torch's C++ logs) is captured: it is
     replayed here, prefixed with the rank, when the run ends, and the failing rank's last
-    lines are part of the error.
+    lines are part of the error. What a rank returns comes back as plain data (numbers,
+    strings, containers, tensors): see ``labs.runtime.wire``.
     """
     __tracebackhide__ = True  # IPython shows the rank's error, not the launcher's frames
     if not callable(fn):
@@ -129,19 +165,16 @@ def launch(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if under_torchrun():
         return _join_torchrun_job(fn, nprocs, args, backend, timeout)
+    _check_platform()
+    method = choose_start_method(start_method)
     # The device audit (tests): ranks that would run NCCL on a GPU box, so not a forced gloo.
-    audit_label = audit.lab_label(fn) if audit.requested() and backend != "gloo" else None
+    audit_label = lab_label(fn) if audit.requested() and backend != "gloo" else None
     backend = choose_backend(nprocs, backend)
-    method = start_method or _default_start_method()
-    if method not in ("fork", "spawn"):
-        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
     if method == "fork" and backend == "nccl" and torch.cuda.is_initialized():
         raise ValueError(
             "cannot fork NCCL ranks after CUDA was initialised in this process; "
-            "use start_method='spawn' (fn must then live in a .py module) or restart the kernel"
+            "use start_method='spawn' (or LABS_START_METHOD=spawn) or restart the kernel"
         )
-    if method == "spawn":
-        _check_picklable(fn)
     try:
         return _run_ranks(
             fn, nprocs, args, backend, timeout, method, progress, desc, dict(env or {}), audit_label
@@ -152,80 +185,130 @@ def launch(
         raise failure.with_traceback(None) from None
 
 
-def report_progress(n: int = 1) -> None:
-    """Tick the parent's progress bar by ``n``. Call it on rank 0 only; a no-op elsewhere."""
-    if _parent_conn is not None and dist.is_initialized() and dist.get_rank() == 0:
-        _parent_conn.send_bytes(pickle.dumps(("progress", n)))
-
-
-def _default_start_method() -> str:
-    if sys.platform.startswith("linux") and not torch.cuda.is_initialized():
-        return "fork"
-    return "spawn"
-
-
-def _check_picklable(fn) -> None:
-    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
-        fn, "__qualname__", ""
-    ):
-        raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)} is defined in a notebook or inside a function, so"
-            " spawned ranks cannot import it. Move it into a .py module (e.g. next to the notebook)"
-            " and import it, or use start_method='fork' (Linux, CUDA not yet initialised)."
+def _check_platform() -> None:
+    if sys.platform == "win32":
+        raise RuntimeError(
+            "labs.launch does not run on native Windows: it starts each rank as a POSIX process"
+            " group (os.setpgid, os.killpg) so that a failed or interrupted launch can stop a rank"
+            " with everything it started. Use WSL2 (Ubuntu) and run the course there: it works"
+            " as on Linux. (The calculators and widgets, labs.theory and labs.widgets, start no"
+            " ranks.)"
         )
+
+
+def _by_value(fn, args) -> bytes:
+    """``fn`` and ``args`` pickled for spawned ranks with cloudpickle: by value what the ranks
+    could not import (a function defined in a notebook cell or inside a function, a lambda), by
+    reference what they can (a function in a ``.py`` module)."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((fn, args))
+    except Exception as e:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise ValueError(
+            f"spawned ranks receive {name} and its arguments by value (cloudpickle), and these"
+            f" cannot be pickled: {e}. A function defined in a notebook takes along every global"
+            " it uses: make unpicklable things (widgets, open files, locks, generators) inside the"
+            " function, or pass plain data as arguments."
+        ) from None
 
 
 def _run_ranks(
     fn, nprocs, args, backend, timeout, method, progress, desc, env, audit_label
 ) -> RankResults:
     __tracebackhide__ = True
-    if method == "fork":
-        # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
-        # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
-        importlib.import_module("torch._dynamo")
-    ctx = mp.get_context(method)
-    procs = []
-    conns = []
-    bar = _progress_bar(progress, desc)
+    deadline = time.monotonic() + timeout
     # Rendezvous through a file in a fresh folder: nothing to collide with, no port to pick.
     with tempfile.TemporaryDirectory(prefix="labs-launch-") as folder:
-        stderr_paths = [os.path.join(folder, f"rank{r}.stderr") for r in range(nprocs)]
-        succeeded = False
+        jobs = [
+            RankJob(
+                fn=fn,
+                args=args,
+                rank=rank,
+                world_size=nprocs,
+                store_path=os.path.join(folder, "store"),
+                backend=backend,
+                timeout=timeout,
+                stderr_path=os.path.join(folder, f"rank{rank}.stderr"),
+                env=env,
+                audit_label=audit_label,
+            )
+            for rank in range(nprocs)
+        ]
+        stderr_paths = [job.stderr_path for job in jobs]
+        started = _forked_ranks(jobs) if method == "fork" else _spawned_ranks(jobs, deadline)
+        bar = _progress_bar(progress, desc)
         try:
-            for rank in range(nprocs):
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                p = ctx.Process(
-                    target=_rank_main,
-                    name=f"rank{rank}",
-                    args=(
-                        fn,
-                        args,
-                        rank,
-                        nprocs,
-                        os.path.join(folder, "store"),
-                        backend,
-                        timeout,
-                        child_end,
-                        conns + [parent_end],
-                        stderr_paths[rank],
-                        env,
-                        audit_label,
-                    ),
-                )
-                p.start()
-                child_end.close()  # the child holds the only other end: EOF tells us it is gone
-                procs.append(p)
-                conns.append(parent_end)
-            results = _collect(procs, conns, timeout, bar, stderr_paths)
-            succeeded = True
-            return results
+            with started as ranks:
+                return _collect(ranks, deadline, timeout, bar, lab_label(fn), stderr_paths)
         finally:
-            for c in conns:
-                c.close()  # EOF tells every rank to exit
-            _kill_all(procs, grace=2.0 if succeeded else 0.0)
             if bar is not None:
                 bar.close()
             _replay_stderr(stderr_paths)
+
+
+@contextlib.contextmanager
+def _forked_ranks(jobs: list[RankJob]) -> Iterator[list[_ForkedRank]]:
+    """Fork one process per job; on the way out close every pipe (EOF tells a rank to exit) and
+    kill what is left, each rank with its children (a rank leads its own process group)."""
+    # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
+    # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
+    importlib.import_module("torch._dynamo")
+    ctx = mp.get_context("fork")
+    ranks: list[_ForkedRank] = []
+    grace = 0.0
+    try:
+        for job in jobs:
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            others = [r.conn for r in ranks] + [parent_end]
+            process = ctx.Process(
+                target=_forked_rank_main, name=f"rank{job.rank}", args=(job, child_end, others)
+            )
+            process.start()
+            child_end.close()  # the child holds the only other end: EOF tells us it is gone
+            ranks.append(_ForkedRank(process, parent_end))
+        yield ranks
+        grace = 2.0  # after a success, ranks exit by themselves once their pipe closes
+    finally:
+        for rank in ranks:
+            rank.conn.close()
+        _kill_all(ranks, grace)
+
+
+@contextlib.contextmanager
+def _spawned_ranks(jobs: list[RankJob], deadline: float) -> Iterator[list[pool.Worker]]:
+    """Hand each job to a warm spawned worker (``labs.runtime.pool``); on the way out, the pool
+    keeps the workers that finished cleanly and replaces the others."""
+    call = _by_value(jobs[0].fn, jobs[0].args)
+    workers = pool.worker_pool().start(jobs, call, deadline)
+    outcome = "interrupted"  # Ctrl-C, or anything unexpected: no worker is kept
+    try:
+        yield workers
+        outcome = "ok"
+    except (RankError, RankDied, LaunchTimeout):
+        outcome = "failed"
+        raise
+    finally:
+        pool.worker_pool().finish(workers, outcome)
+
+
+class _ForkedRank:
+    """One forked rank, as the parent sees it: its process and the parent's end of its pipe."""
+
+    def __init__(self, process: mp.Process, conn: connection.Connection):
+        self.process = process
+        self.conn = conn
+        self.reported = False  # its result or its error arrived
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code once it has exited (negative: the signal), None while it runs."""
+        self.process.join(timeout=timeout)
+        return self.process.exitcode
 
 
 def _replay_stderr(paths) -> None:
@@ -240,82 +323,105 @@ def _replay_stderr(paths) -> None:
             )
 
 
-def _collect(procs, conns, timeout, bar, stderr_paths) -> RankResults:
+class _Gathered:
+    """What the ranks of one launch have sent so far."""
+
+    def __init__(self, n: int):
+        self.results: list[object] = [None] * n
+        self.backends: list[str | None] = [None] * n
+        self.errors: dict[int, tuple] = {}  # rank -> a RankFailure's fields
+        self.deaths: dict[int, int | None] = {}  # rank -> exit code
+        self.done: set[int] = set()
+
+    def take(self, rank: int, ranks, bar, label: str) -> None:
+        """Read one message from ``ranks[rank]`` and file it."""
+        try:
+            data = ranks[rank].conn.recv_bytes()
+        except (EOFError, OSError):  # the rank's end closed without a result
+            self.deaths[rank] = ranks[rank].wait(timeout=2)
+            self.done.add(rank)
+            return
+        message = _well_formed(wire.decode(data, label))
+        kind = message[0]
+        if kind == "progress":
+            if bar is not None:
+                bar.update(message[1])
+            return
+        self.done.add(rank)
+        if kind == "ok":
+            self.results[rank] = message[1]
+            self.backends[rank] = message[2]
+            ranks[rank].reported = True
+        elif kind == "error":
+            self.errors[rank] = message[1:]
+            ranks[rank].reported = True
+        else:  # refused: nothing of it was built, and the rank is not trusted again
+            self.errors[rank] = refused_message(rank, message[1])
+
+    def returned(self) -> list[int]:
+        return [r for r in sorted(self.done) if r not in self.errors and r not in self.deaths]
+
+
+def _well_formed(message) -> tuple:
+    """``message`` if it has the shape of a rank's message, else ("refused", RefusedMessage)."""
+    if isinstance(message, wire.RefusedMessage):
+        return ("refused", message)
+    shapes = {"progress": (int,), "ok": (object, str), "error": (str, str, str, str)}
+    if (
+        isinstance(message, tuple)
+        and message
+        and message[0] in shapes
+        and len(message) == 1 + len(shapes[message[0]])
+        and all(isinstance(v, t) for v, t in zip(message[1:], shapes[message[0]]))
+    ):
+        return message
+    kind = type(message).__name__
+    return (
+        "refused",
+        wire.RefusedMessage("", f"a {kind} that is not one of the launcher's messages"),
+    )
+
+
+def _collect(ranks, deadline: float, timeout: float, bar, label: str, stderr_paths) -> RankResults:
     """Wait for every rank's result; raise on the first failure or on timeout."""
     __tracebackhide__ = True
-    n = len(procs)
-    results = [None] * n
-    backends = [None] * n
-    errors = {}
-    deaths = {}
-    done: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while len(done) < n:
+    n = len(ranks)
+    got = _Gathered(n)
+    while len(got.done) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            unfinished = [r for r in range(n) if r not in done]
-            raise LaunchTimeout(timeout, unfinished, sorted(done))
-        waiting = {conns[r]: r for r in range(n) if r not in done}
+            unfinished = [r for r in range(n) if r not in got.done]
+            raise LaunchTimeout(timeout, unfinished, sorted(got.done))
+        waiting = {ranks[r].conn: r for r in range(n) if r not in got.done}
         for conn in connection.wait(list(waiting), timeout=min(left, 0.5)):
-            rank = waiting[conn]
-            try:
-                kind, *payload = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):  # the rank's end closed without a result
-                procs[rank].join(timeout=2)
-                deaths[rank] = procs[rank].exitcode
-                done.add(rank)
-                continue
-            if kind == "progress":
-                if bar is not None:
-                    bar.update(payload[0])
-            elif kind == "ok":
-                results[rank] = payload[0]
-                backends[rank] = payload[1]
-                done.add(rank)
-            else:
-                errors[rank] = payload
-                done.add(rank)
-        if errors or deaths:
+            got.take(waiting[conn], ranks, bar, label)
+        if got.errors or got.deaths:
             # The others are most likely blocked in a collective with the failed rank:
             # give simultaneous failures a moment to arrive, then report the lowest rank.
-            _drain(conns, done, errors, deaths, procs, grace=0.3)
-            returned = [r for r in range(n) if r in done and r not in errors and r not in deaths]
-            raise_failure(errors, deaths, returned, stderr_paths)
-    return RankResults(results, backend=backends[0])
+            _drain(got, ranks, bar, label, grace=0.3)
+            raise_failure(got.errors, got.deaths, got.returned(), stderr_paths)
+    return RankResults(got.results, backend=got.backends[0])
 
 
-def _drain(conns, done, errors, deaths, procs, grace):
+def _drain(got: _Gathered, ranks, bar, label: str, grace: float) -> None:
     end = time.monotonic() + grace
     while time.monotonic() < end:
-        waiting = {conns[r]: r for r in range(len(conns)) if r not in done}
+        waiting = {ranks[r].conn: r for r in range(len(ranks)) if r not in got.done}
         if not waiting:
             return
         for conn in connection.wait(list(waiting), timeout=max(0.0, end - time.monotonic())):
-            rank = waiting[conn]
-            try:
-                kind, *payload = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                deaths[rank] = procs[rank].exitcode
-                done.add(rank)
-                continue
-            if kind == "error":
-                errors[rank] = payload
-                done.add(rank)
+            got.take(waiting[conn], ranks, bar, label)
 
 
-def _kill_all(procs, grace: float) -> None:
+def _kill_all(ranks, grace: float) -> None:
     """Stop every rank and anything it started (each rank leads its own process group)."""
     deadline = time.monotonic() + grace
-    for p in procs:  # after a success, ranks exit by themselves once their pipe closes
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.pid is None:
-            continue
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the rank, if still alive, and its children
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.join(timeout=5)
+    for rank in ranks:  # after a success, ranks exit by themselves once their pipe closes
+        rank.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for rank in ranks:
+        if rank.pid is not None:
+            kill_process_group(rank.pid)  # the rank, if still alive, and its children
+            rank.wait(timeout=5)
 
 
 def _progress_bar(total, desc):
@@ -326,116 +432,15 @@ def _progress_bar(total, desc):
     return tqdm(total=total, desc=desc, leave=True)
 
 
-def _rank_main(
-    fn,
-    args,
-    rank,
-    world_size,
-    store_path,
-    backend,
-    timeout,
-    conn,
-    parent_ends,
-    stderr_path,
-    env,
-    audit_label,
-):
-    """Entry point of one launched rank (under the device audit when ``audit_label`` is set)."""
-    global _parent_conn
+def _forked_rank_main(job: RankJob, conn, parent_ends) -> None:
+    """Entry point of a forked rank: its own process group, then :func:`run_rank`, then exit."""
     os.setpgid(0, 0)  # own process group: the parent can kill us and our children together
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # Forked copies of the parent's pipe ends would hide the EOF we wait for.
     for end in parent_ends:
         end.close()
-    _parent_conn = conn
-    stderr_file = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    sys.stderr.flush()
-    os.dup2(stderr_file, 2)  # C++ logs and Python warnings: captured for the parent to show
-    if getattr(sys.stderr, "fileno", None) is None or _not_fd2(sys.stderr):
-        # e.g. a Jupyter stream: write to fd 2 too
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-    if faulthandler.is_enabled():  # a crash's Python stack goes to the captured stderr too
-        faulthandler.enable(file=sys.stderr)
-    os.environ.update(env)
-    if "TORCH_DISTRIBUTED_DEBUG" in env:
-        # read once at import, and this process imported torch before fork
-        dist.set_debug_level_from_env()
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    try:
-        with audit.audited(audit_label, rank) if audit_label else contextlib.nullcontext():
-            _init_rank(rank, world_size, backend, timeout, store_path)
-            used = dist.get_backend()  # read now: fn may destroy the process group
-            result = fn(*args)
-        message = ("ok", _to_cpu(result), used)
-    except BaseException as e:  # SystemExit and KeyboardInterrupt are failures too
-        # the learner's frames and torch's; this launcher's are left out
-        tb, location = rank_traceback(e)
-        message = ("error", type(e).__name__, str(e), tb, location)
-    try:
-        payload = pickle.dumps(message)
-    except Exception as e:  # an unpicklable result is the rank's error, not a mystery
-        payload = pickle.dumps(
-            ("error", "TypeError", f"rank result cannot be pickled: {e}", traceback.format_exc())
-        )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        conn.send_bytes(payload)
-        # Stay until the parent has every rank's result (it then closes the pipe). A rank
-        # that exited as soon as its own last collective returned could close its sockets
-        # while a peer is still reading, and the peer would fail with "connection reset".
-        conn.recv_bytes()
-    except (EOFError, OSError):
-        pass
+    run_rank(job, conn)
     os._exit(0)  # skip the parent's atexit handlers (a forked Jupyter kernel has plenty)
-
-
-def _not_fd2(stream) -> bool:
-    try:
-        return stream.fileno() != 2
-    except (OSError, ValueError, AttributeError):
-        return True
-
-
-def _to_cpu(result):
-    """Results travel to the parent as CPU tensors: unpickling a CUDA tensor there would
-    initialise CUDA in the parent and forbid the next fork."""
-    return torch.utils._pytree.tree_map(
-        lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, result
-    )
-
-
-def _init_rank(rank, world_size, backend, timeout, store_path):
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout),
-        device_id=_bind_device(backend),
-    )
-
-
-def _bind_device(backend: str) -> torch.device | None:
-    """Prepare this rank for ``backend``; returns the device to bind the process group to.
-
-    NCCL: this rank's GPU (``local_rank()``) becomes the current device, and the process group is
-    bound to it (``device_id``: NCCL connects at once, and no collective has to guess the GPU).
-    gloo: one intra-op thread per rank, so N ranks do not fight over the cores. Both: TF32 off,
-    since the labs compare fp32 results with a reference to 1e-5 (``exact_fp32``)."""
-    exact_fp32()
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank())
-        torch.cuda.set_device(device)
-        return device
-    torch.set_num_threads(1)
-    return None
 
 
 def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:

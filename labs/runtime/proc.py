@@ -4,6 +4,7 @@ left none behind."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 
@@ -38,3 +39,40 @@ def descendants(pid: int | None = None) -> list[int]:
         frontier = {p for p, parent in parent_of.items() if parent in frontier}
         found += sorted(frontier)
     return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes whose process group is ``pgid`` (read from /proc on Linux, from ``ps``
+    elsewhere)."""
+    if not Path("/proc/self/stat").exists():
+        import subprocess
+
+        out = subprocess.run(["ps", "-A", "-o", "pid=,pgid=,stat="], capture_output=True, text=True)
+        rows = [line.split() for line in out.stdout.splitlines()]
+        return [int(r[0]) for r in rows if len(r) == 3 and int(r[1]) == pgid and r[2][0] != "Z"]
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]  # state, ppid, pgrp
+        if state != "Z" and int(group) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def kill_process_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (a rank and everything it started), or ``pid``
+    alone if it has not made its group yet; nothing if it is gone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    except PermissionError:
+        pass
