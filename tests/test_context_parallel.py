@@ -232,6 +232,46 @@ def test_the_next_kv_block_is_posted_before_computing_on_this_one(with_backward)
         assert _posted_before_each_step(backward, 4) and backward.count("post") >= 6, backward
 
 
+def backward_posts_worker(shape):
+    """The messages this rank posts in the backward pass: (what, to rank, from rank) in order."""
+    cpm = exercise("context_parallel")
+    me = dist.get_rank()
+    cp = dist.get_world_size()
+    q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, dim=2) for t in lab.make_qkv(shape))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = cpm.ring_attention(q, k, v, dist.group.WORLD, causal=True)
+    posts = []
+    post_exchange = cpm.post_exchange
+
+    def recording(send, recv, to_rank, from_rank, group=None, tag=0):
+        what = {cpm.KV_TAG: "K/V", cpm.DKV_TAG: "dK/dV"}[tag]
+        posts.append((what, to_rank, from_rank))
+        return post_exchange(send, recv, to_rank, from_rank, group, tag)
+
+    with mock.patch.object(cpm, "post_exchange", recording):
+        out.backward(dout)
+    return posts
+
+
+@pytest.mark.exercise
+@BACKWARD
+def test_the_backward_ring_sends_what_the_stepper_draws():
+    """Notebook 06's stepper, backward view (``labs.theory.context_parallel.
+    ring_backward_schedule``): every step but the last posts the next K/V to r+1, every step but
+    the first sends the dK/dV accumulator on to r+1; dQ never travels."""
+    cp = 4
+    posts = launch(backward_posts_worker, cp, lab.AttnShape(seq_len=32))
+    for r, mine in enumerate(posts):
+        expected = []
+        for step in cpt.ring_backward_schedule(cp):
+            e = step[r]
+            expected += [("K/V", e["sends_kv_to"], (r - 1) % cp)] * (e["sends_kv_to"] is not None)
+            expected += [("dK/dV", e["sends_dkv_to"], (r - 1) % cp)] * (
+                e["sends_dkv_to"] is not None
+            )
+        assert mine == expected, (r, mine)
+
+
 @pytest.mark.exercise
 @BACKWARD
 @pytest.mark.parametrize("cp, zigzag", [(2, True), (4, True), (4, False)])

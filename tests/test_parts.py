@@ -78,25 +78,39 @@ def test_a_copy_with_only_the_core_written_keeps_the_extensions_unwritten():
     assert "is not written yet" not in every_part and "### BEGIN SOLUTION" not in every_part
 
 
+def _notebook_exercises(name: str) -> list[str]:
+    """The exercises of ``name``'s notebook (04 has two: its modules import each other)."""
+    notebook = stubs.notebook_name((SOLUTIONS / f"{name}.py").read_text())
+    return [
+        n for n in EXERCISES if stubs.notebook_name((SOLUTIONS / f"{n}.py").read_text()) == notebook
+    ]
+
+
 def _core_only_course(tmp_path, name: str):
-    """A copy of the course where ``labs/<name>.py`` has only its core written."""
+    """A copy of the course where the exercise modules of ``name``'s notebook have only their
+    core written."""
     course = tmp_path / "course"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
     for folder in ("labs", "solutions", "tests"):
         shutil.copytree(ROOT / folder, course / folder, ignore=ignore)
     for file in ("conftest.py", "pyproject.toml"):
         shutil.copy(ROOT / file, course / file)
-    source = (SOLUTIONS / f"{name}.py").read_text()
-    (course / "labs" / f"{name}.py").write_text(stubs.make_stub(source, f"{name}.py", {CORE}))
+    for sibling in _notebook_exercises(name):
+        source = (SOLUTIONS / f"{sibling}.py").read_text()
+        core = stubs.make_stub(source, f"{sibling}.py", {CORE})
+        (course / "labs" / f"{sibling}.py").write_text(core)
     return course
 
 
 def _check(course, name: str, *args: str) -> subprocess.CompletedProcess:
     """``python -m labs.check name args`` in the copy: its labs/ is found before the installed
-    course's (``python -m`` puts the working directory first); the other exercises run their
-    reference, as if the learner had finished them."""
-    others = ",".join(n for n in EXERCISES if n != name)
+    course's (``python -m`` puts the working directory first); the exercises of other notebooks
+    run their reference, as if the learner had finished them. Its pytest keeps its temporary
+    files in the copy."""
+    mine = _notebook_exercises(name)
+    others = ",".join(n for n in EXERCISES if n not in mine)
     env = {k: v for k, v in os.environ.items() if k not in ("LABS_IMPL", "LABS_REFERENCE")}
+    env["PYTEST_ADDOPTS"] = f"--basetemp={course / 'pytest'}"
     return subprocess.run(
         [sys.executable, "-m", "labs.check", name, "--reference", others, *args],
         cwd=course,
