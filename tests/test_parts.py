@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,48 @@ def test_an_extension_of_the_core_only_copy_waits_for_its_code(tmp_path):
     proc = _check(course, "ddp", "--part", "buckets", "-k", "backward_order")
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "not written yet: BucketedDDP.__init__" in proc.stdout
+
+
+def _markdown(notebook: str) -> list[str]:
+    import nbformat
+
+    cells = nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells
+    return [c.source for c in cells if c.cell_type == "markdown"]
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_the_notebook_states_each_part_its_time_and_marks_the_extensions(name):
+    """Its Time paragraph gives the core's minutes (and a Parts table row per part, PARTS'
+    minutes), its objectives name every extension, each extension's section opens with
+    "**Extension: NAME**", and the final Checks come after every part."""
+    source = (SOLUTIONS / f"{name}.py").read_text()
+    parts = module_parts(source)
+    notebook = stubs.notebook_name(source)
+    cells = _markdown(notebook)
+    intro = next(c for c in cells if "**Time**" in c)
+    assert "In this notebook you will" in intro, (
+        f"{notebook}: the Time line is not in the objectives"
+    )
+    if len(parts) == 1:
+        assert f"about {parts[CORE]} minutes" in intro and "one part" in intro, intro
+        return
+    assert f"about {parts[CORE]} minutes on the core path" in intro, intro
+    for part, minutes in parts.items():
+        kind = "" if part == CORE else " (extension)"
+        row = next(
+            (line for line in intro.splitlines() if line.startswith(f"| **{part}**{kind} |")), ""
+        )
+        assert row.endswith(f"| {minutes} min |"), f"{notebook}: no Parts row for {part}: {row!r}"
+        if part != CORE:
+            objectives = intro.split("**Before you start**")[0]
+            assert f"extension **{part}**" in objectives or (
+                f"extension **{part.replace('-', ' ')}**" in objectives
+            ), f"{notebook}: the objectives do not name the extension {part}"
+            assert any(f"**Extension: {part}**" in c for c in cells), (
+                f"{notebook}: no section opens with **Extension: {part}**"
+            )
+    checks = next(i for i, c in enumerate(cells) if re.search(r"^## Checks", c, re.M))
+    assert not any(re.search(r"^## \d+\.", c, re.M) for c in cells[checks + 1 :]), (
+        f"{notebook}: a numbered section comes after the final Checks"
+    )
+    assert not any("**Extension: " in c for c in cells[checks + 1 :])

@@ -741,24 +741,26 @@ def format_rows(rows: list[dict], digits: int = 3) -> str:
 
 def attention_rows(checks: list[dict]) -> list[dict]:
     """One printable row per case of ``attention_check``: differences, bytes and work, measured vs
-    theory."""
-    return [
-        {
+    theory (no backward bytes for a forward-only check)."""
+    rows = []
+    for c in checks:
+        row = {
             "mask": "causal" if c["causal"] else "none",
             "layout": c["layout"],
             "max rel diff": max(c["max_rel_diff"].values()),
             "fwd bytes/rank": (
                 f"{c['sent_forward'][0]:.0f} (theory {c['theory_sent_forward']:.0f})"
             ),
-            "bwd bytes/rank": (
-                f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})"
-            ),
-            "blocks/rank (FLOPs)": str([int(b) for b in c["blocks_measured_forward"]]),
-            "theory": str(c["blocks_theory"]),
-            "max/mean": round(c["imbalance"], 3),
         }
-        for c in checks
-    ]
+        if c["blocks_measured_backward"] is not None:
+            row["bwd bytes/rank"] = (
+                f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})"
+            )
+        row["blocks/rank (FLOPs)"] = str([int(b) for b in c["blocks_measured_forward"]])
+        row["theory"] = str(c["blocks_theory"])
+        row["max/mean"] = round(c["imbalance"], 3)
+        rows.append(row)
+    return rows
 
 
 def add_arguments(parser) -> None:
