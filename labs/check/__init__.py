@@ -215,9 +215,14 @@ def part_lines(verdicts: list[Verdict], parts: dict[str, int]) -> list[str]:
 
 
 def summary(
-    name: str, impl: str, verdicts: list[Verdict], parts: dict[str, int] | None = None
+    name: str,
+    impl: str,
+    verdicts: list[Verdict],
+    parts: dict[str, int] | None = None,
+    part: str | None = None,
 ) -> list[str]:
-    """The closing lines: counts, how each part stands, then what to do next."""
+    """The closing lines: counts, how each part stands, then what to do next (``part``: the one
+    part that ran, if one was asked for)."""
     module = f"{impl}/{name}.py"
     parts = parts or {CORE: 0}
     passed = sum(v.outcome == "PASS" for v in verdicts)
@@ -238,7 +243,8 @@ def summary(
             " to write when you have the time."
         )
     if status == 0:
-        lines.append("PASS: every check of this exercise passes.")
+        what = "this exercise" if part is None else f"part {part}"
+        lines.append(f"PASS: every check of {what} passes.")
     elif status == 3:
         lines.append(
             f"Not written yet in {module}: {', '.join(unwritten)}. Each docstring is the task; "
@@ -386,5 +392,5 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     print()
     parts = exercise_parts(args.exercise, args.impl)
-    print("\n".join(summary(args.exercise, args.impl, verdicts, parts)))
+    print("\n".join(summary(args.exercise, args.impl, verdicts, parts, args.part)))
     return status
