@@ -34,6 +34,9 @@ from labs.theory.memory import memory_per_rank
 from labs.train import TrainConfig, data_for, make_optimizer
 
 NOTEBOOK = "01_memory_anatomy.ipynb"
+# The lab has one part, its core, and the minutes it takes at the notebook's pace
+# (labs.check.parts); each function's docstring names its part.
+PARTS = {"core": 60}
 
 
 def training_state_bytes(
@@ -45,6 +48,8 @@ def training_state_bytes(
     grads: the ``.grad`` of those parameters that have one; optimizer: every tensor in
     ``optimizer.state`` with at least one dimension (AdamW's ``exp_avg``, ``exp_avg_sq``; its
     0-dim ``step`` counters are bookkeeping, not state per parameter).
+
+    Part: core.
     """
 
     raise NotImplementedError(
@@ -62,6 +67,8 @@ def saved_activation_bytes(
     idx, targets: [B, T] token ids. Inside ``torch.autograd.graph.saved_tensors_hooks``, the
     pack hook sees every saved tensor: count each storage once (views share one), and not the
     storages of ``model``'s parameters. The loss must still backpropagate afterwards.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise saved_activation_bytes is not written yet: "

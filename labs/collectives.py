@@ -30,6 +30,9 @@ import torch.distributed as dist
 from labs.runtime.ring import exchange, ring_neighbours
 
 NOTEBOOK = "00_setup_and_collectives.ipynb"
+# The lab has one part, its core, and the minutes it takes at the notebook's pace
+# (labs.check.parts); each function's docstring names its part.
+PARTS = {"core": 45}
 
 
 def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> int:
@@ -37,6 +40,8 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | N
 
     Afterwards chunk (me + 1) mod N holds the sum over all ranks. Returns that index.
     Sends N-1 chunks.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise ring_reduce_scatter is not written yet: "
@@ -46,7 +51,10 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | N
 
 def ring_all_gather(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """All-gather phase on a ring, in place on ``chunks``: rank r starts owning the reduced
-    chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks."""
+    chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise ring_all_gather is not written yet: "
         "see its docstring and notebooks/00_setup_and_collectives.ipynb"
@@ -59,6 +67,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     tensor: any shape, any size (N need not divide it). Chunks are views of a flat copy
     (``tensor.view(-1)`` when contiguous), so the phases write straight into the result.
     Bytes sent per rank: 2 (N-1)/N * tensor bytes (exactly, when N divides numel).
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise ring_all_reduce is not written yet: "

@@ -35,6 +35,10 @@ from labs.experiments import failures
 from labs.runtime.errors import LaunchTimeout, RankDied, RankError
 
 NOTEBOOK = "10_when_it_breaks.ipynb"
+# The lab has one part, its core, and the minutes it takes at the notebook's pace
+# (labs.check.parts); each function's docstring names its part.
+PARTS = {"core": 40}
+
 LATE_RANK = re.compile(r"Rank (\d+) failed to pass monitoredBarrier")
 
 
@@ -45,6 +49,8 @@ def suspect_ranks(error: BaseException, world_size: int) -> list[int]:
     ``LaunchTimeout.unfinished``: the ranks still running; ``RankDied.rank``,
     ``RankError.rank``: the rank that died or raised; ``RankError.message``: its message.
     Any other exception is a ``TypeError`` naming the three the launcher raises.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise suspect_ranks is not written yet: "
@@ -57,6 +63,8 @@ def straggler(wait_s: dict[int, float]) -> int:
 
     wait_s: rank -> seconds that rank spent in collectives (e.g. the all-reduce spans of a
     timeline: ``straggler_timeline(...)["wait_s"]``).
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise straggler is not written yet: "

@@ -58,6 +58,9 @@ from labs.theory.dims import check_divides
 from labs.theory.moe import expert_capacity
 
 NOTEBOOK = "07_mixture_of_experts.ipynb"
+# The lab has one part, its core, and the minutes it takes at the notebook's pace
+# (labs.check.parts); each function's docstring names its part.
+PARTS = {"core": 75}
 
 
 # --- routing ---
@@ -70,6 +73,8 @@ def route(
     E], probs [N, E] (softmax of the logits), chosen [N, k] (the k most probable experts, ``topk``
     order) and weights [N, k] (their probabilities, renormalised to sum to 1 when k > 1; raw when k
     = 1).
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise route is not written yet: "
@@ -86,6 +91,8 @@ def capacity_keep(
     expert keeps its first ``capacity`` pairs in this order: all first choices in token order, then
     all second choices, ... ``capacity=None`` keeps every pair. Hint: a one-hot [G, k·N/G, E] in
     that order, and its cumulative sum along the pairs is each pair's slot in its expert.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise capacity_keep is not written yet: "
@@ -99,6 +106,8 @@ def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, groups: int =
     probs: [N, E]; chosen: [N, k]. f_e: the share of a group's k·N/G pairs that chose e, before
     dropping (a count: no gradient); P_e: the group's mean of probs[:, e] (the gradient flows here).
     1.0 when balanced.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise load_balancing_loss is not written yet: "
@@ -107,7 +116,10 @@ def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, groups: int =
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)², for logits [N, E]."""
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)², for logits [N, E].
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise router_z_loss is not written yet: "
         "see its docstring and notebooks/07_mixture_of_experts.ipynb"
@@ -123,6 +135,8 @@ def sort_by_expert(
     order: [M] indices into the N·k pairs (pair i is token i // k, choice i % k), kept pairs only,
     sorted by expert, ties in pair order (a stable sort), so every expert sees its tokens in token
     order. counts: [E] kept pairs per expert.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise sort_by_expert is not written yet: "
@@ -143,6 +157,8 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
 
     rows: [M, H] in ``order`` (from :func:`sort_by_expert`); weights: [N, k]. Returns [N, H];
     a dropped pair contributes zero.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise combine is not written yet: "
@@ -224,7 +240,10 @@ class AllToAll(torch.autograd.Function):
         recv: list[int],
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        """rows: [sum(send), H] -> [sum(recv), H], in source-rank order."""
+        """rows: [sum(send), H] -> [sum(recv), H], in source-rank order.
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise AllToAll.forward is not written yet: "
             "see its docstring and notebooks/07_mixture_of_experts.ipynb"
@@ -232,7 +251,10 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        """grad: [sum(recv), H] -> [sum(send), H]."""
+        """grad: [sum(recv), H] -> [sum(send), H].
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise AllToAll.backward is not written yet: "
             "see its docstring and notebooks/07_mixture_of_experts.ipynb"
@@ -242,7 +264,10 @@ class AllToAll(torch.autograd.Function):
 def exchange_counts(send: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The counts go first: ``send`` [ep, E/ep] (rows I route to each rank's local experts) becomes
     ``recv`` [ep, E/ep] (rows each rank routes to my experts). One all_to_all_single, E/ep int64 per
-    rank."""
+    rank.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise exchange_counts is not written yet: "
         "see its docstring and notebooks/07_mixture_of_experts.ipynb"
@@ -296,6 +321,8 @@ class ExpertParallelMoE(MoELayer):
         3. regroup the received rows by local expert (stable: by source rank, then token order),
            ``run_experts``, and undo the regrouping;
         4. ``AllToAll`` back (splits swapped) and ``combine``.
+
+        Part: core.
         """
         raise NotImplementedError(
             "exercise ExpertParallelMoE.experts_forward is not written yet: "
@@ -316,6 +343,8 @@ def allreduce_gradients(
     same experts), everything else over ``group``. One division fits both: each rank's loss is a
     mean over its tokens, and the all-to-all backward already brought the EP group's tokens into
     each expert's gradient.
+
+    Part: core.
     """
     raise NotImplementedError(
         "exercise allreduce_gradients is not written yet: "

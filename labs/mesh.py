@@ -53,6 +53,10 @@ from labs.theory.dims import AXES, ParallelDims, check_divides, divisors
 from labs.train import TrainConfig, make_optimizer
 
 NOTEBOOK = "08_composing_4d.ipynb"
+# The lab has one part, its core, and the minutes it takes at the notebook's pace
+# (labs.check.parts); each function's docstring names its part.
+PARTS = {"core": 90}
+
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp")}
 
 
@@ -93,7 +97,10 @@ class Mesh:
 def group_ranks(dims: ParallelDims, axes: tuple[str, ...]) -> list[list[int]]:
     """Every group of ranks that differ only in the coordinates ``axes`` (e.g. ("tp",) or ("dp",
     "cp")), each listed in increasing rank, the groups ordered by their first rank. Use
-    ``dims.coords(rank)``: two ranks share a group when all their other coordinates agree."""
+    ``dims.coords(rank)``: two ranks share a group when all their other coordinates agree.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise group_ranks is not written yet: "
         "see its docstring and notebooks/08_composing_4d.ipynb"
@@ -105,7 +112,10 @@ def build_mesh(dims: ParallelDims) -> Mesh:
 
     ``dist.new_group(ranks)`` is collective over the whole world: every rank must call it for every
     group, its own or not, in the same order (here: ``GROUPS`` order, then ``group_ranks`` order).
-    Groups of one rank are not created (``groups[name] = None``); ``ranks[name]`` is always set."""
+    Groups of one rank are not created (``groups[name] = None``); ``ranks[name]`` is always set.
+
+    Part: core.
+    """
     rank = dist.get_rank()
     if dims.world_size != dist.get_world_size():
         raise ValueError(
@@ -196,7 +206,10 @@ def compose(
        ``ShardedOptimizer`` (AdamW, ``cfg``'s settings, one parameter group per unit), ZeRO-3
        ``fully_shard`` on each unit and then on ``module``; otherwise (and for ZeRO-3)
        ``make_optimizer(module.parameters(), cfg)``.
-    ``microbatches`` defaults to 2·pp (1 without PP)."""
+    ``microbatches`` defaults to 2·pp (1 without PP).
+
+    Part: core.
+    """
     d = mesh.dims
     microbatches = microbatches or (2 * d.pp if d.pp > 1 else 1)
     check_composition(mesh, model_cfg, cfg, zero=zero, microbatches=microbatches)
@@ -218,7 +231,10 @@ def train_step(c: Composed, x: torch.Tensor, y: torch.Tensor) -> float | None:
     Rows: ``x.chunk(dp)[d]``; CP: ``shard_inputs(rows_x, rows_y, cp)`` -> tokens, targets,
     positions; no PP: ``_, loss = module(tokens, targets, positions)``, ``loss.backward()``; PP: M
     micro-batches (``chunk(M)`` of the rows) through ``train_step_1f1b(stage, microbatches,
-    pipe=pipe)``. Then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+    pipe=pipe)``. Then ``optimizer.step()`` and ``optimizer.zero_grad()``.
+
+    Part: core.
+    """
     mesh = c.mesh
     d = c.mesh.dims
     x = x.to(rank_device())

@@ -57,6 +57,10 @@ from labs.runtime.pipe import Pipe, p2p
 from labs.theory.pipeline import check_schedule, interleaved_op, interleaved_warmup
 
 NOTEBOOK = "05_pipeline_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 90, "interleaved": 25, "zero-bubble": 35}
 
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # [(x [b, T], y [b, T]), ...]
@@ -81,7 +85,10 @@ class StageModule(nn.Module):
         """x: token ids [b, T] (first stage) or hidden states [b, T, H]. Returns logits [b, T, V]
         (last stage) or hidden states [b, T, H]. The blocks run through the full model's own
         ``run_blocks`` (``labs.models.transformer``), so their rotary tables are the full model's,
-        in the activations' dtype (a bf16 stage computes in bf16, as the bf16 model does)."""
+        in the activations' dtype (a bf16 stage computes in bf16, as the bf16 model does).
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise StageModule.forward is not written yet: "
             "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -90,7 +97,10 @@ class StageModule(nn.Module):
 
 def build_stage(model: Transformer, *, plan: Sequence[int], stage: int) -> StageModule:
     """Stage ``stage`` of ``plan``, the layers per stage in order (one entry per virtual stage when
-    interleaving). Stage 0 is the first (it embeds), stage len(plan)-1 the last (head, loss)."""
+    interleaving). Stage 0 is the first (it embeds), stage len(plan)-1 the last (head, loss).
+
+    Part: core.
+    """
     if sum(plan) != len(model.layers) or not 0 <= stage < len(plan):
         raise ValueError(
             f"plan={tuple(plan)} must split all {len(model.layers)} layers and stage={stage} "
@@ -111,7 +121,10 @@ def forward_step(
 ) -> torch.Tensor:
     """One micro-batch through ``stage``. ``inputs``: token ids [b, T] (first stage) or the received
     activation [b, T, H], made to require grad (backward fills its ``.grad``). Returns the output
-    [b, T, H]; on the last stage the cross-entropy (fp32, mean over b·T) / ``n_microbatches``."""
+    [b, T, H]; on the last stage the cross-entropy (fp32, mean over b·T) / ``n_microbatches``.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise forward_step is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -124,7 +137,10 @@ def backward_step(
     """Backward of one micro-batch through one stage: ``output`` is what ``forward_step`` returned,
     ``output_grad`` the gradient from the next stage [b, T, H] (None for the loss). Accumulates
     the parameters' ``.grad``; returns the gradient of ``inputs`` [b, T, H] (None on the first
-    stage)."""
+    stage).
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise backward_step is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -137,7 +153,10 @@ def backward_input_step(
     """B of ZB-H1: the gradient of ``inputs`` [b, T, H] only, what the previous stage waits for
     (``torch.autograd.grad`` with respect to ``inputs``, the graph retained for W); no
     parameter's ``.grad`` changes. Returns None on the first stage (its inputs are token ids,
-    nothing to send back)."""
+    nothing to send back).
+
+    Part: zero-bubble (an extension).
+    """
     raise NotImplementedError(
         "exercise backward_input_step is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -151,7 +170,10 @@ def backward_weight_step(
     (``torch.autograd.grad`` with respect to them), added to their ``.grad``; the graph is freed
     afterwards. It walks the graph a second time, the price of a split readable in a few lines:
     Megatron and torch keep the gradients B computed at each layer's output and run only the
-    weight matmuls here."""
+    weight matmuls here.
+
+    Part: zero-bubble (an extension).
+    """
     raise NotImplementedError(
         "exercise backward_weight_step is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -169,7 +191,10 @@ def naive_forward(stage: StageModule, tokens: torch.Tensor, *, pipe: Pipe) -> to
     """Inference with layers placed device after device (``device_map="auto"``): receive [B, T, H]
     from the previous stage (the first embeds ``tokens`` [B, T]), run the stage, send on. Returns
     logits [B, T, V] on the last stage, else None. One stage computes at a time. ``p2p``
-    (``labs.runtime.pipe``) does the sends and receives."""
+    (``labs.runtime.pipe``) does the sends and receives.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise naive_forward is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -182,7 +207,10 @@ def train_step_afab(stage: StageModule, microbatches: Microbatches, *, pipe: Pip
     the same order: receive the output's gradient, ``backward_step``, send the input's gradient
     back. Returns the step's loss (sum of the scaled micro-batch losses) on the last stage, None
     elsewhere; gradients stay accumulated in ``.grad``. The shape of what travels:
-    ``activation_shape``."""
+    ``activation_shape``.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise train_step_afab is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -193,7 +221,10 @@ def train_step_1f1b(stage: StageModule, microbatches: Microbatches, *, pipe: Pip
     """1F1B (PipeDream-Flush) on stage s: warm-up, min(P-s-1, M) forwards; steady state, one forward
     then one backward (a result's send and the next receive of the other direction in one ``p2p``
     batch); cool-down, the warm-up's backwards. Return value and gradients as in
-    :func:`train_step_afab`. Any M works, also M < P."""
+    :func:`train_step_afab`. Any M works, also M < P.
+
+    Part: core.
+    """
     raise NotImplementedError(
         "exercise train_step_1f1b is not written yet: "
         "see its docstring and notebooks/05_pipeline_parallel.ipynb"
@@ -207,7 +238,10 @@ def train_step_zb_h1(stage: StageModule, microbatches: Microbatches, *, pipe: Pi
     wait; the last s run after the last B, in the cool-down where 1F1B idles. Sends are left in
     flight (``p2p(..., wait_sends=False)``, waited for at the end) and each receive blocks right
     before the B or F that needs it, so a W never waits for a message. Needs M >= P
-    (``check_schedule``). Returns as :func:`train_step_afab`."""
+    (``check_schedule``). Returns as :func:`train_step_afab`.
+
+    Part: zero-bubble (an extension).
+    """
     check_schedule("zb-h1", pipe.size, len(microbatches))
     raise NotImplementedError(
         "exercise train_step_zb_h1 is not written yet: "
@@ -226,7 +260,10 @@ def train_step_interleaved(
     activations and gradients of several chunks, but every rank runs the same (micro-batch, chunk)
     order and messages of one direction arrive in the order they were sent, so each receive gets
     the message its operation needs. Returns the loss where the last virtual stage is, else
-    None."""
+    None.
+
+    Part: interleaved (an extension).
+    """
     check_schedule("interleaved", pipe.size, len(microbatches), len(chunks))
     raise NotImplementedError(
         "exercise train_step_interleaved is not written yet: "

@@ -61,6 +61,12 @@ from .tensor_parallel_comm import (
 )
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+# The "async" part asks for no code here: its function is LinearWithAsyncCommunication.backward,
+# in labs/tensor_parallel_comm.py; its tests run the model of apply_async_communication.
+PARTS = {"core": 60, "vocab-parallel": 25, "sequence-parallel": 15, "async": 20}
 
 
 # --- layers: plain modules, each cut from the full layer of the original (``shard_weight``) ---
@@ -98,6 +104,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, in] (SP: [B, T/tp, in]) -> [B, T, out/tp] ([B, T, out] gathered).
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise ColumnParallelLinear.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -134,6 +144,10 @@ class RowParallelLinear(nn.Module):
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, in/tp] -> [B, T, out] (SP: [B, T/tp, out]), summed over the ranks.
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise RowParallelLinear.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -168,6 +182,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, T] -> [B, T, H] (SP: [B, T/tp, H]), summed over the ranks.
+
+        Part: vocab-parallel (an extension).
+        """
         raise NotImplementedError(
             "exercise VocabParallelEmbedding.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -189,6 +207,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         ignore_index: int = -100,
     ) -> torch.Tensor:
+        """logits [N, V/tp], targets [N] -> the mean loss (the class docstring).
+
+        Part: vocab-parallel (an extension).
+        """
         vocab = logits.shape[-1] * dist.get_world_size(group)  # V: every rank checks every target
         wrong = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))  # [N]
         if wrong.any():
@@ -203,6 +225,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """(softmax - one_hot) / N_kept on this rank's slice: [N, V/tp].
+
+        Part: vocab-parallel (an extension).
+        """
         raise NotImplementedError(
             "exercise VocabParallelCrossEntropy.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -213,11 +239,17 @@ def sequence_parallel_norm(
     norm: RMSNorm, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
 ) -> RMSNorm:
     """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an
-    all-reduce on it."""
-    raise NotImplementedError(
-        "exercise sequence_parallel_norm is not written yet: "
-        "see its docstring and notebooks/04_tensor_parallel.ipynb"
-    )
+    all-reduce on it (``register_hook`` on the copy's weight).
+
+    Part: sequence-parallel (an extension).
+    """
+    out = copy.deepcopy(norm)
+    if sequence_parallel:
+        raise NotImplementedError(
+            "exercise sequence_parallel_norm is not written yet: "
+            "see its docstring and notebooks/04_tensor_parallel.ipynb"
+        )
+    return out
 
 
 class ParallelBlock(nn.Module):
@@ -245,6 +277,10 @@ class ParallelBlock(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] (SP: [B, T/tp, H]) -> the same shape (the class docstring).
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise ParallelBlock.forward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -306,7 +342,10 @@ def apply_tensor_parallel(
     head counts / tp (rank r: query heads [r nh/tp, (r+1) nh/tp), kv heads [r nkv/tp, ...), which
     SDPA's ``enable_gqa`` pairs right: query head j uses kv head j // (nh/nkv)); ``lm_head``
     column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
-    nkv, H, F, V."""
+    nkv, H, F, V.
+
+    Part: core.
+    """
     group = group if group is not None else dist.group.WORLD
     full = copy.deepcopy(course_model_from(model))  # HF names -> the course's
     tp = dist.get_world_size(group)

@@ -53,6 +53,11 @@ from labs.runtime.tensor_comm import (
 )
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 60, "sequence-parallel": 15, "async": 20}
+
 SEQ_DIM = 1  # activations are [B, T, H]: T is dim 1
 
 
@@ -67,6 +72,10 @@ class CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: all-reduce the gradient (a copy).
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise CopyToModelParallelRegion.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -82,6 +91,10 @@ class ReduceFromModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: the gradient, unchanged.
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise ReduceFromModelParallelRegion.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -98,6 +111,10 @@ class GatherFromModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: this rank's slice of the last dim.
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise GatherFromModelParallelRegion.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -114,6 +131,10 @@ class ScatterToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: all-gather along the last dim.
+
+        Part: core.
+        """
         raise NotImplementedError(
             "exercise ScatterToModelParallelRegion.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -130,6 +151,10 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: reduce-scatter along T.
+
+        Part: sequence-parallel (an extension).
+        """
         raise NotImplementedError(
             "exercise GatherFromSequenceParallelRegion.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -147,6 +172,10 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: all-gather along T.
+
+        Part: sequence-parallel (an extension).
+        """
         raise NotImplementedError(
             "exercise ReduceScatterToSequenceParallelRegion.backward is not written yet: "
             "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -157,7 +186,10 @@ def enter_parallel_region(
     x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool
 ) -> torch.Tensor:
     """A replicated activation enters a TP region: f, or with SP the all-gather
-    [B, T/tp, H] -> [B, T, H]."""
+    [B, T/tp, H] -> [B, T, H].
+
+    Part: core; the SP branch comes with sequence-parallel (an extension).
+    """
     raise NotImplementedError(
         "exercise enter_parallel_region is not written yet: "
         "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -168,7 +200,10 @@ def exit_parallel_region(
     x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool
 ) -> torch.Tensor:
     """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter
-    -> [B, T/tp, H]."""
+    -> [B, T/tp, H].
+
+    Part: core; the SP branch comes with sequence-parallel (an extension).
+    """
     raise NotImplementedError(
         "exercise exit_parallel_region is not written yet: "
         "see its docstring and notebooks/04_tensor_parallel.ipynb"
@@ -206,6 +241,11 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """grad_X first, its collective launched async; the weights' gradients while it
+        travels; then wait (the class docstring).
+
+        Part: async (an extension).
+        """
         x, *weights = ctx.saved_tensors  # x [B, T, in]; weights [out_i/tp, in]
         raise NotImplementedError(
             "exercise LinearWithAsyncCommunication.backward is not written yet: "

@@ -28,6 +28,9 @@ import torch.distributed as dist
 from labs.runtime.ring import exchange, ring_neighbours
 
 NOTEBOOK = "00_setup_and_collectives.ipynb"
+# The lab has one part, its core, and the minutes it takes at the notebook's pace
+# (labs.check.parts); each function's docstring names its part.
+PARTS = {"core": 45}
 
 
 def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> int:
@@ -35,6 +38,8 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | N
 
     Afterwards chunk (me + 1) mod N holds the sum over all ranks. Returns that index.
     Sends N-1 chunks.
+
+    Part: core.
     """
     ### BEGIN SOLUTION
     ring = ring_neighbours(group)
@@ -52,7 +57,10 @@ def ring_reduce_scatter(chunks: list[torch.Tensor], group: dist.ProcessGroup | N
 
 def ring_all_gather(chunks: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """All-gather phase on a ring, in place on ``chunks``: rank r starts owning the reduced
-    chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks."""
+    chunk (r + 1) mod N and ends holding every rank's reduced chunk. Sends N-1 chunks.
+
+    Part: core.
+    """
     ### BEGIN SOLUTION
     ring = ring_neighbours(group)
     me = ring.rank
@@ -72,6 +80,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     tensor: any shape, any size (N need not divide it). Chunks are views of a flat copy
     (``tensor.view(-1)`` when contiguous), so the phases write straight into the result.
     Bytes sent per rank: 2 (N-1)/N * tensor bytes (exactly, when N divides numel).
+
+    Part: core.
     """
     ### BEGIN SOLUTION
     n = dist.get_world_size(group)

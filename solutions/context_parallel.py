@@ -37,6 +37,11 @@ from labs.runtime.ring import post_exchange, ring_neighbours
 from labs.theory.dims import check_divides
 
 NOTEBOOK = "06_context_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 55, "backward": 35}
+
 # K/V and their gradients can be in flight at once: distinct message tags
 KV_TAG = 1
 DKV_TAG = 2
@@ -50,7 +55,10 @@ def _wait(works: list[dist.Work]) -> None:
 def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
     """The two global chunk indices (of 2·cp chunks) ``rank`` holds, in the order it stores them:
     zig-zag (r, 2·cp−1−r): one early and one late chunk, so causal work is equal on every rank;
-    contiguous (2r, 2r+1): the plain split, T/cp consecutive tokens."""
+    contiguous (2r, 2r+1): the plain split, T/cp consecutive tokens.
+
+    Part: core.
+    """
     ### BEGIN SOLUTION
     return (rank, 2 * cp - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
     ### END SOLUTION
@@ -58,7 +66,10 @@ def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
 
 def block_kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     """What a causal mask leaves of query chunk × key chunk: "full" (key chunk before the query
-    chunk, or no mask), "diagonal" (the same chunk: lower triangle) or "masked" (after: skip it)."""
+    chunk, or no mask), "diagonal" (the same chunk: lower triangle) or "masked" (after: skip it).
+
+    Part: core.
+    """
     ### BEGIN SOLUTION
     if not causal or k_chunk < q_chunk:
         return "full"
@@ -71,7 +82,10 @@ def split_sequence(
 ) -> torch.Tensor:
     """This rank's tokens of ``x`` along ``dim`` (length T): chunks ``chunk_ids(rank, cp, zigzag)``
     of the 2·cp chunks, concatenated in that order. ``[B, T, ...] -> [B, T/cp, ...]`` for dim=1.
-    Raises ValueError when T is not divisible by 2·cp."""
+    Raises ValueError when T is not divisible by 2·cp.
+
+    Part: core.
+    """
     check_divides(x.shape[dim], "seq_len", 2 * cp, "2*cp (two chunks per context-parallel rank)")
     ### BEGIN SOLUTION
     chunks = x.chunk(2 * cp, dim=dim)
@@ -83,7 +97,10 @@ def unsplit_sequence(
     parts: list[torch.Tensor], *, zigzag: bool = True, dim: int = 1
 ) -> torch.Tensor:
     """The inverse of ``split_sequence``: ``parts[r]`` is rank r's share; returns the full
-    sequence."""
+    sequence.
+
+    Part: core.
+    """
     ### BEGIN SOLUTION
     pieces = {
         i: piece
@@ -166,6 +183,8 @@ def merge_partials(
     [B, nh, Tq] their log-sum-exps. Returns (merged out, merged lse) with
     lse' = log(e^lse + e^block_lse) and out' = e^(lse−lse')·out + e^(block_lse−lse')·block_out.
     Never form e^lse itself: it overflows. Do not modify the inputs.
+
+    Part: core.
     """
     ### BEGIN SOLUTION
     new_lse = torch.logaddexp(lse, block_lse)  # [B, nh, Tq]
@@ -218,6 +237,8 @@ class RingAttention(torch.autograd.Function):
         (out, lse), then wait. Save q, k, v, out, lse for backward. Returns out [B, nh, T/cp, hd],
         laid out in memory as SDPA's ([B, T/cp, nh, hd]:
         ``.transpose(1, 2).contiguous().transpose(1, 2)``).
+
+        Part: core.
         """
         ### BEGIN SOLUTION
         ring = ring_neighbours(group)  # ring peers, global ranks
@@ -269,6 +290,8 @@ class RingAttention(torch.autograd.Function):
         accumulator received from r−1 (posted the step before; none at step 1) and post it on to
         r+1 (tag DKV_TAG): after step CP−1 it reaches its owner. Finally wait for the accumulator
         of our own block and add it to what we kept.
+
+        Part: backward (an extension).
         """
         ### BEGIN SOLUTION
         q, k, v, out, lse = ctx.saved_tensors
@@ -354,7 +377,10 @@ class ContextParallelAttention(Attention):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, T/cp, H], this rank's tokens; cos, sin: [T/cp, hd] for *their* positions.
         ``self.project`` (q, k, v, rotated), ``ring_attention`` (causal, unrepeated K/V),
-        ``o_proj``: [B, T/cp, H]."""
+        ``o_proj``: [B, T/cp, H].
+
+        Part: backward (an extension).
+        """
         ### BEGIN SOLUTION
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)  # [B, nh, T/cp, hd], [B, nkv, T/cp, hd] x 2

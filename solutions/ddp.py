@@ -78,6 +78,10 @@ from labs.theory.overlap import MiB
 from labs.train import LossScaler, TrainConfig, overflowed
 
 NOTEBOOK = "02_data_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 60, "buckets": 25, "mixed-precision": 25}
 
 
 def broadcast_parameters(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
@@ -87,6 +91,8 @@ def broadcast_parameters(module: nn.Module, *, group: dist.ProcessGroup | None =
     (``dist.get_global_rank``; with ``group=None`` that is rank 0). Frozen parameters and
     buffers too: every rank must compute the same function. A tied weight is one tensor
     and is broadcast once (``module.parameters()`` lists it once).
+
+    Part: core.
     """
     ### BEGIN SOLUTION
     src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -150,7 +156,10 @@ class NaiveDDP(_DataParallel):
         ``.grad`` over the group with a blocking ``dist.all_reduce`` and divide by N, so every
         rank holds the mean gradient. Skip parameters whose ``.grad`` is None (frozen or unused:
         so on every rank). One call per gradient tensor. With ``self.reduce_dtype`` set (and not
-        the gradient's own), all-reduce a copy cast to it and copy the mean back into ``.grad``."""
+        the gradient's own), all-reduce a copy cast to it and copy the mean back into ``.grad``.
+
+        Part: core; the ``reduce_dtype`` lines come with mixed-precision (an extension).
+        """
         ### BEGIN SOLUTION
         for p in self.params:
             if p.grad is not None:
@@ -172,6 +181,10 @@ class OverlappedDDP(_DataParallel):
         group: dist.ProcessGroup | None = None,
         reduce_dtype: torch.dtype | None = None,
     ):
+        """Wrap ``module`` and hook every trainable parameter's gradient.
+
+        Part: core.
+        """
         super().__init__(module, group, reduce_dtype)
         # (gradient, the tensor being reduced: itself or its copy in reduce_dtype, the all-reduce)
         self.pending: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []
@@ -188,7 +201,10 @@ class OverlappedDDP(_DataParallel):
         gradient. Unless inside ``no_sync()``, launch ``dist.all_reduce(..., async_op=True)`` on
         the group, on ``param.grad`` itself or (``self.reduce_dtype`` set) on a copy cast to it,
         and remember the gradient, the tensor being reduced and the returned work handle (in
-        ``self.pending``). Do not wait here."""
+        ``self.pending``). Do not wait here.
+
+        Part: core; the ``reduce_dtype`` lines come with mixed-precision (an extension).
+        """
         ### BEGIN SOLUTION
         if self.require_backward_grad_sync:
             reduced = param.grad.to(self.reduce_dtype or param.grad.dtype)
@@ -199,7 +215,10 @@ class OverlappedDDP(_DataParallel):
     def finish_gradient_synchronization(self) -> None:
         """Call once per optimizer step, after its last backward: wait for every all-reduce in
         flight, divide each reduced tensor by N (copying it back into its gradient when it was a
-        cast copy), and forget them (the next step starts empty)."""
+        cast copy), and forget them (the next step starts empty).
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         for grad, reduced, work in self.pending:
             work.wait()
@@ -231,6 +250,10 @@ class BucketedDDP(_DataParallel):
         group: dist.ProcessGroup | None = None,
         reduce_dtype: torch.dtype | None = None,
     ):
+        """Wrap ``module``, lay its gradients out in buckets, hook them.
+
+        Part: buckets (an extension).
+        """
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per bucket), got {bucket_mb!r}")
         super().__init__(module, group, reduce_dtype)
@@ -288,7 +311,10 @@ class BucketedDDP(_DataParallel):
     def on_gradient_ready(self, param: nn.Parameter) -> None:
         """Gradient hook. Unless inside ``no_sync()``: copy ``param.grad`` into its slot, note
         that it arrived, and when the bucket's last gradient is in, launch its all-reduce with
-        ``async_op=True`` and keep the work handle in ``self.works[bucket]``. Do not wait."""
+        ``async_op=True`` and keep the work handle in ``self.works[bucket]``. Do not wait.
+
+        Part: buckets (an extension).
+        """
         ### BEGIN SOLUTION
         if not self.require_backward_grad_sync:
             return
@@ -304,7 +330,10 @@ class BucketedDDP(_DataParallel):
         a parameter that got no gradient: zero that slot and launch it now (calls = buckets on
         every rank). Wait for every bucket, divide by N, copy each slice back into the ``.grad``
         of the parameters that got one (the others keep ``grad=None``, as in a single process),
-        then reset ``works`` and ``arrived`` for the next step."""
+        then reset ``works`` and ``arrived`` for the next step.
+
+        Part: buckets (an extension).
+        """
         ### BEGIN SOLUTION
         for i, params in enumerate(self.bucket_params):
             if self.works[i] is None:
@@ -344,6 +373,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         loss_scaler: LossScaler | None = None,
         **defaults: Any,
     ) -> None:
+        """fp32 masters of ``params`` and ``optimizer_cls`` on them.
+
+        Part: mixed-precision (an extension).
+        """
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors, not one tensor")
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))
@@ -383,6 +416,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ``self.loss_scaler.update(overflow)``. Otherwise ``self.inner.step()``, then copy each
         master into its parameter (``p.copy_``, which rounds to bf16). Finally set every
         master's ``.grad`` to None (fp32 gradients exist only during the step).
+
+        Part: mixed-precision (an extension).
         """
         if closure is not None:
             raise ValueError("MixedPrecisionOptimizer.step takes no closure")
@@ -417,6 +452,8 @@ def rank_data(
     ``group``, move them to ``rank_device()`` and split each batch along dim 0 into K
     micro-batches. The N ranks' batches of a step, in rank order, are then exactly the
     single-process global batch (``labs.train.data_for``).
+
+    Part: core.
     """
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -455,6 +492,9 @@ def train_step(
     ``model.no_sync()`` so that only the last backward communicates; then
     ``model.finish_gradient_synchronization()`` and ``optimizer.step()``. Returns this rank's
     loss: the mean of its K micro-batch losses (unscaled), a Python float.
+
+    Part: core; the ``loss_scaler`` lines come with mixed-precision (an
+    extension).
     """
     ### BEGIN SOLUTION
     optimizer.zero_grad(set_to_none=True)

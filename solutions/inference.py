@@ -57,6 +57,11 @@ from labs.runtime.tensor_comm import all_gather_along
 from labs.theory.dims import check_positive
 
 NOTEBOOK = "09_inference.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 45, "placement": 20}
+
 PAD_ID = 0  # left padding; never attended to, so its value does not matter
 
 
@@ -162,7 +167,10 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` [B, nkv, t, hd] of layer ``layer`` at slots start..start+t (in place,
         no new memory); return that layer's K and V for slots 0..start+t, [B, nkv, start+t, hd]
-        each: views, no copies."""
+        each: views, no copies.
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         end = start + k.shape[2]
         self.k[layer][:, :, start:end] = k
@@ -187,7 +195,10 @@ def cached_attention(
     row-parallel o_proj with its all-reduce) on t new tokens x [B, t, H] at slots start..start+t:
     ``attn.project`` (q, k, v, rotated with ``cos``/``sin`` [B, 1, t, hd]; nh/tp, nkv/tp heads under
     TP), write k, v into ``cache``, SDPA of q over the cached keys with ``mask`` [B, 1, t, start+t]
-    (``enable_gqa``), then o_proj. Returns [B, t, H]."""
+    (``enable_gqa``), then o_proj. Returns [B, t, H].
+
+    Part: core.
+    """
     ### BEGIN SOLUTION
     B, t, _ = x.shape
     q, k, v = attn.project(x, cos, sin)  # [B, nh/tp, t, hd], [B, nkv/tp, t, hd] x 2
@@ -203,7 +214,10 @@ def greedy(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> torc
     """The greedy token of each sequence from its last logits [B, V], or with ``group`` the
     vocab-parallel [B, V/tp] (rank r holds ids [r V/tp, (r+1) V/tp)). Ties go to the lowest id, as
     ``torch.argmax``. TP: one all-gather of every rank's best (logit, id) pair, [B, 2] in float64
-    (exact for both), not of the logits."""
+    (exact for both), not of the logits.
+
+    Part: core.
+    """
     ### BEGIN SOLUTION
     best = logits.argmax(dim=-1)  # [B]: the first maximum of my slice
     if group is None or dist.get_world_size(group) == 1:
@@ -233,7 +247,10 @@ def forward_tokens(
     lacks them). ``x``: ids [B, t] if ``part`` embeds, else the previous stage's hidden states [B,
     t, H]; slots start..start+t; ``valid`` [B, T] (see ``left_pad``). Per block: x + attention
     (``cached_attention``, i-th block -> cache layer i), then x + mlp. Returns the greedy tokens [B]
-    from the last slot's logits if ``part`` has the head, else [B, t, H]."""
+    from the last slot's logits if ``part`` has the head, else [B, t, H].
+
+    Part: core.
+    """
     t = x.shape[1]
     cos, sin = rope_for(valid, start, t, part.cfg, dtype=next(part.parameters()).dtype)
     mask = attention_mask(valid, start, t)  # [B, 1, t, start+t]
@@ -284,7 +301,10 @@ def generate(
     1..new_tokens-1 feeds token i-1 [B, 1] at slot T0+i-1 and gives token i. ``model``: the course
     model, or its TP version with ``group`` (every rank returns the same tokens). Calls
     ``on_token(i)`` after token i. Cache: T = T0 + new_tokens slots. Returns ``Generated(tokens [B,
-    new_tokens], cache)``."""
+    new_tokens], cache)``.
+
+    Part: core.
+    """
     idx, valid = left_pad(prompts, new_tokens=new_tokens, device=next(model.parameters()).device)
     cache = _new_cache(model, len(prompts), valid.shape[1])
     ### BEGIN SOLUTION
@@ -317,7 +337,10 @@ def generate_placed(
     ``labs.runtime.pipe``); each runs its blocks on its own cache and sends its output on; the last
     picks the tokens and sends them [B] (int64) to the first (``pipe.next`` of the last stage is the
     first). Returns ``Generated``: tokens [B, new_tokens] on the first and the last stage, None on
-    the others."""
+    the others.
+
+    Part: placement (an extension).
+    """
     idx, valid = left_pad(prompts, new_tokens=new_tokens, device=next(stage.parameters()).device)
     cache = _new_cache(stage, len(prompts), valid.shape[1])
     dtype = next(stage.parameters()).dtype

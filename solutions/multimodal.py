@@ -66,6 +66,11 @@ from labs.theory.multimodal import check_split
 from labs.train import TrainConfig, make_optimizer
 
 NOTEBOOK = "11_multimodal.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 35, "tensor-parallel": 15, "pipeline": 25}
+
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -112,7 +117,10 @@ class EncoderStage(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, L] (P placeholders, then the caption) -> the fused sequence after this stage's
         decoder layers [b, L, H]: encoder on the micro-batch's images -> projector -> ``fuse`` ->
-        ``run_blocks``."""
+        ``run_blocks``.
+
+        Part: pipeline (an extension).
+        """
         images = self.next_images(tokens)  # [b, 3, S, S]
         ### BEGIN SOLUTION
         prefix = self.projector(self.encoder(images))  # [b, P, E] -> [b, P, H]
@@ -127,7 +135,10 @@ def build_multimodal_stage(
     """Stage ``stage`` of ``split`` (decoder layers per stage, e.g. ``(0, 2, 1, 1)``): for stage 0
     an :class:`EncoderStage` with decoder layers 0..split[0]-1; for s > 0 notebook 05's
     ``StageModule`` over the decoder with the next split[s] layers, ``first=False`` (stage 0
-    embedded the caption) and ``last`` on the last stage (norm, head)."""
+    embedded the caption) and ``last`` on the last stage (norm, head).
+
+    Part: pipeline (an extension).
+    """
     split = check_split(split, n_layers=model.cfg.decoder.n_layer)
     if not 0 <= stage < len(split):
         raise ValueError(f"stage={stage} must be in 0..{len(split) - 1}")
@@ -154,7 +165,10 @@ def train_step_pp(
     (images [B, 3, S, S], tokens [B, L], targets [B, L]), which every rank loads. Cut it into
     ``microbatches`` micro-batches along B; the first stage queues the images (``stage.load``); run
     notebook 05's ``train_step_1f1b`` on [(tokens_i, targets_i), ...]; step the optimizer. Returns
-    the loss on the last stage (the batch mean), None elsewhere."""
+    the loss on the last stage (the batch mean), None elsewhere.
+
+    Part: pipeline (an extension).
+    """
     images, tokens, targets = batch
     check_divides(tokens.shape[0], "batch_size", microbatches, "microbatches")
     ### BEGIN SOLUTION
@@ -196,6 +210,10 @@ class DataParallelTrainer:
         bucket_mb: float = 25.0,
         group: dist.ProcessGroup | None = None,
     ):
+        """Wrap ``model`` for data parallelism or ZeRO (the class docstring).
+
+        Part: core.
+        """
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero={zero!r} is not one of {ZERO_STAGES}")
         self.zero = zero
@@ -231,7 +249,10 @@ class DataParallelTrainer:
         """One optimizer step on this rank's batch (images [b, 3, S, S], tokens and targets [b, L]):
         zero the gradients, forward, backward, the gradients' synchronisation, the update (the
         gradients stay held until the next step, as the memory calculator counts them). Returns this
-        rank's loss (a float)."""
+        rank's loss (a float).
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         self.optimizer.zero_grad(set_to_none=True)
         _, loss = self.model(images, tokens, targets)
@@ -250,6 +271,10 @@ class TensorParallelMultimodal(nn.Module):
     inputs on every rank)."""
 
     def __init__(self, model: MultimodalModel, *, group: dist.ProcessGroup | None = None):
+        """Copy the encoder and projector, cut the decoder (the class docstring).
+
+        Part: tensor-parallel (an extension).
+        """
         super().__init__()
         self.cfg = model.cfg
         ### BEGIN SOLUTION
@@ -264,7 +289,10 @@ class TensorParallelMultimodal(nn.Module):
         """images [B, 3, S, S], tokens [B, L] -> this rank's logits [B, L, V/tp]; with targets [B,
         L] also the caption loss on every rank: notebook 04's ``VocabParallelCrossEntropy`` over the
         positions whose target is not ``IGNORE`` ([N, V/tp] logits, N = B·C), on the decoder's
-        group."""
+        group.
+
+        Part: tensor-parallel (an extension).
+        """
         ### BEGIN SOLUTION
         prefix = self.projector(self.encoder(images))  # [B, P, H], the same on every rank
         logits = decode(self.decoder, fuse(self.decoder, prefix, tokens))  # [B, L, V/tp]

@@ -59,6 +59,12 @@ from .tensor_parallel_comm import (
 )
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+# The "async" part asks for no code here: its function is LinearWithAsyncCommunication.backward,
+# in labs/tensor_parallel_comm.py; its tests run the model of apply_async_communication.
+PARTS = {"core": 60, "vocab-parallel": 25, "sequence-parallel": 15, "async": 20}
 
 
 # --- layers: plain modules, each cut from the full layer of the original (``shard_weight``) ---
@@ -96,6 +102,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = shard_weight(full, 0, group)  # [out/tp, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, in] (SP: [B, T/tp, in]) -> [B, T, out/tp] ([B, T, out] gathered).
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         if self.copy_input:
             x = enter_parallel_region(x, self.group, self.sequence_parallel)  # [B, T, in]
@@ -136,6 +146,10 @@ class RowParallelLinear(nn.Module):
         self.weight = shard_weight(full, 1, group)  # [out, in/tp]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, in/tp] -> [B, T, out] (SP: [B, T/tp, out]), summed over the ranks.
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         y = F.linear(x, self.weight)  # [B, T, out]: this rank's term of the sum
         return exit_parallel_region(y, self.group, self.sequence_parallel)
@@ -170,6 +184,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shard_weight(full, 0, group)  # [V/tp, H]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, T] -> [B, T, H] (SP: [B, T/tp, H]), summed over the ranks.
+
+        Part: vocab-parallel (an extension).
+        """
         ### BEGIN SOLUTION
         per_rank = self.weight.shape[0]
         start = dist.get_rank(self.group) * per_rank
@@ -196,6 +214,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         ignore_index: int = -100,
     ) -> torch.Tensor:
+        """logits [N, V/tp], targets [N] -> the mean loss (the class docstring).
+
+        Part: vocab-parallel (an extension).
+        """
         vocab = logits.shape[-1] * dist.get_world_size(group)  # V: every rank checks every target
         wrong = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))  # [N]
         if wrong.any():
@@ -228,6 +250,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """(softmax - one_hot) / N_kept on this rank's slice: [N, V/tp].
+
+        Part: vocab-parallel (an extension).
+        """
         ### BEGIN SOLUTION
         softmax, local, elsewhere = ctx.saved_tensors
         grad_logits = softmax.clone()
@@ -242,13 +268,16 @@ def sequence_parallel_norm(
     norm: RMSNorm, *, group: dist.ProcessGroup | None, sequence_parallel: bool = False
 ) -> RMSNorm:
     """A copy of ``norm``. With SP it sees T/tp tokens, so its weight gradient is partial: hook an
-    all-reduce on it."""
-    ### BEGIN SOLUTION
+    all-reduce on it (``register_hook`` on the copy's weight).
+
+    Part: sequence-parallel (an extension).
+    """
     out = copy.deepcopy(norm)
     if sequence_parallel:
+        ### BEGIN SOLUTION
         out.weight.register_hook(lambda grad: ReduceFromModelParallelRegion.apply(grad, group))
+        ### END SOLUTION
     return out
-    ### END SOLUTION
 
 
 class ParallelBlock(nn.Module):
@@ -276,6 +305,10 @@ class ParallelBlock(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] (SP: [B, T/tp, H]) -> the same shape (the class docstring).
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         h = enter_parallel_region(self.attn_norm(x), self.group, self.sequence_parallel)
         x = x + self.attn(h, cos, sin)
@@ -339,7 +372,10 @@ def apply_tensor_parallel(
     head counts / tp (rank r: query heads [r nh/tp, (r+1) nh/tp), kv heads [r nkv/tp, ...), which
     SDPA's ``enable_gqa`` pairs right: query head j uses kv head j // (nh/nkv)); ``lm_head``
     column-parallel, output split over V. ValueError (before any collective) unless tp divides nh,
-    nkv, H, F, V."""
+    nkv, H, F, V.
+
+    Part: core.
+    """
     group = group if group is not None else dist.group.WORLD
     full = copy.deepcopy(course_model_from(model))  # HF names -> the course's
     tp = dist.get_world_size(group)

@@ -51,6 +51,11 @@ from labs.runtime.tensor_comm import (
 )
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+PARTS = {"core": 60, "sequence-parallel": 15, "async": 20}
+
 SEQ_DIM = 1  # activations are [B, T, H]: T is dim 1
 
 
@@ -65,6 +70,10 @@ class CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: all-reduce the gradient (a copy).
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         return all_reduce_copy(grad, ctx.group), None
         ### END SOLUTION
@@ -79,6 +88,10 @@ class ReduceFromModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: the gradient, unchanged.
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         return grad, None
         ### END SOLUTION
@@ -94,6 +107,10 @@ class GatherFromModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: this rank's slice of the last dim.
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         return split_along(grad, -1, ctx.group), None
         ### END SOLUTION
@@ -109,6 +126,10 @@ class ScatterToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: all-gather along the last dim.
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         return all_gather_along(grad, -1, ctx.group), None
         ### END SOLUTION
@@ -124,6 +145,10 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: reduce-scatter along T.
+
+        Part: sequence-parallel (an extension).
+        """
         ### BEGIN SOLUTION
         return reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
         ### END SOLUTION
@@ -140,6 +165,10 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The adjoint of forward: all-gather along T.
+
+        Part: sequence-parallel (an extension).
+        """
         ### BEGIN SOLUTION
         return all_gather_along(grad, SEQ_DIM, ctx.group), None
         ### END SOLUTION
@@ -149,7 +178,10 @@ def enter_parallel_region(
     x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool
 ) -> torch.Tensor:
     """A replicated activation enters a TP region: f, or with SP the all-gather
-    [B, T/tp, H] -> [B, T, H]."""
+    [B, T/tp, H] -> [B, T, H].
+
+    Part: core; the SP branch comes with sequence-parallel (an extension).
+    """
     ### BEGIN SOLUTION
     if sequence_parallel:
         return GatherFromSequenceParallelRegion.apply(x, group)
@@ -161,7 +193,10 @@ def exit_parallel_region(
     x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool
 ) -> torch.Tensor:
     """Partial sums [B, T, H] leave a TP region: g -> [B, T, H], or with SP the reduce-scatter
-    -> [B, T/tp, H]."""
+    -> [B, T/tp, H].
+
+    Part: core; the SP branch comes with sequence-parallel (an extension).
+    """
     ### BEGIN SOLUTION
     if sequence_parallel:
         return ReduceScatterToSequenceParallelRegion.apply(x, group)
@@ -200,6 +235,11 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """grad_X first, its collective launched async; the weights' gradients while it
+        travels; then wait (the class docstring).
+
+        Part: async (an extension).
+        """
         x, *weights = ctx.saved_tensors  # x [B, T, in]; weights [out_i/tp, in]
         ### BEGIN SOLUTION
         # 1. the input's gradient first: the previous layer waits for it. [B, T, in], this rank's

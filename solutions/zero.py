@@ -91,6 +91,13 @@ from labs.runtime.flat import FlatBuffer, GradReadiness
 from labs.train import LossScaler, MixedPrecision, overflowed
 
 NOTEBOOK = "03_zero_and_fsdp.ipynb"
+# The lab's parts in order, with the minutes each takes at the notebook's pace: the core is
+# what the next notebooks build on, the others are extensions (labs.check.parts). Each
+# function's docstring names its part; `python -m labs.check EX --part NAME` runs one part.
+# The "checkpoints" part asks for no code: its tests check that labs.checkpoint saves and loads
+# what your ZeRO-3 holds, on any number of ranks.
+PARTS = {"core": 60, "zero3": 30, "offload": 10, "checkpoints": 10, "mixed-precision": 20}
+
 # Their update of an element depends on other elements (a row's, a matrix's), or they take sparse
 # gradients or many evaluations per step: they cannot run on a flat shard.
 NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "SparseAdam")
@@ -103,7 +110,10 @@ class FlatUnit(FlatBuffer):
 
     def flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The tensors (one per parameter; None counts as zeros) laid end to end, then zeros
-        up to ``padded`` elements: ``[padded]``, same dtype and device as the parameters."""
+        up to ``padded`` elements: ``[padded]``, same dtype and device as the parameters.
+
+        Part: core.
+        """
         ### BEGIN SOLUTION
         p0 = self.params[0]
         flat = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
@@ -306,6 +316,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gradients' own) and round the averaged slice back into the bf16 gradient buffer.
         Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded
         elements of the reduce dtype.
+
+        Part: core; the ``reduce_dtype`` cast comes with mixed-precision (an extension).
         """
         u = self.units[k]
         ### BEGIN SOLUTION
@@ -358,7 +370,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (``self.loss_scaler.value``) in place, and return whether any rank's master gradients
         hold an inf or a nan (``labs.train.overflowed`` on this rank's). A rank holds only its
         shard, so the answer is a 0/1 flag (a tensor on the gradients' device) all-reduced with
-        MAX over ``self.group``: every rank must skip the same steps."""
+        MAX over ``self.group``: every rank must skip the same steps.
+
+        Part: mixed-precision (an extension).
+        """
         ### BEGIN SOLUTION
         grads = [u.master.grad for u in self.units]
         for grad in grads:
@@ -380,6 +395,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``self.loss_scaler.update(overflow)`` either way; after a step, copy each master into
         ``u.shard_param`` (rounding to bf16: the all-gather then sends bf16); finally drop the
         masters' fp32 gradients (None: they live only during the step).
+
+        Part: core; the offload lines come with offload, the masters' with mixed-precision
+        (extensions).
         """
         ### BEGIN SOLUTION
         if self.offload:
@@ -416,7 +434,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ZeRO-1 reduce-scatters every unit's gradients (ZeRO-2 did during backward), then
         ``update_shards``, then all-gathers each unit's updated shard into its ``full`` buffer
         in place (``dist.all_gather_single(u.full, u.full[u.lo:u.hi])``), so every rank's
-        model holds the new parameters."""
+        model holds the new parameters.
+
+        Part: core.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -783,6 +804,8 @@ class Zero3:
         prefetch), wait for unit k's work. Sends (N-1)/N · 4 padded bytes. Mixed precision: the
         shard is fp32 and ``u.flat.full`` bf16: send a copy of the shard cast to
         ``u.flat.full.dtype`` (the all-gather carries 2 bytes per element).
+
+        Part: zero3 (an extension); the cast comes with mixed-precision.
         """
         u = self.units[k]
         if u.flat is None:
@@ -802,7 +825,10 @@ class Zero3:
 
     def pre_forward(self, k: int) -> None:
         """Before unit k's forward: gather it; with ``self.prefetch`` start gathering unit
-        k+1."""
+        k+1.
+
+        Part: zero3 (an extension).
+        """
         ### BEGIN SOLUTION
         self.gather(k)
         if self.prefetch and k + 1 < len(self.units):
@@ -810,13 +836,19 @@ class Zero3:
         ### END SOLUTION
 
     def post_forward(self, k: int) -> None:
-        """After unit k's forward: free its full parameters (``self.release``)."""
+        """After unit k's forward: free its full parameters (``self.release``).
+
+        Part: zero3 (an extension).
+        """
         ### BEGIN SOLUTION
         self.release(k)
         ### END SOLUTION
 
     def pre_backward(self, k: int) -> None:
-        """Before unit k's backward: gather it again; with prefetch start gathering unit k-1."""
+        """Before unit k's backward: gather it again; with prefetch start gathering unit k-1.
+
+        Part: zero3 (an extension).
+        """
         ### BEGIN SOLUTION
         self.gather(k)
         if self.prefetch and k > 0:
@@ -833,6 +865,8 @@ class Zero3:
         ``u.reduce_dtype``, and keep ``u.grad_shard`` in the shard's dtype (fp32, the masters').
         Collective: ``dist.reduce_scatter_single`` (SUM) on ``self.group``; (N-1)/N · padded
         elements of the reduce dtype.
+
+        Part: zero3 (an extension); the cast comes with mixed-precision.
         """
         u = self.units[k]
         if u.flat is None:
@@ -848,7 +882,10 @@ class Zero3:
         ### END SOLUTION
 
     def post_backward(self, k: int) -> None:
-        """Unit k's gradients are complete: reduce-scatter them and free its full parameters."""
+        """Unit k's gradients are complete: reduce-scatter them and free its full parameters.
+
+        Part: zero3 (an extension).
+        """
         ### BEGIN SOLUTION
         self.reduce_scatter_grads(k)
         self.release(k)

@@ -159,3 +159,51 @@ def test_on_the_stubs_every_test_is_not_written_yet_and_on_the_solutions_all_pas
     assert reference.returncode == 0, reference.stdout + reference.stderr
     assert reference.stdout.count("PASS  test_collectives.py::") == 5
     assert "PASS: every check of this exercise passes." in reference.stdout
+
+
+FAKE_PARTS = """
+import pytest
+
+pytestmark = pytest.mark.exercise
+
+
+def test_core_passes():
+    assert True
+
+
+@pytest.mark.part("buckets")
+def test_buckets_unwritten():
+    raise NotImplementedError(
+        "exercise BucketedDDP.__init__ is not written yet: see its docstring and notebooks/02_x"
+    )
+
+
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.part("mixed-precision"))])
+def test_mixed(n):
+    assert n == 1
+"""
+
+
+def test_part_runs_one_part_and_the_summary_says_how_each_part_stands(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(FAKE_CONFTEST)
+    (tests / "test_ddp.py").write_text(FAKE_PARTS)
+    core = run_cli("-m", "labs.check", "ddp", "--tests", str(tests), "--part", "core", timeout=120)
+    assert core.returncode == 0, core.stdout + core.stderr
+    assert "checking ddp, part core:" in core.stdout
+    assert [line for line in core.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))] == [
+        "PASS  test_ddp.py::test_core_passes",
+        "PASS  test_ddp.py::test_mixed[1]",
+    ]
+    assert "PASS: every check of part core passes." in core.stdout
+    everything = run_cli("-m", "labs.check", "ddp", "--tests", str(tests), timeout=120)
+    assert everything.returncode == 1, everything.stdout
+    assert "  core: PASS (2 tests, about 60 min)" in everything.stdout
+    assert "  buckets (extension): not written yet (1 tests, about 25 min)" in everything.stdout
+    assert "  mixed-precision (extension): FAIL (1 tests, about 25 min)" in everything.stdout
+    assert "The core passes: the next notebooks can run on your code." in everything.stdout
+    listed = run_cli("-m", "labs.check", "ddp", "--tests", str(tests), "--list", timeout=120)
+    assert listed.returncode == 0 and "buckets (extension), about 25 min: 1 tests" in listed.stdout
+    bad = run_cli("-m", "labs.check", "ddp", "--tests", str(tests), "--part", "bucket", timeout=60)
+    assert bad.returncode == 2 and "has no part 'bucket'; its parts: core, buckets" in bad.stderr

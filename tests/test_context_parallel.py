@@ -17,6 +17,15 @@ from tests.helpers import checks_ok, run_json
 
 TOL = rule("value", torch.float32).rel  # 1e-5: the ring adds the softmax terms in another order
 RING = ("ring attention output", "ring attention dq", "ring attention dk, dv")
+# The lab's parts (PARTS in labs/context_parallel.py): the forward ring (layout, mask, merge) is the
+# core; RingAttention.backward and the context-parallel model are the "backward" extension.
+BACKWARD = pytest.mark.part("backward")
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def forward_checked(request):
+    """The four (causal, zigzag) cases on ``cp`` ranks, forward only, launched once per degree."""
+    return request.param, lab.attention_check(nproc=request.param, backward=False)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -26,6 +35,29 @@ def checked(request):
 
 
 @pytest.mark.exercise
+def test_forward_output_bytes_and_work_equal_full_attention_and_the_stepper(forward_checked):
+    """The core alone: the output, the forward's K/V messages (none in backward), the blocks each
+    rank computes (the stepper's; zig-zag balances them) and the bytes saved for backward."""
+    cp, rows = forward_checked
+    assert len(rows) == 4
+    for row in rows:
+        where = f"cp={cp} causal={row['causal']} {row['layout']}"
+        assert list(row["max_rel_diff"]) == ["out"], row["max_rel_diff"]
+        assert row["max_rel_diff"]["out"] <= TOL, (where, row["max_rel_diff"])
+        assert row["sent_forward"] == [(cp - 1) / cp * row["kv_bytes"]] * cp, where
+        assert row["sent_backward"] == [0] * cp, where
+        assert row["blocks_measured_forward"] == row["blocks_theory"], where
+        assert row["saved_bytes"] == [row["theory_saved_bytes"]] * cp, where
+        assert all(c.ok for c in row["checks"]), (
+            where,
+            [c.name for c in row["checks"] if not c.ok],
+        )
+    by_case = {(r["causal"], r["zigzag"]): r["blocks_measured_forward"] for r in rows}
+    assert len(set(by_case[True, True])) == 1, f"zig-zag work is unequal: {by_case[True, True]}"
+
+
+@pytest.mark.exercise
+@BACKWARD
 def test_output_and_gradients_equal_full_attention(checked):
     cp, rows = checked
     assert len(rows) == 4
@@ -38,6 +70,7 @@ def test_output_and_gradients_equal_full_attention(checked):
 
 
 @pytest.mark.exercise
+@BACKWARD
 def test_kv_bytes_sent_equal_the_ring_formula(checked):
     cp, rows = checked
     for row in rows:
@@ -47,6 +80,7 @@ def test_kv_bytes_sent_equal_the_ring_formula(checked):
 
 
 @pytest.mark.exercise
+@BACKWARD
 def test_measured_work_per_rank_is_the_steppers_and_zigzag_balances_it(checked):
     cp, rows = checked
     for row in rows:
@@ -64,6 +98,7 @@ def test_measured_work_per_rank_is_the_steppers_and_zigzag_balances_it(checked):
 
 
 @pytest.mark.exercise
+@BACKWARD
 def test_saved_activations_equal_the_formula(checked):
     cp, rows = checked
     for row in rows:
@@ -120,7 +155,7 @@ def test_merge_rule_equals_attention_over_all_keys(exercise):
     assert torch.isfinite(out).all()
 
 
-def subgroup_worker(shape):
+def subgroup_worker(shape, backward):
     cpm = exercise("context_parallel")
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     group = groups[dist.get_rank() % 2]
@@ -129,24 +164,27 @@ def subgroup_worker(shape):
     q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, dim=2) for t in lab.make_qkv(shape))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out = cpm.ring_attention(q, k, v, group, causal=True, zigzag=True)
+    if not backward:
+        return {"out": out.detach()}
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
 @pytest.mark.exercise
-def test_ring_on_a_sub_group_uses_global_ranks_for_its_peers(exercise):
+@pytest.mark.parametrize("backward", [False, pytest.param(True, marks=BACKWARD)])
+def test_ring_on_a_sub_group_uses_global_ranks_for_its_peers(exercise, backward):
     shape = lab.AttnShape(seq_len=32)
-    per_rank = launch(subgroup_worker, 4, shape)
+    per_rank = launch(subgroup_worker, 4, shape, backward)
     ref = lab.reference_attention(shape, causal=True)
     for members in ([0, 2], [1, 3]):
-        for name in ("out", "dq", "dk", "dv"):
+        for name in ("out", "dq", "dk", "dv") if backward else ("out",):
             got = exercise("context_parallel").unsplit_sequence(
                 [per_rank[r][name] for r in members], dim=2
             )
             assert max_rel_diff(got, ref[name]) <= TOL, f"group {members}: {name}"
 
 
-def event_worker(shape):
+def event_worker(shape, backward):
     """The order of this rank's exchanges and block computations, forward and backward."""
     cpm = exercise("context_parallel")
     events = []
@@ -172,7 +210,8 @@ def event_worker(shape):
         out = cpm.ring_attention(q, k, v, dist.group.WORLD, causal=False)
         forward = list(events)
         events.clear()
-        out.backward(dout)
+        if backward:
+            out.backward(dout)
     return forward, events
 
 
@@ -185,14 +224,57 @@ def _posted_before_each_step(events, cp):
 
 
 @pytest.mark.exercise
-def test_the_next_kv_block_is_posted_before_computing_on_this_one():
-    forward, backward = launch(event_worker, 4, lab.AttnShape(seq_len=32))[0]
+@pytest.mark.parametrize("with_backward", [False, pytest.param(True, marks=BACKWARD)])
+def test_the_next_kv_block_is_posted_before_computing_on_this_one(with_backward):
+    forward, backward = launch(event_worker, 4, lab.AttnShape(seq_len=32), with_backward)[0]
     # No mask: 4 blocks per step; each of the first 3 steps posts the next K/V first, then computes.
     assert forward == ["post", "block", "block", "block", "block"] * 3 + ["block"] * 4, forward
-    assert _posted_before_each_step(backward, 4) and backward.count("post") >= 6, backward
+    if with_backward:
+        assert _posted_before_each_step(backward, 4) and backward.count("post") >= 6, backward
+
+
+def backward_posts_worker(shape):
+    """The messages this rank posts in the backward pass: (what, to rank, from rank) in order."""
+    cpm = exercise("context_parallel")
+    me = dist.get_rank()
+    cp = dist.get_world_size()
+    q, k, v, dout = (cpm.split_sequence(t, cp=cp, rank=me, dim=2) for t in lab.make_qkv(shape))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = cpm.ring_attention(q, k, v, dist.group.WORLD, causal=True)
+    posts = []
+    post_exchange = cpm.post_exchange
+
+    def recording(send, recv, to_rank, from_rank, group=None, tag=0):
+        what = {cpm.KV_TAG: "K/V", cpm.DKV_TAG: "dK/dV"}[tag]
+        posts.append((what, to_rank, from_rank))
+        return post_exchange(send, recv, to_rank, from_rank, group, tag)
+
+    with mock.patch.object(cpm, "post_exchange", recording):
+        out.backward(dout)
+    return posts
 
 
 @pytest.mark.exercise
+@BACKWARD
+def test_the_backward_ring_sends_what_the_stepper_draws():
+    """Notebook 06's stepper, backward view (``labs.theory.context_parallel.
+    ring_backward_schedule``): every step but the last posts the next K/V to r+1, every step but
+    the first sends the dK/dV accumulator on to r+1; dQ never travels."""
+    cp = 4
+    posts = launch(backward_posts_worker, cp, lab.AttnShape(seq_len=32))
+    for r, mine in enumerate(posts):
+        expected = []
+        for step in cpt.ring_backward_schedule(cp):
+            e = step[r]
+            expected += [("K/V", e["sends_kv_to"], (r - 1) % cp)] * (e["sends_kv_to"] is not None)
+            expected += [("dK/dV", e["sends_dkv_to"], (r - 1) % cp)] * (
+                e["sends_dkv_to"] is not None
+            )
+        assert mine == expected, (r, mine)
+
+
+@pytest.mark.exercise
+@BACKWARD
 @pytest.mark.parametrize("cp, zigzag", [(2, True), (4, True), (4, False)])
 def test_cp_model_trains_like_the_reference(cp, zigzag):
     summary = lab.run(nproc=cp, steps=5, zigzag=zigzag, seq=32)
@@ -206,6 +288,7 @@ def test_cp_model_trains_like_the_reference(cp, zigzag):
 
 
 @pytest.mark.exercise
+@BACKWARD
 def test_activation_memory_per_rank_falls_as_one_over_cp():
     rows = lab.memory_scaling(cps=(1, 2, 4))
     for row in rows:
@@ -218,6 +301,7 @@ def test_activation_memory_per_rank_falls_as_one_over_cp():
 
 
 @pytest.mark.exercise
+@BACKWARD
 def test_cli_summary_without_a_causal_mask():
     summary = run_json(
         "-m",

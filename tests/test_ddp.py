@@ -36,6 +36,19 @@ from tests.helpers import checks_ok
 
 TOL = rule("value", torch.float32).rel
 PARAM_TOL = rule("param", torch.float32).rel
+# The lab's parts (PARTS in labs/ddp.py): naive and overlapped DDP, with accumulation, are the core;
+# BucketedDDP is the "buckets" extension, MixedPrecisionOptimizer and reduce_dtype the
+# "mixed-precision" one. A job trains the core's variants together, or the bucketed one alone, so
+# that the core's tests run before BucketedDDP is written.
+BUCKETS = pytest.mark.part("buckets")
+MIXED = pytest.mark.part("mixed-precision")
+CORE_VARIANTS = ("naive", "overlapped")
+EACH_VARIANT = [*CORE_VARIANTS, pytest.param("bucketed", marks=BUCKETS)]
+
+
+def trained_with(variant: str) -> tuple[str, ...]:
+    """The variants a job trains beside ``variant``: the core's together, bucketed alone."""
+    return CORE_VARIANTS if variant in CORE_VARIANTS else (variant,)
 
 
 @functools.cache
@@ -53,7 +66,7 @@ def trained(nproc: int, **job_options):
 
 
 def check_against_reference(nproc, variant, *, params=True, **job_options):
-    job, per_rank, ref, _, _ = trained(nproc, **job_options)
+    job, per_rank, ref, _, _ = trained(nproc, variants=trained_with(variant), **job_options)
     runs = [r["variants"][variant] for r in per_rank]
     losses = [sum(step) / nproc for step in zip(*(r["losses"] for r in runs))]
     diff = compare_losses(losses, ref.losses)
@@ -73,22 +86,22 @@ def check_against_reference(nproc, variant, *, params=True, **job_options):
 
 @pytest.mark.exercise
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", EACH_VARIANT)
 def test_losses_and_gradients_match_the_reference_in_fp32(variant, nproc):
     check_against_reference(nproc, variant)
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", EACH_VARIANT)
 def test_parameters_after_5_adamw_steps_match_in_float64_on_4_ranks(variant):
     check_against_reference(4, variant, dtype="float64")
 
 
 @pytest.mark.exercise
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", EACH_VARIANT)
 def test_bytes_and_calls_per_step_equal_the_theory(variant, nproc):
-    job, per_rank, ref, trainable, used = trained(nproc)
+    job, per_rank, ref, trainable, used = trained(nproc, variants=trained_with(variant))
     expected_calls = all_reduce_calls(variant, used, job.bucket_mb * MiB)
     assert variant != "bucketed" or 1 < expected_calls < len(used), (
         "the course model should need several buckets"
@@ -111,17 +124,15 @@ def test_bytes_and_calls_per_step_equal_the_theory(variant, nproc):
 # order: 96, 3552, 148, 3552, 24576 bytes, then the unused one's 112. Capacities giving 1 bucket
 # (the
 # unused tensor shares it: flushed at the end), 2 (the unused one alone), 3, and one per tensor.
-BUCKETS = {1: 1.0, 2: 20000 / MiB, 3: 3700 / MiB, 6: 1 / MiB}
+BUCKET_MB = {1: 1.0, 2: 20000 / MiB, 3: 3700 / MiB, 6: 1 / MiB}
 
 
-@pytest.mark.exercise
-@pytest.mark.parametrize("nproc, n_buckets", [(2, 1), (2, 2), (2, 3), (2, 6), (4, 3)])
-def test_awkward_model_bucket_boundaries_unused_frozen_and_tied(nproc, n_buckets):
-    options = dict(model="awkward", bucket_mb=BUCKETS[n_buckets])
-    job, per_rank, ref, trainable, used = trained(nproc, **options)
-    assert all_reduce_calls("bucketed", trainable, job.bucket_mb * MiB) == n_buckets
+def check_awkward(nproc, variants, n_buckets=None, **options):
+    """The awkward model on ``variants``: frozen and unused parameters untouched and never
+    reduced, the tied weight reduced once; bucketed: ``n_buckets`` buckets, the unused slot sent."""
+    job, per_rank, ref, trainable, used = trained(nproc, variants=variants, **options)
     initial = dict(build_awkward(job.train.seed).named_parameters())
-    for variant in VARIANTS:
+    for variant in variants:
         runs = check_against_reference(nproc, variant, **options)
         for rank, r in enumerate(runs):
             where = f"{variant}, rank {rank}"
@@ -142,6 +153,22 @@ def test_awkward_model_bucket_boundaries_unused_frozen_and_tied(nproc, n_buckets
             ), where
 
 
+@pytest.mark.exercise
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_awkward_model_unused_frozen_and_tied(nproc):
+    check_awkward(nproc, CORE_VARIANTS, model="awkward")
+
+
+@pytest.mark.exercise
+@BUCKETS
+@pytest.mark.parametrize("nproc, n_buckets", [(2, 1), (2, 2), (2, 3), (2, 6), (4, 3)])
+def test_awkward_model_bucket_boundaries_unused_frozen_and_tied(nproc, n_buckets):
+    options = dict(model="awkward", bucket_mb=BUCKET_MB[n_buckets])
+    job, _, _, trainable, _ = trained(nproc, variants=("bucketed",), **options)
+    assert all_reduce_calls("bucketed", trainable, job.bucket_mb * MiB) == n_buckets
+    check_awkward(nproc, ("bucketed",), n_buckets, **options)
+
+
 def bucket_names(model_name, caps):
     out = []
     for cap in caps:
@@ -157,8 +184,9 @@ def bucket_names(model_name, caps):
 
 
 @pytest.mark.exercise
+@BUCKETS
 @pytest.mark.parametrize(
-    "model_name, caps", [("awkward", list(BUCKETS.values())), ("course", [0.02, 0.1, 0.3, 25])]
+    "model_name, caps", [("awkward", list(BUCKET_MB.values())), ("course", [0.02, 0.1, 0.3, 25])]
 )
 def test_buckets_follow_the_backward_order(model_name, caps):
     """Bucket contents, by name, are the theory's layout of the trainable parameters, reversed."""
@@ -171,15 +199,23 @@ def test_buckets_follow_the_backward_order(model_name, caps):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("nproc, grad_accum, dtype", [(2, 4, "float32"), (4, 2, "float64")])
+@pytest.mark.parametrize(
+    "nproc, grad_accum, dtype, variants",
+    [
+        (2, 4, "float32", CORE_VARIANTS),
+        (4, 2, "float64", CORE_VARIANTS),
+        pytest.param(2, 4, "float32", ("bucketed",), marks=BUCKETS),
+        pytest.param(4, 2, "float64", ("bucketed",), marks=BUCKETS),
+    ],
+)
 def test_gradient_accumulation_equals_the_global_batch_and_communicates_once(
-    nproc, grad_accum, dtype
+    nproc, grad_accum, dtype, variants
 ):
     """Micro-batches of 1 sequence: fp32 checks losses and step-1 gradients; float64 the parameters
     too (in fp32 AdamW amplifies the last-bit differences of 1-sequence micro-batches past 1e-5, as
     above)."""
-    _, per_rank, _, _, used = trained(nproc, grad_accum=grad_accum, dtype=dtype)
-    for variant in VARIANTS:
+    _, per_rank, _, _, used = trained(nproc, variants=variants, grad_accum=grad_accum, dtype=dtype)
+    for variant in variants:
         check_against_reference(
             nproc, variant, params=dtype == "float64", grad_accum=grad_accum, dtype=dtype
         )
@@ -206,17 +242,15 @@ def no_sync_is_local(variant):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("variant", ["overlapped", "bucketed"])
+@pytest.mark.parametrize("variant", ["overlapped", pytest.param("bucketed", marks=BUCKETS)])
 def test_no_sync_backward_stays_local(variant):
     for calls, ranks_differ in launch(no_sync_is_local, 2, variant):
         assert calls == 0 and ranks_differ
 
 
-def wrap_models_from_different_seeds():
+def wrap_models_from_different_seeds(variants):
     out = []
-    for (
-        variant
-    ) in VARIANTS:  # every rank starts from its own weights; wrapping must impose rank 0's
+    for variant in variants:  # every rank starts from its own weights; wrapping imposes rank 0's
         model = lab.build(lab.Job(variants=(variant,), train=TrainConfig(seed=dist.get_rank())))
         lab.wrap(variant, model)
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -224,10 +258,11 @@ def wrap_models_from_different_seeds():
 
 
 @pytest.mark.exercise
-def test_wrapping_broadcasts_rank_0s_weights():
+@pytest.mark.parametrize("variants", [CORE_VARIANTS, pytest.param(("bucketed",), marks=BUCKETS)])
+def test_wrapping_broadcasts_rank_0s_weights(variants):
     rank0 = dict(lab.build(lab.Job(variants=("naive",))).named_parameters())
-    for rank, results in enumerate(launch(wrap_models_from_different_seeds, 3)):
-        for variant, params in zip(VARIANTS, results):
+    for rank, results in enumerate(launch(wrap_models_from_different_seeds, 3, variants)):
+        for variant, params in zip(variants, results):
             for name, p in rank0.items():
                 assert torch.equal(params[name], p.detach()), (
                     f"{variant}, rank {rank}: {name} is not rank 0's"
@@ -254,21 +289,22 @@ def test_rank_data_is_disjoint_and_forms_the_global_batch(nproc, grad_accum):
         assert len(set(rows)) == len(rows), f"step {step}: ranks share samples"
 
 
-def train_on_subgroups():
+def train_on_subgroups(variant):
     """Ranks {0,1} and {2,3} are two data-parallel groups. Every rank builds its model from its own
     seed; wrapping must give each group its first rank's weights (seed 0 for ranks 0-1, 1 for
     2-3)."""
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     job = lab.Job(
-        variants=("bucketed",), train=TrainConfig(seed=rank // 2 if rank % 2 == 0 else 10 + rank)
+        variants=(variant,), train=TrainConfig(seed=rank // 2 if rank % 2 == 0 else 10 + rank)
     )
-    return lab.train_variant("bucketed", job, group=groups[rank // 2])
+    return lab.train_variant(variant, job, group=groups[rank // 2])
 
 
 @pytest.mark.exercise
-def test_groups_are_passed_explicitly():
-    per_rank = launch(train_on_subgroups, 4)
+@pytest.mark.parametrize("variant", ["overlapped", pytest.param("bucketed", marks=BUCKETS)])
+def test_groups_are_passed_explicitly(variant):
+    per_rank = launch(train_on_subgroups, 4, variant)
     for g in (0, 1):
         ref = train_reference(lab.Job(variants=()).model_cfg, TrainConfig(seed=g), dp=2)
         pair = zip(per_rank[2 * g]["losses"], per_rank[2 * g + 1]["losses"])
@@ -281,7 +317,9 @@ def test_groups_are_passed_explicitly():
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("variant", ["naive", "bucketed"])
+@pytest.mark.parametrize(
+    "variant", ["naive", "overlapped", pytest.param("bucketed", marks=BUCKETS)]
+)
 def test_measured_timeline_shows_when_all_reduces_run(variant):
     trace = timeline.measure_overlap(nproc=2, steps=2, variant=variant)
     for rank, r in enumerate(trace["per_rank"]):
@@ -294,11 +332,31 @@ def test_measured_timeline_shows_when_all_reduces_run(variant):
         assert all(s["end"] >= s["start"] for s in comm)
         if variant == "naive":  # nothing starts before backward is over
             assert all(s["start"] >= backward_end for s in comm), f"rank {rank}"
-        else:  # every bucket is launched from a gradient hook, inside backward
+        else:  # every all-reduce is launched from a gradient hook, inside backward
             assert all(s["start"] <= backward_end for s in comm), f"rank {rank}"
 
 
 @pytest.mark.exercise
+def test_with_compute_padded_overlapping_hides_the_all_reduces_naive_exposes():
+    """Each matmul padded to 5 ms, as notebooks 04 and 05 pad compute: the overlapped variant's
+    all-reduces run under backward, so far less communication is left when it ends than naive's
+    21 all-reduces after it (medians of 5 steps, seen from the rank that finished backward last;
+    on a quiet machine the step is shorter by about that much, on a busy one the exposed time is
+    the steady figure)."""
+    traces = timeline.overlap_gain(nproc=2, op_time=0.005, steps=6)
+    assert list(traces) == ["naive", "overlapped"]
+
+    exposed = {variant: trace["median_exposed_s"] for variant, trace in traces.items()}
+    assert exposed["overlapped"] < 0.75 * exposed["naive"], timeline.overlap_table(traces)
+    assert all(t["op_time"] == 0.005 for t in traces.values())
+    table = timeline.overlap_table(traces).splitlines()
+    assert len(table) == 3 and "padded to 5 ms" in table[0]
+    with pytest.raises(ValueError, match="op_time=-1 must be >= 0"):
+        timeline.measure_overlap(op_time=-1)
+
+
+@pytest.mark.exercise
+@BUCKETS
 def test_cli_vs_torch_ddp(capsys):
     """``python -m labs.run ddp --vs-torch --json``.
 
@@ -335,6 +393,7 @@ def test_cli_vs_torch_ddp(capsys):
 
 
 @pytest.mark.exercise
+@MIXED
 @pytest.mark.parametrize(
     "nproc, precision, reduce_dtype",
     [
@@ -372,6 +431,7 @@ def test_mixed_precision_matches_its_reference_and_the_calculator(nproc, precisi
 
 
 @pytest.mark.exercise
+@MIXED
 def test_reducing_in_bf16_on_two_ranks_rounds_as_fp32_does():
     """On 2 ranks a bf16 all-reduce adds two bf16 numbers once: rounding that sum is rounding the
     exact one, so the fp32 reduction (rounded to bf16 once) gives the very same model; the
@@ -385,6 +445,7 @@ def test_reducing_in_bf16_on_two_ranks_rounds_as_fp32_does():
 
 
 @pytest.mark.exercise
+@MIXED
 def test_mixed_precision_optimizer_skips_an_overflowed_step_and_halves_the_scale(exercise):
     """One process, no group: the masters take a step in fp32 and round into the bf16 weights;
     an inf in a gradient skips the step (weights and masters unchanged) and halves the scale."""
@@ -429,6 +490,7 @@ def test_mixed_precision_optimizer_refuses_fp32_weights(exercise):
 
 
 @pytest.mark.exercise
+@BUCKETS
 def test_awkward_model_beside_torch_ddp():
     """torch's DDP on the awkward model: its unused parameter needs find_unused_parameters (without
     it torch's reducer raises at step 2)."""
@@ -440,6 +502,7 @@ def test_awkward_model_beside_torch_ddp():
 
 @pytest.mark.slow
 @pytest.mark.exercise
+@BUCKETS
 def test_a_long_run_passes_its_verdict_as_torchs_ddp_would():
     """120 steps on 4 ranks in fp32: the loss drifts past 1e-5 (1.3e-5 by step 100, measured;
     torch's DDP alike) because the runs part like any chaotic trajectories; the table's bound grows
@@ -517,6 +580,7 @@ def test_overlap_drawing_headless():
 
 
 @pytest.mark.exercise
+@MIXED
 def test_precision_curves_table_and_plot_headless():
     """Notebook 02's and 03's mixed-precision section: three runs, a table, two panels."""
     from labs.experiments.precision import format_curves, loss_curves, plot_curves

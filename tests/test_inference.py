@@ -194,7 +194,13 @@ def _check_mode(s, mode: str, nproc: int) -> None:
     assert summary["ranks_with_tokens"] == (nproc if summary["mode"] == "tp" else min(nproc, 2))
 
 
+# The lab's parts (PARTS in labs/inference.py): the KV cache, greedy decoding and TP generation are
+# the core; layer placement (generate_placed) is the "placement" extension.
+PLACEMENT = pytest.mark.part("placement")
+
+
 @pytest.mark.exercise
+@PLACEMENT
 def test_both_modes_on_two_ranks_match_and_equal_the_theory():
     s = infer.run(nproc=2, mode="both", steps=1, new_tokens=NEW)
     assert s["matches_reference"] and checks_ok(s, "one rank: greedy tokens")
@@ -211,7 +217,10 @@ def test_both_modes_on_two_ranks_match_and_equal_the_theory():
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("nproc, mode", [(4, "tp"), (3, "placement")])  # 3 stages: layers (2, 1, 1)
+@pytest.mark.parametrize(
+    "nproc, mode",
+    [(4, "tp"), pytest.param(3, "placement", marks=PLACEMENT)],  # 3 stages: layers (2, 1, 1)
+)
 def test_four_way_tp_and_uneven_placement(nproc, mode):
     s = infer.run(nproc=nproc, mode=mode, steps=1, new_tokens=NEW)
     _check_mode(s, mode, nproc)
@@ -220,6 +229,7 @@ def test_four_way_tp_and_uneven_placement(nproc, mode):
 
 
 @pytest.mark.exercise
+@PLACEMENT
 def test_transformers_llama_in_both_modes_matches_its_own_generate():
     s = infer.run(nproc=2, mode="both", steps=1, new_tokens=NEW, model="hf-llama")
     assert s["reference"] == "transformers generate" and s["matches_reference"]
@@ -229,6 +239,7 @@ def test_transformers_llama_in_both_modes_matches_its_own_generate():
 
 
 @pytest.mark.exercise
+@PLACEMENT
 def test_command_line_reports_tokens_match_latency_and_throughput():
     s = run_json(
         "-m",

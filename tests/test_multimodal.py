@@ -44,7 +44,15 @@ def assert_matches(s: dict) -> None:
 
 # --- the exercise, three ways
 # ------------------------------------------------------------------------------
+# The lab's parts (PARTS in labs/multimodal.py): exercise (b), data parallelism over the whole
+# model, is the core; (c) the tensor-parallel decoder and (a) the encoder as pipeline stage 0 are
+# extensions.
+TENSOR_PARALLEL = pytest.mark.part("tensor-parallel")
+PIPELINE = pytest.mark.part("pipeline")
+
+
 @pytest.mark.exercise
+@PIPELINE
 @pytest.mark.parametrize(
     "nproc, split",
     # (2, 2, 0): the last stage may hold no decoder layer (it holds the norm and the head)
@@ -67,6 +75,7 @@ def test_data_parallel_whole_model(nproc, zero):
 
 
 @pytest.mark.exercise
+@TENSOR_PARALLEL
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_tensor_parallel_decoder_replicated_encoder(nproc):
     s = summary("tp", nproc)
@@ -79,6 +88,7 @@ def test_tensor_parallel_decoder_replicated_encoder(nproc):
 
 
 @pytest.mark.exercise
+@PIPELINE
 def test_imbalance_measurement_reports_every_stage():
     r = multimodal_timeline.imbalance(
         splits=[(0, 4), (2, 2)], nproc=2, steps=3, batch_size=8, size="tiny"
@@ -94,6 +104,7 @@ def test_imbalance_measurement_reports_every_stage():
 
 
 @pytest.mark.exercise
+@PIPELINE
 def test_command_line_summary():
     s = run_json(
         "-m", "labs.run", "multimodal", "--mode", "pp", "--nproc", "2", "--steps", "2", "--json"

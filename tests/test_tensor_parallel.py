@@ -20,7 +20,23 @@ from tests.helpers import checks_ok, run_json
 
 # 1e-5: fp32, a sum over ranks adds in another order than one process
 TOL = rule("value", torch.float32).rel
-CASES = [(tp, sp, model) for model in experiment.MODELS for tp in (2, 4) for sp in (False, True)]
+# The lab's parts (PARTS in labs/tensor_parallel.py): column/row-parallel linears, the parallel
+# block and the plan are the core; the whole model needs the vocab-parallel embedding and loss (an
+# extension), and SP its norms and operators (the next one); §11's overlap is the last.
+VOCAB = pytest.mark.part("vocab-parallel")
+SP = pytest.mark.part("sequence-parallel")
+
+
+def whole_model_part(sp: bool):
+    return SP if sp else VOCAB
+
+
+CASES = [
+    pytest.param((tp, sp, model), marks=whole_model_part(sp))
+    for model in experiment.MODELS
+    for tp in (2, 4)
+    for sp in (False, True)
+]
 
 
 @functools.cache
@@ -35,9 +51,18 @@ def case_id(case):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("nproc, sp", [(2, False), (4, True)])
-def test_layers_equal_the_full_layers(nproc, sp):
-    for name, diff in check_layers(nproc=nproc, sp=sp).items():
+@pytest.mark.parametrize(
+    "nproc, sp, vocab",
+    [
+        (2, False, False),
+        pytest.param(2, False, True, marks=VOCAB),
+        pytest.param(4, True, True, marks=SP),
+    ],
+)
+def test_layers_equal_the_full_layers(nproc, sp, vocab):
+    layers = check_layers(nproc=nproc, sp=sp, vocab=vocab)
+    assert ("VocabParallelCrossEntropy" in layers) == vocab
+    for name, diff in layers.items():
         assert diff["forward"] <= TOL and diff["backward"] <= TOL, (name, diff)
 
 
@@ -83,6 +108,7 @@ def test_collectives_and_bytes_per_rank_match_the_theory(case):
 
 
 @pytest.mark.exercise
+@SP
 def test_tied_embeddings_share_one_vocab_shard():
     s = experiment.run(nproc=2, steps=2, sp=True, model_cfg=ModelConfig(tie_embeddings=True))
     assert s["matches_reference"] and s["max_rel_grad_diff"] <= TOL and s.passed, s.verdict()
@@ -91,6 +117,7 @@ def test_tied_embeddings_share_one_vocab_shard():
 
 
 @pytest.mark.exercise
+@SP
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallelism_saves_activation_memory(tp):
     without = summary(tp, False, "course")
@@ -150,7 +177,10 @@ def block_collectives(sp: bool) -> dict:
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("tp, sp", [(2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize(
+    "tp, sp",
+    [(2, False), (4, False), pytest.param(2, True, marks=SP), pytest.param(4, True, marks=SP)],
+)
 def test_one_block_sends_what_the_formulas_say(tp, sp):
     k = 8 * 32 * 64 * 4  # B·T·H fp32
     for measured in launch(block_collectives, tp, sp):
@@ -201,7 +231,7 @@ def saved_shapes(sp: bool) -> dict:
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=VOCAB), pytest.param(True, marks=SP)])
 def test_vocab_parallel_loss_never_materialises_the_full_logits(sp):
     tp = 4
     B, T, V = 4, 32, 256
@@ -243,6 +273,7 @@ def unsharded_loss(logits: torch.Tensor, targets: list[int]) -> tuple[torch.Tens
 
 
 @pytest.mark.exercise
+@VOCAB
 @pytest.mark.parametrize(
     "targets",
     [[3, -100, 15, 8, -100, 0], [-100] * 4],  # rows to ignore; every row ignored (loss nan)
@@ -305,6 +336,7 @@ def test_run_rejects_bad_arguments_before_starting_ranks():
 
 
 @pytest.mark.exercise
+@SP
 def test_same_outputs_as_torch_dtensor_tensor_parallelism():
     s = experiment.run(nproc=2, steps=3, sp=True, vs_torch=True)
     assert s["torch_max_rel_logit_diff_vs_ours"] <= TOL
@@ -313,6 +345,7 @@ def test_same_outputs_as_torch_dtensor_tensor_parallelism():
 
 
 @pytest.mark.exercise
+@VOCAB
 def test_torch_comparison_keeps_tied_embeddings_tied():
     """DTensor's plan gives the embedding and the head a sharded weight each: tied again, torch
     trains the reference's model (untied, its losses part from step 2 by ~4e-3)."""
@@ -323,6 +356,7 @@ def test_torch_comparison_keeps_tied_embeddings_tied():
 
 
 @pytest.mark.exercise
+@VOCAB
 def test_cli_reports_both_step_times():
     s = run_json(
         "-m", "labs.run", "tp", "--nproc", "4", "--steps", "3", "--vs-torch", "--json", timeout=600

@@ -24,6 +24,9 @@ from tests.helpers import run_json
 from tests.test_tensor_parallel import summary as sync_summary
 
 CASES = [(2, False), (2, True), (4, False), (4, True)]
+# §11 is the lab's last extension, "async" (PARTS in labs/tensor_parallel.py): its function,
+# LinearWithAsyncCommunication.backward, is in labs/tensor_parallel_comm.py.
+pytestmark = pytest.mark.part("async")
 
 
 # --- the tools ------------------------------------------------------------------------------------

@@ -19,6 +19,19 @@ from labs.theory.zero import comm_bytes
 from tests.helpers import checks_ok, run_cli, run_json
 
 
+def part(stage: int, *, offload: bool = False, precision: str | None = None):
+    """The part of the lab (PARTS in labs/zero.py) a run needs last: ZeRO-1/2 are the core,
+    then the extensions zero3, offload, checkpoints, mixed-precision."""
+    if precision:
+        return pytest.mark.part("mixed-precision")
+    if offload:
+        return pytest.mark.part("offload")
+    return pytest.mark.part("zero3" if stage == 3 else "core")
+
+
+STAGES = [1, 2, pytest.param(3, marks=part(3))]
+
+
 def check(s, *, stage, nproc, calculator: bool):
     assert s.passed, s.verdict()
     names = {c.name for c in s.checks}
@@ -58,7 +71,7 @@ def check(s, *, stage, nproc, calculator: bool):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("nproc, dtype", [(2, "float32"), (4, "float64")])
 def test_course_model_matches_reference_and_theory(stage, nproc, dtype):
     s = run(nproc=nproc, stage=stage, dtype=dtype, steps=5)
@@ -67,8 +80,14 @@ def test_course_model_matches_reference_and_theory(stage, nproc, dtype):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("nproc, dtype, offload", [(2, "float32", False), (4, "float64", True)])
+@pytest.mark.parametrize(
+    "stage, nproc, dtype, offload",
+    [
+        pytest.param(stage, nproc, dtype, offload, marks=part(stage, offload=offload))
+        for stage in (1, 2, 3)
+        for nproc, dtype, offload in [(2, "float32", False), (4, "float64", True)]
+    ],
+)
 def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload):
     """8,009 trainable elements (padded on 2 and 4 ranks), a tied weight, a frozen layer and an
     unused parameter."""
@@ -80,6 +99,7 @@ def test_awkward_model_any_size_tied_frozen_unused(stage, nproc, dtype, offload)
 
 
 @pytest.mark.exercise
+@part(3)
 def test_zero3_without_prefetch_holds_one_unit_at_a_time():
     s = run(nproc=2, stage=3, prefetch=False, steps=5)
     # peak = shards + the largest unit, nothing prefetched
@@ -88,6 +108,7 @@ def test_zero3_without_prefetch_holds_one_unit_at_a_time():
 
 
 @pytest.mark.exercise
+@part(3)
 def test_cli_reports_ours_and_torch_fsdp2_side_by_side():
     s = run_json("-m", "labs.run", "zero", "--stage", "3", "--nproc", "4", "--vs-torch", "--json")
     assert s["lab"] == "zero" and s["stage"] == 3 and s["nproc"] == 4
@@ -112,7 +133,7 @@ def test_sharded_optimizer_beside_torchs_zero_redundancy_optimizer():
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=part(3))])
 def test_awkward_model_beside_torch(stage):
     """The awkward model beside torch's own: ZeroRedundancyOptimizer under DDP (its unused
     parameter needs find_unused_parameters) and FSDP2 (its frozen layer comes back a DTensor)."""
@@ -156,6 +177,7 @@ def check_mixed(s, *, stage, nproc, reduce_dtype):
 
 
 @pytest.mark.exercise
+@part(1, precision="bf16-mixed")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize(
     "nproc, precision, reduce_dtype",
@@ -180,6 +202,7 @@ def test_mixed_precision_stage_zero_baseline():
 
 
 @pytest.mark.exercise
+@part(3, precision="bf16-mixed")
 def test_zero3_bf16_beside_fsdp2s_mixed_precision_policy():
     """FSDP2 with MixedPrecisionPolicy(bf16, fp32) keeps the same fp32 shards, gradients and
     moments as ours, and trains the same model."""

@@ -263,6 +263,7 @@ def _grads_worker(replicate: bool):
 
 
 @pytest.mark.exercise
+@pytest.mark.part("zero3")
 @pytest.mark.parametrize("replicate", [False, True])
 def test_zero3_gradients_by_name_are_the_ranks_pieces(replicate):
     """After backward each parameter's .grad is this rank's piece of the averaged gradient
@@ -396,7 +397,15 @@ def _touch_worker(stage: int, offload: bool):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("stage, offload", [(1, False), (2, False), (3, False), (3, True)])
+@pytest.mark.parametrize(
+    "stage, offload",
+    [
+        (1, False),
+        (2, False),
+        pytest.param(3, False, marks=pytest.mark.part("zero3")),
+        pytest.param(3, True, marks=pytest.mark.part("offload")),
+    ],
+)
 def test_every_parameter_can_be_read_at_every_moment(stage, offload):
     model = AwkwardModel(seed=0)
     data = _batches(3, 8)
@@ -532,7 +541,9 @@ def _foreign_worker(mode: str, folder):
 
 
 @pytest.mark.exercise
-@pytest.mark.parametrize("mode", ["ddp", "sharded optimizer", "zero-3"])
+@pytest.mark.parametrize(
+    "mode", ["ddp", "sharded optimizer", pytest.param("zero-3", marks=pytest.mark.part("zero3"))]
+)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_a_foreign_loop_runs_unchanged(mode, nproc, tmp_path):
     model = UserNet()
@@ -584,6 +595,7 @@ def _mixed_worker(stage: int) -> dict[str, object]:
 
 
 @pytest.mark.exercise
+@pytest.mark.part("mixed-precision")
 @pytest.mark.parametrize("stage", [1, 3])
 def test_mixed_precision_computes_in_bf16_and_steps_fp32(stage):
     """ZeRO-1 keeps bf16 parameters and fp32 masters inside the optimizer; ZeRO-3's pieces are the

@@ -20,6 +20,8 @@ from labs.runtime.impl import exercise
 from labs.train import TrainConfig, rule
 
 TOL = rule("value", torch.float32).rel
+# The checkpoints extension of notebook 03 (PARTS in labs/zero.py): saves and loads ZeRO-3 models.
+pytestmark = pytest.mark.part("checkpoints")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,9 @@
     python -m labs.check ddp --impl solutions # the reference, to see what passing looks like
     python -m labs.check mesh --reference pipeline_parallel
                                               # your mesh on the reference's pipeline parallelism
+    python -m labs.check ddp --part core      # only the core: what the next notebooks need
+    python -m labs.check ddp --part buckets   # only one extension
+    python -m labs.check ddp --list           # the tests of each part, run none
 
 The learner's loop: edit ``labs/<exercise>.py``, re-run the notebook's check cell or this
 command, read each failing test's reason (and its hint, when the check gives one), repeat.
@@ -15,6 +18,11 @@ Which tests run: the tests marked ``exercise`` in ``tests/test_<exercise>.py`` a
 environment says, unless ``--impl`` asks for the reference. ``--reference EX[,EX...]`` (or
 ``LABS_REFERENCE``) runs the reference for those earlier exercises alone, so that a lab can be
 checked before the ones it builds on are written.
+
+Each lab has a core part and, in most notebooks, extensions after it (``PARTS`` in the exercise
+module, ``Part:`` in each function's docstring: ``labs.check.parts``). ``--part NAME`` runs the
+tests of that part alone; the tests of a part pass once it and the parts before it are written.
+Without ``--part`` every part runs, and the summary says how each part stands.
 
 What it prints, one line per test as it ends, then a summary::
 
@@ -37,9 +45,10 @@ import argparse
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from labs.check.parts import CORE, module_parts
 from labs.runtime.impl import EXERCISES, IMPL_ENV, IMPLEMENTATIONS, REFERENCE_ENV, set_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,11 +85,25 @@ class Verdict:
     reason: str = ""  # the first line of the failure's message, or why it was skipped
     hint: str = ""  # the message's "hint:" line, if it has one
     unwritten: str = ""  # the exercise function that raised NotImplementedError
+    part: str = CORE  # the lab part the test checks (its ``part`` mark)
 
     def lines(self) -> list[str]:
         """The verdict as printed: one line, and the hint under it."""
         head = f"{self.outcome}  {self.test}" + (f": {self.reason}" if self.reason else "")
         return [head] + ([f"      hint: {self.hint}"] if self.hint else [])
+
+
+def part_of_test(item) -> str:
+    """The part a collected test checks: its closest ``part`` mark, else the core."""
+    mark = item.get_closest_marker("part")
+    return mark.args[0] if mark else CORE
+
+
+def exercise_parts(name: str, impl: str = "labs") -> dict[str, int]:
+    """Exercise ``name``'s parts (``PARTS`` of its module in ``impl``, else in ``labs``, which a
+    student release always has): name -> minutes."""
+    path = ROOT / impl / f"{name}.py"
+    return module_parts((path if path.exists() else ROOT / "labs" / f"{name}.py").read_text())
 
 
 def _short(nodeid: str) -> str:
@@ -124,12 +147,27 @@ class VerdictPrinter:
     """pytest plugin: a verdict for every test (and every file that fails to collect), printed
     the moment it is known."""
 
-    def __init__(self, out=None):
+    def __init__(self, out=None, part: str | None = None):
         self.out = out or sys.stdout
+        self.part = part  # run only this part's tests (None: every part)
         self.verdicts: list[Verdict] = []
         self.collected = 0
+        self.parts: dict[str, str] = {}  # test -> its part
+
+    def pytest_configure(self, config) -> None:
+        config.addinivalue_line("markers", "part(name): the lab part the test checks")
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        if self.part is None:
+            return
+        other = [item for item in items if part_of_test(item) != self.part]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if part_of_test(item) == self.part]
 
     def _add(self, verdict: Verdict) -> None:
+        name = verdict.test.removesuffix(" (teardown)")
+        verdict = replace(verdict, part=self.parts.get(name, CORE))
         self.verdicts.append(verdict)
         for line in verdict.lines():
             print(line, file=self.out, flush=True)
@@ -141,6 +179,7 @@ class VerdictPrinter:
 
     def pytest_collection_finish(self, session) -> None:
         self.collected = len(session.items)
+        self.parts = {_short(item.nodeid): part_of_test(item) for item in session.items}
 
     def pytest_runtest_logreport(self, report) -> None:
         # one verdict per test: its call, or the setup that stopped it; a failed teardown adds one
@@ -160,9 +199,32 @@ def exit_status(verdicts: list[Verdict]) -> int:
     return 3 if failed else 0
 
 
-def summary(name: str, impl: str, verdicts: list[Verdict]) -> list[str]:
-    """The closing lines: counts, then what to do next."""
+def part_lines(verdicts: list[Verdict], parts: dict[str, int]) -> list[str]:
+    """One line per part that ran, in the lab's order: passes, fails, or waits for code."""
+    lines = []
+    for part in [*parts, *sorted({v.part for v in verdicts} - set(parts))]:
+        mine = [v for v in verdicts if v.part == part]
+        if not mine:
+            continue
+        status = exit_status(mine)
+        word = {0: "PASS", 1: "FAIL", 3: "not written yet"}[status]
+        kind = "core" if part == CORE else f"{part} (extension)"
+        minutes = f", about {parts[part]} min" if parts.get(part) else ""
+        lines.append(f"  {kind}: {word} ({len(mine)} tests{minutes})")
+    return lines
+
+
+def summary(
+    name: str,
+    impl: str,
+    verdicts: list[Verdict],
+    parts: dict[str, int] | None = None,
+    part: str | None = None,
+) -> list[str]:
+    """The closing lines: counts, how each part stands, then what to do next (``part``: the one
+    part that ran, if one was asked for)."""
     module = f"{impl}/{name}.py"
+    parts = parts or {CORE: 0}
     passed = sum(v.outcome == "PASS" for v in verdicts)
     unwritten = sorted({v.unwritten for v in verdicts if v.unwritten})
     failed = sum(v.outcome == "FAIL" and not v.unwritten for v in verdicts)
@@ -171,9 +233,18 @@ def summary(name: str, impl: str, verdicts: list[Verdict]) -> list[str]:
         f"{sum(bool(v.unwritten) for v in verdicts)} waiting for code not written yet "
         f"(tests run on {module})"
     ]
+    if len({v.part for v in verdicts}) > 1:
+        lines += part_lines(verdicts, parts)
     status = exit_status(verdicts)
+    core = [v for v in verdicts if v.part == CORE]
+    if status != 0 and core and exit_status(core) == 0:
+        lines.append(
+            "The core passes: the next notebooks can run on your code. The extensions are yours"
+            " to write when you have the time."
+        )
     if status == 0:
-        lines.append("PASS: every check of this exercise passes.")
+        what = "this exercise" if part is None else f"part {part}"
+        lines.append(f"PASS: every check of {what} passes.")
     elif status == 3:
         lines.append(
             f"Not written yet in {module}: {', '.join(unwritten)}. Each docstring is the task; "
@@ -194,15 +265,22 @@ def check(
     timeout: float | None = None,
     tests: Path = TESTS,
     reference: str | None = None,
+    part: str | None = None,
 ) -> tuple[int, list[Verdict]]:
     """Run exercise ``name``'s tests (from the folder ``tests``) on ``impl``'s code in this
     process, printing each verdict; returns (exit status, verdicts). ``reference``: exercises
     whose reference stands in for the learner's ("zero,pipeline_parallel"; None: as
-    ``LABS_REFERENCE`` says)."""
+    ``LABS_REFERENCE`` says). ``part``: only the tests of that part of the lab (None: all)."""
     import pytest
 
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; choose from {', '.join(EXERCISES)}")
+    parts = exercise_parts(name, impl)
+    if part is not None and part not in parts:
+        raise ValueError(
+            f"exercise {name!r} has no part {part!r}; its parts: {', '.join(parts)}"
+            f" (PARTS in {impl}/{name}.py)"
+        )
     if reference is None:
         reference = os.environ.get(REFERENCE_ENV, "")
     chosen = set_reference(reference)
@@ -220,18 +298,39 @@ def check(
     args = [*map(str, files), "-m", "exercise", "-p", "no:terminal", "-p", "no:cacheprovider"]
     args += ["-k", keyword] if keyword else []
     args += [f"--timeout={timeout:g}"] if timeout else []
-    printer = VerdictPrinter()
-    print(f"checking {name}: the tests marked exercise in {', '.join(f.name for f in files)}")
+    printer = VerdictPrinter(part=part)
+    which = "" if part is None else f", part {part}" + (" (extension)" if part != CORE else "")
+    print(
+        f"checking {name}{which}: the tests marked exercise in {', '.join(f.name for f in files)}"
+    )
     if chosen:
         print(f"with the reference for {', '.join(chosen)} (LABS_REFERENCE)")
     code = pytest.main(args, plugins=[printer])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED or (not printer.verdicts and code == 0):
-        raise ValueError(f"no test of exercise {name!r} matches -k {keyword!r}")
+        if keyword:
+            raise ValueError(f"no test of exercise {name!r} matches -k {keyword!r}")
+        raise ValueError(f"no test of exercise {name!r} checks part {part!r}")
     if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR):
         raise RuntimeError(f"pytest could not run the tests (exit code {int(code)})")
     if code == pytest.ExitCode.INTERRUPTED:
         printer.verdicts.append(Verdict("(the rest)", "FAIL", "interrupted before the end"))
     return exit_status(printer.verdicts), printer.verdicts
+
+
+def test_parts(name: str, tests: Path = TESTS) -> dict[str, str]:
+    """Exercise ``name``'s tests (its files in ``tests``, marked exercise) -> the part each checks,
+    collected by pytest without running any."""
+    import pytest
+
+    printer = VerdictPrinter()
+    files = exercise_test_files(name, tests)
+    args = [*map(str, files), "-m", "exercise", "--collect-only", "-p", "no:terminal"]
+    code = pytest.main([*args, "-p", "no:cacheprovider"], plugins=[printer])
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        raise RuntimeError(
+            f"pytest could not collect the tests of {name!r} (exit code {int(code)})"
+        )
+    return printer.parts
 
 
 def main(argv=None) -> int:
@@ -251,6 +350,14 @@ def main(argv=None) -> int:
         default=None,
         help="run the reference for these earlier exercises alone (default: LABS_REFERENCE)",
     )
+    parser.add_argument(
+        "--part",
+        metavar="NAME",
+        help="only the tests of this part of the lab: core, or an extension (PARTS in the module)",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the tests of each part and run none"
+    )
     parser.add_argument("-k", dest="keyword", help="only tests whose name matches (pytest -k)")
     parser.add_argument("--timeout", type=float, help="seconds per test (default: pyproject's)")
     parser.add_argument(
@@ -260,12 +367,30 @@ def main(argv=None) -> int:
         help="the folder of test files (default: the course's tests/; e.g. hidden_tests/)",
     )
     args = parser.parse_args(argv)
+    if args.list:
+        parts = exercise_parts(args.exercise, args.impl)
+        listed = test_parts(args.exercise, args.tests)
+        for part in [*parts, *sorted(set(listed.values()) - set(parts))]:
+            if args.part in (None, part):
+                kind = "core" if part == CORE else f"{part} (extension)"
+                minutes = f", about {parts[part]} min" if parts.get(part) else ""
+                names = [test for test, p in listed.items() if p == part]
+                print(f"{kind}{minutes}: {len(names)} tests")
+                print("\n".join(f"  {test}" for test in names))
+        return 0
     try:
         status, verdicts = check(
-            args.exercise, args.impl, args.keyword, args.timeout, args.tests, args.reference
+            args.exercise,
+            args.impl,
+            args.keyword,
+            args.timeout,
+            args.tests,
+            args.reference,
+            args.part,
         )
     except ValueError as exc:
         parser.error(str(exc))
     print()
-    print("\n".join(summary(args.exercise, args.impl, verdicts)))
+    parts = exercise_parts(args.exercise, args.impl)
+    print("\n".join(summary(args.exercise, args.impl, verdicts, parts, args.part)))
     return status

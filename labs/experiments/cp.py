@@ -149,7 +149,9 @@ def _counting_blocks(module, name: str):
         yield counter
 
 
-def attention_worker(shape: AttnShape, cases) -> list[dict]:
+def attention_worker(shape: AttnShape, cases, backward: bool = True) -> list[dict]:
+    """Ring attention on this rank for each (causal, zigzag) case: the output, and with
+    ``backward`` dq, dk, dv (None without: the lab's core, the forward ring, alone)."""
     cpm = exercise("context_parallel")
     group = dist.group.WORLD
     me = dist.get_rank()
@@ -167,7 +169,8 @@ def attention_worker(shape: AttnShape, cases) -> list[dict]:
                 out = cpm.ring_attention(q, k, v, group, causal=causal, zigzag=zigzag)
             # autograd runs backward without torch-function modes: count the kernel's calls instead
             with ledger.phase("backward"), _counting_blocks(cpm, "attention_block_backward") as bwd:
-                out.backward(dout)
+                if backward:
+                    out.backward(dout)
         results.append(
             {
                 "out": out.detach(),
@@ -197,14 +200,19 @@ def attention_check(
     cases=CASES,
     backend: str = "auto",
     timeout: float = 120.0,
+    backward: bool = True,
 ) -> list[dict]:
     """Run ring attention on ``nproc`` ranks for each (causal, zigzag) case; one dict per case with
     the max relative differences to full attention and, per rank, the measured and theory
-    figures, its ``checks`` and, read off them, ``matches_reference``."""
+    figures, its ``checks`` and, read off them, ``matches_reference``. ``backward=False``: the
+    forward alone (notebook 06's core, before ``RingAttention.backward`` is written): the output,
+    its messages, blocks and saved bytes."""
     from labs.experiments.checks import matches
 
     check_options(nproc, shape.seq_len)
-    per_rank = launch(attention_worker, nproc, shape, list(cases), backend=backend, timeout=timeout)
+    per_rank = launch(
+        attention_worker, nproc, shape, list(cases), backward, backend=backend, timeout=timeout
+    )
     rows = attention_rows_of(per_rank, shape=shape, cases=cases)
     for i, (row, (causal, zigzag)) in enumerate(zip(rows, cases)):
         row["checks"] = attention_checks(
@@ -239,11 +247,12 @@ def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list
     for i, (causal, zigzag) in enumerate(cases):
         ranks = [r[i] for r in per_rank]
         ref = reference_attention(shape, causal)
+        backward = ranks[0]["dq"] is not None
         diffs = {
             name: max_rel_diff(
                 reassemble([r[name] for r in ranks], zigzag=zigzag, dim=2), ref[name]
             )
-            for name in ("out", "dq", "dk", "dv")
+            for name in (("out", "dq", "dk", "dv") if backward else ("out",))
         }
         work = theory.work_per_rank(nproc, causal=causal, zigzag=zigzag)
         rows.append(
@@ -259,7 +268,9 @@ def attention_rows_of(per_rank: RankResults, *, shape: AttnShape, cases) -> list
                 "sent_backward": [r["sent_backward"] for r in ranks],
                 "theory_sent_backward": comm["backward"],
                 "blocks_measured_forward": [r["flops_forward"] / block_flops for r in ranks],
-                "blocks_measured_backward": [r["block_area_backward"] / chunk**2 for r in ranks],
+                "blocks_measured_backward": [r["block_area_backward"] / chunk**2 for r in ranks]
+                if backward
+                else None,
                 "blocks_theory": [w["computed"] for w in work],
                 "blocks_masked_theory": [w["masked"] for w in work],
                 "imbalance": theory.imbalance(work),
@@ -519,6 +530,7 @@ def attention_checks(
     ]
     tol = rule("value", torch.float32, per_rank.backend).rel
     results = [r[case] for r in per_rank]
+    backward = results[0]["dq"] is not None  # False: the forward alone was run
     checks = [
         ranks_check(
             "ring attention output",
@@ -528,6 +540,8 @@ def attention_checks(
             what="outputs",
             hint=RING_HINTS["out"],
         ),
+    ]
+    checks += [
         ranks_check(
             "ring attention dq",
             [{"dq": r["dq"]} for r in results],
@@ -544,10 +558,10 @@ def attention_checks(
             what="gradients",
             hint=RING_HINTS["dkv"],
         ),
-    ]
+    ][: 2 * backward]
     message = shape.kv_bytes() / n  # this rank's K and V, stacked
     expected = [("forward", "isend", message)] * (n - 1) + [("backward", "isend", message)] * (
-        2 * (n - 1)
+        2 * (n - 1) * backward
     )
     checks += collectives_checks(
         [[c for c in r["calls"] if c[1] in ("isend", "send")] for r in results],
@@ -558,14 +572,14 @@ def attention_checks(
         hint="a message is this rank's K and V, stacked, unrepeated (nkv heads): "
         "[2, B, nkv, T/cp, hd]",
     )
+    measured = [row["blocks_measured_forward"]] + [row["blocks_measured_backward"]] * backward
     checks.append(
         calls_check(
-            "blocks computed per rank (forward, backward)",
-            [
-                [row["blocks_measured_forward"][r], row["blocks_measured_backward"][r]]
-                for r in range(n)
-            ],
-            [[row["blocks_theory"][r]] * 2 for r in range(n)],
+            "blocks computed per rank (forward, backward)"
+            if backward
+            else "blocks computed per rank (forward)",
+            [[m[r] for m in measured] for r in range(n)],
+            [[row["blocks_theory"][r]] * len(measured) for r in range(n)],
             what="blocks",
             hint="a causal mask hides the chunk pairs whose keys all come after the queries: skip "
             "them (block_kind 'masked') and compute the others once each",
@@ -753,21 +767,24 @@ def format_rows(rows: list[dict], digits: int = 3) -> str:
 
 def attention_rows(checks: list[dict]) -> list[dict]:
     """One printable row per case of ``attention_check``: differences, bytes and work, measured vs
-    theory."""
-    return [
-        {
+    theory (no backward bytes for a forward-only check)."""
+    rows = []
+    for c in checks:
+        row = {
             "mask": "causal" if c["causal"] else "none",
             "layout": c["layout"],
             "max rel diff": max(c["max_rel_diff"].values()),
             "fwd bytes/rank": (
                 f"{c['sent_forward'][0]:.0f} (theory {c['theory_sent_forward']:.0f})"
             ),
-            "bwd bytes/rank": (
-                f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})"
-            ),
-            "blocks/rank (FLOPs)": str([int(b) for b in c["blocks_measured_forward"]]),
-            "theory": str(c["blocks_theory"]),
-            "max/mean": round(c["imbalance"], 3),
         }
-        for c in checks
-    ]
+        if c["blocks_measured_backward"] is not None:
+            row["bwd bytes/rank"] = (
+                f"{c['sent_backward'][0]:.0f} (theory {c['theory_sent_backward']:.0f})"
+            )
+        row["blocks/rank (FLOPs)"] = str([int(b) for b in c["blocks_measured_forward"]])
+        row["theory"] = str(c["blocks_theory"])
+        row["max/mean"] = round(c["imbalance"], 3)
+        rows.append(row)
+    return rows
+

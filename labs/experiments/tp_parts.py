@@ -83,7 +83,7 @@ def _check_op(op, x_shape, g_shape, expected_out, expected_grad, salt):
     }
 
 
-def operators_worker() -> dict:
+def operators_worker(sp: bool = True) -> dict:
     comm = exercise("tensor_parallel_comm")
     n = dist.get_world_size()
     B = 2
@@ -134,13 +134,15 @@ def operators_worker() -> dict:
     return {
         name: _check_op(getattr(comm, name), *case, salt=i)
         for i, (name, case) in enumerate(cases.items())
+        if sp or "Sequence" not in name
     }
 
 
-def check_operators(*, nproc: int = 2, timeout: float = 60.0) -> dict:
+def check_operators(*, nproc: int = 2, sp: bool = True, timeout: float = 60.0) -> dict:
     """The six conjugate operators on ``nproc`` ranks (float64): forward and backward against their
-    definition. Returns the worst relative difference over ranks, per operator and direction."""
-    per_rank = launch(operators_worker, nproc, timeout=timeout)
+    definition. Returns the worst relative difference over ranks, per operator and direction.
+    ``sp=False``: the four of the lab's core, without sequence parallelism's pair."""
+    per_rank = launch(operators_worker, nproc, sp, timeout=timeout)
     return {
         name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")}
         for name in per_rank[0]
@@ -181,7 +183,7 @@ def _compare(parallel, full, inp, *, local_in=None, local_out=None, call=None) -
     return {"forward": max_rel_diff(yp.detach(), local_out(yf.detach())), "backward": max(backward)}
 
 
-def layers_worker(sp: bool, seed: int) -> dict:
+def layers_worker(sp: bool, seed: int, vocab: bool = True) -> dict:
     """Each layer of the lab against the same layer of the full model, on this rank."""
     tp = exercise("tensor_parallel")
     group = dist.group.WORLD
@@ -219,23 +221,24 @@ def layers_worker(sp: bool, seed: int) -> dict:
         "RowParallelLinear": _compare(
             tp.RowParallelLinear(mlp.down_proj, group=group), mlp.down_proj, h, local_in=last
         ),
-        "VocabParallelEmbedding": _compare(
+    }
+    logits = torch.randn(B * T, cfg.vocab_size, generator=g).to(device).requires_grad_()
+    if vocab:  # the vocab-parallel extension
+        out["VocabParallelEmbedding"] = _compare(
             tp.VocabParallelEmbedding(full.tok_emb, group=group, sequence_parallel=sp),
             full.tok_emb,
             idx,
             local_out=seq if sp else None,
-        ),
-    }
-    logits = torch.randn(B * T, cfg.vocab_size, generator=g).to(device).requires_grad_()
-    local = last(logits.detach()).requires_grad_()
-    loss = tp.VocabParallelCrossEntropy.apply(local, targets.flatten(), group)
-    loss.backward()
-    reference = F.cross_entropy(logits, targets.flatten())
-    reference.backward()
-    out["VocabParallelCrossEntropy"] = {
-        "forward": max_rel_diff(loss.detach(), reference.detach()),
-        "backward": max_rel_diff(local.grad, last(logits.grad)),
-    }
+        )
+        local = last(logits.detach()).requires_grad_()
+        loss = tp.VocabParallelCrossEntropy.apply(local, targets.flatten(), group)
+        loss.backward()
+        reference = F.cross_entropy(logits, targets.flatten())
+        reference.backward()
+        out["VocabParallelCrossEntropy"] = {
+            "forward": max_rel_diff(loss.detach(), reference.detach()),
+            "backward": max_rel_diff(local.grad, last(logits.grad)),
+        }
     cos, sin = rotary_cos_sin(torch.arange(T, device=device), cfg.head_dim, cfg.rope_theta)
     block = tp.apply_tensor_parallel(full, group=group, sequence_parallel=sp).layers[0]
     out["ParallelBlock" + (" (SP)" if sp else "")] = _compare(
@@ -249,11 +252,18 @@ def layers_worker(sp: bool, seed: int) -> dict:
     return out
 
 
-def check_layers(*, nproc: int = 2, sp: bool = False, seed: int = 0, timeout: float = 60.0) -> dict:
-    """Column- and row-parallel linears, the vocab-parallel embedding and loss, and one parallel
-    block (with SP when ``sp``) against the full layers: worst relative difference over ranks,
-    forward and backward."""
-    per_rank = launch(layers_worker, nproc, sp, seed, timeout=timeout)
+def check_layers(
+    *,
+    nproc: int = 2,
+    sp: bool = False,
+    seed: int = 0,
+    vocab: bool = True,
+    timeout: float = 60.0,
+) -> dict:
+    """Column- and row-parallel linears, the vocab-parallel embedding and loss (unless ``vocab`` is
+    False: the lab's core alone), and one parallel block (with SP when ``sp``) against the full
+    layers: worst relative difference over ranks, forward and backward."""
+    per_rank = launch(layers_worker, nproc, sp, seed, vocab, timeout=timeout)
     return {
         name: {d: max(r[name][d] for r in per_rank) for d in ("forward", "backward")}
         for name in per_rank[0]

@@ -86,6 +86,48 @@ def ring_schedule(cp: int, *, causal: bool = True, zigzag: bool = True) -> list[
     return schedule
 
 
+def ring_backward_schedule(
+    cp: int, *, causal: bool = True, zigzag: bool = True
+) -> list[list[dict]]:
+    """``schedule[s][r]``: at backward ring step ``s``, what rank ``r`` computes and sends.
+
+    K/V go round the ring again, as in forward: at step s rank r holds the K/V of rank
+    ``kv_from`` = (r − s) mod CP and, for the same chunk pairs (``blocks``, as ``ring_schedule``),
+    computes three gradients. dQ of its own queries (``dq_chunks``) adds up locally: it never
+    travels. dK, dV of the block it holds belong to that block's owner: they go into the block's
+    gradient *accumulator*, which travels one hop behind the block. At step 0 a rank keeps its
+    share of its own block's gradient at home; from step 1 on it adds its share to the
+    accumulator that arrived from r − 1 (none at step 1: it starts one) and sends it on to r + 1
+    (``sends_dkv_to``). ``acc_ranks`` lists whose shares that accumulator then carries; at the
+    last step it goes to the block's owner (``dkv_home``: True), who adds it to what it kept: the
+    shares of all CP ranks.
+
+    Messages per rank: CP−1 K/V blocks (``sends_kv_to``, every step but the last) and CP−1
+    accumulators of the same size: 2 (CP−1)/CP · KV bytes (``ring_bytes_per_rank``).
+    """
+    forward = ring_schedule(cp, causal=causal, zigzag=zigzag)
+    schedule = []
+    for s, step in enumerate(forward):
+        rows = []
+        for e in step:
+            r = e["rank"]
+            src = e["kv_from"]
+            carried = [(src + 1 + i) % cp for i in range(s)]  # ranks src+1 .. r
+            rows.append(
+                {
+                    **e,
+                    "dq_chunks": e["q_chunks"],
+                    "dkv_block": src,
+                    "acc_ranks": [r] if s == 0 else carried,
+                    "sends_kv_to": (r + 1) % cp if s < cp - 1 else None,
+                    "sends_dkv_to": (r + 1) % cp if s > 0 else None,
+                    "dkv_home": s == cp - 1 and cp > 1 and (r + 1) % cp == src,
+                }
+            )
+        schedule.append(rows)
+    return schedule
+
+
 def work_per_rank(
     cp: int, *, causal: bool = True, zigzag: bool = True, upto_step: int | None = None
 ) -> list[dict]:

@@ -2,13 +2,21 @@
 
     ring_stepper(cp=4)                                    # sliders and toggles
     draw_ring_step(4, step=1, causal=True, zigzag=True)   # one drawing, as a matplotlib figure
+    draw_ring_step(4, step=1, backward=True)              # the backward pass at that step
 
 Left: the attention matrix cut into 2·CP × 2·CP chunk blocks (rows: query chunks, columns:
 key chunks). A block is coloured by the rank that computes it, solid at the current step,
 pale at earlier steps; a diagonal block shows only its lower triangle; a fully masked block
 is grey and hatched once the ring has brought it past its rank (it is skipped, never
 computed). Right: blocks computed per rank so far, with the whole ring's total dashed.
-The logic is ``labs.theory.context_parallel``; this module only draws.
+
+Backward (``backward=True``): the same blocks are computed again (the scores are recomputed),
+each giving three gradients. dQ stays with the queries' rank; dK, dV belong to the owner of the
+K/V block and travel in an accumulator one hop behind it. The right panel then shows, for every
+K/V block, how many ranks' shares of its gradient are gathered so far (kept at home by its owner
+at step 0, or in the accumulator on its way, and which rank holds it), until all CP are home.
+The logic is ``labs.theory.context_parallel`` (``ring_schedule``, ``ring_backward_schedule``);
+this module only draws.
 """
 
 from __future__ import annotations
@@ -16,19 +24,30 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Polygon, Rectangle
 
-from labs.theory.context_parallel import LAYOUTS, ring_schedule, work_per_rank
+from labs.theory.context_parallel import (
+    LAYOUTS,
+    ring_backward_schedule,
+    ring_schedule,
+    work_per_rank,
+)
 
 RANK_COLOURS = plt.get_cmap("tab10")
 
 
-def step_rows(cp: int, step: int, *, causal: bool = True, zigzag: bool = True) -> list[dict]:
+def step_rows(
+    cp: int, step: int, *, causal: bool = True, zigzag: bool = True, backward: bool = False
+) -> list[dict]:
     """One row per rank at ``step``: its query chunks, whose K/V it holds, blocks computed and
-    masked."""
-    schedule = ring_schedule(cp, causal=causal, zigzag=zigzag)
+    masked; with ``backward``, where its gradients go (``ring_backward_schedule``'s entries:
+    ``dkv_block``, ``acc_ranks``, ``sends_dkv_to``, ``dkv_home``)."""
+    schedule = (ring_backward_schedule if backward else ring_schedule)(
+        cp, causal=causal, zigzag=zigzag
+    )
     if not 0 <= step < cp:
         raise ValueError(
             f"step={step} is outside 0..{cp - 1} (a ring of cp={cp} ranks has {cp} steps)"
         )
+    extra = ("dkv_block", "acc_ranks", "sends_dkv_to", "dkv_home") if backward else ()
     return [
         {
             "rank": e["rank"],
@@ -37,9 +56,30 @@ def step_rows(cp: int, step: int, *, causal: bool = True, zigzag: bool = True) -
             "kv_chunks": e["kv_chunks"],
             "computed": sum(kind != "masked" for *_, kind in e["blocks"]),
             "masked": sum(kind == "masked" for *_, kind in e["blocks"]),
+            **{key: e[key] for key in extra},
         }
         for e in schedule[step]
     ]
+
+
+def gradient_progress(cp: int, step: int) -> list[dict]:
+    """Per K/V block (its owner ``block``), after backward step ``step``: how many ranks' dK/dV
+    shares are gathered (``home``: kept by the owner; ``travelling``: in the accumulator) and
+    which rank holds that accumulator (None once it is home)."""
+    schedule = ring_backward_schedule(cp)
+    out = []
+    for b in range(cp):
+        acc = next((e for e in schedule[step] if e["dkv_block"] == b and step > 0), None)
+        arrived = acc is not None and acc["dkv_home"]
+        out.append(
+            {
+                "block": b,
+                "home": 1 + (len(acc["acc_ranks"]) if arrived else 0),
+                "travelling": 0 if acc is None or arrived else len(acc["acc_ranks"]),
+                "at_rank": None if acc is None or arrived else acc["sends_dkv_to"],
+            }
+        )
+    return out
 
 
 def _draw_block(ax, a, b, kind, colour, current):
@@ -63,10 +103,13 @@ def _draw_block(ax, a, b, kind, colour, current):
         ax.add_patch(Rectangle((x, y), 1, 1, fill=False, edgecolor="black", lw=2))
 
 
-def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = True):
-    """The stepper's drawing at ``step``; returns (figure, ``step_rows`` of that step)."""
+def draw_ring_step(
+    cp: int, step: int, *, causal: bool = True, zigzag: bool = True, backward: bool = False
+):
+    """The stepper's drawing at ``step`` (of the backward pass with ``backward``); returns
+    (figure, ``step_rows`` of that step)."""
     schedule = ring_schedule(cp, causal=causal, zigzag=zigzag)
-    rows = step_rows(cp, step, causal=causal, zigzag=zigzag)
+    rows = step_rows(cp, step, causal=causal, zigzag=zigzag, backward=backward)
     n = 2 * cp
     fig, (grid, bars) = plt.subplots(
         1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1.3, 1]}
@@ -87,7 +130,15 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
         [-a - 0.5 for a in range(n)], [f"q{a} r{owner[a]}" for a in range(n)], fontsize=8
     )
     grid.set_xlabel("key/value chunk (and the rank that owns it)")
-    grid.set_title(f"step {step}: rank r holds the K/V of rank (r−{step}) mod {cp}", fontsize=10)
+    grid.set_title(
+        f"{'backward ' if backward else ''}step {step}: rank r holds the K/V of rank"
+        f" (r−{step}) mod {cp}",
+        fontsize=10,
+    )
+    if backward:
+        _draw_gradients(bars, cp, step)
+        fig.tight_layout()
+        return fig, rows
 
     now = work_per_rank(cp, causal=causal, zigzag=zigzag, upto_step=step)
     total = work_per_rank(cp, causal=causal, zigzag=zigzag)
@@ -121,7 +172,54 @@ def draw_ring_step(cp: int, step: int, *, causal: bool = True, zigzag: bool = Tr
     return fig, rows
 
 
+def _draw_gradients(ax, cp: int, step: int) -> None:
+    """Per K/V block: the ranks' dK/dV shares kept at home and travelling in its accumulator."""
+    progress = gradient_progress(cp, step)
+    blocks = [p["block"] for p in progress]
+    colours = [RANK_COLOURS(b % 10) for b in blocks]
+    home = [p["home"] for p in progress]
+    ax.bar(blocks, home, color=colours, label="at home (the owner's)")
+    ax.bar(
+        blocks,
+        [p["travelling"] for p in progress],
+        bottom=home,
+        color=colours,
+        alpha=0.4,
+        hatch="//",
+        label="in the accumulator, travelling",
+    )
+    for p in progress:
+        where = "home" if p["at_rank"] is None else f"at r{p['at_rank']}"
+        ax.text(p["block"], p["home"] + p["travelling"] + 0.05, where, ha="center", fontsize=8)
+    ax.axhline(cp, color="black", ls="--", lw=1, label="all ranks' shares")
+    ax.set_ylim(0, cp + 0.8)
+    ax.set_xticks(blocks, [f"K/V of r{b}" for b in blocks], fontsize=8)
+    ax.set_ylabel("ranks' dK, dV shares gathered")
+    ax.set_title("dK, dV follow their block home; dQ stays local", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+
+
 def _rows_html(rows: list[dict]) -> str:
+    if "dkv_block" in rows[0]:
+        head = (
+            "<tr><th>rank</th><th>dQ of its queries (local)</th><th>holds K/V of</th>"
+            "<th>computes</th><th>adds dK, dV to the gradient of</th><th>sends it on</th></tr>"
+        )
+        body = "".join(
+            f"<tr><td>{r['rank']}</td><td>{r['q_chunks']}</td>"
+            f"<td>rank {r['kv_from']} {r['kv_chunks']}</td><td>{r['computed']}</td>"
+            f"<td>rank {r['dkv_block']}'s block</td><td>"
+            + (
+                "keeps it (its own block)"
+                if r["sends_dkv_to"] is None
+                else f"to rank {r['sends_dkv_to']}"
+                + (" (home)" if r["dkv_home"] else "")
+                + f", with the shares of ranks {r['acc_ranks']}"
+            )
+            + "</td></tr>"
+            for r in rows
+        )
+        return f"<table>{head}{body}</table>"
     head = (
         "<tr><th>rank</th><th>query chunks</th><th>holds K/V of</th><th>computes</th>"
         "<th>skips (masked)</th></tr>"
@@ -143,6 +241,7 @@ def ring_stepper(cp: int = 4, causal: bool = True, zigzag: bool = True):
     cp_box = w.IntSlider(value=cp, min=1, max=8, description="CP degree")
     causal_box = w.Checkbox(value=causal, description="causal mask")
     zigzag_box = w.Checkbox(value=zigzag, description="zig-zag balance")
+    backward_box = w.Checkbox(value=False, description="backward pass")
     step_box = w.IntSlider(value=0, min=0, max=cp - 1, description="ring step")
     play = w.Play(value=0, min=0, max=cp - 1, interval=1200)
     w.jslink((play, "value"), (step_box, "value"))
@@ -159,15 +258,23 @@ def ring_stepper(cp: int = 4, causal: bool = True, zigzag: bool = True):
                 min(step_box.value, cp_box.value - 1),
                 causal=causal_box.value,
                 zigzag=zigzag_box.value,
+                backward=backward_box.value,
             )
             display(fig)
             plt.close(fig)
         table.value = _rows_html(rows)
 
-    for box in (cp_box, causal_box, zigzag_box, step_box):
+    for box in (cp_box, causal_box, zigzag_box, backward_box, step_box):
         box.observe(redraw, "value")
     redraw()
-    ui = w.VBox([w.HBox([cp_box, causal_box, zigzag_box]), w.HBox([play, step_box]), out, table])
+    ui = w.VBox(
+        [
+            w.HBox([cp_box, causal_box, zigzag_box, backward_box]),
+            w.HBox([play, step_box]),
+            out,
+            table,
+        ]
+    )
     display(ui)
     return ui
 
