@@ -33,8 +33,8 @@ from tests.helpers import ROOT
 
 # Names of other tools the text cites for comparison, by paragraph: transformers, accelerate and
 # torch's (not attributes of the modules searched); Megatron-LM, picotron and DeepSpeed; vLLM,
-# TensorRT-LLM, ollama and nbgrader; the environment and the shell; words that are not names. A
-# name of the course is never here: it must resolve against the code.
+# TensorRT-LLM, ollama and nbgrader; the environment, the shell and pip's platform tags; words
+# that are not names. A name of the course is never here: it must resolve against the code.
 OTHER_TOOLS = set(
     """
     DynamicCache StaticCache LlamaForCausalLM MixtralForCausalLM MixtralSparseMoeBlock
@@ -63,6 +63,7 @@ OTHER_TOOLS = set(
     TORCH_NCCL_TRACE_BUFFER_SIZE TORCH_FR_BUFFER_SIZE TORCH_NCCL_DUMP_ON_TIMEOUT
     TORCH_NCCL_DEBUG_INFO_TEMP_FILE OLLAMA_CONTEXT_LENGTH OLLAMA_NUM_PARALLEL PYTHONPATH TMPDIR TMUX
     HOST0 EADDRINUSE RLIMIT_FSIZE RLIMIT_NPROC srun dmesg passwd chromium bash pip jupyter
+    pypi manylinux_2_28_x86_64 macosx_14_0_arm64 win_amd64
 
     PASS FAIL if with return e x fn valid shadow up gate
     """.split()
