@@ -47,16 +47,18 @@ from labs.models.transformer import (
     apply_rotary,
     run_blocks,
 )
+from labs.runtime.impl import exercise
 from labs.runtime.tensor_comm import shard_weight
 from labs.theory.dims import ParallelDims, check_divides
 
-from .tensor_parallel_comm import (
-    GatherFromModelParallelRegion,
-    LinearWithAsyncCommunication,
-    ReduceFromModelParallelRegion,
-    enter_parallel_region,
-    exit_parallel_region,
-)
+# Part 1's communication operators, from the module the switch selects: your
+# labs/tensor_parallel_comm.py, or its reference alone under LABS_REFERENCE=tensor_parallel_comm.
+_comm = exercise("tensor_parallel_comm")
+GatherFromModelParallelRegion = _comm.GatherFromModelParallelRegion
+LinearWithAsyncCommunication = _comm.LinearWithAsyncCommunication
+ReduceFromModelParallelRegion = _comm.ReduceFromModelParallelRegion
+enter_parallel_region = _comm.enter_parallel_region
+exit_parallel_region = _comm.exit_parallel_region
 
 NOTEBOOK = "04_tensor_parallel.ipynb"
 # The lab's parts in order, with the minutes each takes at the notebook's pace: the core is

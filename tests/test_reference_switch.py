@@ -126,3 +126,18 @@ def test_a_release_reveals_the_named_references_and_nothing_of_the_others(tmp_pa
 def test_reveal_refuses_an_unknown_exercise(tmp_path):
     with pytest.raises(ValueError, match="--reveal: unknown exercise 'ring'"):
         build_release(tmp_path / "x", reveal="ring")
+
+
+def test_the_layers_take_the_reference_communication_operators_alone():
+    """tensor_parallel's layers reach notebook 04's first exercise through the switch: with the
+    reference for tensor_parallel_comm alone, the learner's layers use the reference's operators."""
+    code = (
+        "from labs.runtime.impl import exercise\n"
+        "tp = exercise('tensor_parallel')\n"
+        "print(tp.__name__, tp.GatherFromModelParallelRegion.__module__)\n"
+    )
+    env = {"LABS_IMPL": "labs", "LABS_REFERENCE": "tensor_parallel_comm"}
+    proc = run_cli("-c", code, env=env)
+    assert proc.stdout.split() == ["labs.tensor_parallel", "solutions.tensor_parallel_comm"], (
+        proc.stderr
+    )
