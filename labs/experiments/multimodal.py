@@ -142,6 +142,7 @@ LAB = Lab(
     notebook="11_multimodal",
     exercises=("multimodal",),
     builds_on=("ddp", "zero", "tensor_parallel", "pipeline_parallel"),
+    reference=("setup.reference_run",),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2, "mode": "pp"},
