@@ -151,7 +151,7 @@ def test_prerequisites_say_what_is_written_and_what_stands_in(monkeypatch):
     pp = status["pipeline_parallel"]  # the repository's labs/ holds the stubs
     assert pp.unwritten[:2] == ("StageModule.forward", "build_stage") and not pp.written
     assert pp.reference_available and pp.runs == "labs"
-    assert 'use_reference("zero")' in str(status) and "notebook 08 (mesh)" in str(status)
+    assert 'labs.use_reference("zero")' in str(status) and "notebook 08 (mesh)" in str(status)
     assert pre.prerequisites("infer").title == "notebook 09 (infer) runs 2 earlier exercises:"
     assert [s.name for s in pre.prerequisites("inference").states] == list(
         impl.builds_on("inference")
@@ -279,3 +279,21 @@ def test_every_notebook_that_runs_earlier_exercises_names_them_before_its_lab():
         text = nbformat.read(path, as_version=4).cells[found[call] - 1].source
         assert all(f"`{name}`" in text for name in earlier), (notebook, text)
         assert "labs.use_reference(" in text, notebook
+
+
+def test_check_says_when_an_exercise_waits_on_an_earlier_one(monkeypatch):
+    """``labs.check mesh`` whose tests stop in the stub of ``pipeline_parallel`` (the repository's
+    labs/ holds the stubs): the closing lines name that earlier exercise and ``--reference``."""
+    from labs.check import Verdict, summary
+    from labs.runtime import prerequisites as pre
+
+    stopped = Verdict(
+        "test_mesh.py::t", "FAIL", "not written yet: build_stage", unwritten="build_stage"
+    )
+    own = Verdict("test_mesh.py::u", "FAIL", "", unwritten="compose")
+    lines = summary("mesh", "labs", [stopped, own])
+    assert "Not written yet in labs/mesh.py: compose." in lines[-2]
+    assert "Waiting on an earlier exercise, labs/pipeline_parallel.py (build_stage" in lines[-1]
+    assert "python -m labs.check mesh --reference pipeline_parallel" in lines[-1]
+    monkeypatch.setattr(pre, "reference_available", lambda name: False)
+    assert "--reveal pipeline_parallel" in summary("mesh", "labs", [stopped])[-1]

@@ -175,16 +175,57 @@ def summary(name: str, impl: str, verdicts: list[Verdict]) -> list[str]:
     if status == 0:
         lines.append("PASS: every check of this exercise passes.")
     elif status == 3:
-        lines.append(
-            f"Not written yet in {module}: {', '.join(unwritten)}. Each docstring is the task; "
-            f"write them, then run `python -m labs.check {name}` again."
-        )
+        earlier = _earlier_unwritten(name, unwritten) if impl == "labs" else {}
+        own = [f for f in unwritten if not any(f in fs for fs in earlier.values())]
+        if own:
+            lines.append(
+                f"Not written yet in {module}: {', '.join(own)}. Each docstring is the task; "
+                f"write them, then run `python -m labs.check {name}` again."
+            )
+        for exercise, functions in earlier.items():
+            lines.append(_waiting_on(name, exercise, functions))
     else:
         lines.append(
             f"FAIL: edit {module} (read the reasons and hints above), then re-run the "
             f"notebook's check cell or `python -m labs.check {name}`."
         )
     return lines
+
+
+def _earlier_unwritten(name: str, functions: list[str]) -> dict[str, list[str]]:
+    """The unwritten ``functions`` the tests of ``name`` met in earlier exercises, by exercise:
+    those still raising the stub's NotImplementedError in ``labs/<earlier>.py`` (read from the
+    files) and not in ``labs/<name>.py``."""
+    from labs.runtime.impl import builds_on
+    from labs.runtime.prerequisites import unwritten
+
+    own = set(unwritten(name))
+    out = {}
+    for earlier in builds_on(name):
+        found = [f for f in functions if f in set(unwritten(earlier)) and f not in own]
+        if found:
+            out[earlier] = found
+    return out
+
+
+def _waiting_on(name: str, earlier: str, functions: list[str]) -> str:
+    """What to do when the tests of ``name`` stop in earlier exercise ``earlier``."""
+    from labs.runtime.prerequisites import reference_available
+
+    head = (
+        f"Waiting on an earlier exercise, labs/{earlier}.py ({', '.join(functions)} not written"
+        " yet):"
+    )
+    if reference_available(earlier):
+        return (
+            f"{head} check {name} on its reference with `python -m labs.check {name} --reference"
+            f" {earlier}`, or write it (`python -m labs.check {earlier}`)."
+        )
+    return (
+        f"{head} its reference is not in this copy of the course; write it (`python -m"
+        f" labs.check {earlier}`), or ask your instructor to reveal it (python -m labs.release"
+        f" OUT --reveal {earlier})."
+    )
 
 
 def check(

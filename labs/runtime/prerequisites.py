@@ -1,12 +1,13 @@
 """The earlier exercises a lab runs: whether you have written each, whether its reference can
 stand in, and the one line that makes it stand in (issue 28: every learner reaches the end).
 
-    prerequisites("mesh")               # notebook 08: your zero, tensor_parallel,
+    import labs
+    labs.prerequisites("mesh")          # notebook 08: your zero, tensor_parallel,
                                         # pipeline_parallel and context_parallel, one line each
-    exercise_status("ddp", "zero")      # notebook 12: these exercises themselves
-    use_reference("pipeline_parallel")  # its reference, your code for the rest, in this kernel
-                                        # and every rank it launches (LABS_REFERENCE)
-    use_own("pipeline_parallel")        # back to your labs/pipeline_parallel.py
+    labs.exercise_status("ddp", "zero") # notebook 12: these exercises themselves
+    labs.use_reference("pipeline_parallel")  # its reference, your code for the rest, in this
+                                        # kernel and every rank it launches (LABS_REFERENCE)
+    labs.use_own("pipeline_parallel")   # back to your labs/pipeline_parallel.py
 
 "Written" is read from your file, not run: a function whose body still raises the stub's
 ``NotImplementedError("exercise ... is not written yet")`` is not written. Whether it is right is
@@ -141,12 +142,19 @@ class Status:
         out = [self.title]
         out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         stuck = [s for s in self.states if s.runs == "labs" and not s.written]
-        example = (stuck or self.states)[0].name
-        out.append(
-            f'Stuck on one? use_reference("{example}") runs its reference, and your code for the'
-            " rest,\nin this kernel and every rank it launches (LABS_REFERENCE);"
-            f' use_own("{example}") goes back to yours.'
-        )
+        chosen = [s.name for s in self.states if s.name in impl.reference_exercises()]
+        if chosen and not stuck:
+            out.append(
+                f"The reference runs for {', '.join(chosen)} (LABS_REFERENCE), your code for the"
+                f' rest; labs.use_own("{chosen[0]}") goes back to yours.'
+            )
+        else:
+            example = (stuck or self.states)[0].name
+            out.append(
+                f'Stuck on one? labs.use_reference("{example}") runs its reference, and your code'
+                " for the rest,\nin this kernel and every rank it launches (LABS_REFERENCE);"
+                f' labs.use_own("{example}") goes back to yours.'
+            )
         out += [unavailable_message(s.name) for s in stuck if not s.reference_available]
         return out
 
@@ -255,7 +263,7 @@ def stuck_advice(name: str) -> str:
         )
     return (
         f"{head} To go on with its reference and your own code for the rest:"
-        f' use_reference("{name}") in the notebook (from labs import use_reference), or'
+        f' labs.use_reference("{name}") in the notebook (after import labs), or'
         f" --reference {name} with python -m labs.run / labs.check, or LABS_REFERENCE={name} for"
         " any command."
     )
