@@ -14,7 +14,9 @@ Which tests run: the tests marked ``exercise`` in ``tests/test_<exercise>.py`` a
 ``labs.grade`` use the same one), with ``LABS_IMPL=labs``: on **your** code, whatever the
 environment says, unless ``--impl`` asks for the reference. ``--reference EX[,EX...]`` (or
 ``LABS_REFERENCE``) runs the reference for those earlier exercises alone, so that a lab can be
-checked before the ones it builds on are written.
+checked before the ones it builds on are written; when tests stop in an earlier exercise's
+unwritten code, the closing lines name it and this option (or, in a student release without its
+reference, what to ask the instructor for).
 
 What it prints, one line per test as it ends, then a summary::
 
@@ -172,23 +174,23 @@ def summary(name: str, impl: str, verdicts: list[Verdict]) -> list[str]:
         f"(tests run on {module})"
     ]
     status = exit_status(verdicts)
+    # unwritten functions of earlier exercises the tests ran into, by exercise
+    earlier = _earlier_unwritten(name, unwritten) if impl == "labs" and unwritten else {}
     if status == 0:
         lines.append("PASS: every check of this exercise passes.")
     elif status == 3:
-        earlier = _earlier_unwritten(name, unwritten) if impl == "labs" else {}
         own = [f for f in unwritten if not any(f in fs for fs in earlier.values())]
         if own:
             lines.append(
                 f"Not written yet in {module}: {', '.join(own)}. Each docstring is the task; "
                 f"write them, then run `python -m labs.check {name}` again."
             )
-        for exercise, functions in earlier.items():
-            lines.append(_waiting_on(name, exercise, functions))
     else:
         lines.append(
             f"FAIL: edit {module} (read the reasons and hints above), then re-run the "
             f"notebook's check cell or `python -m labs.check {name}`."
         )
+    lines += [_waiting_on(name, exercise, functions) for exercise, functions in earlier.items()]
     return lines
 
 
