@@ -5,7 +5,9 @@
 Runtime and measurement (``labs.runtime``, ``labs.models``, ``labs.data``, ``labs.measure``,
 ``labs.theory``, ``labs.widgets``, ``labs.experiments``) are complete code. The exercise
 modules (``labs.ddp``, ``labs.zero``, ...) are yours to fill in; ``exercise(name)`` returns
-the one the ``LABS_IMPL`` switch selects (see ``labs.runtime.impl``).
+the one the ``LABS_IMPL`` switch selects (see ``labs.runtime.impl``). A notebook that runs earlier
+exercises shows their state with ``prerequisites(lab)``, and ``use_reference(exercise)`` runs the
+reference of one of them (``labs.runtime.prerequisites``).
 
 Attributes are imported lazily so that ``python -m labs.theory`` runs without torch.
 """
@@ -16,6 +18,10 @@ _LAZY = {
     "LaunchTimeout": "labs.runtime",
     "exercise": "labs.runtime",
     "log": "labs.runtime",
+    "prerequisites": "labs.runtime.prerequisites",
+    "exercise_status": "labs.runtime.prerequisites",
+    "use_reference": "labs.runtime.prerequisites",
+    "use_own": "labs.runtime.prerequisites",
 }
 
 

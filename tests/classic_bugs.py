@@ -508,6 +508,33 @@ CATALOG: dict[str, list[Bug]] = {
             "expert_dp_group",
         ),
         Bug(
+            "capacity decided token by token, not every first choice first",
+            "solutions.expert_parallel",
+            "    onehot = onehot.transpose(1, 2).reshape(groups, k * n // groups, n_experts)\n"
+            "    slot = onehot.cumsum(dim=1) - 1  # [G, k·N/G, E]\n"
+            "    keep = ((slot < capacity) & (onehot > 0)).any(dim=-1)  # [G, k·N/G]\n"
+            "    return keep.view(groups, k, n // groups).transpose(1, 2).reshape(n, k)",
+            "    onehot = onehot.reshape(groups, k * n // groups, n_experts)\n"
+            "    slot = onehot.cumsum(dim=1) - 1  # [G, k·N/G, E]\n"
+            "    keep = ((slot < capacity) & (onehot > 0)).any(dim=-1)  # [G, k·N/G]\n"
+            "    return keep.reshape(n, k)",
+            "pairs kept by the capacity rule",
+            "the pairs were kept token by token",
+        ),
+        Bug(
+            "expert gradients divided by their expert-DP group's size, not the world size",
+            "solutions.expert_parallel",
+            "        p.grad.div_(world)\n",
+            "        p.grad.div_(\n"
+            "            dist.get_world_size(expert_dp_group)\n"
+            '            if getattr(p, "expert_parallel", False)\n'
+            "            else world\n"
+            "        )\n",
+            "gradients after step 1",
+            "divided by the size of the group they were summed over",
+            dict(nproc=4, ep=2),
+        ),
+        Bug(
             "received rows not put back in order after the experts",
             "solutions.expert_parallel",
             "        out = out[torch.argsort(by_expert)]  # [M_in, H] by (source, expert)\n",
@@ -550,6 +577,15 @@ CATALOG: dict[str, list[Bug]] = {
             "gradients after step 1",
             "ZeRO averages them over dp_cp",
             dict(nproc=4, tp=1, dp=2, cp=2),
+        ),
+        Bug(
+            "CP: the model called without its tokens' positions",
+            "solutions.mesh",
+            "_, loss = c.module(x, y, positions)",
+            "_, loss = c.module(x, y)",
+            "gradients after step 1",
+            "called its model without its tokens' positions",
+            dict(tp=1, cp=2),
         ),
         Bug(
             "gradients never zeroed after the step",
@@ -698,6 +734,15 @@ CATALOG: dict[str, list[Bug]] = {
             "bf16-mixed/none: losses",
             "step 1 matches and step 2 does not",
         ),
+        Bug(
+            "bf16-mixed: the fp32 gradient-accumulation buffer never zeroed after the step",
+            "labs.experiments.memory",
+            "                            p32.grad.zero_()\n",
+            "                            pass\n",
+            "bf16-mixed/none: gradients at every step",
+            "the fp32 gradient-accumulation buffer (Megatron's main_grad) was never zeroed",
+            dict(precisions=("bf16-mixed",), recomputes=("none",), fp32_grad_accum=True),
+        ),
     ],
     "zero": [
         Bug(
@@ -707,6 +752,15 @@ CATALOG: dict[str, list[Bug]] = {
             "                u.full_grad[u.lo : u.hi].copy_(full[u.lo : u.hi])\n",
             "gradients after step 1",
             "did you divide the sum by the world size?",
+            dict(stage=1),
+        ),
+        Bug(
+            "ZeRO-1 all-reduces the whole gradient instead of reduce-scattering it",
+            "solutions.zero",
+            "dist.reduce_scatter_single(full[u.lo : u.hi], full, group=self.group)",
+            "dist.all_reduce(full, group=self.group)",
+            "bytes per call",
+            "where ZeRO-1 reduce-scatters it",
             dict(stage=1),
         ),
         Bug(

@@ -10,7 +10,7 @@ from labs import launch
 from labs.experiments import moe as experiment
 from labs.experiments.common import SUMMARY_KEYS
 from labs.models import ModelConfig
-from labs.models.moe import MoEConfig, build_moe_model
+from labs.models.moe import MoEConfig, ReferenceMoELayer, build_moe_model, keep_within_capacity
 from labs.models.transformer import init_weights
 from labs.runtime import RankError, exercise
 from labs.theory.moe import MoESpec, moe_param_counts
@@ -194,3 +194,63 @@ def test_cli_json():
     s = run_json("-m", "labs.run", "moe", "--nproc", "2", "--steps", "3", "--top-k", "1", "--json")
     assert set(SUMMARY_KEYS) <= set(s)
     assert s["lab"] == "moe" and s["matches_reference"] and s["passed"] and s["ep"] == 2
+
+
+def test_the_reference_layer_keeps_pairs_by_gshards_priority():
+    """The reference's capacity rule (``labs.models.moe.keep_within_capacity``, written apart from
+    the exercise) on the example above; keeping pairs token by token gives another answer, which
+    the lab's capacity check names."""
+    chosen = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    assert keep_within_capacity(chosen, 3, 2).tolist() == [
+        [True, True],
+        [True, True],
+        [False, False],
+        [True, False],
+    ]
+    assert keep_within_capacity(chosen, 3, 1, groups=2).tolist() == [
+        [True, True],
+        [False, True],
+        [True, False],
+        [True, False],
+    ]
+    assert keep_within_capacity(chosen, 3, None).all()
+    token_by_token = experiment.keep_token_by_token(chosen, 3, 2)
+    assert token_by_token.tolist() == [[True, True], [True, True], [False, True], [False, False]]
+    routing = [[{"chosen": chosen, "keep": token_by_token}]]
+    check = experiment.capacity_rule_check(routing, 3, 2)
+    assert not check.ok and "kept token by token" in check.hint
+    routing = [[{"chosen": chosen, "keep": keep_within_capacity(chosen, 3, 2)}]]
+    assert experiment.capacity_rule_check(routing, 3, 2).ok
+    routing = [[{"chosen": chosen, "keep": torch.ones_like(chosen, dtype=torch.bool)}]]
+    assert (
+        "kept 4 pairs where its capacity is C = 2"
+        in experiment.capacity_rule_check(routing, 3, 2).hint
+    )
+
+
+@exercise_test
+@pytest.mark.parametrize("top_k, capacity_factor, groups", [(2, None, 1), (2, 1.0, 2), (1, 0.5, 4)])
+def test_the_layer_equals_the_reference_layer(top_k, capacity_factor, groups):
+    """Your ``MoELayer`` against the reference the MoE runs are checked with
+    (``ReferenceMoELayer``): the same weights from the same seed (the same parameter names), the
+    same outputs, drops, aux loss and gradients."""
+    moe = MoEConfig(n_experts=8, top_k=top_k, capacity_factor=capacity_factor)
+    ours = _layer(moe, groups=groups)
+    ref = init_weights(ReferenceMoELayer(experiment.LAYER_CFG, moe, groups=groups), 0)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    x = torch.randn(
+        groups, 32, experiment.LAYER_CFG.n_embd, generator=torch.Generator().manual_seed(1)
+    )
+    outputs = []
+    for layer in (ours, ref):
+        with torch.no_grad():
+            layer.router.weight.mul_(5)  # confident routing: real drops
+        y = layer(x)
+        (y.pow(2).sum() + layer.aux_loss).backward()
+        outputs.append(y.detach())
+    assert torch.equal(ours.routing["keep"], ref.routing["keep"])
+    assert capacity_factor is None or not ref.routing["keep"].all()
+    assert (outputs[0] - outputs[1]).abs().max() <= TOL * outputs[1].abs().max()
+    assert ours.aux_loss.item() == pytest.approx(ref.aux_loss.item(), rel=TOL)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() <= TOL * q.grad.abs().max(), name

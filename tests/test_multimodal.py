@@ -75,6 +75,17 @@ def test_data_parallel_whole_model(nproc, zero):
 
 
 @pytest.mark.exercise
+def test_zero3_on_three_ranks_holds_each_ranks_own_share():
+    """3 ranks divide no unit: the flat buffers' padding ends the last rank's shards, and ZeRO-3's
+    optimizer keeps no moments for it, so that rank holds less; the theory's per-rank figure
+    (``labs.theory.zero.held_bytes(..., rank=r)``) says exactly how much."""
+    s = experiment.run(mode="dp", nproc=3, zero=3, batch_size=6, steps=2)
+    assert_matches(s)
+    held = s["theory_state_bytes_per_rank"]
+    assert held[0] == held[1] > held[2] and s["state_bytes_per_rank"] == held
+
+
+@pytest.mark.exercise
 @TENSOR_PARALLEL
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_tensor_parallel_decoder_replicated_encoder(nproc):

@@ -223,6 +223,10 @@ def test_every_lab_runs_under_torchrun(lab, nproc):
 
 @pytest.mark.slow
 def test_under_torchrun_each_rank_is_a_worker():
+    """Each torchrun rank is a worker, and each takes ``--reference`` from the command line: with
+    the learner's stubs (``--impl labs``) for everything else, the ring all-reduce of every rank is
+    the reference's, or the stub would raise (issue 28: the per-exercise choice reaches torchrun's
+    ranks)."""
     proc = run_cli(
         TORCHRUN,
         "--standalone",
@@ -233,7 +237,9 @@ def test_under_torchrun_each_rank_is_a_worker():
         "collectives",
         "--json",
         "--impl",
-        "solutions",
+        "labs",
+        "--reference",
+        "collectives",
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -241,4 +247,5 @@ def test_under_torchrun_each_rank_is_a_worker():
     assert len(summaries) == 1, "only rank 0 prints the summary"
     summary = summaries[0]
     assert summary["nproc"] == 2 and summary["passed"] and summary["matches_reference"]
+    assert summary["impl"] == "labs" and summary["reference_exercises"] == ["collectives"]
     assert checks_ok(summary, "integer sum equals dist.all_reduce", "bytes sent per rank")

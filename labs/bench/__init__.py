@@ -3,6 +3,7 @@
     python -m labs.bench                          # every lab, 4 ranks, 5 steps -> out/bench/
     python -m labs.bench --out docs/bench --impl solutions
     python -m labs.bench --labs zero tp --nproc 2 4 --steps 3
+    python -m labs.bench --labs mesh --reference pipeline_parallel   # your labs, the reference PP
 
 Each configuration of each lab (its declaration's ``bench``: ``LAB.bench`` in
 ``labs.experiments.<lab>``, ``labs.experiments.spec.Bench``) runs the lab's ``run`` with
@@ -354,17 +355,27 @@ def main(argv=None) -> int:
         default=None,
         help="whose exercise code runs (default: the LABS_IMPL switch)",
     )
+    parser.add_argument(
+        "--reference",
+        metavar="EX[,EX...]",
+        default=None,
+        help="the reference for these exercises alone, your code for the rest (default: the"
+        " LABS_REFERENCE switch)",
+    )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per lab run")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     # On a GPU machine, launch's backend choice calls torch.cuda.is_available(), which initialises
     # CUDA here unless it may ask NVML, and forked NCCL ranks could then not initialise it.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    from labs.runtime.impl import implementation, set_implementation
+    from labs.run import use_only_reference
+    from labs.runtime.impl import ReferenceUnavailable, implementation, set_implementation
 
     if args.impl:
         set_implementation(args.impl)
     try:
+        if args.reference is not None:
+            use_only_reference(args.reference)
         rows = run_bench(
             labs=args.labs,
             nprocs=args.nproc,
@@ -374,7 +385,7 @@ def main(argv=None) -> int:
             timeout=args.timeout,
             progress=args.progress,
         )
-    except ValueError as e:
+    except (ValueError, ReferenceUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {

@@ -17,7 +17,9 @@ Which tests run: the tests marked ``exercise`` in ``tests/test_<exercise>.py`` a
 ``labs.grade`` use the same one), with ``LABS_IMPL=labs``: on **your** code, whatever the
 environment says, unless ``--impl`` asks for the reference. ``--reference EX[,EX...]`` (or
 ``LABS_REFERENCE``) runs the reference for those earlier exercises alone, so that a lab can be
-checked before the ones it builds on are written.
+checked before the ones it builds on are written; when tests stop in an earlier exercise's
+unwritten code, the closing lines name it and this option (or, in a student release without its
+reference, what to ask the instructor for).
 
 Each lab has a core part and, in most notebooks, extensions after it (``PARTS`` in the exercise
 module, ``Part:`` in each function's docstring: ``labs.check.parts``). ``--part NAME`` runs the
@@ -242,20 +244,61 @@ def summary(
             "The core passes: the next notebooks can run on your code. The extensions are yours"
             " to write when you have the time."
         )
+    # unwritten functions of earlier exercises the tests ran into, by exercise
+    earlier = _earlier_unwritten(name, unwritten) if impl == "labs" and unwritten else {}
     if status == 0:
         what = "this exercise" if part is None else f"part {part}"
         lines.append(f"PASS: every check of {what} passes.")
     elif status == 3:
-        lines.append(
-            f"Not written yet in {module}: {', '.join(unwritten)}. Each docstring is the task; "
-            f"write them, then run `python -m labs.check {name}` again."
-        )
+        own = [f for f in unwritten if not any(f in fs for fs in earlier.values())]
+        if own:
+            lines.append(
+                f"Not written yet in {module}: {', '.join(own)}. Each docstring is the task; "
+                f"write them, then run `python -m labs.check {name}` again."
+            )
     else:
         lines.append(
             f"FAIL: edit {module} (read the reasons and hints above), then re-run the "
             f"notebook's check cell or `python -m labs.check {name}`."
         )
+    lines += [_waiting_on(name, exercise, functions) for exercise, functions in earlier.items()]
     return lines
+
+
+def _earlier_unwritten(name: str, functions: list[str]) -> dict[str, list[str]]:
+    """The unwritten ``functions`` the tests of ``name`` met in earlier exercises, by exercise:
+    those still raising the stub's NotImplementedError in ``labs/<earlier>.py`` (read from the
+    files) and not in ``labs/<name>.py``."""
+    from labs.runtime.impl import builds_on
+    from labs.runtime.prerequisites import unwritten
+
+    own = set(unwritten(name))
+    out = {}
+    for earlier in builds_on(name):
+        found = [f for f in functions if f in set(unwritten(earlier)) and f not in own]
+        if found:
+            out[earlier] = found
+    return out
+
+
+def _waiting_on(name: str, earlier: str, functions: list[str]) -> str:
+    """What to do when the tests of ``name`` stop in earlier exercise ``earlier``."""
+    from labs.runtime.prerequisites import reference_available
+
+    head = (
+        f"Waiting on an earlier exercise, labs/{earlier}.py ({', '.join(functions)} not written"
+        " yet):"
+    )
+    if reference_available(earlier):
+        return (
+            f"{head} check {name} on its reference with `python -m labs.check {name} --reference"
+            f" {earlier}`, or write it (`python -m labs.check {earlier}`)."
+        )
+    return (
+        f"{head} its reference is not in this copy of the course; write it (`python -m"
+        f" labs.check {earlier}`), or ask your instructor to reveal it (python -m labs.release"
+        f" OUT --reveal {earlier})."
+    )
 
 
 def check(

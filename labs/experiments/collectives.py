@@ -59,6 +59,7 @@ LAB = Lab(
     name="collectives",
     notebook="00_setup_and_collectives",
     exercises=("collectives",),
+    reference=("coded_tensor", "decode", "expected_sends"),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 1, "numel": 1200},  # N = 2, 3, 4 divide it

@@ -142,16 +142,18 @@ def course_spec(cfg) -> ModelSpec:
 def new_summary(lab: str, *, nproc: int, backend: str, steps: int, **details) -> RunSummary:
     """A summary of ``lab`` (contract figures None until the experiment fills them in).
     ``backend``: the one the ranks reported (``launch(...).backend``); ``details``: the lab's
-    own figures."""
-    from labs.runtime.impl import implementation
+    own figures, after ``reference_exercises`` (the exercises whose reference stood in for the
+    learner's, ``LABS_REFERENCE``) when there are any."""
+    from labs.runtime.impl import implementation, reference_exercises
 
+    stand_ins = list(reference_exercises())  # LABS_REFERENCE: said only when set
     return RunSummary(
         lab=lab,
         nproc=nproc,
         backend=backend,
         impl=implementation(),
         steps=steps,
-        details=dict(details),
+        details={**({"reference_exercises": stand_ins} if stand_ins else {}), **details},
     )
 
 

@@ -363,6 +363,7 @@ LAB = Lab(
     name="cp",
     notebook="06_context_parallel",
     exercises=("context_parallel",),
+    reference=("reference_attention",),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2},

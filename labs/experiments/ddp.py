@@ -111,6 +111,7 @@ LAB = Lab(
     name="ddp",
     notebook="02_data_parallel",
     exercises=("ddp",),
+    reference=("build",),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2, "variant": "all"},

@@ -142,10 +142,14 @@ def hf_generation(hf, prompts, new_tokens: int) -> Greedy:
     each step's top-two margin. No token ends a sequence: bytes have no end-of-sequence token
     (``LlamaConfig``'s default ``eos_token_id=2`` is byte 0x02, and ``min_new_tokens`` would instead
     forbid that byte)."""
-    idx, valid = exercise("inference").left_pad(prompts, new_tokens=new_tokens)
+    # left-padded to the longest prompt with pad id 0, here and not with the exercise's left_pad:
+    # the reference shares no code with the learner's
+    longest = max(len(p) for p in prompts)
+    idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts])  # [B, T0]
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])  # [B, T0]
     out = hf.generate(
         input_ids=idx,
-        attention_mask=valid[:, : idx.shape[1]].long(),
+        attention_mask=mask,
         max_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=0,
@@ -418,6 +422,7 @@ LAB = Lab(
     notebook="09_inference",
     exercises=("inference",),
     builds_on=("tensor_parallel", "pipeline_parallel"),
+    reference=("full_model", "no_cache_generation", "hf_generation"),
     options=Options,
     ranks=2,
     small_run={"nproc": 2, "steps": 1, "mode": "tp", "prompts": 2, "new_tokens": 4},

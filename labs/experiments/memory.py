@@ -18,21 +18,25 @@ so per-rank memory is that of one replica) for ``steps`` steps in every configur
   our hook); ``selective`` uses torch's selective checkpointing with a policy that keeps matmul
   and attention-kernel outputs, which :class:`SaveMatmuls` counts as it keeps them.
 
-bf16-mixed, by hand (Micikevicius et al. 2018): a bf16 copy of the model computes forward and
-backward; the optimizer owns fp32 master weights, steps on them with the bf16 gradients cast
-to fp32, and the bf16 copy is refreshed from them. With ``fp32_grad_accum`` each master weight
-keeps a persistent fp32 gradient buffer the bf16 gradients are added into (Megatron's main_grad).
+bf16-mixed, by hand (Micikevicius et al. 2018): a bf16 copy of the model (the fp32 weights rounded
+once) computes forward and backward; the optimizer owns fp32 master weights (fp32 copies of it),
+steps on them with the bf16 gradients cast to fp32, and the bf16 copy is refreshed from them.
+With ``fp32_grad_accum`` each master weight keeps a persistent fp32 gradient buffer the bf16
+gradients are added into (Megatron's main_grad).
 
 Checks: bytes equal the calculator's exactly on CPU (tolerance 0: the formula lists every saved
-tensor, so any other tolerance would hide a missed one; a 4-byte scalar is visible); fp32 losses
-equal the single-process reference (bit for bit on one rank), bf16 ones within its tolerance;
+tensor, so any other tolerance would hide a missed one; a 4-byte scalar is visible); each
+precision against the single-process reference under the same precision (``reference_run``:
+fp32, or ``train_reference(mixed=...)`` with this lab's bf16-mixed policy): the losses, the
+gradients the optimizer is handed at every step (a gradient left over from the step before, such
+as an fp32 accumulation buffer never zeroed, shows from step 2 on), the parameters (the fp32
+masters) after the last step, by the tolerance table's rules (bit for bit on one rank in fp32);
 recomputation changes no loss (bit for bit); the gradient all-reduce sends 2(N-1)/N x grad bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections import Counter
 
@@ -58,8 +62,10 @@ from labs.theory.activations import RECOMPUTE, playbook_layer_bytes
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.memory import memory_per_rank
 from labs.train import (
+    MixedPrecision,
     TrainConfig,
     compare_losses,
+    data_for,
     make_optimizer,
     rule,
     train_reference,
@@ -180,13 +186,19 @@ def measure_rank(
     deterministic_algorithms()
     model = build_model(model_cfg, seed=train_cfg.seed, device=device)
     master = None
-    if precision == "bf16-mixed":  # the fp32 weights become the master copy; a bf16 copy computes
-        master = list(model.parameters())
-        model = copy.deepcopy(model).to(torch.bfloat16)
+    if precision == "bf16-mixed":
+        # a bf16 copy computes (the fp32 weights rounded once); the optimizer steps fp32 masters of
+        # it, as the mixed-precision reference does (labs.train.reference)
+        model = model.to(torch.bfloat16)
+        master = [p.detach().float() for p in model.parameters()]
         if fp32_grad_accum:
             for p in master:
                 p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(master or model.parameters(), train_cfg)
+    names = [n for n, _ in model.named_parameters()]
+    holders = master if master is not None else list(model.parameters())  # what the optimizer steps
+    step_grads = []  # per step: the gradients the optimizer is handed, by name
+    step_weights = []  # per step: the weights its forward computes with, by name
     losses = []
     out = {}
     timer = StepTimer(device)
@@ -202,6 +214,7 @@ def measure_rank(
         x = x.to(device)
         y = y.to(device)
         last = step == train_cfg.steps - 1
+        step_weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
         with timer.step():
             loss, act_bytes, regions = saved_activations(model, x, y, recompute=recompute)
             loss.backward()
@@ -209,8 +222,6 @@ def measure_rank(
                 for p in model.parameters():  # data parallel: average the gradients over the ranks
                     dist.all_reduce(p.grad)
                     p.grad /= world
-            if step == 0:  # the averaged gradients of step 1, as the optimizer receives them
-                first_grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
             if master is not None and fp32_grad_accum:
                 for p32, p in zip(master, model.parameters()):
                     p32.grad.add_(p.grad)
@@ -234,6 +245,7 @@ def measure_rank(
                 for p32, p in zip(master, model.parameters()):
                     if not fp32_grad_accum:
                         p32.grad = p.grad.float()  # transient fp32 gradient for the optimizer step
+            step_grads.append({n: q.grad.float().clone() for n, q in zip(names, holders)})
             optimizer.step()
             if master is not None:
                 with torch.no_grad():
@@ -248,13 +260,14 @@ def measure_rank(
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         report_progress()
-    names = [n for n, _ in model.named_parameters()]
-    final = master if master is not None else list(model.parameters())  # fp32 masters, if any
     return {
         **out,
         "losses": losses,
-        "first_grads": first_grads,
-        "params": {n: p.detach().float().clone() for n, p in zip(names, final)},
+        "first_grads": step_grads[0],  # the averaged gradients of step 1
+        "step_grads": step_grads,
+        "step_weights": step_weights,
+        # the fp32 masters, if any
+        "params": {n: p.detach().float().clone() for n, p in zip(names, holders)},
         "step_time_s": timer.step_time(),
         "device": device.type,
     }
@@ -321,6 +334,7 @@ LAB = Lab(
     name="memory",
     notebook="01_memory_anatomy",
     exercises=("activations",),
+    reference=("reference_run", "reference_step_grads"),
     options=Options,
     ranks=1,
     small_run={"nproc": 2, "steps": 2},
@@ -362,8 +376,14 @@ def run(
         progress=steps * len(configs),
         desc="steps",
     )
-    ref = train_reference(model_cfg, train_cfg, dp=nproc, return_grads=True)
-    reference = ref.losses
+    refs = {p: reference_run(model_cfg, train_cfg, p, dp=nproc) for p in o.precisions}
+    # per precision, the reference's gradients at the run's own weights of every step
+    step_refs = {
+        p: reference_step_grads(
+            model_cfg, train_cfg, p, per_rank[0][configs.index((p, o.recomputes[0]))], dp=nproc
+        )
+        for p in o.precisions
+    }
     spec = course_spec(model_cfg)
     b = train_cfg.per_rank_batch(nproc)
     # bytes to the byte on gloo; 5% on GPUs (the table's "activation_bytes" rule says why)
@@ -401,7 +421,10 @@ def run(
         row["activation_rel_diff"] = abs(
             row["measured"]["activation_bytes"] / row["predicted"]["activation_bytes"] - 1
         )
-        row["max_rel_loss_diff"] = compare_losses(row["losses"], reference)["max_rel_loss_diff"]
+        row["reference_losses"] = refs[precision].losses
+        row["max_rel_loss_diff"] = compare_losses(row["losses"], row["reference_losses"])[
+            "max_rel_loss_diff"
+        ]
         rows.append(row)
     first = rows[0]
     summary = new_summary(
@@ -416,7 +439,7 @@ def run(
         model=dataclasses.asdict(model_cfg),
         activation_tolerance=act_tol,
     )
-    fill_losses(summary, first["losses"], reference)
+    fill_losses(summary, first["losses"], first["reference_losses"])
     summary.update(
         state_bytes_per_rank=[sum(r[0][k] for k in STATE_KEYS) for r in per_rank],
         theory_state_bytes_per_rank=sum(first["predicted"][k] for k in STATE_KEYS),
@@ -429,8 +452,60 @@ def run(
             for r in rows
         ),
     )
-    summary.add_checks(memory_checks(per_rank, configs, rows, ref, summary, act_tol=act_tol))
+    summary.add_checks(
+        memory_checks(
+            per_rank,
+            configs,
+            rows,
+            refs,
+            summary,
+            act_tol=act_tol,
+            accum=o.fp32_grad_accum,
+            step_refs=step_refs,
+        )
+    )
     return summary
+
+
+# bf16-mixed here: a bf16 copy computes, its gradients are all-reduced in bf16 (the all-reduce bytes
+# check counts 2 bytes per element), the fp32 masters step
+BF16_MIXED = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+def reference_run(model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str, *, dp: int):
+    """The reference of one precision: single-process training on the same global batches, fp32,
+    or under this lab's bf16-mixed policy (``BF16_MIXED``: ``train_reference(mixed=...)``, one
+    backward per rank's slice, the slices' bf16 gradients summed, fp32 masters and AdamW), with
+    every step's gradients (``every_step_grads``)."""
+    mixed = BF16_MIXED if precision == "bf16-mixed" else None
+    return train_reference(model_cfg, train_cfg, dp=dp, return_grads=True, mixed=mixed)
+
+
+def reference_step_grads(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, precision: str, run: dict, *, dp: int
+) -> list[dict]:
+    """Per step k, the gradients the reference of ``precision`` is handed at the weights the run
+    computed step k with (``run["step_weights"][k]``, one rank's) on step k's global batch: one
+    step of ``train_reference`` from those weights. A drift of the weights (AdamW, rounding) then
+    cannot hide or fake a wrong gradient at a later step: only the gradient's own computation,
+    averaging and handing over are compared, step after step."""
+    mixed = BF16_MIXED if precision == "bf16-mixed" else None
+    one_step = dataclasses.replace(train_cfg, steps=1)
+    out = []
+    for weights, batch in zip(run["step_weights"], data_for(train_cfg, dp)):
+        model = build_model(model_cfg, dtype=DTYPES[precision])
+        model.load_state_dict(weights)
+        ref = train_reference(
+            model_cfg,
+            one_step,
+            dp=dp,
+            model=model,
+            batches=[batch],
+            return_grads=True,
+            mixed=mixed,
+        )
+        out.append(ref.grads)
+    return out
 
 
 # --- the verdict ----------------------------------------------------------------------------------
@@ -444,12 +519,24 @@ RECOMPUTE_HINTS = {
 }
 
 
-def memory_checks(per_rank, configs, rows, ref, summary, *, act_tol: float) -> list:
-    """Per precision: losses and every rank's gradients after step 1 against the fp32 reference
-    (the bf16 tolerance for bf16-mixed), and in fp32 the parameters after the last step; per
-    configuration: the
-    state bytes and the saved activations against the calculator (on every rank), the gradients'
-    all-reduces call by call; recomputation changes no loss."""
+def memory_checks(
+    per_rank,
+    configs,
+    rows,
+    refs,
+    summary,
+    *,
+    act_tol: float,
+    accum: bool = False,
+    step_refs: dict,
+) -> list:
+    """Per precision, against that precision's reference (``refs[precision]``: ``reference_run``):
+    losses, every rank's gradients after step 1, the parameters (fp32 masters) after the last step,
+    and the gradients handed to the optimizer at every step against the reference's at the same
+    weights (``step_refs[precision]``: ``reference_step_grads``); per configuration: the state
+    bytes and the saved activations against the calculator (on every rank), the gradients'
+    all-reduces call by call; recomputation changes no loss. ``accum``: the run kept fp32
+    gradient-accumulation buffers (bf16-mixed)."""
     from labs.experiments.checks import Check, calls_check, compare_values, training_checks
 
     backend = summary["backend"]
@@ -461,15 +548,14 @@ def memory_checks(per_rank, configs, rows, ref, summary, *, act_tol: float) -> l
         prefix = f"{precision}/{recompute}: "
         if precision not in seen:
             seen.add(precision)
+            ref = refs[precision]
+            mixed = precision != "fp32"
             checks += training_checks(
                 losses=row["losses"],
                 reference_losses=ref.losses,
                 grads=[m["first_grads"] for m in measured],
                 reference_grads=ref.grads,
-                # bf16-mixed against the fp32 reference: AdamW turns the bf16 rounding of a
-                # near-zero gradient into a whole step of lr, so its parameters are compared
-                # through the losses (the tolerance table has no rule for it)
-                params=[m["params"] for m in measured] if precision == "fp32" else None,
+                params=[m["params"] for m in measured],
                 reference_params=ref.params,
                 dtype=DTYPES[precision],
                 backend=backend,
@@ -477,6 +563,18 @@ def memory_checks(per_rank, configs, rows, ref, summary, *, act_tol: float) -> l
                 prefix=prefix,
                 first_step_hint="the loss differs at step 1: the forward (and its bf16 copy of "
                 "the weights) is not the reference's",
+                mixed=mixed,
+            )
+            grad_rule = rule("mixed_grad" if mixed else "value", DTYPES[precision], backend)
+            checks.append(
+                step_grads_check(
+                    f"{prefix}gradients at every step",
+                    [m["step_grads"] for m in measured],
+                    step_refs[precision],
+                    tolerance=grad_rule.rel,
+                    world_size=n,
+                    accum=accum and mixed,
+                )
             )
         checks.append(
             _list_check(
@@ -521,6 +619,65 @@ def memory_checks(per_rank, configs, rows, ref, summary, *, act_tol: float) -> l
         )
     )
     return checks
+
+
+def step_grads_check(
+    name: str,
+    per_rank: list[list[dict]],
+    reference: list[dict],
+    *,
+    tolerance: float,
+    world_size: int,
+    accum: bool = False,
+):
+    """The gradients the optimizer was handed at every step, on every rank (``per_rank[r][k]``, by
+    name), against the reference's at the same weights (``reference[k]``:
+    ``reference_step_grads``). A first difference at step k > 1 where this run's step-k gradient
+    is the reference's plus its own step k-1 gradient is a gradient left over from the step
+    before, and the hint says so (``accum``: the fp32 gradient-accumulation buffer)."""
+    from labs.experiments.checks import Check, compare_tensors
+
+    worst = None
+    for rank, steps in enumerate(per_rank):
+        for k, (got, want) in enumerate(zip(steps, reference)):
+            c = compare_tensors(
+                name,
+                got,
+                want,
+                tolerance=tolerance,
+                where=f"rank {rank}, step {k + 1}",
+                world_size=world_size,
+                what="gradients",
+            )
+            if c.ok:
+                worst = c if worst is None or c.measured > worst.measured else worst
+                continue
+            if k == 0:
+                return c  # the scale-read hint of a wrong step 1 (the check after step 1's too)
+            left_over = {n: steps[k][n] - steps[k - 1][n] for n in want}
+            if compare_tensors(name, left_over, want, tolerance=tolerance).ok:
+                what = (
+                    "the fp32 gradient-accumulation buffer (Megatron's main_grad) was never zeroed"
+                    " after the optimizer step: zero it (p32.grad.zero_()) once the step is taken,"
+                    " so that each step's buffer holds that step's gradients only"
+                    if accum
+                    else "the gradients are not zeroed between steps"
+                )
+                hint = (
+                    f"step {k + 1}'s gradients are the reference's plus this run's step {k}"
+                    f" gradients: {what}"
+                )
+            else:
+                hint = (
+                    f"step 1's gradients match and step {k + 1}'s do not, at the same weights:"
+                    " what reaches the optimizer at a later step is not that step's averaged"
+                    " gradient (zeroed, summed over the ranks, divided by the world size, cast to"
+                    " fp32 for the masters)"
+                )
+            return dataclasses.replace(c, hint=hint)
+    if worst is None:
+        return Check(name, False, "none", "every step's", hint="no gradients were recorded")
+    return dataclasses.replace(worst, where=f"{len(per_rank)} ranks, {len(reference)} steps")
 
 
 def _list_check(name: str, per_rank: list[list[int]], expected: list[int], *, hint: str):

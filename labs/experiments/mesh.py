@@ -14,6 +14,8 @@ Checks, on ``nproc`` ranks (a tiny course model, a few steps, fp32 on gloo):
 * gradients after step 1: what ZeRO averaged over dp·cp, reassembled from the TP shards and the PP
   stages, equals the reference's gradient by name (AdamW divides each gradient by its own size, so a
   gradient off by a constant factor would leave the losses unchanged: only this check sees it);
+* positions (with CP): the rotary positions each CP rank's model is called with are those of its
+  zig-zag tokens (chunks c and 2·cp−1−c of 0..T−1, notebook 06);
 * bytes: each rank's ledger, split by the group each collective ran on, equals each lab's theory:
   tp ``labs.theory.tensor_parallel.collectives``, cp
   ``labs.theory.context_parallel.ring_bytes_per_rank``, pp one activation [B/dp/M, T, H] per
@@ -166,6 +168,25 @@ def torch_mesh_ranks(dims: ParallelDims) -> dict[str, list[int]]:
     return out
 
 
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
+    """The rotary positions of CP rank ``rank``'s tokens under the zig-zag split: chunks ``rank``
+    and 2·cp−1−``rank`` of the 2·cp chunks of 0..T−1 (notebook 06), in that order."""
+    size = seq_len // (2 * cp)
+    return [i for c in (rank, 2 * cp - 1 - rank) for i in range(c * size, (c + 1) * size)]
+
+
+def record_positions(module: torch.nn.Module) -> tuple[list, object]:
+    """(a list that collects the ``positions`` of each call of ``module``, as a list of ints or
+    None when the call passed none; the hook's handle): what the learner's step fed the model."""
+    seen = []
+
+    def hook(_, args, kwargs):
+        positions = kwargs.get("positions", args[2] if len(args) > 2 else None)
+        seen.append(None if positions is None else positions.tolist())
+
+    return seen, module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def worker(
     degrees: dict, model_cfg: ModelConfig, cfg: TrainConfig, zero: int, microbatches: int | None
 ) -> dict:
@@ -182,12 +203,15 @@ def worker(
     timer = StepTimer()
     # saved activations: one peak per step without PP (1F1B's changes with the schedule)
     saved = SavedActivations(exclude=c.module) if dims.pp == 1 else nullcontext()
+    positions, hook = record_positions(c.module) if dims.pp == 1 else ([], None)
     for step, (x, y) in enumerate(data_for(cfg, dims.dp)):
         measured = ledger if step == 0 else nullcontext()
         meter = saved if step == 0 else nullcontext()
         with timer.step(), measured, meter:
             losses.append(lab.train_step(c, x, y))
         report_progress()
+    if hook is not None:
+        hook.remove()
     units = [u for u, _ in probe.shards or []]
     if units:
         numels = [u.numel for u in units]
@@ -215,6 +239,7 @@ def worker(
         "held": probe.held,
         "theory_held": theory_held,
         "activation_bytes": getattr(saved, "bytes", None),
+        "positions": positions[0] if positions else "no forward seen",
         "step_time_s": timer.step_time(),
     }
 
@@ -469,6 +494,9 @@ def mesh_checks(per_rank, ref, s: RunSummary, *, dims, model_cfg, cfg) -> list:
             against="torch",
         )
     ]
+    positions = positions_check(per_rank, dims, cfg.seq_len)
+    # the cause the run measured, when there is one: the positions a CP rank's model was given
+    cause = positions.hint if positions is not None and not positions.ok else ""
     checks += training_checks(
         losses=s["losses"],
         reference_losses=ref.losses,
@@ -489,12 +517,16 @@ def mesh_checks(per_rank, ref, s: RunSummary, *, dims, model_cfg, cfg) -> list:
         }
         if dims.dp * dims.cp > 1
         else None,
-        first_step_hint="the composed model's loss differs at step 1: each DP rank takes its own "
+        first_step_hint=cause
+        or "the composed model's loss differs at step 1: each DP rank takes its own "
         "B/dp rows of the global batch, CP its zig-zag tokens, and the layers are the earlier "
         "labs' (TP with SP without PP; with PP, whole logits from the head)",
-        grad_hint="the gradients of the composed model differ: ZeRO averages them over dp_cp, the "
+        grad_hint=cause
+        or "the gradients of the composed model differ: ZeRO averages them over dp_cp, the "
         "ranks that hold the same weights (dp and cp), and only there",
     )
+    if positions is not None:
+        checks.append(positions)
     holders = {n_ for r in per_rank if r["grads"] is not None for n_ in r["grads"]}
     checks.append(
         Check(
@@ -551,6 +583,53 @@ def mesh_checks(per_rank, ref, s: RunSummary, *, dims, model_cfg, cfg) -> list:
         )
     )
     return checks
+
+
+def positions_check(per_rank: list[dict], dims, seq_len: int):
+    """With CP (and no PP): the rotary positions each rank's model was called with at step 1
+    against its zig-zag tokens' (``zigzag_positions``); None without CP. A failure names what the
+    model got: no positions (it then numbers its T/cp tokens from 0), or others."""
+    from labs.experiments.checks import Check
+
+    if dims.cp == 1 or dims.pp > 1:
+        return None
+    name = "CP positions fed to the model"
+    for r in per_rank:
+        c = r["coords"]["cp"]
+        want = zigzag_positions(seq_len, dims.cp, c)
+        got = r["positions"]
+        if got == want:
+            continue
+        if got is None or got == list(range(len(want))):
+            hint = (
+                f"rank {r['rank']} (cp {c}) called its model without its tokens' positions, so the"
+                f" rotary embedding numbered its T/cp tokens 0..{len(want) - 1} as if they opened"
+                f" the sequence; they are zig-zag chunks {c} and {2 * dims.cp - 1 - c}, at"
+                f" positions {want[0]}.. and {want[len(want) // 2]}..: pass shard_inputs'"
+                " positions on (module(tokens, targets, positions))"
+            )
+        elif isinstance(got, list) and sorted(got) == sorted(want):
+            hint = (
+                f"rank {r['rank']} (cp {c}) gave its model its tokens' positions in another order"
+                " than the tokens: split the positions exactly as the tokens (shard_inputs)"
+            )
+        else:
+            hint = (
+                f"rank {r['rank']} (cp {c}) gave its model the positions of other tokens than it"
+                f" holds: its tokens are zig-zag chunks {c} and {2 * dims.cp - 1 - c} of the"
+                " sequence (shard_inputs splits tokens, targets and positions alike)"
+            )
+        shown = got if not isinstance(got, list) else got[:4] + (["..."] if len(got) > 4 else [])
+        return Check(
+            name,
+            False,
+            shown,
+            want[:4] + ["..."],
+            where=f"rank {r['rank']} (cp {c}), step 1",
+            hint=hint,
+            against="theory",
+        )
+    return Check(name, True, "zig-zag", "zig-zag", where=f"{len(per_rank)} ranks", against="theory")
 
 
 def expected_calls(r: dict, dims, model_cfg, cfg) -> list[tuple[str, str, float]]:

@@ -11,19 +11,24 @@ MoE and the theory.
 The reference (see ``solutions/expert_parallel.py``): on ``nproc`` data-parallel ranks, each with
 its own tokens, the EP run must equal the single-process MoE on the concatenated global batch with
 one routing group per rank (``groups=nproc``): capacity C = ceil(cf·k·N/E) with N a rank's tokens,
-and the aux loss per group, averaged. EP groups are ``ep`` consecutive ranks; ranks holding the same
-experts (every ep-th rank) average the experts' gradients (``labs.theory.moe.ep_rank_groups``).
+and the aux loss per group, averaged. That single-process MoE is ``labs.models.moe``'s
+``ReferenceMoELayer``, written apart from the exercise (``reference_run``, ``layer_reference``):
+a mistake in the learner's ``MoELayer`` cannot move the reference with it. EP groups are ``ep``
+consecutive ranks; ranks holding the same experts (every ep-th rank) average the experts'
+gradients (``labs.theory.moe.ep_rank_groups``).
 
 Checks: losses of every step and gradients of the first step (router, experts, the rest) within 1e-5
-relative (fp32); the bytes the ledger counts in each layer's dispatch and combine all-to-alls equal
-the rows the routing decisions send off the rank × H × 4; gradient all-reduce bytes and state bytes
-per rank equal ``labs.theory``. PyTorch has no expert-parallel layer to time against; the
-single-process layer is compared with ``transformers``' ``MixtralSparseMoeBlock`` in the tests
-instead.
+relative (fp32); the pairs each rank's layers kept at step 1 against the capacity rule applied to
+the pairs they chose (``keep_within_capacity``); the bytes the ledger counts in each layer's
+dispatch and combine all-to-alls equal the rows the routing decisions send off the rank × H × 4;
+gradient all-reduce bytes and state bytes per rank equal ``labs.theory``. PyTorch has no
+expert-parallel layer to time against; the exercise's single-process layer is compared with
+``transformers``' ``MixtralSparseMoeBlock`` (in the run and in the tests) instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -37,7 +42,13 @@ from labs.experiments.common import RunSummary, course_spec, fill_losses, new_su
 from labs.experiments.spec import Lab, option
 from labs.measure import CommLedger, state_bytes
 from labs.measure.timing import StepTimer
-from labs.models.moe import MoEConfig, build_moe_model, swap_mlp
+from labs.models.moe import (
+    MoEConfig,
+    ReferenceMoELayer,
+    build_moe_model,
+    keep_within_capacity,
+    swap_mlp,
+)
 from labs.models.transformer import ModelConfig, count_params, init_weights
 from labs.runtime.device import one_thread, rank_device
 from labs.runtime.impl import exercise
@@ -87,6 +98,11 @@ def routing_counts(layer, n_experts: int) -> dict:
         "chosen": torch.bincount(chosen.flatten(), minlength=n_experts).tolist(),
         "kept": torch.bincount(chosen[keep], minlength=n_experts).tolist(),
     }
+
+
+def routing_of(layer) -> dict:
+    """A layer's last routing, ``chosen`` and ``keep`` [N, k], on the CPU (for the parent)."""
+    return {k: layer.routing[k].cpu() for k in ("chosen", "keep")}
 
 
 def _a2a_total(rank_bytes: dict) -> float:
@@ -251,6 +267,7 @@ def layer_worker(
         "grads": {n: p.grad for n, p in layer.named_parameters()},
         "experts": list(layer.experts),
         "counts": routing_counts(layer, moe.n_experts),
+        "routing": [routing_of(layer)],
         "forward_a2a": _a2a_bytes(ledger, "forward"),
         "backward_a2a": _a2a_bytes(ledger, "backward"),
     }
@@ -285,21 +302,15 @@ def layer_check(
         backend=backend,
         timeout=timeout,
     )
-    with one_thread():
-        ref = init_weights(exercise("expert_parallel").MoELayer(LAYER_CFG, moe, groups=nproc), seed)
-        x_all, dy_all = _layer_inputs(LAYER_CFG, nproc, tokens_per_rank, seed)
-        x_ref = x_all.clone().requires_grad_()
-        y_ref = ref(x_ref)
-        objective = (y_ref * dy_all).sum() / nproc + ref.aux_loss  # the mean of the ranks'
-        objective.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref = layer_reference(moe, nproc=nproc, tokens_per_rank=tokens_per_rank, seed=seed)
+    ref_grads = ref["grads"]
     grad_diffs = [
         max(max_rel_diff(g, ref_grads[n]) for n, g in r["grads"].items()) for r in per_rank
     ]
     router_diff = max(
         max_rel_diff(r["grads"]["router.weight"], ref_grads["router.weight"]) for r in per_rank
     )
-    keep_ref = ref.routing["keep"].view(nproc, tokens_per_rank, top_k)
+    keep_ref = ref["keep"].view(nproc, tokens_per_rank, top_k)
     result = {
         "ep": ep,
         "nproc": nproc,
@@ -307,20 +318,18 @@ def layer_check(
         "top_k": top_k,
         "capacity_factor": capacity_factor,
         "tokens_per_rank": tokens_per_rank,
-        "capacity": ref.capacity(tokens_per_rank),
-        "max_rel_output_diff": max_rel_diff(
-            torch.stack([r["y"] for r in per_rank]), y_ref.detach()
-        ),
+        "capacity": ref["capacity"],
+        "max_rel_output_diff": max_rel_diff(torch.stack([r["y"] for r in per_rank]), ref["y"]),
         "max_rel_input_grad_diff": max_rel_diff(
-            torch.stack([r["x_grad"] for r in per_rank]), x_ref.grad * nproc
+            torch.stack([r["x_grad"] for r in per_rank]), ref["x_grad"] * nproc
         ),
         "max_rel_grad_diff": max(grad_diffs),
         "max_rel_router_grad_diff": router_diff,
         "aux_loss": sum(r["aux"] for r in per_rank) / nproc,
-        "reference_aux_loss": ref.aux_loss.item(),
+        "reference_aux_loss": ref["aux"],
         "same_drops": all(torch.equal(r["keep"], keep_ref[i]) for i, r in enumerate(per_rank)),
-        "dropped_pairs": int((~ref.routing["keep"]).sum()),
-        "pairs": ref.routing["keep"].numel(),
+        "dropped_pairs": int((~ref["keep"]).sum()),
+        "pairs": ref["keep"].numel(),
         "experts_per_rank": [r["experts"] for r in per_rank],
     }
     result.update(
@@ -329,6 +338,28 @@ def layer_check(
     result["checks"] = layer_checks(result, per_rank, ref_grads)
     result["matches_reference"] = matches(result["checks"], "reference")
     return result
+
+
+def layer_reference(moe: MoEConfig, *, nproc: int, tokens_per_rank: int, seed: int) -> dict:
+    """``layer_check``'s reference: ``ReferenceMoELayer`` (``labs.models.moe``, not the exercise's
+    layer) on every rank's tokens at once, one routing group per rank, and the mean of the ranks'
+    objectives. Returns ``y`` [nproc, N, H], ``x_grad``, ``grads`` (by name), ``keep`` [nproc·N,
+    k], ``aux`` and ``capacity`` (a rank's)."""
+    with one_thread():
+        layer = init_weights(ReferenceMoELayer(LAYER_CFG, moe, groups=nproc), seed)
+        x_all, dy_all = _layer_inputs(LAYER_CFG, nproc, tokens_per_rank, seed)
+        x = x_all.clone().requires_grad_()
+        y = layer(x)
+        objective = (y * dy_all).sum() / nproc + layer.aux_loss  # the mean of the ranks'
+        objective.backward()
+    return {
+        "y": y.detach(),
+        "x_grad": x.grad,
+        "grads": {n: p.grad for n, p in layer.named_parameters()},
+        "keep": layer.routing["keep"],
+        "aux": layer.aux_loss.item(),
+        "capacity": layer.capacity(tokens_per_rank),
+    }
 
 
 def layer_verdict(result: dict) -> str:
@@ -386,6 +417,9 @@ def layer_checks(result: dict, per_rank: list[dict], ref_grads: dict) -> list:
             hint="capacity is decided per group (a rank's tokens): every first choice in token "
             "order before any second choice, at most C pairs per expert",
             against="reference",
+        ),
+        capacity_rule_check(
+            [r["routing"] for r in per_rank], result["experts"], result["capacity"]
         ),
     ]
     for phase in ("forward", "backward"):
@@ -502,6 +536,7 @@ def train_worker(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, ep: int) 
                         if b
                     ],
                     counts=[routing_counts(layer, moe.n_experts) for layer in model.moe_layers()],
+                    routing=[routing_of(layer) for layer in model.moe_layers()],
                     forward_a2a=_a2a_bytes(ledger, "forward"),
                     backward_a2a=_a2a_bytes(ledger, "backward"),
                     grad_sync_bytes=ledger.sent_bytes("all_reduce", "grad_sync"),
@@ -568,6 +603,7 @@ LAB = Lab(
     name="moe",
     notebook="07_mixture_of_experts",
     exercises=("expert_parallel",),
+    reference=("reference_run", "layer_reference"),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2},
@@ -606,11 +642,7 @@ def run(
         progress=steps,
         desc="MoE steps",
     )
-    ref_model = build_moe_model(
-        cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=o.seed, groups=nproc
-    )
-    n_params = count_params(ref_model)
-    ref = train_reference(cfg, train, dp=nproc, model=ref_model, return_grads=True)
+    ref, n_params = reference_run(cfg, moe, train, dp=nproc)
     summary = new_summary(
         "moe",
         nproc=nproc,
@@ -668,6 +700,15 @@ def run(
     summary.add_checks(moe_checks(per_rank, ref, summary))
     summary.add_checks(layer_vs_mixtral(mixtral_check(n_experts=4, seed=o.seed)))
     return summary
+
+
+def reference_run(cfg: ModelConfig, moe: MoEConfig, train: TrainConfig, *, dp: int):
+    """The MoE run's reference: the course model with ``ReferenceMoELayer`` in every block (not
+    the exercise's layer), one routing group per data-parallel rank, trained single-process on
+    the global batches (``train_reference``). Returns (the ``ReferenceResult``, its parameter
+    count)."""
+    model = build_moe_model(cfg, moe, layer=ReferenceMoELayer, seed=train.seed, groups=dp)
+    return train_reference(cfg, train, dp=dp, model=model, return_grads=True), count_params(model)
 
 
 # --- the verdict ----------------------------------------------------------------------------------
@@ -756,6 +797,7 @@ def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
     from labs.experiments.checks import Check, calls_check, compare_values, training_checks
 
     n = len(per_rank)
+    ep = summary["ep"]
     checks = training_checks(
         losses=summary["losses"],
         reference_losses=ref.losses,
@@ -768,6 +810,7 @@ def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
         first_step_hint=MOE_FORWARD_HINT,
         grad_hint=routing_hint,
     )
+    checks = [expert_division_diagnosis(c, per_rank, ref.grads, nproc=n, ep=ep) for c in checks]
     for phase in ("forward", "backward"):
         checks.append(
             calls_check(
@@ -789,6 +832,11 @@ def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
             "holding the same experts (expert_dp_group), the rest over all ranks",
             hint="an all-reduce ran on another group than its parameter's: experts over "
             "expert_dp_group, the rest over all ranks",
+        )
+    )
+    checks.append(
+        capacity_rule_check(
+            [r["routing"] for r in per_rank], summary["experts"], summary["capacity"]
         )
     )
     capacity = summary["capacity"]
@@ -815,6 +863,105 @@ def moe_checks(per_rank: list[dict], ref, summary: RunSummary) -> list:
         )
     )
     return checks
+
+
+def keep_token_by_token(chosen: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """The classic mistake's ``keep`` [N, k]: pairs accepted token by token (token 0's k choices,
+    then token 1's, ...) instead of every first choice before any second choice."""
+    n, k = chosen.shape
+    flat = keep_within_capacity(chosen.reshape(n * k, 1), n_experts, capacity)  # [N·k, 1]
+    return flat.view(n, k)
+
+
+def capacity_rule_check(routing: list[list[dict]], n_experts: int, capacity: int | None):
+    """The pairs each rank's MoE layers kept at step 1 (``routing[rank][layer]``: ``chosen`` and
+    ``keep`` [N, k]) against the capacity rule applied to the pairs they chose
+    (``labs.models.moe.keep_within_capacity``, a rank's tokens being one group). A mismatch is
+    diagnosed from the pairs themselves: kept token by token, more than C for an expert, or none
+    dropped."""
+    from labs.experiments.checks import Check
+
+    name = "pairs kept by the capacity rule"
+    where = "every rank and MoE layer, step 1"
+    for rank, layers in enumerate(routing):
+        for i, r in enumerate(layers):
+            chosen, keep = r["chosen"], r["keep"]
+            want = keep_within_capacity(chosen, n_experts, capacity)
+            if torch.equal(keep, want):
+                continue
+            per_expert = torch.bincount(chosen[keep], minlength=n_experts)
+            if capacity is not None and torch.equal(
+                keep, keep_token_by_token(chosen, n_experts, capacity)
+            ):
+                hint = (
+                    "the pairs were kept token by token (token 0's choices, then token 1's, ...):"
+                    " capacity takes every first choice, in token order, before any second choice"
+                    " (GShard's priority), so a later token's first choice beats an earlier"
+                    " token's second. In capacity_keep, order the pairs choice-major (the one-hot's"
+                    " [k, N] order) before the cumulative sum"
+                )
+            elif capacity is not None and int(per_expert.max()) > capacity:
+                hint = (
+                    f"an expert kept {int(per_expert.max())} pairs where its capacity is C ="
+                    f" {capacity}: it keeps slots 0 .. C-1 only (check capacity_keep's comparison)"
+                )
+            elif bool(keep.all()):
+                hint = (
+                    f"every pair was kept though some expert was chosen more than C = {capacity}"
+                    " times: is the capacity applied (capacity_keep, with the layer's capacity)?"
+                )
+            else:
+                hint = (
+                    "other pairs were kept than the capacity rule keeps: per group (a rank's"
+                    " tokens), every first choice in token order, then every second choice, each"
+                    " expert taking its first C pairs"
+                )
+            wrong = int((keep != want).sum())
+            return Check(
+                name,
+                False,
+                f"{wrong} pairs differ",
+                "the rule's",
+                where=f"rank {rank}, layer {i}, step 1, capacity {capacity}",
+                hint=hint,
+                against="reference",
+            )
+    return Check(name, True, "the rule's", "the rule's", where=where, against="reference")
+
+
+def expert_division_diagnosis(check, per_rank: list[dict], ref_grads: dict, *, nproc: int, ep: int):
+    """``check`` (a training check), with its hint replaced when the numbers show expert gradients
+    divided by their own group's size: every expert gradient ep = world / |expert_dp_group| times
+    the reference's, every other gradient right."""
+    from labs.experiments.checks import tensor_scale
+
+    if check.ok or not check.name.startswith("gradients") or nproc == 1:
+        return check
+    expert_scales = []
+    for r in per_rank:
+        for name, g in r["grads"].items():
+            ref = ref_grads.get(name)
+            if g is None or ref is None or not float(ref.abs().max()):
+                continue
+            scale, residual = tensor_scale(g, ref)
+            if ".experts." in name:
+                expert_scales.append((scale, residual))
+            elif max_rel_diff(g, ref) > rule("value", torch.float32).rel * 10:
+                return check  # something else is wrong too
+    group = nproc // ep  # ranks holding the same experts
+    if expert_scales and all(abs(s - ep) < 0.02 * ep and res < 1e-3 for s, res in expert_scales):
+        return dataclasses.replace(
+            check,
+            hint=(
+                f"every expert gradient is {ep}x the reference's (= world size {nproc} / the"
+                f" {group} ranks of its expert_dp_group), every other gradient is right: the"
+                f" experts' sums were divided by the size of the group they were summed over"
+                f" ({group}) instead of the world size ({nproc}). Divide every gradient by the"
+                " world size: each rank's loss is a mean over its own tokens, and the all-to-all"
+                " backward already brought the EP group's tokens into each expert's gradient"
+            ),
+        )
+    return check
 
 
 # --- load balance over a short run ----------------------------------------------------------------

@@ -142,6 +142,7 @@ LAB = Lab(
     notebook="11_multimodal",
     exercises=("multimodal",),
     builds_on=("ddp", "zero", "tensor_parallel", "pipeline_parallel"),
+    reference=("setup.reference_run",),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2, "mode": "pp"},
@@ -498,7 +499,14 @@ def fill_dp(
     s.update(zero=zero, unit_numels=units, comm_bytes_per_rank=[r["sent"] for r in per_rank])
     # DDP is ZeRO stage 0: every rank all-reduces every gradient and holds the whole state
     s["theory_comm_bytes_per_rank"] = zero_theory.comm_bytes(units, stage=zero, dp=nproc)["total"]
-    s["theory_state_bytes_per_rank"] = zero_theory.held_bytes(units, stage=zero, dp=nproc)["total"]
+    if zero == 3:  # rank r's own: its optimizer's moments cover its shard's parameters only
+        s["theory_state_bytes_per_rank"] = [
+            zero_theory.held_bytes(units, stage=3, dp=nproc, rank=r)["total"] for r in range(nproc)
+        ]
+    else:
+        s["theory_state_bytes_per_rank"] = zero_theory.held_bytes(units, stage=zero, dp=nproc)[
+            "total"
+        ]
     if vs_torch:
         s["torch_step_time_s"] = max(r["torch"]["step_time_s"] for r in per_rank)
         s["torch_losses"] = [

@@ -368,6 +368,7 @@ LAB = Lab(
     name="pp",
     notebook="05_pipeline_parallel",
     exercises=("pipeline_parallel",),
+    reference=("reference_run",),
     options=Options,
     ranks=4,
     small_run={

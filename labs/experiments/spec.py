@@ -17,6 +17,7 @@ itself as a :class:`Lab`:
         notebook="02_data_parallel",
         exercises=("ddp",),              # the exercise modules its notebook teaches, in order
         builds_on=(),                    # the earlier exercises its runs call through exercise()
+        reference=("build",),            # its functions that compute what a run is compared with
         options=Options,                 # None: its notebook's lab has no command (notebook 10)
         ranks=4,                         # run()'s world by default; gpu_check: min(GPUs, ranks)
         small_run={"nproc": 2, "steps": 2, "variant": "all"},   # the classic-bug catalogue's
@@ -201,6 +202,12 @@ class Lab:
     notebook: str  # "02_data_parallel": notebooks/<notebook>.ipynb
     exercises: tuple[str, ...]  # the exercise modules its notebook teaches, in the order it does
     builds_on: tuple[str, ...] = ()  # earlier exercises its runs call (through ``exercise(...)``)
+    # The functions that compute what its runs are compared with, beside ``labs.train``'s
+    # ``train_reference`` (which every lab may call): names in its module, "<part>.<name>" in its
+    # part module ``labs.experiments.<name>_<part>``. They, and all they call, never reach an
+    # exercise module, and no call of them is handed anything computed by one
+    # (tests/test_imports.py reads this, statically).
+    reference: tuple[str, ...] = ()
     options: type | None = None  # its Options dataclass; None: no ``labs.run`` command
     ranks: int = 4  # the world ``run`` uses by default; gpu_check runs it at min(GPUs, ranks)
     small_run: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # about a second
@@ -263,6 +270,7 @@ class Listing:
     exercises: tuple[str, ...]
     builds_on: tuple[str, ...]
     command: bool  # it declares options: ``python -m labs.run <name>`` runs it
+    reference: tuple[str, ...] = ()  # ``Lab.reference``
 
 
 def _lab_modules() -> list[tuple[str, Path]]:
@@ -289,20 +297,22 @@ def _listing(path: Path) -> Listing | None:
             continue
         fields = {k.arg: k.value for k in node.value.keywords}
         try:
-            name, notebook, exercises, builds_on = (
+            name, notebook, exercises, builds_on, reference = (
                 ast.literal_eval(fields[key]) if key in fields else ()
-                for key in ("name", "notebook", "exercises", "builds_on")
+                for key in ("name", "notebook", "exercises", "builds_on", "reference")
             )
         except (KeyError, ValueError) as e:
             raise ValueError(
-                f"{path}: LAB's name, notebook, exercises and builds_on must be written out as"
-                " literals (the lab lists are read from the source)"
+                f"{path}: LAB's name, notebook, exercises, builds_on and reference must be written"
+                " out as literals (the lab lists are read from the source)"
             ) from e
         options = fields.get("options")
         command = options is not None and not (
             isinstance(options, ast.Constant) and options.value is None
         )
-        return Listing(name, notebook, tuple(exercises), tuple(builds_on), command)
+        return Listing(
+            name, notebook, tuple(exercises), tuple(builds_on), command, tuple(reference)
+        )
     return None
 
 

@@ -149,6 +149,7 @@ LAB = Lab(
     name="tp",
     notebook="04_tensor_parallel",
     exercises=("tensor_parallel_comm", "tensor_parallel"),
+    reference=("full_model", "LlamaWithLoss"),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2},

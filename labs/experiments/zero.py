@@ -130,6 +130,7 @@ LAB = Lab(
     name="zero",
     notebook="03_zero_and_fsdp",
     exercises=("zero",),
+    reference=("build", "used_parameters"),
     options=Options,
     ranks=4,
     small_run={"nproc": 2, "steps": 2},

@@ -329,6 +329,40 @@ def _dtype_hint(op: str, ratio: float, mixed) -> str:
     return ""
 
 
+def _all_reduce_hint(measured: list, expected: list, calls: dict[str, list], stage: int) -> str:
+    """Why a ZeRO-1/2/3 step ran another number of all-reduces than expected, read off their
+    payloads (``measured``): a stage > 0 all-reduces only fp16's 4-byte overflow flag
+    (``expected``), so a payload of a unit's gradient buffer is a gradient that was all-reduced
+    where it should have been reduce-scattered (``calls``: the expected calls, by op)."""
+    grads = [x for x in measured if x != theory.BYTES]  # payloads other than a 4-byte flag
+    buffers = calls.get("reduce_scatter_single", [])
+    if grads and sorted(grads) == sorted(buffers):
+        return (
+            f"all_reduce: {len(grads)} calls, each of a unit's whole gradient buffer ([N·S]"
+            f" elements, the bytes its reduce-scatter takes) where ZeRO-{stage} reduce-scatters"
+            " it: every rank needs"
+            " only the sum of its own shard [S], so reduce_scatter_single(output=its slice,"
+            " input=the buffer) sends (N-1)/N of the buffer where an all-reduce sends 2(N-1)/N"
+            " (and leaves a whole averaged gradient on every rank)"
+        )
+    if grads:
+        return (
+            f"all_reduce: {len(grads)} calls of {sorted(set(grads))} bytes where ZeRO-{stage}"
+            f" makes {len(expected)} (fp16's 4-byte overflow flag at most): the gradients are"
+            " reduce-scattered, one reduce_scatter_single per unit, never all-reduced"
+        )
+    if len(measured) < len(expected):
+        return (
+            f"all_reduce: {len(measured)} calls where ZeRO-{stage} in fp16 makes {len(expected)}:"
+            " a rank sees only its shard of the gradients, so the overflow flag must be"
+            " all-reduced (MAX, 4 bytes) over the group once per step, and every rank skips alike"
+        )
+    return (
+        f"all_reduce: {len(measured)} calls of a 4-byte flag where ZeRO-{stage} makes"
+        f" {len(expected)}: the overflow flag is all-reduced once per step, and only in fp16"
+    )
+
+
 def calls_check(
     per_rank: list[dict], expected: dict[str, list], n: int, stage: int, mixed=None
 ) -> Check:
@@ -349,10 +383,7 @@ def calls_check(
                     len(m),
                     len(e),
                     where=f"{where}: calls",
-                    hint=f"all_reduce: {len(m)} calls where ZeRO-{stage} in fp16 makes {len(e)}:"
-                    " a rank sees only its shard of the gradients, so the overflow flag must be"
-                    " all-reduced (MAX, 4 bytes) over the group once per step, and every rank"
-                    " skips alike",
+                    hint=_all_reduce_hint(m, e, expected, stage),
                 )
             if len(m) != len(e):
                 per_unit = (

@@ -2,12 +2,16 @@
 
     python -m labs.run collectives --nproc 4 --json
     python -m labs.run ddp --nproc 4 --steps 5 --impl solutions --vs-torch
+    python -m labs.run mesh --nproc 4 --tp 2 --pp 2 --reference pipeline_parallel
+                                             # your mesh, ZeRO, TP and CP on the reference PP
     torchrun --nproc-per-node 4 -m labs.run ddp --json        # each torchrun rank is a worker
 
 Options every lab takes: ``--nproc``, ``--steps``, ``--impl solutions|labs`` (overrides
-``LABS_IMPL``), ``--json``, ``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``,
-``--profile DIR`` (a torch.profiler trace per rank, ``DIR/rank<r>.json``, and each profiled step's
-compute, communication and exposed communication: ``labs.experiments.profiling``).
+``LABS_IMPL``), ``--reference EX[,EX...]`` (the reference for those exercises alone, your code for
+the rest: overrides ``LABS_REFERENCE``; every rank inherits it, torchrun's too), ``--json``,
+``--vs-torch``, ``--backend auto|gloo|nccl``, ``--timeout``, ``--profile DIR`` (a torch.profiler
+trace per rank, ``DIR/rank<r>.json``, and each profiled step's compute, communication and exposed
+communication: ``labs.experiments.profiling``).
 ``python -m labs.run LAB --help`` lists the lab's own, which come from its declaration
 (``labs.experiments.<lab>.LAB``, ``labs.experiments.spec``): the fields of its ``Options``.
 
@@ -17,8 +21,10 @@ likely cause. ``--json`` carries the same as ``passed`` and ``checks``.
 
 Exit status: 0 when every check passed, 1 when a check failed (or the run did: a rank raised, a
 timeout, an error while comparing) or the run made no checks, 2 for bad arguments (every option
-is judged before any rank starts), 3 when an exercise is not written yet (one line names the
-function to write).
+is judged before any rank starts; a ``--reference`` this copy of the course does not hold, with
+what to ask the instructor for), 3 when an exercise is not written yet (one line names the
+function to write; when it is an earlier exercise the lab runs, the next says how to run its
+reference instead).
 """
 
 from __future__ import annotations
@@ -47,6 +53,13 @@ def build_parser(lab: spec.Lab | None = None) -> argparse.ArgumentParser:
         choices=("solutions", "labs"),
         default=None,
         help="whose exercise code runs (default: the LABS_IMPL switch, else labs)",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="EX[,EX...]",
+        default=None,
+        help="run the reference for these exercises alone and your code for the rest (default:"
+        " the LABS_REFERENCE switch), e.g. --reference pipeline_parallel",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -80,7 +93,7 @@ def main(argv=None) -> int:
     from labs.experiments import profiling
     from labs.experiments.common import format_summary, to_json
     from labs.runtime.errors import RankError
-    from labs.runtime.impl import set_implementation
+    from labs.runtime.impl import ReferenceUnavailable, set_implementation
     from labs.runtime.launcher import under_torchrun
     from labs.theory.dims import check_positive
 
@@ -90,16 +103,18 @@ def main(argv=None) -> int:
         args.nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 4
     # Bad arguments, all of them, before any rank starts: exit 2. What fails later is the run's.
     try:
+        if args.reference is not None:
+            use_only_reference(args.reference)  # ranks inherit the environment
         check_positive(nproc=args.nproc, steps=args.steps)
         if args.profile:
             profiling.check_profiled(lab.name, args.steps)
         options = lab.command_line_options(args)
         lab.parse(options, nproc=args.nproc, steps=args.steps, vs_torch=args.vs_torch)
-    except ValueError as e:
+    except (ValueError, ReferenceUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NotImplementedError as e:  # a lab whose options the exercise judges (the mesh's)
-        print(e, file=sys.stderr)
+        print(_unwritten_message(e), file=sys.stderr)
         return 3
     common = dict(
         nproc=args.nproc,
@@ -116,12 +131,12 @@ def main(argv=None) -> int:
             summary = lab.run(**common, **options)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
-            print(e.message, file=sys.stderr)
+            print("\n\n".join(filter(None, [e.message, e.advice])), file=sys.stderr)
             return 3
         print(f"error: {e}", file=sys.stderr)
         return 1
     except NotImplementedError as e:
-        print(e, file=sys.stderr)
+        print(_unwritten_message(e), file=sys.stderr)
         return 3
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -139,3 +154,30 @@ def main(argv=None) -> int:
     if report and not args.json:
         print(profiling.format_report(report), flush=True)
     return 0 if summary.passed else 1
+
+
+def use_only_reference(names: str) -> None:
+    """``--reference``: the reference for ``names`` ("" for none) and the learner's code for the
+    rest, in this process and every rank; ValueError for an unknown name, ReferenceUnavailable
+    (saying what to ask for) for a reference this copy of the course does not hold."""
+    from labs.runtime.impl import ReferenceUnavailable, parse_exercises, set_reference
+    from labs.runtime.prerequisites import reference_available, unavailable_message
+
+    chosen = parse_exercises(names, what="--reference")
+    for name in chosen:
+        if not reference_available(name):
+            raise ReferenceUnavailable(unavailable_message(name))
+    set_reference(chosen)
+
+
+def _unwritten_message(e: NotImplementedError) -> str:
+    """A NotImplementedError raised in this process, and, when it came from an earlier exercise
+    the lab runs, which one and how to run its reference instead."""
+    import traceback
+
+    from labs.runtime.errors import exercise_location, stuck_advice
+
+    frames = traceback.extract_tb(e.__traceback__)
+    text = "".join(traceback.format_list(frames))
+    advice = stuck_advice(exercise_location(frames), text)
+    return "\n\n".join(filter(None, [str(e), advice]))

@@ -69,9 +69,24 @@ def rank_traceback(exc: BaseException) -> tuple[str, str]:
     return text, exercise_location(frames)
 
 
+def stuck_advice(location: str, rank_traceback: str) -> str:
+    """When a failure happened in an earlier exercise the lab runs (your ``labs/<exercise>.py``):
+    which one, and how to run its reference instead (``labs.runtime.prerequisites``); else ""."""
+    if not location.startswith("labs/"):
+        return ""
+    try:
+        from labs.runtime.prerequisites import earlier_exercise, stuck_advice
+
+        name = earlier_exercise(location, rank_traceback)
+        return stuck_advice(name) if name else ""
+    except Exception:  # the advice must never hide the error it comes with
+        return ""
+
+
 class RankError(RuntimeError):
     """A rank raised. ``rank``, ``exc_type`` (e.g. "NotImplementedError"), ``message``
-    and ``rank_traceback`` (the text of the rank's traceback) say what happened."""
+    and ``rank_traceback`` (the text of the rank's traceback) say what happened; ``advice``: when
+    it raised in an earlier exercise the lab runs, which one and how to use its reference."""
 
     def __init__(
         self,
@@ -88,12 +103,15 @@ class RankError(RuntimeError):
         self.message = message
         self.rank_traceback = rank_traceback
         self.location = location  # "labs/ddp.py:57" when an exercise raised it
+        self.advice = stuck_advice(location, rank_traceback)
         where = f" in {location}" if location else ""
         text = f"rank {rank} raised {exc_type}{where}: {message}"
         if exc_type == REFUSED:
             text = f"rank {rank} sent a result the launcher refused: {message}"
         if others:
             text += f"\n({others})"
+        if self.advice:
+            text += f"\n\n{self.advice}"
         text += f"\n\n--- traceback of rank {rank} ---\n{rank_traceback.rstrip()}"
         text += _tail_text(rank, stderr_tail)
         super().__init__(text)

@@ -20,6 +20,11 @@ What a rank holds, per unit (the layout of ``solutions/zero.py``):
     2      N·S_u (flat)   S_u                                       2 S_u
     3      S_u            S_u                                       2 S_u
 
+ZeRO-3's optimizer is the user's, on the pieces of the parameters a rank's shard holds: its moments
+cover those elements only, not the padding at the end of the last ranks' shards (rank r's
+parameter elements, ``shard_elements``: min(S_u, max(0, Ψ_u − r·S_u))); ``held_bytes(...,
+rank=r)`` gives rank r's own figure, which is 2·4 bytes per padding element below the others'.
+
 Per unit this is ``labs.theory.memory.state_bytes(Ψ_u, zero=stage, dp=N, exact_shards=True)``
 plus the padding (N·S_u − Ψ_u < N elements) of the full flat buffers a collective writes or
 reads (parameters in stages 1–2, gradients in stage 1). When N divides every Ψ_u (the
@@ -102,6 +107,16 @@ def flat_layout(numel: int, dp: int) -> dict[str, int]:
     return {"numel": numel, "shard": shard, "padded": shard * dp, "padding": shard * dp - numel}
 
 
+def shard_elements(numel: int, dp: int, rank: int) -> int:
+    """The elements of rank ``rank``'s shard [S] of a flat buffer of ``numel`` elements that are
+    parameters, not padding: min(S, max(0, numel − rank·S)). The padding sits at the end of the
+    flat buffer, so only the last ranks' shards hold it (a rank past the end holds none)."""
+    lay = flat_layout(numel, dp)
+    if not 0 <= rank < dp:
+        raise ValueError(f"rank={rank} is not in 0..{dp - 1} (dp={dp})")
+    return min(lay["shard"], max(0, numel - rank * lay["shard"]))
+
+
 def course_units(spec: ModelSpec | None = None) -> list[tuple[str, int]]:
     """(name, Ψ_u) for the course model's units: embedding, each block, final norm + head."""
     spec = spec or PRESETS["tiny"]  # the course model
@@ -124,6 +139,7 @@ def held_bytes(
     itemsize: int = BYTES,
     precision: str = "fp32",
     stepped: bool = True,
+    rank: int | None = None,
 ) -> dict:
     """Bytes a rank holds between steps (after the optimizer step, gradients still held).
 
@@ -138,15 +154,23 @@ def held_bytes(
     with it). ``precision``: "bf16-mixed" or "fp16-mixed" gives the mixed-precision table of the
     module docstring (and ``calculator`` the calculator's bf16-mixed figure); ``stepped=False``
     (fp16 skipped every step so far): AdamW has no moments yet (it makes them at its first step).
+    ``rank`` (ZeRO-3): rank ``rank``'s own figure, whose AdamW moments cover its shard's parameter
+    elements only (``shard_elements``; the last ranks' shards end in padding); None: every rank
+    alike, moments for whole shards (the calculator's ceil(Ψ_u/N)).
     """
     units = _check(unit_numels, stage, dp)
+    if rank is not None and stage != 3:
+        raise ValueError(
+            f"rank={rank} with stage={stage}: only ZeRO-3's figure differs by rank (its optimizer"
+            " keeps moments for the parameters of a shard, not its padding); pass rank=None"
+        )
     if offload and stage == 0:
         raise ValueError(
             "offload=True needs stage 1, 2 or 3: stage 0 keeps the whole optimizer on every rank"
         )
     _check_precision(precision, itemsize, offload)
     if precision != "fp32":
-        return _mixed_held_bytes(units, stage, dp, frozen_numel, gradless_numel, stepped)
+        return _mixed_held_bytes(units, stage, dp, frozen_numel, gradless_numel, stepped, rank)
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
     for n in units:
         lay = flat_layout(n, dp)
@@ -164,9 +188,13 @@ def held_bytes(
         if stage == 1:  # the full flat gradient buffer
             out["grads"] += pad
             out["padding"] += pad
+        # AdamW's two moments: for the whole shard, or (ZeRO-3, ``rank``) its parameter elements
+        moments = 2 * itemsize * (lay["shard"] if rank is None else shard_elements(n, dp, rank))
         if offload:
             # fp32 parameter shard, gradient shard, two moments
-            out["host"] += 4 * lay["shard"] * itemsize
+            out["host"] += 2 * lay["shard"] * itemsize + moments
+        elif rank is not None:
+            out["optimizer"] += moments
         else:
             out["optimizer"] += calc["optimizer_bytes"]
     out["params"] += frozen_numel * itemsize
@@ -200,13 +228,15 @@ def _mixed_held_bytes(
     frozen_numel: int,
     gradless_numel: int,
     stepped: bool = True,
+    rank: int | None = None,
 ) -> dict:
     """``held_bytes`` for a mixed-precision run (the module docstring's second table)."""
     out = dict.fromkeys(("params", "grads", "optimizer", "host", "calculator", "padding"), 0)
     moments = 0  # AdamW's two fp32 moments: 8 bytes per element it steps
     for n in units:
         lay = flat_layout(n, dp)
-        moments += 2 * BYTES * (n if stage == 0 else lay["shard"])
+        pieces = lay["shard"] if rank is None else shard_elements(n, dp, rank)
+        moments += 2 * BYTES * (n if stage == 0 else pieces)
         calc = state_bytes(
             n, precision="bf16-mixed", optimizer="adamw", zero=stage, dp=dp, exact_shards=True
         )
@@ -214,7 +244,7 @@ def _mixed_held_bytes(
         if stage == 3:  # FSDP2's layout: fp32 shard (the master), fp32 gradient shard, moments
             out["params"] += BYTES * lay["shard"]
             out["grads"] += BYTES * lay["shard"]
-            out["optimizer"] += 2 * BYTES * lay["shard"]
+            out["optimizer"] += 2 * BYTES * pieces
             continue
         pad = lay["padding"] * HALF
         out["params"] += calc["param_bytes"]

@@ -101,13 +101,14 @@ def train_reference(
     the course model (it must return ``(logits, loss)`` given a batch, ``(x, y)`` unless
     ``batches`` gives others).
 
-    ``mixed``: train under that policy instead (``_train_mixed_reference``); ``loss_scale``: the
+    ``mixed``: train under that policy instead (``_train_mixed_reference``; ``batches``: its global
+    batches (x, y), each cut into ``dp`` slices); ``loss_scale``: the
     first scale of fp16's ``LossScaler`` (default: torch's, 2^16)."""
     exact_fp32()  # TF32 off, as in every rank
     with one_thread():  # as the ranks run: same arithmetic, and no thread contention with them
         if mixed is not None:
             return _train_mixed_reference(
-                model_cfg, cfg, mixed, dp=dp, model=model, loss_scale=loss_scale
+                model_cfg, cfg, mixed, dp=dp, model=model, batches=batches, loss_scale=loss_scale
             )
         return _train_reference(
             model_cfg, cfg, dp=dp, model=model, batches=batches, return_grads=return_grads
@@ -151,6 +152,7 @@ def _train_mixed_reference(
     dp: int,
     model: torch.nn.Module | None,
     loss_scale: float | None,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> ReferenceResult:
     """Mixed-precision training in one process, the textbook loop (Micikevicius et al. 2018):
 
@@ -174,7 +176,7 @@ def _train_mixed_reference(
     optimizer = make_optimizer(masters, cfg)
     scaler = LossScaler(loss_scale or 2.0**16) if mixed.loss_scaling else None
     result = ReferenceResult(losses=[])
-    for step, (x, y) in enumerate(data_for(cfg, dp)):
+    for step, (x, y) in enumerate(batches if batches is not None else data_for(cfg, dp)):
         sums = [None] * len(params)  # per parameter: the slices' gradients, in reduce_dtype
         losses = []
         for xs, ys in zip(x.chunk(dp), y.chunk(dp)):  # rank r's [B/dp, T]
