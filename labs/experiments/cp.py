@@ -788,4 +788,3 @@ def attention_rows(checks: list[dict]) -> list[dict]:
         row["max/mean"] = round(c["imbalance"], 3)
         rows.append(row)
     return rows
-
