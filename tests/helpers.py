@@ -33,6 +33,29 @@ def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.
     )
 
 
+def in_child(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run in a child process forked from this one; its return value.
+
+    How a test runs exercise code that needs no process group of its own. Grading runs the tests
+    in a pytest process that must never run a student's code itself (``labs.grade``'s guard
+    refuses it), so the code runs in a child (``labs.launch``: one gloo rank, one intra-op thread
+    as every rank has: OpenMP's pool does not survive a fork) and only plain data comes back
+    (numbers, detached tensors, containers); the test asserts on that data here."""
+    from labs.runtime.launcher import launch
+
+    return launch(_call, 1, fn, args, kwargs, backend="gloo", timeout=600)[0]
+
+
+def _call(fn, args, kwargs):
+    import torch.distributed as dist
+
+    # fn may launch ranks of its own: they must not inherit a group, nor see a rank's variables
+    dist.destroy_process_group()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    return fn(*args, **kwargs)
+
+
 def junit_outcomes(path) -> dict[str, str]:
     """classname::name -> "passed", "failure", "error" or "skipped".
 

@@ -13,7 +13,7 @@ from labs.experiments import cp as lab
 from labs.runtime import exercise
 from labs.theory import context_parallel as cpt
 from labs.train import max_rel_diff, rule
-from tests.helpers import checks_ok, run_json
+from tests.helpers import checks_ok, in_child, run_json
 
 TOL = rule("value", torch.float32).rel  # 1e-5: the ring adds the softmax terms in another order
 RING = ("ring attention output", "ring attention dq", "ring attention dk, dv")
@@ -112,45 +112,69 @@ def test_sequence_not_divisible_by_two_cp_is_a_clear_error(exercise):
         lab.run(nproc=4, seq=36)  # before any rank starts
 
 
-@pytest.mark.exercise
-def test_zigzag_split_and_unsplit(exercise):
+def zigzag_case(exercise, y):
+    """The learner's splits of a small sequence, chunk ids, round trips of ``y`` and block
+    kinds."""
     cpm = exercise("context_parallel")
     x = torch.arange(8).view(1, 8)
-    assert cpm.split_sequence(x, cp=2, rank=0).tolist() == [[0, 1, 6, 7]]
-    assert cpm.split_sequence(x, cp=2, rank=1).tolist() == [[2, 3, 4, 5]]
-    assert cpm.split_sequence(x, cp=2, rank=1, zigzag=False).tolist() == [[4, 5, 6, 7]]
+    seen = {
+        "splits": [
+            cpm.split_sequence(x, cp=2, rank=0).tolist(),
+            cpm.split_sequence(x, cp=2, rank=1).tolist(),
+            cpm.split_sequence(x, cp=2, rank=1, zigzag=False).tolist(),
+        ],
+        "kinds": [cpm.block_kind(2, k) for k in (1, 2, 3)],
+    }
     for cp in (1, 2, 3, 4):
         for zigzag in (True, False):
-            assert [cpm.chunk_ids(r, cp, zigzag) for r in range(cp)] == [
-                cpt.chunk_ids(r, cp, zigzag) for r in range(cp)
-            ]
-            y = torch.randn(2, 24, 3)
             parts = [cpm.split_sequence(y, cp=cp, rank=r, zigzag=zigzag) for r in range(cp)]
-            assert torch.equal(cpm.unsplit_sequence(parts, zigzag=zigzag), y)
-    assert [cpm.block_kind(2, k) for k in (1, 2, 3)] == ["full", "diagonal", "masked"]
+            seen[cp, zigzag] = (
+                [cpm.chunk_ids(r, cp, zigzag) for r in range(cp)],
+                cpm.unsplit_sequence(parts, zigzag=zigzag),
+            )
+    return seen
 
 
 @pytest.mark.exercise
-def test_merge_rule_equals_attention_over_all_keys(exercise):
+def test_zigzag_split_and_unsplit(exercise):
+    y = torch.randn(2, 24, 3)
+    seen = in_child(zigzag_case, exercise, y)
+    assert seen["splits"] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]], [[4, 5, 6, 7]]]
+    for cp in (1, 2, 3, 4):
+        for zigzag in (True, False):
+            chunk_ids, round_trip = seen[cp, zigzag]
+            assert chunk_ids == [cpt.chunk_ids(r, cp, zigzag) for r in range(cp)]
+            assert torch.equal(round_trip, y)
+    assert seen["kinds"] == ["full", "diagonal", "masked"]
+
+
+def merge_case(exercise, q, k, v):
+    """The learner's attention over three blocks of keys, merged in two orders."""
     cpm = exercise("context_parallel")
-    g = torch.Generator().manual_seed(0)
-    # large logits: a naive exp(lse) would overflow
-    q = torch.randn(2, 4, 6, 8, generator=g) * 30
-    k = torch.randn(2, 2, 10, 8, generator=g)
-    v = torch.randn(2, 2, 10, 8, generator=g)
-    whole = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     parts = [
         cpm.attention_block(q, k[:, :, s], v[:, :, s], causal=False, scale=8**-0.5)
         for s in (slice(0, 3), slice(3, 7), slice(7, 10))
     ]
     (o1, l1), (o2, l2), (o3, l3) = parts
     out, lse = cpm.merge_partials(*cpm.merge_partials(o1, l1, o2, l2), o3, l3)
+    swapped, _ = cpm.merge_partials(*cpm.merge_partials(o3, l3, o1, l1), o2, l2)
+    return out, lse, swapped
+
+
+@pytest.mark.exercise
+def test_merge_rule_equals_attention_over_all_keys(exercise):
+    g = torch.Generator().manual_seed(0)
+    # large logits: a naive exp(lse) would overflow
+    q = torch.randn(2, 4, 6, 8, generator=g) * 30
+    k = torch.randn(2, 2, 10, 8, generator=g)
+    v = torch.randn(2, 2, 10, 8, generator=g)
+    whole = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    out, lse, swapped = in_child(merge_case, exercise, q, k, v)
     assert max_rel_diff(out, whole) <= TOL
     assert (
         max_rel_diff(lse, (q @ k.repeat_interleave(2, 1).transpose(-2, -1) * 8**-0.5).logsumexp(-1))
         <= TOL
     )
-    swapped, _ = cpm.merge_partials(*cpm.merge_partials(o3, l3, o1, l1), o2, l2)
     assert max_rel_diff(swapped, whole) <= TOL  # the order of the blocks does not matter
     assert torch.isfinite(out).all()
 
@@ -178,9 +202,7 @@ def test_ring_on_a_sub_group_uses_global_ranks_for_its_peers(exercise, backward)
     ref = lab.reference_attention(shape, causal=True)
     for members in ([0, 2], [1, 3]):
         for name in ("out", "dq", "dk", "dv") if backward else ("out",):
-            got = exercise("context_parallel").unsplit_sequence(
-                [per_rank[r][name] for r in members], dim=2
-            )
+            got = lab.reassemble([per_rank[r][name] for r in members], zigzag=True, dim=2)
             assert max_rel_diff(got, ref[name]) <= TOL, f"group {members}: {name}"
 
 

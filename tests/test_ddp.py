@@ -32,7 +32,7 @@ from labs.train import (
     rule,
     train_reference,
 )
-from tests.helpers import checks_ok
+from tests.helpers import checks_ok, in_child
 
 TOL = rule("value", torch.float32).rel
 PARAM_TOL = rule("param", torch.float32).rel
@@ -444,26 +444,42 @@ def test_reducing_in_bf16_on_two_ranks_rounds_as_fp32_does():
     assert runs["fp32"]["comm_bytes_per_rank"][0] == 2 * runs["bf16"]["comm_bytes_per_rank"][0]
 
 
-@pytest.mark.exercise
-@MIXED
-def test_mixed_precision_optimizer_skips_an_overflowed_step_and_halves_the_scale(exercise):
-    """One process, no group: the masters take a step in fp32 and round into the bf16 weights;
-    an inf in a gradient skips the step (weights and masters unchanged) and halves the scale."""
+def mixed_precision_steps(exercise):
+    """A step, then a step with an inf in a gradient: the master and the weight after each."""
     weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float16))
     scaler = LossScaler(2.0**10)
     opt = exercise("ddp").MixedPrecisionOptimizer(
         [weight], torch.optim.SGD, loss_scaler=scaler, lr=0.5
     )
-    assert opt.masters[0].dtype == torch.float32 and torch.equal(opt.masters[0], weight.float())
+    seen = {"master": opt.masters[0].detach().clone(), "weight": weight.detach().clone()}
     weight.grad = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float16) * 2.0**10  # scaled
     opt.step()
-    assert torch.equal(opt.masters[0], torch.tensor([0.5, -3.0, 1.0]))
-    assert weight.dtype == torch.float16 and torch.equal(weight, opt.masters[0].half())
-    assert opt.masters[0].grad is None, "fp32 gradients live only during the step"
+    seen["stepped"] = (opt.masters[0].detach().clone(), weight.detach().clone())
+    seen["master grad"] = opt.masters[0].grad
     weight.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float16)
     opt.step()
-    assert torch.equal(opt.masters[0], torch.tensor([0.5, -3.0, 1.0])), "an overflow was stepped"
-    assert scaler.history == [(2.0**10, False), (2.0**10, True)] and scaler.value == 2.0**9
+    seen["overflowed"] = opt.masters[0].detach().clone()
+    seen["scaler"] = (scaler.history, scaler.value)
+    return seen
+
+
+@pytest.mark.exercise
+@MIXED
+def test_mixed_precision_optimizer_skips_an_overflowed_step_and_halves_the_scale(exercise):
+    """One process, no group: the masters take a step in fp32 and round into the bf16 weights;
+    an inf in a gradient skips the step (weights and masters unchanged) and halves the scale."""
+    seen = in_child(mixed_precision_steps, exercise)
+    master, weight = seen["master"], seen["weight"]
+    assert master.dtype == torch.float32 and torch.equal(master, weight.float())
+    master, weight = seen["stepped"]
+    assert torch.equal(master, torch.tensor([0.5, -3.0, 1.0]))
+    assert weight.dtype == torch.float16 and torch.equal(weight, master.half())
+    assert seen["master grad"] is None, "fp32 gradients live only during the step"
+    assert torch.equal(seen["overflowed"], torch.tensor([0.5, -3.0, 1.0])), (
+        "an overflow was stepped"
+    )
+    history, value = seen["scaler"]
+    assert history == [(2.0**10, False), (2.0**10, True)] and value == 2.0**9
 
 
 def test_loss_scaler_follows_torchs_grad_scaler():

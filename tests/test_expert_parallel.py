@@ -15,7 +15,7 @@ from labs.models.transformer import init_weights
 from labs.runtime import RankError, exercise
 from labs.theory.moe import MoESpec, moe_param_counts
 from labs.train import rule
-from tests.helpers import checks_ok, run_cli, run_json
+from tests.helpers import checks_ok, in_child, run_cli, run_json
 
 TOL = rule("value", torch.float32).rel  # 1e-5: fp32 sums split across ranks add in another order
 exercise_test = pytest.mark.exercise
@@ -31,42 +31,59 @@ def test_moe_layer_equals_transformers_mixtral_block(n_experts):
     """Top-2, renormalised weights, no capacity: our layer is Mixtral's sparse MoE block, our
     load-balancing loss times k is transformers' ``load_balancing_loss_func`` (it counts k pairs per
     token), and the z-loss is its formula in float64."""
-    r = experiment.mixtral_check(n_experts=n_experts)
+    r = in_child(experiment.mixtral_check, n_experts=n_experts)
     assert r["max_rel_output_diff"] <= TOL, r["max_rel_output_diff"]
     assert r["aux_loss_times_k"] == pytest.approx(r["hf_aux_loss"], rel=1e-6)
     assert r["z_loss"] == pytest.approx(r["z_loss_formula"], rel=1e-6)
+
+
+def capacity_case(chosen):
+    """The learner's keep masks, expert order and counts, and a layer's output with its drops."""
+    xp = exercise("expert_parallel")
+    keep = xp.capacity_keep(chosen, 3, 2)
+    order, counts = xp.sort_by_expert(chosen, keep, 3)
+    layer = _layer(MoEConfig(n_experts=4, top_k=1, capacity_factor=0.25))  # capacity 1 of 16 tokens
+    y = layer(torch.randn(1, 16, experiment.LAYER_CFG.n_embd))
+    return {
+        "keep": keep.tolist(),
+        "keep in groups": xp.capacity_keep(chosen, 3, 1, groups=2).tolist(),
+        "keep all": bool(xp.capacity_keep(chosen, 3, None).all()),
+        "order": order.tolist(),
+        "counts": counts.tolist(),
+        "y": y.detach(),
+        "dropped": ~layer.routing["keep"][:, 0],
+    }
 
 
 @exercise_test
 def test_capacity_priority_drops_and_residual_pass_through():
     """E=3, capacity 2: first choices fill the experts in token order, then second choices;
     a token with every choice dropped leaves the layer as exactly zero (its residual carries it)."""
-    xp = exercise("expert_parallel")
-    chosen = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
-    keep = xp.capacity_keep(chosen, 3, 2)
-    assert keep.tolist() == [[True, True], [True, True], [False, False], [True, False]]
+    r = in_child(capacity_case, torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]]))
+    assert r["keep"] == [[True, True], [True, True], [False, False], [True, False]]
     # Two groups of two tokens, capacity 1 each: the groups decide independently.
-    assert xp.capacity_keep(chosen, 3, 1, groups=2).tolist() == [
+    assert r["keep in groups"] == [
         [True, True],
         [False, True],
         [True, False],
         [True, False],
     ]
-    assert xp.capacity_keep(chosen, 3, None).all()
-    order, counts = xp.sort_by_expert(chosen, keep, 3)
-    assert counts.tolist() == [2, 2, 1] and order.tolist() == [0, 2, 1, 6, 3]
-    layer = _layer(MoEConfig(n_experts=4, top_k=1, capacity_factor=0.25))  # capacity 1 of 16 tokens
-    y = layer(torch.randn(1, 16, experiment.LAYER_CFG.n_embd))
-    dropped = ~layer.routing["keep"][:, 0]
+    assert r["keep all"]
+    assert r["counts"] == [2, 2, 1] and r["order"] == [0, 2, 1, 6, 3]
+    y, dropped = r["y"], r["dropped"]
     assert dropped.sum() >= 12 and (y[0][dropped] == 0).all() and (y[0][~dropped] != 0).any()
+
+
+def router_gradient():
+    layer = _layer(MoEConfig(n_experts=4, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0))
+    layer(torch.randn(2, 8, experiment.LAYER_CFG.n_embd)).pow(2).sum().backward()
+    return float(layer.router.weight.grad.abs().max())
 
 
 @exercise_test
 def test_switch_top1_router_learns_from_the_loss_alone():
     """k = 1 weighs by the raw probability, so the router gets a gradient without any aux loss."""
-    layer = _layer(MoEConfig(n_experts=4, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0))
-    layer(torch.randn(2, 8, experiment.LAYER_CFG.n_embd)).pow(2).sum().backward()
-    assert layer.router.weight.grad.abs().max() > 0
+    assert in_child(router_gradient) > 0
 
 
 @exercise_test
@@ -83,7 +100,9 @@ def test_switch_top1_router_learns_from_the_loss_alone():
     ],
 )
 def test_expert_parallel_layer_equals_single_process(ep, nproc, top_k, capacity_factor):
-    r = experiment.layer_check(ep=ep, nproc=nproc, top_k=top_k, capacity_factor=capacity_factor)
+    r = in_child(
+        experiment.layer_check, ep=ep, nproc=nproc, top_k=top_k, capacity_factor=capacity_factor
+    )
     assert r["max_rel_output_diff"] <= TOL, r["max_rel_output_diff"]
     assert r["max_rel_input_grad_diff"] <= TOL, r["max_rel_input_grad_diff"]
     assert r["max_rel_grad_diff"] <= TOL, r["max_rel_grad_diff"]
@@ -106,7 +125,9 @@ def test_expert_parallel_layer_equals_single_process(ep, nproc, top_k, capacity_
     "nproc, ep, top_k, capacity_factor", [(2, 2, 2, 1.0), (4, 4, 1, None), (4, 2, 2, 0.75)]
 )
 def test_moe_model_trains_like_the_reference(nproc, ep, top_k, capacity_factor):
-    s = experiment.run(nproc=nproc, ep=ep, steps=5, top_k=top_k, capacity_factor=capacity_factor)
+    s = in_child(
+        experiment.run, nproc=nproc, ep=ep, steps=5, top_k=top_k, capacity_factor=capacity_factor
+    )
     assert s["matches_reference"], (s["losses"], s["reference_losses"])
     assert checks_ok(s, "gradients after step 1"), s["max_rel_grad_diff"]
     assert checks_ok(s, "forward all_to_all bytes per call", "backward all_to_all bytes per call")
@@ -139,10 +160,18 @@ def test_active_parameters_are_those_one_token_touches():
     gradient although the token uses them: they are counted in by name.)"""
     cfg = ModelConfig(n_layer=2)
     moe = MoEConfig(n_experts=8, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0)
-    model = build_moe_model(cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=1)
-    model(torch.tensor([[65]]), torch.tensor([[66]]))[1].backward()
     spec = MoESpec(experiment.model_spec(cfg, moe).dense, 8, 2)
     per_layer = moe_param_counts(spec)["per_layer_active"]
+    for touched, experts in in_child(touched_per_block, cfg, moe):
+        assert touched == per_layer and experts == 2
+
+
+def touched_per_block(cfg, moe):
+    """Per block of the learner's MoE model after one token's step: parameters with a gradient
+    (q_proj and k_proj counted in by name) and experts with a gradient."""
+    model = build_moe_model(cfg, moe, layer=exercise("expert_parallel").MoELayer, seed=1)
+    model(torch.tensor([[65]]), torch.tensor([[66]]))[1].backward()
+    rows = []
     for block in model.layers:
         touched = sum(
             p.numel()
@@ -154,7 +183,8 @@ def test_active_parameters_are_those_one_token_touches():
             for n, p in block.named_parameters()
             if n.startswith("mlp.experts.") and p.grad.abs().max() > 0
         }
-        assert touched == per_layer and len(experts) == 2
+        rows.append((touched, len(experts)))
+    return rows
 
 
 def _build_ep_layer(n_experts):

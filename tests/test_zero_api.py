@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import pytest
@@ -474,10 +475,16 @@ def _nothing() -> None:
     pass
 
 
-def user_loop(model, optimizer, batches, *, rank, world, folder, after_backward=_nothing):
+def user_loop(
+    model, optimizer, batches, *, rank, world, folder, after_backward=_nothing, zero=None
+):
     """A training loop as PyTorch's tutorials write it: clip gradients by name, save a
-    checkpoint after step 2, take a wrong step, and load the checkpoint back."""
-    zero = exercise("zero")
+    checkpoint after step 2, take a wrong step, and load the checkpoint back. ``zero``: the
+    exercise module, whose ``clip_grad_norm_`` and ``summon_full_params`` the loop calls (None:
+    the single-process reference, with torch's own clip and nothing to summon, so that it never
+    runs the learner's code)."""
+    clip_grad_norm_ = zero.clip_grad_norm_ if zero else torch.nn.utils.clip_grad_norm_
+    summon_full_params = zero.summon_full_params if zero else (lambda model: nullcontext())
     losses = []
     for step, (x, y) in enumerate(batches):
         x = x.chunk(world)[rank]
@@ -490,7 +497,7 @@ def user_loop(model, optimizer, batches, *, rank, world, folder, after_backward=
         biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
         torch.nn.utils.clip_grad_value_(biases, 0.02)
         weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
-        zero.clip_grad_norm_(weights, 0.5)
+        clip_grad_norm_(weights, 0.5)
         optimizer.step()
         t = loss.detach().clone()
         if world > 1:
@@ -507,7 +514,7 @@ def user_loop(model, optimizer, batches, *, rank, world, folder, after_backward=
             saved = torch.load(path, weights_only=False)
             model.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
-    with zero.summon_full_params(model):
+    with summon_full_params(model):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses, params
 
@@ -536,6 +543,7 @@ def _foreign_worker(mode: str, folder):
         world=world,
         folder=folder,
         after_backward=after_backward,
+        zero=zero,
     )
     return losses, {k.removeprefix("module."): v for k, v in params.items()}
 

@@ -44,11 +44,14 @@ submission folders are read without following any link (``labs.grade.submission`
 bubblewrap the grader refuses to run, unless told ``--unsafe-no-sandbox``.
 
 The grader's parts live beside this module (instructor-only: never shipped in the release):
-``sandbox`` (the bubblewrap sandbox and its limits), ``inside`` (the sandbox's first process),
-``processes`` (one item run to its end or its limit), ``pytest_plugin`` (streams each test's
-outcome to the grader), ``results`` (checks that stream against the grader's own list),
-``run_notebook`` and ``notebooks`` (a student's notebook, run and judged), ``submission`` (a
-student's folder, read without trusting it) and ``report`` (the files written).
+``sandbox`` (the bubblewrap sandbox, its seccomp filter and its limits), ``cgroups`` (a cgroup per
+item, where the machine allows one: the kernel counts its memory), ``inside`` (the sandbox's first
+process, which watches the other limits), ``processes`` (one item run to its end or its limit, on
+its student's cores), ``pytest_plugin`` (streams each test's outcome to the grader from a pytest
+process that never runs the student's code, and guards it), ``results`` (checks that stream
+against the grader's own list), ``run_notebook`` and ``notebooks`` (a student's notebook, run and
+judged, parsed by a limited child), ``submission`` (a student's folder, read without trusting it)
+and ``report`` (the files written, every string a submission controls escaped).
 
 REPORT_DIR gets ``scores.csv`` (student x lab), ``summary.md``, ``scores.json``, rewritten whole
 after each student, and per student ``feedback.md`` (each failed check with its message), the
@@ -60,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -71,9 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import nbformat
-
-from labs.grade import notebooks, sandbox, submission
+from labs.grade import cgroups, notebooks, sandbox, submission
 from labs.grade.processes import (
     LOG_KEEP_BYTES,
     Finished,
@@ -82,7 +84,15 @@ from labs.grade.processes import (
     run_item,
     stop_all,
 )
-from labs.grade.report import NOT_ISOLATED, Result, feedback_page, write_atomic, write_reports
+from labs.grade.report import (
+    NOT_ISOLATED,
+    Result,
+    feedback_page,
+    md_code,
+    printable,
+    write_atomic,
+    write_reports,
+)
 from labs.grade.results import read_test_run
 from labs.grade.sandbox import Limits, Sandbox
 from labs.release import (
@@ -100,6 +110,8 @@ REPORT_FILES = ("scores.csv", "scores.json", "summary.md")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
 NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
 RESULTS_LIMIT = 4 << 20  # bytes a test run may send on its results channel
+LISTED_PER_STUDENT = 20  # symlinks, folders not looked at ... listed in one student's feedback
+COPIES_PER_STUDENT = 5  # lines about one student's symlinks into classmates' folders, in summary
 LIMIT_MARKS = {
     "memory": ("MemoryError", "Cannot allocate memory", "can't allocate memory", "bad_alloc"),
     "processes": ("can't start new thread", "Resource temporarily unavailable"),
@@ -111,7 +123,11 @@ LIMIT_NOTES = {
     "processes": "processes: more than {processes} processes and threads (`--max-processes`)",
     "file size": "file size: a file over {file_mib:g} MiB (`--max-file-size`)",
     "disk": "disk: more than {disk_mib:g} MiB in /tmp or /dev/shm (`--disk-limit`)",
+    "open files": "open files: more than {open_files} in all (`--max-open-files`)",
+    "cpu time": "CPU time: more than {cpu_seconds:g} s in all (`--cpu-limit`)",
 }
+# all a concealed hidden run's grading error says (the grader's own output says why)
+CONCEALED_ERROR = "the hidden tests could not all be graded"
 
 
 @dataclass(frozen=True)
@@ -135,8 +151,11 @@ class Session:
     expected: dict[str, list[str]] = field(default_factory=dict)  # lab -> node ids
     token: str = field(default_factory=lambda: "check_" + secrets.token_hex(6))  # the checks' name
     meta: dict = field(default_factory=dict)
-    fingerprints: dict = field(default_factory=dict)  # shown name -> (Student.fingerprints, links)
+    fingerprints: dict = field(default_factory=dict)  # name -> (Student.fingerprints, .into)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    cgroups: cgroups.Controller | None = None  # each item's cgroup, where the machine allows one
+    seccomp: bytes | None = None  # the sandbox's seccomp program
+    slots: queue.Queue = field(default_factory=queue.Queue)  # the cores of each job, free ones
 
     @property
     def release(self) -> Path:
@@ -152,9 +171,9 @@ class Student:
     folder: Path
     modules: dict[str, bytes] = field(default_factory=dict)  # exercise -> its module's bytes
     fingerprints: dict[str, tuple] = field(default_factory=dict)  # exercise -> (sha256, dev, ino)
-    notes: list[str] = field(default_factory=list)  # for the top of the feedback
+    notes: list[str] = field(default_factory=list)  # Markdown lines for the top of the feedback
     ignored: list[str] = field(default_factory=list)  # files differing from the release
-    links: dict[str, str] = field(default_factory=dict)  # symlink -> target
+    into: dict[str, list[str]] = field(default_factory=dict)  # classmate -> symlinks into theirs
 
 
 # ---- the course side: the release, the labs, the tests' names
@@ -162,10 +181,12 @@ class Student:
 
 
 def build_template(dst: Path, exclude: tuple[str, ...] = ()) -> None:
-    """The instructor's release, plus a ``solutions`` that cannot be imported."""
+    """The instructor's release, plus a ``solutions`` that cannot be imported and an empty
+    ``hidden_tests/`` (where a hidden run's tests are bound)."""
     build_release(dst, exclude=exclude)
     (dst / "solutions").mkdir()
     (dst / "solutions" / "__init__.py").write_text(SOLUTIONS_SHIM)
+    (dst / "hidden_tests").mkdir(exist_ok=True)
 
 
 def discover_labs(template: Path, hidden: Path | None = None) -> list[Lab]:
@@ -250,15 +271,32 @@ def run_sandboxed(
     timeout: float,
     log: Path,
     results_limit: int,
+    cpus: set[int] | None = None,
+    read_only_course: bool = False,
     **env: str,
 ) -> Finished:
     """Run one item whose own files are in ``item/course``; ``argv_for(layout)`` gives its
-    command, with the paths the item sees."""
+    command, with the paths the item sees. It runs on the cores ``cpus``, in a cgroup of its own
+    where the machine allows one, under the sandbox's seccomp filter; its course is bound
+    read-only over the release (``read_only_course``) or copied."""
     box = session.sandbox
     layout = box.layout(item)
+    limits = box.limits
+    group = None
+    if session.cgroups is not None and box.isolated:
+        cores = len(cpus) if cpus else len(os.sched_getaffinity(0))
+        group = session.cgroups.new_group(
+            int(limits.memory_gib * sandbox.GIB), limits.processes, cores
+        )
     pipes = {"results": os.pipe(), "status": os.pipe()}
     if box.isolated:
         pipes["info"] = os.pipe()
+    inputs = ()
+    if box.isolated and session.seccomp is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, session.seccomp)
+        os.close(write_end)
+        inputs = (read_end,)
     results_fd = pipes["results"][1]
     command = box.command(
         item,
@@ -267,6 +305,9 @@ def run_sandboxed(
         results_fd=results_fd,
         status_fd=pipes["status"][1],
         info_fd=pipes["info"][1] if box.isolated else None,
+        seccomp_fd=inputs[0] if inputs else None,
+        read_only_course=read_only_course,
+        watch_memory=group is None,
     )
     return run_item(
         command,
@@ -276,6 +317,9 @@ def run_sandboxed(
         results_limit=results_limit,
         sandboxed=box.isolated,
         pipes=pipes,
+        inputs=inputs,
+        cpus=cpus,
+        group=group,
     )
 
 
@@ -298,6 +342,7 @@ def collect_tests(session: Session) -> dict[str, list[str]]:
         timeout=600,
         log=log,
         results_limit=RESULTS_LIMIT,
+        read_only_course=True,
         PYTHONPATH=_pythonpath(session, item),
         PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
     )
@@ -331,10 +376,16 @@ def read_student(session: Session, name: str) -> Student:
     folder = session.submissions / name
     student = Student(name, submission.display(name), folder)
     found = submission.scan(folder)
-    student.links = found.links
+    student.into = found.into
     student.notes += submission.link_notes(found.links, folder)
-    student.notes += [f"`{submission.display(p)}`: not looked at" for p in found.not_looked_at]
-    student.notes += [f"`{submission.display(p)}`: not a file or folder" for p in found.odd]
+    student.notes += [
+        f"{md_code(submission.display(p))}: not looked at" for p in found.not_looked_at
+    ]
+    student.notes += [f"{md_code(submission.display(p))}: not a file or folder" for p in found.odd]
+    for kind, what in (("links", "symlinks"), ("not_looked_at", "folders"), ("odd", "files")):
+        more = found.counts.get(kind, 0) - len(getattr(found, kind))
+        if more > 0:
+            student.notes.append(f"... and {more} more {what} like these (not listed)")
     for exercise in exercise_names():
         rel = f"labs/{exercise}.py"
         if rel not in found.files:
@@ -342,7 +393,7 @@ def read_student(session: Session, name: str) -> Student:
         try:
             data, info = submission.read_file(folder, rel, MODULE_LIMIT)
         except submission.Unreadable as exc:
-            student.notes.append(f"`{rel}` was not graded: {exc}")
+            student.notes.append(f"{md_code(rel)} was not graded: {md_code(exc, limit=300)}")
             continue
         student.modules[exercise] = data
         student.fingerprints[exercise] = (submission.digest(data), info.st_dev, info.st_ino)
@@ -386,8 +437,8 @@ def _release_notes(folder: Path, commit: str | None) -> list[str]:
         ]
     if commit and theirs and theirs != commit:
         return [
-            f"Your copy of the course came from commit {str(theirs)[:12]}; it was graded with "
-            f"{commit[:12]}."
+            f"Your copy of the course came from commit {md_code(str(theirs)[:12])}; it was graded "
+            f"with {md_code(commit[:12])}."
         ]
     return []
 
@@ -403,21 +454,30 @@ def _new_item(session: Session, student: Student, kind: str) -> Path:
 
 
 def grade_tests(
-    session: Session, student: Student, lab: Lab, res: Result, out: Path, hidden: bool
+    session: Session,
+    student: Student,
+    lab: Lab,
+    res: Result,
+    out: Path,
+    hidden: bool,
+    cpus: set[int] | None = None,
 ) -> Finished | None:
-    """Run the lab's public (or hidden) tests in a sandbox and add what they prove to ``res``."""
+    """Run the lab's public (or hidden) tests in a sandbox and add what they prove to ``res``.
+    A concealed hidden run adds only how many passed: no message, no count of processes left, no
+    note, no time, no detail of why its results could not be used."""
     folder = "hidden_tests/" if hidden else "tests/"
     graded = [n for n in session.expected[lab.name] if n.startswith(folder)]
     if not graded:
         return None
     args = session.args
+    concealed = hidden and args.conceal_hidden
     budget = args.lab_timeout - res.tests_time_s
     kind = "hidden" if hidden else "tests"
     res.tests_total += len(graded)
     res.hidden_total += len(graded) if hidden else 0
     if budget < 1:
         why = f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
-        if not (hidden and args.conceal_hidden):
+        if not concealed:
             res.failures += [[n, why] for n in graded]
         return None
     item = _new_item(session, student, kind)
@@ -426,7 +486,7 @@ def grade_tests(
         if hidden:
             _copy_hidden(session.hidden, item / "course" / "hidden_tests", files)
         log = out / "logs" / f"{lab.name}.{kind}.log"
-        if hidden and args.conceal_hidden:
+        if concealed:
             log = item / "hidden.log"  # kept nowhere the student could read it
         timeouts_so_far = sum("Timeout (>" in message for _, message in res.failures)
         done = run_sandboxed(
@@ -437,6 +497,8 @@ def grade_tests(
             timeout=budget,
             log=log,
             results_limit=RESULTS_LIMIT,
+            cpus=cpus,
+            read_only_course=True,
             PYTHONPATH=_pythonpath(session, item),
             PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
             MPLBACKEND="Agg",
@@ -446,19 +508,32 @@ def grade_tests(
         )
     finally:
         shutil.rmtree(item, ignore_errors=True)
-    res.tests_time_s += done.seconds
-    res.leftover_processes += done.leftover
     why = _why_unrun(done, args)
     run = read_test_run(done.results, graded, session.token, why, done.results_overflow)
     res.tests_passed += len(run.passed)
     res.hidden_passed += len(run.passed) if hidden else 0
+    if run.problem or run.guarded:  # the instructor's terminal hears why, whatever is concealed
+        why = run.problem or f"the grading guard refused {run.guarded} (a bug in the course)"
+        shown = printable(student.shown, newlines=False)
+        print(f"warning: {shown} · {lab.name} {kind}: {why}", file=sys.stderr)
+    if concealed:
+        if run.problem or run.guarded:
+            _add_error(res, CONCEALED_ERROR)
+        return done
+    res.tests_time_s += done.seconds
+    res.leftover_processes += done.leftover
     if run.problem:
-        what = "hidden tests" if hidden else "tests"
-        _add_error(res, f"the {what}' results were thrown away: {run.problem}")
-    shown = not (hidden and args.conceal_hidden)
-    if shown:
-        res.failures += [[n, message] for n, message in run.failed.items()]
-    _add_notes(res, _limit_notes(session, done, list(run.failed.values()) if shown else []))
+        _add_error(
+            res, f"the {'hidden ' if hidden else ''}tests' results were thrown away: {run.problem}"
+        )
+    for refused in run.guarded:
+        _add_error(
+            res,
+            f"a test of the course ran exercise code, or unpickled more than data, in the test "
+            f"process; the grader refused it ({refused}): a bug in the course, not in your code",
+        )
+    res.failures += [[n, message] for n, message in run.failed.items()]
+    _add_notes(res, _limit_notes(session, done, list(run.failed.values())))
     return done
 
 
@@ -505,8 +580,17 @@ def _limit_notes(session: Session, done: Finished, messages: list[str]) -> list[
     return notes
 
 
-def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, out: Path) -> None:
-    """Run the student's notebook in a sandbox; "executed" as ``labs.grade.notebooks`` says."""
+def grade_notebook(
+    session: Session,
+    student: Student,
+    lab: Lab,
+    res: Result,
+    out: Path,
+    cpus: set[int] | None = None,
+) -> None:
+    """Run the student's notebook in a sandbox; "executed" as ``labs.grade.notebooks`` says. The
+    notebook is read, and the runner's report too, by a limited child process
+    (``notebooks.prepare_limited``, ``notebooks.save_limited``), never by the grader itself."""
     args = session.args
     rel = f"notebooks/{lab.notebook}"
     res.notebook_executed = "no"
@@ -515,17 +599,20 @@ def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, ou
     except submission.Unreadable as exc:
         res.notebook_detail = f"missing: {exc}"
         return
-    released = nbformat.read(session.release / rel, as_version=4)
-    prepared = notebooks.prepare(mine, released)
-    res.cells_changed = prepared.changed
-    if prepared.notebook is None:
-        res.notebook_detail = prepared.problems[0]
-        return
     limit = int(session.sandbox.limits.notebook_output_mib * sandbox.MIB)
     item = _new_item(session, student, "notebook")
     try:
         (item / "course" / "notebooks").mkdir()
-        nbformat.write(prepared.notebook, item / "course" / rel)
+        theirs = item / "submitted.ipynb"
+        theirs.write_bytes(mine)
+        prepared = notebooks.prepare_limited(
+            str(theirs), str(session.release / rel), str(item / "course" / rel)
+        )
+        theirs.unlink()
+        res.cells_changed = prepared.changed
+        if not prepared.runnable:
+            res.notebook_detail = prepared.problems[0]
+            return
         done = run_sandboxed(
             session,
             item,
@@ -541,16 +628,20 @@ def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, ou
             timeout=args.notebook_timeout,
             log=out / "logs" / f"{lab.name}.notebook.log",
             results_limit=limit + 3 * len(mine) + (4 << 20),
+            cpus=cpus,
             MPLBACKEND="module://matplotlib_inline.backend_inline",
         )
+        results = item / "results"
+        results.write_bytes(done.results)
+        (out / "notebooks").mkdir(exist_ok=True)
+        report = notebooks.save_limited(str(results), str(out / "notebooks" / lab.notebook))
     finally:
         shutil.rmtree(item, ignore_errors=True)
     res.notebook_time_s = done.seconds
     res.leftover_processes += done.leftover
-    report = notebooks.read_report(done.results)
     executed, detail = notebooks.judge(prepared, report)
     if done.timed_out:
-        where = notebooks.where(prepared.notebook, report["cell"])
+        where = notebooks.where(prepared, report["cell"])
         detail = f"timeout: over {args.notebook_timeout:g} s in all; it was running {where}"
         executed = False
     elif done.limit and not executed:
@@ -564,17 +655,14 @@ def grade_notebook(session: Session, student: Student, lab: Lab, res: Result, ou
             f"**limit hit**: notebook output: {end['cut'] / 1e6:.1f} MB of outputs were dropped, "
             f"over {session.sandbox.limits.notebook_output_mib:g} MiB (`--max-notebook-output`)"
         )
-    if report["notebook"] is not None:
-        (out / "notebooks").mkdir(exist_ok=True)
-        try:
-            nbformat.write(report["notebook"], out / "notebooks" / lab.notebook)
-        except Exception as exc:  # noqa: BLE001 - the runner's copy is a courtesy, not a grade
-            res.notes.append(f"the executed notebook could not be saved ({type(exc).__name__})")
+    if done.results and not report.get("saved") and report["malformed"] is None:
+        res.notes.append("the executed notebook could not be saved")
 
 
 def grade_student(session: Session, name: str) -> list[Result]:
-    """Every lab of one student, each item in its own sandbox; the feedback page. Whatever goes
-    wrong becomes this student's rows ("grading error: ..."), and grading goes on."""
+    """Every lab of one student, each item in its own sandbox, on the cores of a free job slot;
+    the feedback page. Whatever goes wrong becomes this student's rows ("grading error: ..."),
+    and grading goes on."""
     shown = submission.display(name)
     if name in REPORT_FILES:
         why = f"grading error: a folder named {shown} would replace a file of the report; rename it"
@@ -589,36 +677,53 @@ def grade_student(session: Session, name: str) -> list[Result]:
         (out / "logs").mkdir(parents=True, exist_ok=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable submission becomes a row
         return _error_rows(session, shown, f"grading error: the submission cannot be read ({exc})")
-    results = []
-    for lab in session.labs:
-        res = Result(shown, lab.name, lab.notebook)
-        try:
-            if session.expected[lab.name]:
-                grade_tests(session, student, lab, res, out, hidden=False)
-                grade_tests(session, student, lab, res, out, hidden=True)
-            if lab.notebook and not session.args.no_notebooks:
-                grade_notebook(session, student, lab, res, out)
-        except Exception as exc:  # noqa: BLE001 - the grader's own failure costs this row only
-            _add_error(res, f"{type(exc).__name__}: {exc}"[:500])
-        _say(
-            session,
-            f"{shown} · {lab.name}: {res.tests_passed}/{res.tests_total} tests, notebook ran: "
-            f"{res.notebook_executed}, {res.tests_time_s + res.notebook_time_s:.1f} s",
+    cpus = session.slots.get()
+    try:
+        results = [_grade_lab(session, student, lab, out, cpus) for lab in session.labs]
+    finally:
+        session.slots.put(cpus)
+    try:
+        page = feedback_page(
+            shown,
+            results,
+            student.ignored,
+            session.meta,
+            session.args.conceal_hidden,
+            student.notes,
         )
-        results.append(res)
-    page = feedback_page(
-        shown, results, student.ignored, session.meta, session.args.conceal_hidden, student.notes
-    )
+    except Exception as exc:  # noqa: BLE001 - the page is the grader's; a bug of it costs the page
+        page = f"# Feedback\n\nThe grader could not write this page ({type(exc).__name__}).\n"
     write_atomic(out / "feedback.md", page)
     with session.lock:
-        session.fingerprints[name] = (student.fingerprints, student.links)
-    _say(session, f"{shown}: done in {time.perf_counter() - t0:.1f} s")
+        session.fingerprints[name] = (student.fingerprints, student.into)
+    _say(session, f"{printable(shown, newlines=False)}: done in {time.perf_counter() - t0:.1f} s")
     return results
+
+
+def _grade_lab(session: Session, student: Student, lab: Lab, out: Path, cpus) -> Result:
+    res = Result(student.shown, lab.name, lab.notebook)
+    try:
+        if session.expected[lab.name]:
+            grade_tests(session, student, lab, res, out, hidden=False, cpus=cpus)
+            grade_tests(session, student, lab, res, out, hidden=True, cpus=cpus)
+        if lab.notebook and not session.args.no_notebooks:
+            grade_notebook(session, student, lab, res, out, cpus)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the grader's own failure costs this row only
+        _add_error(res, f"{type(exc).__name__}: {exc}"[:500])
+    _say(
+        session,
+        f"{printable(student.shown, newlines=False)} · {lab.name}: {res.tests_passed}/"
+        f"{res.tests_total} tests, notebook ran: {res.notebook_executed}, "
+        f"{res.tests_time_s + res.notebook_time_s:.1f} s",
+    )
+    return res
 
 
 def _error_rows(session: Session, shown: str, why: str) -> list[Result]:
     """A student who cannot be graded: every lab's row says why, with no checks passed."""
-    _say(session, f"{shown}: {why}")
+    _say(session, f"{printable(shown, newlines=False)}: {printable(why, newlines=False)}")
     rows = []
     for lab in session.labs:
         expected = session.expected[lab.name]
@@ -635,9 +740,10 @@ def _say(session: Session, line: str) -> None:
 
 
 def copies(session: Session) -> list[str]:
-    """Exercise files that are the same across students: identical bytes (other than the
-    release's stub), one file hard-linked into several folders, or a symlink into a classmate's
-    folder. Identical to the reference solution is said too."""
+    """Markdown lines (names escaped) about exercise files that are the same across students:
+    identical bytes (other than the release's stub), one file hard-linked into several folders,
+    or symlinks into a classmate's folder (at most ``COPIES_PER_STUDENT`` lines per student).
+    Identical to the reference solution is said too."""
     seen = session.fingerprints
     lines = []
     for name in exercise_names():
@@ -649,9 +755,10 @@ def copies(session: Session) -> list[str]:
             if name not in prints:
                 continue
             digest, dev, ino = prints[name]
+            shown = md_code(submission.display(student))
             if digest != stub:
-                by_digest.setdefault(digest, []).append(submission.display(student))
-            by_inode.setdefault((dev, ino), []).append(submission.display(student))
+                by_digest.setdefault(digest, []).append(shown)
+            by_inode.setdefault((dev, ino), []).append(shown)
         for digest, students in by_digest.items():
             reference = " to the reference solution" if digest == solution else ""
             if len(students) > 1 or reference:
@@ -659,17 +766,18 @@ def copies(session: Session) -> list[str]:
         for students in by_inode.values():
             if len(students) > 1:
                 lines.append(f"`labs/{name}.py` is one file hard-linked in: {', '.join(students)}")
-    root = session.submissions
-    for student, (_, links) in sorted(seen.items()):
-        for rel, target in sorted(links.items()):
-            pointed = submission.link_target(root / student, rel, target)
-            if pointed.is_relative_to(root) and pointed != root:
-                other = pointed.relative_to(root).parts[0]
-                if other != student:
-                    lines.append(
-                        f"`{submission.display(rel)}` of {submission.display(student)} is a "
-                        f"symlink into {submission.display(other)}'s folder"
-                    )
+    for student, (_, into) in sorted(seen.items()):
+        mine = []
+        for other, rels in sorted(into.items()):
+            mine += [(rel, other) for rel in rels]
+        shown = md_code(submission.display(student))
+        for rel, other in mine[:COPIES_PER_STUDENT]:
+            lines.append(
+                f"{md_code(submission.display(rel))} of {shown} is a symlink into "
+                f"{md_code(submission.display(other))}'s folder"
+            )
+        if len(mine) > COPIES_PER_STUDENT:
+            lines.append(f"... and more symlinks of {shown} into classmates' folders")
     return lines
 
 
@@ -757,6 +865,20 @@ def _parser() -> argparse.ArgumentParser:
         help="processes and threads of one item",
     )
     add(
+        "--max-open-files",
+        type=int,
+        default=defaults.open_files,
+        metavar="N",
+        help="open files of one item's processes together (and of each one)",
+    )
+    add(
+        "--cpu-limit",
+        type=float,
+        default=defaults.cpu_seconds,
+        metavar="S",
+        help="CPU seconds of one item's processes together",
+    )
+    add(
         "--max-file-size",
         type=float,
         default=defaults.file_mib,
@@ -776,6 +898,12 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.notebook_output_mib,
         metavar="MIB",
         help="outputs kept in an executed notebook, in all",
+    )
+    add(
+        "--no-cgroup",
+        action="store_true",
+        help="do not put items in cgroups of their own even where the machine allows it (the "
+        "sandbox's init then watches their memory, and memfd and SysV shared memory are refused)",
     )
     add(
         "--unsafe-no-sandbox",
@@ -807,6 +935,8 @@ def _limits(parser, args) -> Limits:
         return Limits(
             memory_gib=args.memory_limit,
             processes=args.max_processes,
+            open_files=args.max_open_files,
+            cpu_seconds=args.cpu_limit,
             file_mib=args.max_file_size,
             disk_mib=args.disk_limit,
             notebook_output_mib=args.max_notebook_output,
@@ -854,7 +984,7 @@ def _prepare(parser, session: Session, hidden_source: Path | None) -> None:
             session.hidden,
             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
-    problem = sandbox.check(session.sandbox, session.private)
+    problem = sandbox.check(session.sandbox, session.private, session.seccomp)
     if problem:
         parser.exit(2, f"error: {problem}\n")
 
@@ -880,6 +1010,7 @@ def main(argv=None) -> int:
         hide = [p for p in (ROOT, submissions, report, hidden, private) if p is not None]
         box = Sandbox(private, limits, not args.unsafe_no_sandbox, hide)
         session = Session(args, box, private, report, submissions, None)
+        _confine(session)
         _prepare(parser, session, hidden)
         session.labs = discover_labs(session.release, session.hidden or private / "no-hidden")
         if args.labs:
@@ -900,10 +1031,73 @@ def main(argv=None) -> int:
             "hidden_tests": str(hidden) if hidden else None,
             "isolated": box.isolated,
             "limits": asdict(limits),
+            "memory_accounting": _memory_accounting(session),
+            "cores_per_job": [sorted(cpus) for cpus in list(session.slots.queue)],
         }
-        _grade_all(session, students)
+        try:
+            _grade_all(session, students)
+        finally:
+            if session.cgroups is not None:
+                session.cgroups.close()
     print(f"wrote {report / 'scores.csv'}, {report / 'summary.md'} and a feedback.md per student")
     return 0
+
+
+def cpu_slots(jobs: int, cpus: list[int]) -> list[set[int]]:
+    """The cores of each of ``jobs`` students graded at once: disjoint sets, as even as they can
+    be, when there are enough cores; one core each, shared round the jobs, when there are not."""
+    if jobs > len(cpus):
+        return [{cpus[i % len(cpus)]} for i in range(jobs)]
+    size, extra = divmod(len(cpus), jobs)
+    slots = []
+    start = 0
+    for i in range(jobs):
+        count = size + (i < extra)
+        slots.append(set(cpus[start : start + count]))
+        start += count
+    return slots
+
+
+def _confine(session: Session) -> None:
+    """Where each item runs: the cores of its student's job, a cgroup of its own (where the
+    machine allows one), the seccomp filter (which also refuses memfd and SysV shared memory,
+    whose memory only a cgroup would count)."""
+    args = session.args
+    cpus = sorted(os.sched_getaffinity(0))
+    for slot in cpu_slots(args.jobs, cpus):
+        session.slots.put(slot)
+    if args.jobs > len(cpus):
+        print(
+            f"warning: --jobs {args.jobs} on {len(cpus)} cores: students share cores, and one "
+            "spinning many processes slows those beside it; use --jobs <= the number of cores",
+            file=sys.stderr,
+        )
+    if not session.sandbox.isolated:
+        return
+    if not args.no_cgroup:
+        session.cgroups = cgroups.detect()
+    refuse = ("sched_setaffinity",)
+    if session.cgroups is None:
+        refuse += ("memfd_create", "shmget")
+        print(f"note: {_memory_accounting(session)}", file=sys.stderr)
+    session.seccomp = sandbox.seccomp_filter(refuse)
+    if session.seccomp is None:
+        print(
+            "warning: no seccomp filter for this machine's architecture: a submission can move "
+            "itself to other cores",
+            file=sys.stderr,
+        )
+
+
+def _memory_accounting(session: Session) -> str:
+    if not session.sandbox.isolated:
+        return "none (--unsafe-no-sandbox)"
+    if session.cgroups is not None:
+        return f"the kernel's: a cgroup {session.cgroups.kind} per item"
+    return (
+        "watched by each sandbox's init (no cgroup the grader can write: see the README), "
+        "memfd and SysV shared memory refused; pipe and socket buffers are not counted"
+    )
 
 
 def _drop_idle_labs(session: Session) -> None:
@@ -927,7 +1121,11 @@ def _grade_all(session: Session, students: list[str]) -> None:
     graded: dict[str, list[Result]] = {}
 
     def one(name: str) -> None:
-        results = grade_student(session, name)
+        try:
+            results = grade_student(session, name)
+        except Exception as exc:  # noqa: BLE001 - nothing one student does stops the others
+            why = f"grading error: the grader failed on this submission ({type(exc).__name__})"
+            results = _error_rows(session, submission.display(name), why)
         with session.lock:
             graded[name] = results
             ordered = [r for s in students if s in graded for r in graded[s]]

@@ -9,26 +9,28 @@ have put on the path). SPEC (written by ``labs.grade.sandbox.Sandbox.command``) 
 do:
 
 1. ``copy``: [source, destination] folders, copied in order (the course release, then the files of
-   this item over it: the student's exercise modules, a notebook, hidden tests) into the
-   sandbox's ``/tmp``, a tmpfs the size of the disk limit; ``mkdir``: folders to create;
+   this item over it: the student's exercise modules, a notebook) into the sandbox's ``/tmp``, a
+   tmpfs the size of the disk limit (a test run's course is bound read-only instead, and its
+   ``copy`` is empty); ``mkdir``: folders to create;
 2. this process makes itself non-dumpable, so the item's code cannot ptrace it, read its memory or
    open its file descriptors; as the PID namespace's init it also gets no signal from the item's
    processes (the kernel drops those it has no handler for);
 3. ``argv``, from ``cwd``, runs in a child with the limits of ``limits`` (``setrlimit``: address
-   space per process, processes and threads, file size; no core files); the child closes the status
-   channel (``status_fd``) before it starts the item, so only this process holds it;
-4. every ``poll_s`` seconds this process adds up the memory (proportional set size, read only
-   when the cheaper resident sizes add up to more than the limit) and the threads of every
-   process in the sandbox; over ``limits.memory_bytes`` or ``limits.processes`` it kills them all
-   and says which limit was hit (the kernel enforces ``RLIMIT_NPROC`` only for a grader that is not
-   root, so this check is the one that always holds);
+   space, open files and CPU time per process, processes and threads, file size; no core files);
+   the child closes the status channel (``status_fd``) before it starts the item, so only this
+   process holds it;
+4. every ``poll_s`` seconds this process looks at every process in the sandbox: threads, open
+   files and CPU time (used and reaped) in all, and, when ``watch_memory`` (no memory cgroup does
+   it in the kernel), the memory: proportional set size (resident size for a process it may not
+   read), plus what the sandbox's ``/tmp`` and ``/dev/shm`` hold. Over a limit, it kills them all
+   and says which limit was hit;
 5. when the item's first process exits, this process writes one JSON line to ``status_fd``:
    ``{"exit": code or null, "signal": number or null, "leftover": processes still running,
-   "limit": null, "memory" or "processes"}`` and exits. The kernel then kills every process left in
-   the namespace, daemons included.
+   "limit": null or "memory", "processes", "open files", "cpu time"}`` and exits. The kernel then
+   kills every process left in the namespace, daemons included.
 
-Outside a sandbox (``labs.grade --unsafe-no-sandbox``: not PID 1), steps 2 and 4 are skipped and
-``leftover`` is 0: the grader itself kills what is left.
+Outside a sandbox (``labs.grade --unsafe-no-sandbox``: not PID 1), step 2 and the watching of step
+4 are skipped and ``leftover`` is 0: the grader itself kills what is left.
 """
 
 import ctypes
@@ -41,6 +43,7 @@ import sys
 import time
 
 PR_SET_DUMPABLE = 4
+TMPFS = ("/tmp", "/dev/shm")
 
 
 def lay_out(spec: dict) -> None:
@@ -73,6 +76,8 @@ def start_item(spec: dict) -> int:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_AS, (limits["address_space_bytes"],) * 2)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)
+        resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_seconds"],) * 2)
         if spec["sandboxed"]:  # outside, it would count every process of the grader's user
             resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
         os.chdir(spec["cwd"])
@@ -87,47 +92,93 @@ def sandbox_processes() -> list[str]:
     return [name for name in os.listdir("/proc") if name.isdigit() and name != "1"]
 
 
-def usage(pids: list[str]) -> tuple[int, int]:
-    """(resident bytes, threads) of these processes, from /proc/<pid>/stat. Resident sizes count
-    the pages forked processes share once per process: an upper bound, cheap to read."""
+def _stat(pid: str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after "pid (comm)" (readable for every process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # it ended while we looked
+        return None
+
+
+def usage(pids: list[str]) -> dict:
+    """What these processes use now: resident bytes (an upper bound: shared pages count once per
+    process), threads, open files, and CPU seconds (theirs, and their reaped children's)."""
     page = os.sysconf("SC_PAGE_SIZE")
-    resident = 0
-    threads = 0
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {"resident": {}, "threads": 0, "files": 0, "cpu": 0.0}
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # it ended while we looked
+        fields = _stat(pid)
+        if fields is None:
             continue
-        threads += int(fields[17])  # num_threads: field 20 of stat, the 18th after "pid (comm)"
-        resident += int(fields[21]) * page  # rss in pages: field 24
-    return resident, threads
+        # num_threads, rss, utime + stime + cutime + cstime: fields 20, 24, 14-17 of stat
+        found["threads"] += int(fields[17])
+        found["resident"][pid] = int(fields[21]) * page
+        found["cpu"] += sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
+        found["files"] += open_files(pid)
+    return found
 
 
-def proportional_memory(pids: list[str]) -> int:
+def open_files(pid: str) -> int:
+    """How many files ``pid`` has open: its descriptors, or, for a process this one may not read
+    (not dumpable), the size of its descriptor table (an upper bound)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("FDSize:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def proportional_memory(resident: dict[str, int]) -> int:
     """The memory these processes use, each shared page split between its sharers (PSS, from
-    /proc/<pid>/smaps_rollup): exact, and costlier to read than ``usage``."""
+    /proc/<pid>/smaps_rollup: exact, and costlier to read than the resident size), or the
+    resident size of a process this one may not read."""
     total = 0
-    for pid in pids:
+    for pid, rss in resident.items():
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except (OSError, ValueError):
-            continue
+                total += next(int(x.split()[1]) * 1024 for x in f if x.startswith("Pss:"))
+        except (OSError, ValueError, StopIteration):
+            total += rss
     return total
 
 
-def over_limit(limits: dict) -> str | None:
-    """Which limit the sandbox's processes are over now: "memory", "processes" or None."""
-    pids = sandbox_processes()
-    resident, threads = usage(pids)
-    if threads > limits["processes"]:
+def tmpfs_bytes() -> int:
+    """What the files in the sandbox's tmpfs (/tmp, /dev/shm) hold: memory too."""
+    total = 0
+    for folder in TMPFS:
+        try:
+            fs = os.statvfs(folder)
+            total += (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        except OSError:
+            pass
+    return total
+
+
+def over_limit(limits: dict, watch_memory: bool) -> str | None:
+    """Which limit the sandbox's processes are over now, or None."""
+    used = usage(sandbox_processes())
+    children = os.times()
+    used["cpu"] += children.children_user + children.children_system
+    if used["threads"] > limits["processes"]:
         return "processes"
-    if resident > limits["memory_bytes"] and proportional_memory(pids) > limits["memory_bytes"]:
-        return "memory"
+    if used["files"] > limits["open_files_in_all"]:
+        return "open files"
+    if used["cpu"] > limits["cpu_seconds_in_all"]:
+        return "cpu time"
+    if watch_memory:
+        files = tmpfs_bytes()
+        cap = limits["memory_bytes"]
+        if sum(used["resident"].values()) + files > cap:  # cheap to read; then the exact figure
+            if proportional_memory(used["resident"]) + files > cap:
+                return "memory"
     return None
 
 
@@ -145,7 +196,7 @@ def watch(spec: dict, child: int) -> dict:
         if pid:
             continue  # an orphan reaped: look again at once
         if as_init:
-            hit = over_limit(limits)
+            hit = over_limit(limits, spec["watch_memory"])
             if hit:
                 os.kill(-1, signal.SIGKILL)  # every process of the namespace but this one
                 os.waitpid(child, 0)

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from labs.grade.cgroups import Group
 from labs.runtime.proc import descendants
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -53,7 +54,7 @@ class Finished:
     timed_out: bool
     seconds: float
     leftover: int  # processes still running when its first process exited (then killed)
-    limit: str | None  # "memory" or "processes" when the sandbox stopped it for that
+    limit: str | None  # "memory", "processes", "open files", "cpu time": the sandbox stopped it
     results: bytes  # what came on the results channel
     results_overflow: bool  # more than results_limit bytes came: the rest was dropped
     output_bytes: int  # printed in all (the log keeps the start and the end)
@@ -161,20 +162,35 @@ def run_item(
     results_limit: int,
     sandboxed: bool,
     pipes: dict[str, tuple[int, int]],
+    inputs: tuple[int, ...] = (),
+    cpus: set[int] | None = None,
+    group: Group | None = None,
 ) -> Finished:
     """Run ``argv`` (a bubblewrap command when ``sandboxed``) for at most ``timeout`` seconds.
 
     ``pipes`` are the (read end, write end) pairs, made with ``os.pipe()``, of the channels the
     command was told about: "results", "status" and, sandboxed, "info" (bubblewrap's
     ``--info-fd``, which says the sandbox init's pid). This function passes the write ends to the
-    command, reads the read ends, and closes both. Output goes to ``log``."""
+    command, reads the read ends, and closes both. ``inputs`` are descriptors the command reads
+    (bubblewrap's ``--seccomp`` program): passed, then closed here. The command runs on the cores
+    ``cpus`` (its affinity, which the sandbox's seccomp filter keeps it from changing) and in the
+    cgroup ``group``, joined before it starts. Output goes to ``log``."""
     if _stopping.is_set():
         for pipe in pipes.values():
             os.close(pipe[0])
             os.close(pipe[1])
+        for fd in inputs:
+            os.close(fd)
         raise KeyboardInterrupt("grading was interrupted")
     out_read, out_write = os.pipe()
     t0 = time.perf_counter()
+
+    def place() -> None:  # in the child, before exec: only system calls, no Python locks
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if group is not None:
+            group.join()
+
     try:
         proc = subprocess.Popen(
             argv,
@@ -182,8 +198,9 @@ def run_item(
             stdin=subprocess.DEVNULL,
             stdout=out_write,
             stderr=out_write,
-            pass_fds=tuple(write_end for _, write_end in pipes.values()),
+            pass_fds=tuple(write_end for _, write_end in pipes.values()) + tuple(inputs),
             start_new_session=True,
+            preexec_fn=place if (cpus or group is not None) else None,
         )
     except BaseException:
         for read_end, _ in pipes.values():
@@ -194,6 +211,8 @@ def run_item(
         os.close(out_write)
         for _, write_end in pipes.values():
             os.close(write_end)
+        for fd in inputs:
+            os.close(fd)
     channels = {out_read: "output", **{read_end: name for name, (read_end, _) in pipes.items()}}
     run = _Run(proc, sandboxed, results_limit)
     with _running_lock:
@@ -210,13 +229,18 @@ def run_item(
         _wait_gone(run.init_pid)
     run.output.write(log)
     report = _status(run.status)
+    limit = report.get("limit")
+    if group is not None:
+        if group.memory_killed():
+            limit = "memory"
+        group.remove()
     return Finished(
         exit_code=None if run.timed_out else report.get("exit"),
         signal=report.get("signal"),
         timed_out=run.timed_out,
         seconds=time.perf_counter() - t0,
         leftover=int(report.get("leftover") or 0) + run.leftover_outside,
-        limit=report.get("limit"),
+        limit=limit,
         results=bytes(run.results),
         results_overflow=run.overflow,
         output_bytes=run.output.total,

@@ -4,6 +4,25 @@ summary, a JSON dump, and a feedback page per student.
 Every file is written whole to a temporary name and renamed into place (``write_atomic``), after
 each student: a run that is interrupted keeps every row it finished, and a reader never sees half
 a file.
+
+Every string a submission controls (a folder or file name, a symlink's target, a failure message,
+a notebook cell's code or error, a commit it claims) is treated as data, escaped for the format it
+goes into:
+
+=========  =====================================================================================
+any file   valid UTF-8: a lone surrogate (``"\\udcff"``) becomes U+FFFD; control characters other
+           than a message's newlines are shown as ``\\xNN`` (``printable``)
+CSV        one line per cell; a cell that would start with ``= + - @`` (or a tab or carriage
+           return) gets a leading ``'``, so a spreadsheet never reads it as a formula (``csv_cell``)
+Markdown   a name is one inline code span whose fence is longer than any run of backticks in it,
+           ``|`` escaped in tables (``md_code``); a message is a fenced block whose fence is longer
+           than any run of backticks in it (``md_block``): neither can end early, open a block,
+           a heading, a table row, a link or an HTML comment
+JSON       ``json.dumps`` of the cleaned strings
+=========  =====================================================================================
+
+And every report has a budget per student: a name is cut at ``NAME_LIMIT`` characters, a
+feedback page at ``FEEDBACK_LIMIT``, the summary lists a bounded number of lines per student.
 """
 
 from __future__ import annotations
@@ -12,6 +31,7 @@ import csv
 import io
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,11 +50,17 @@ CSV_FIELDS = (
     "grading_error",
 )
 MAX_QUOTED_LINES = 25
+NAME_LIMIT = 200  # characters of a name (file, folder, symlink target) as a report shows it
+FEEDBACK_LIMIT = 512_000  # characters of one student's feedback page
+JSON_STRING_LIMIT = 5000  # characters of one string in scores.json
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # what makes a spreadsheet cell a formula
 NOT_ISOLATED = (
     "**Nothing was isolated:** graded with `--unsafe-no-sandbox`, so every submission's code ran "
     "as the grader's user with the whole machine in reach; do not trust these scores for code you "
     "do not trust."
 )
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_NEWLINES = re.compile("\r\n|\n")
 
 
 @dataclass
@@ -49,20 +75,79 @@ class Result:
     hidden_passed: int = 0
     hidden_total: int = 0
     failures: list = field(default_factory=list)  # [nodeid, message] per public test not passed
-    tests_time_s: float = 0.0
+    tests_time_s: float = 0.0  # public tests, and hidden ones unless concealed
     notebook_executed: str = "-"  # yes / no / "-" (no notebook, or notebooks not run)
     notebook_detail: str = ""  # ok, or what stopped it (status: cell N `source`: error)
     notebook_time_s: float = 0.0
-    cells_changed: int = 0  # code cells of the released notebook not in the student's verbatim
+    cells_changed: int = 0  # code cells of the released notebook not in the student's as released
     leftover_processes: int = 0  # processes still running after the item ended (killed)
-    notes: list = field(default_factory=list)  # limits hit, output cut: one line each
+    notes: list = field(default_factory=list)  # limits hit, output cut: one Markdown line each
     grading_error: str = ""  # "grading error: ..." when the grader could not grade this lab
 
 
-def _quote(text: str) -> list[str]:
-    lines = text.rstrip().splitlines() or [""]
-    cut = lines[:MAX_QUOTED_LINES] + (["[...]"] if len(lines) > MAX_QUOTED_LINES else [])
-    return ["```", *[line.replace("```", "'''") for line in cut], "```"]
+# ---- escaping
+# -------------------------------------------------------------------------------------------
+
+
+def _show(match: re.Match) -> str:
+    char = match.group()
+    if "\ud800" <= char <= "\udfff":
+        return "\ufffd"
+    return f"\\u{ord(char):04x}" if ord(char) > 0xFF else f"\\x{ord(char):02x}"
+
+
+def printable(text, *, newlines: bool = True) -> str:
+    """``text`` as valid UTF-8 with no control characters: lone surrogates become U+FFFD, other
+    control characters ``\\xNN``; newlines are kept (``newlines``) or shown as ``\\n``."""
+    text = str(text)
+    if not newlines:
+        text = _NEWLINES.sub("\\\\n", text).replace("\t", "\\t")
+    else:
+        text = _NEWLINES.sub("\n", text)
+    return _UNPRINTABLE.sub(_show, text)
+
+
+def cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def md_code(text, *, limit: int = NAME_LIMIT, table: bool = False) -> str:
+    """``text`` as one Markdown inline code span, whatever it holds."""
+    text = cut(printable(text, newlines=False), limit) or " "
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text[0] in "` " or text[-1] in "` " else ""
+    if table:
+        text = text.replace("|", "\\|")
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_block(text, *, max_lines: int = MAX_QUOTED_LINES) -> list[str]:
+    """``text`` as the lines of a fenced Markdown code block, whatever it holds."""
+    lines = printable(text).rstrip().split("\n") or [""]
+    cut_lines = lines[:max_lines] + (["[...]"] if len(lines) > max_lines else [])
+    longest = max((len(run) for run in re.findall("`+", "\n".join(cut_lines))), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, *cut_lines, fence]
+
+
+def csv_cell(text, limit: int = 300) -> str:
+    """One line, never read as a formula by a spreadsheet."""
+    text = cut(printable(text, newlines=False), limit)
+    return "'" + text if text.startswith(FORMULA_START) else text
+
+
+def _clean_json(value):
+    if isinstance(value, str):
+        return cut(printable(value), JSON_STRING_LIMIT)
+    if isinstance(value, dict):
+        return {_clean_json(k): _clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean_json(v) for v in value]
+    return value
+
+
+# ---- the feedback page
+# ----------------------------------------------------------------------------------
 
 
 def _failed_checks(r: Result, conceal: bool) -> list[str]:
@@ -74,8 +159,8 @@ def _failed_checks(r: Result, conceal: bool) -> list[str]:
         by_message.setdefault(message, []).append(nodeid)
     lines = []
     for message, nodeids in by_message.items():
-        lines += ["* **failed**: " + ", ".join(f"`{n}`" for n in nodeids), ""]
-        lines += _quote(message) + [""]
+        lines += ["* **failed**: " + ", ".join(md_code(n, limit=300) for n in nodeids), ""]
+        lines += md_block(message) + [""]
     if conceal and r.hidden_total:
         lines += [
             f"* **hidden checks**: {r.hidden_passed} of {r.hidden_total} passed "
@@ -94,18 +179,19 @@ def feedback_page(
     notes: list[str] = (),
 ) -> str:
     """The Markdown page a student gets: the score per lab, then every failed check with its
-    message."""
+    message. ``notes`` are Markdown lines the grader built (names in them already escaped)."""
     passed = sum(r.tests_passed for r in results)
     total = sum(r.tests_total for r in results)
     ran = sum(r.notebook_executed == "yes" for r in results)
     notebooks = sum(r.notebook_executed != "-" for r in results)
+    commit = md_code(meta["commit"] or "unknown")
     lines = [
-        f"# Feedback for {student}",
+        f"# Feedback for {md_code(student)}",
         "",
-        f"Graded {meta['graded_at']} against the course at commit {meta['commit'] or 'unknown'}: "
+        f"Graded {meta['graded_at']} against the course at commit {commit}: "
         f"**{passed}/{total} checks passed, {ran}/{notebooks} notebooks ran to the end.**",
         "",
-        *[f"{note}\n" for note in notes],
+        *[f"{printable(note, newlines=False)}\n" for note in notes],
         "| lab | checks passed | notebook | ran to the end |",
         "|---|---|---|---|",
     ]
@@ -120,14 +206,16 @@ def feedback_page(
             continue
         section = _failed_checks(r, conceal)
         if r.grading_error:
-            section += [f"* **{r.grading_error}**", ""]
+            why = r.grading_error.removeprefix("grading error: ")
+            section += ["* **grading error**:", ""] + md_block(why) + [""]
         if r.notebook_executed == "no":
             section += [f"* **notebook** `notebooks/{r.notebook}` did not run to the end:", ""]
-            section += _quote(r.notebook_detail) + [""]
+            section += md_block(r.notebook_detail) + [""]
         if r.cells_changed:
             section.append(
-                f"* {r.cells_changed} code cell(s) of the course's notebook are not in yours "
-                "unchanged."
+                f"* {r.cells_changed} code cell(s) of the course's notebook are not in yours as "
+                "released (changed, emptied or missing): the course's cells must run as released "
+                "(your own code goes in cells of your own)."
             )
         if r.leftover_processes:
             section.append(
@@ -135,7 +223,7 @@ def feedback_page(
                 "running at its end (left by your code, or by a run stopped for time); the "
                 "grader killed them."
             )
-        section += [f"* {note}" for note in r.notes]
+        section += [f"* {printable(note, newlines=False)}" for note in r.notes]
         if section:
             lines += ["", f"## {r.lab}", "", *section]
     if ignored:
@@ -147,26 +235,40 @@ def feedback_page(
             "(only `labs/<exercise>.py` and the notebooks are taken from a submission):",
             "",
         ]
-        lines += [f"* `{name}`" for name in ignored[:50]]
+        lines += [f"* {md_code(name)}" for name in ignored[:50]]
         lines += [f"* ... and {len(ignored) - 50} more"] if len(ignored) > 50 else []
-    return "\n".join(lines) + "\n"
+    return _within_budget("\n".join(lines) + "\n", FEEDBACK_LIMIT)
+
+
+def _within_budget(page: str, limit: int) -> str:
+    """The page, cut at a line before ``limit`` characters with a note saying so."""
+    if len(page) <= limit:
+        return page
+    head = page[:limit].rsplit("\n", 1)[0]
+    fence = None  # the fenced block the cut falls in, if it does: closed
+    for line in head.split("\n"):
+        if re.fullmatch("`{3,}", line) and (fence is None or len(line) >= len(fence)):
+            fence = None if fence else line
+    if fence:
+        head += "\n" + fence
+    return head + f"\n\n*[the grader cut this page at {limit:,} characters of {len(page):,}]*\n"
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then rename it into place."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
+    temporary.write_text(text, encoding="utf-8", errors="replace")
     os.replace(temporary, path)
 
 
-def _cell(text: str) -> str:
-    """Text that stays inside one Markdown table cell."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+# ---- scores.csv, scores.json, summary.md
+# ----------------------------------------------------------------------------
 
 
 def write_reports(report: Path, results: list[Result], meta: dict, copies: list[str] = ()) -> None:
     """``scores.csv`` (one row per student and lab), ``scores.json`` (everything), ``summary.md`` (a
-    grid, then the exercise files that look copied)."""
+    grid, then the exercise files that look copied: ``copies`` are Markdown lines the grader
+    built, names in them escaped)."""
     rows = io.StringIO(newline="")
     writer = csv.DictWriter(rows, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
@@ -174,22 +276,24 @@ def write_reports(report: Path, results: list[Result], meta: dict, copies: list[
         writer.writerow(
             {
                 **asdict(r),
-                "notebook": r.notebook or "",
-                "notebook_detail": (r.notebook_detail.splitlines() or [""])[0][:200],
+                "student": csv_cell(r.student),
+                "lab": csv_cell(r.lab),
+                "notebook": csv_cell(r.notebook or ""),
+                "notebook_detail": csv_cell((r.notebook_detail.splitlines() or [""])[0], 200),
                 "tests_time_s": f"{r.tests_time_s:.1f}",
                 "notebook_time_s": f"{r.notebook_time_s:.1f}",
-                "grading_error": r.grading_error[:300],
+                "grading_error": csv_cell(r.grading_error),
             }
         )
     write_atomic(report / "scores.csv", rows.getvalue())
     dump = {**meta, "results": [asdict(r) for r in results], "copies": list(copies)}
-    write_atomic(report / "scores.json", json.dumps(dump, indent=1))
+    write_atomic(report / "scores.json", json.dumps(_clean_json(dump), indent=1))
     labs = list(dict.fromkeys(r.lab for r in results))
     lines = [NOT_ISOLATED, ""] if not meta.get("isolated", True) else []
     lines += [
         "# Scorecard",
         "",
-        f"Graded {meta['graded_at']}, course commit {meta['commit'] or 'unknown'}. "
+        f"Graded {meta['graded_at']}, course commit {md_code(meta['commit'] or 'unknown')}. "
         "Each cell: checks passed/total, then whether the notebook ran to the end.",
         "",
         "| student | " + " | ".join(labs) + " | time (s) |",
@@ -205,8 +309,9 @@ def write_reports(report: Path, results: list[Result], meta: dict, copies: list[
             for lab in labs
         ]
         seconds = sum(r.tests_time_s + r.notebook_time_s for r in mine.values())
-        lines.append(f"| {_cell(student)} | " + " | ".join(cells) + f" | {seconds:.0f} |")
+        name = md_code(student, table=True)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds:.0f} |")
     if copies:
         lines += ["", "## Exercise files that look copied", ""]
-        lines += [f"* {line}" for line in copies]
+        lines += [f"* {printable(line, newlines=False)}" for line in copies]
     write_atomic(report / "summary.md", "\n".join(lines) + "\n")

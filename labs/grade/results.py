@@ -1,8 +1,8 @@
-"""What a graded test run proves: its results channel, read as a claim to check, not as a verdict.
+"""What a graded test run proves: its results channel, checked line by line.
 
-The pytest plugin (``pytest_plugin.py``) writes the channel from inside the test process, where
-the student's code runs too, so anything there could have been written by that code. The grader
-accepts a run's results only when they hold together:
+The pytest plugin (``pytest_plugin.py``) writes the channel from the pytest process, which never
+runs the student's code (its guard refuses it) and which no process running that code can reach
+(see the plugin). The grader still accepts a run's results only when they hold together:
 
 1. **the protocol, exactly.** First the collected node ids: the grader's own list (the tests it
    collected from the instructor's copy; pytest may order them differently in a run of one lab,
@@ -18,10 +18,9 @@ accepts a run's results only when they hold together:
    check gains at most nothing.
 3. **what was cut.** A last line without its newline (the run was killed while writing it) is
    dropped; tests after the stream's end did not run and fail with the reason the caller gives.
-
-What this cannot stop: code in the test process that recognises the checks and spares them, or
-that writes a whole well-formed stream itself, after reading this package inside the sandbox. See
-the README's grading section for what limits the damage.
+4. **the guard.** ``{"guard": what, "during": nodeid}`` lines (anywhere) say the plugin refused to
+   run exercise code, or to unpickle more than data, in the pytest process: the test named failed
+   for it (a bug in the course's test, which the grader reports as such); the rest stands.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ class TestRun:
     failed: dict[str, str] = field(default_factory=dict)  # node id -> why not
     timeouts: int = 0  # tests that ran out of time (pytest-timeout)
     problem: str | None = None  # why the run's results were thrown away, if they were
+    guarded: list[str] = field(default_factory=list)  # "what (during test)" the guard refused
 
 
 class Untrusted(ValueError):
@@ -74,13 +74,13 @@ def read_test_run(
     try:
         if overflow:
             raise Untrusted("it sent more results than any honest run does")
-        records = _records(raw)
+        records, guarded = _records(raw)
         order = _collected(records, graded, token)
         phases = _phases(records[1:], order)
     except Untrusted as exc:
         problem = f"the test run's results cannot be trusted ({exc}); none of its tests count"
         return TestRun(failed={n: f"not counted: {problem}" for n in graded}, problem=problem)
-    run = TestRun()
+    run = TestRun(guarded=guarded)
     checks = dict(zip(order[0::2], order[1::2]))
     for nodeid in graded:
         check = checks[nodeid]
@@ -102,11 +102,13 @@ def read_test_run(
     return run
 
 
-def _records(raw: bytes) -> list[dict]:
-    """The JSON lines of the stream; a last line cut short is dropped."""
+def _records(raw: bytes) -> tuple[list[dict], list[str]]:
+    """The JSON lines of the stream (a last line cut short is dropped), and the guard's lines
+    apart, each as "what (during what)"."""
     lines = raw.split(b"\n")
     lines.pop()  # after the last newline: empty, or a line cut short by a kill
     records = []
+    guarded = []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -114,8 +116,11 @@ def _records(raw: bytes) -> list[dict]:
             raise Untrusted(f"line {number} is not JSON") from None
         if not isinstance(record, dict):
             raise Untrusted(f"line {number} is not a record")
+        if set(record) == {"guard", "during"}:
+            guarded.append(f"{record['guard']} (during {record['during']})"[:500])
+            continue
         records.append(record)
-    return records
+    return records, guarded
 
 
 def _collected(records: list[dict], graded: list[str], token: str) -> list[str]:
@@ -143,7 +148,7 @@ def _phases(records: list[dict], order: list[str]) -> dict[str, dict[str, tuple[
         ):
             raise Untrusted(f"line {number} is not a test report")
         if record["outcome"] not in OUTCOMES:
-            raise Untrusted(f"line {number} has the outcome {record['outcome'][:40]!r}")
+            raise Untrusted(f"line {number} has an outcome that is none of {OUTCOMES}")
         if position >= len(order):
             raise Untrusted(f"line {number} comes after the last test")
         nodeid = order[position]

@@ -40,9 +40,12 @@ EVALUE_LIMIT = 3000
 NUDGE_S = 5.0  # waiting this long for a reply, the client sends the kernel a kernel_info request
 
 
+RESULTS = {"fd": None}  # the results channel, taken out of the environment by main
+
+
 def send(record: dict) -> None:
     data = (json.dumps(record) + "\n").encode()
-    fd = int(os.environ["LABS_GRADE_FD"])
+    fd = RESULTS["fd"]
     while data:
         data = data[os.write(fd, data) :]
 
@@ -86,18 +89,46 @@ class CappedClient(NotebookClient):
         if size <= self.budget:
             self.budget -= size
             return super().output(outs, msg, display_id, cell_index)
+        self._drop(outs, size, cell_index)
+        return None
+
+    def _update_display_id(self, display_id, msg):
+        """An output updated in place (``display(..., display_id=True).update(...)``) replaces
+        the data of every output with that id: what it adds counts against the budget too."""
+        places = [
+            (cell, index)
+            for cell, indices in self._display_id_map.get(display_id, {}).items()
+            for index in indices
+        ]
+        content = msg.get("content", {})
+        new = _size(content)
+        old = sum(_size(self.nb["cells"][cell]["outputs"][index]) for cell, index in places)
+        grows = new * len(places) - old
+        if grows > self.budget:
+            cell = places[0][0] if places else 0
+            self._drop(self.nb["cells"][cell]["outputs"], grows, cell)
+            return None
+        self.budget -= grows
+        return super()._update_display_id(display_id, msg)
+
+    def _drop(self, outs, size: int, cell_index: int) -> None:
         self.budget = 0
         self.cut += size
         if cell_index not in self.cut_cells:
             self.cut_cells.add(cell_index)
             note = "[the grader dropped this cell's further output: over the notebook's limit]\n"
             outs.append(nbformat.v4.new_output("stream", name="stderr", text=note))
-        return None
+
+
+def _size(output) -> int:
+    """The bytes an output's data and metadata take in the notebook."""
+    return len(json.dumps(output.get("data", {}))) + len(json.dumps(output.get("metadata", {})))
 
 
 def main(src: str, cell_timeout: float, output_limit: int) -> int:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    os.set_inheritable(int(os.environ["LABS_GRADE_FD"]), False)
+    RESULTS["fd"] = int(os.environ.pop("LABS_GRADE_FD"))  # the kernel gets neither it nor its name
+    os.set_inheritable(RESULTS["fd"], False)
     nb = nbformat.read(src, as_version=4)
     started = {"at": 0.0}
     end = {"end": "starting", "ename": "", "evalue": "", "cut": 0}

@@ -18,9 +18,11 @@ filesystem          a whitelist, read-only: the system (``/usr`` and its links),
                     plugin), ``release`` (the course as released) and ``item`` (the student's
                     exercise modules and notebook; for a hidden run, that lab's hidden tests).
                     Writable: only ``/tmp`` and ``/dev/shm``, tmpfs of
-                    ``Limits.disk_mib`` each, gone when the sandbox ends. The course copy is
-                    ``/tmp/course``, ``$HOME`` is ``/tmp/home``. ``/proc`` is the sandbox's own,
-                    read-only
+                    ``Limits.disk_mib`` each, gone when the sandbox ends. The course is
+                    ``/tmp/course``: for a test run, the release bound read-only with the item's
+                    files bound over it (nothing the student's code runs can change what the
+                    pytest process imports later); for a notebook, a writable copy. ``$HOME`` is
+                    ``/tmp/home``. ``/proc`` is the sandbox's own, read-only
 not there           the instructor's repository (``solutions/``, ``hidden_tests/``; the editable
                     install's mapping points into it), other students' folders, the report
                     folder, the grader's ``$HOME`` and temporary folders, the network, a tmux or
@@ -33,8 +35,15 @@ environment         rebuilt from nothing: ``PATH``, ``HOME``, ``TMPDIR``, ``LANG
 processes           the item's first process runs under ``inside.py``, the namespace's init; when
                     it ends, the kernel kills every process of the namespace; when the grader
                     dies, bubblewrap's ``--die-with-parent`` ends the sandbox
-limits              ``Limits``: memory of all its processes together, processes and threads,
-                    size of one file, of ``/tmp`` and ``/dev/shm``, of a notebook's output
+system calls        a seccomp filter (``seccomp_filter``): ``sched_setaffinity`` fails (the item
+                    stays on the cores the grader gave its student), and so do ``memfd_create``
+                    and ``shmget`` where no memory cgroup counts their memory; another
+                    architecture's system calls fail (x86-64 and arm64 are known; elsewhere no
+                    filter, and the README says what that leaves)
+limits              ``Limits``: memory of all its processes together, processes and threads, open
+                    files, CPU time, size of one file, of ``/tmp`` and ``/dev/shm``, of a
+                    notebook's output; the cores it runs on (``labs.grade.cgroups`` and
+                    ``labs.grade.processes``)
 ==================  ===========================================================================
 
 Without bubblewrap (macOS; Linux with user namespaces disabled) the grader refuses to run unless
@@ -47,8 +56,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -88,8 +99,10 @@ INSTALL_HINT = (
 class Limits:
     """What one sandboxed item may use; each is a ``labs.grade`` option of the same name."""
 
-    memory_gib: float = 6.0  # resident memory of all its processes together (watched by its init)
+    memory_gib: float = 6.0  # all its memory together (a memory cgroup, else watched by its init)
     processes: int = 1024  # processes and threads together
+    open_files: int = 4096  # open files of all its processes together (and of each one)
+    cpu_seconds: float = 1800.0  # CPU time of all its processes together
     file_mib: float = 512.0  # the largest file it may write (RLIMIT_FSIZE)
     disk_mib: float = 1024.0  # size of its /tmp, and of its /dev/shm (tmpfs, in memory)
     notebook_output_mib: float = 2.0  # outputs kept in an executed notebook, in all
@@ -105,9 +118,13 @@ class Limits:
         return {
             "memory_bytes": memory,
             # address space per process: generous (torch and Jupyter reserve far more than they
-            # touch), so that one huge allocation fails at once; the resident total is watched
+            # touch), so that one huge allocation fails at once; the total is what is limited
             "address_space_bytes": max(4 * memory, 16 * GIB),
             "processes": self.processes,
+            "open_files": self.open_files,  # RLIMIT_NOFILE of each process
+            "open_files_in_all": self.open_files,
+            "cpu_seconds": int(self.cpu_seconds) + 1,  # RLIMIT_CPU of each process
+            "cpu_seconds_in_all": self.cpu_seconds,
             "file_bytes": int(self.file_mib * MIB),
         }
 
@@ -202,17 +219,25 @@ class Sandbox:
         results_fd: int | None,
         status_fd: int,
         info_fd: int | None,
+        seccomp_fd: int | None = None,
+        read_only_course: bool = False,
+        watch_memory: bool = True,
     ) -> list[str]:
-        """The command that runs ``argv`` as one item whose own files are in ``item_dir/course``
-        (laid over the release in the item's course copy)."""
+        """The command that runs ``argv`` as one item whose own files are in ``item_dir/course``,
+        laid over the release: bound read-only (``read_only_course``, sandboxed only) or copied.
+        ``seccomp_fd``: a pipe holding ``seccomp_filter``'s program; ``watch_memory``: the
+        sandbox's init adds up its memory (no memory cgroup does it)."""
         layout = self.layout(item_dir)
+        course = layout.course
+        bound = read_only_course and self.isolated
         spec = {
             "sandboxed": self.isolated,
-            "copy": [[layout.release, layout.course], [layout.item, layout.course]],
+            "copy": [] if bound else [[layout.release, course], [layout.item, course]],
             "mkdir": [layout.home, f"{layout.home}/.local/share/jupyter/runtime"],
             "cwd": cwd,
             "argv": argv,
             "limits": self.limits.rlimits(),
+            "watch_memory": watch_memory,
             "poll_s": 0.1,
             "status_fd": status_fd,
             "results_fd": results_fd,
@@ -221,9 +246,35 @@ class Sandbox:
         if not self.isolated:
             Path(layout.tmp).mkdir(parents=True, exist_ok=True)
             return inside
-        return [*self._bwrap(item_dir, info_fd), "--", *inside]
+        argv = self._bwrap(item_dir, info_fd)
+        if bound:
+            argv += self._course_binds(item_dir, course)
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
+        return [*argv, "--", *inside]
 
     # ---- bubblewrap's arguments
+
+    def _course_binds(self, item_dir: Path, course: str) -> list[str]:
+        """The release read-only at ``course``, each of the item's files bound over its place:
+        a file over the release's (an exercise module over its stub), a folder the release has
+        empty (``hidden_tests/``) whole."""
+        argv = ["--ro-bind", str(self.release), course]
+        folders = [item_dir / "course"]
+        while folders:
+            folder = folders.pop()
+            for path in sorted(folder.iterdir()):
+                rel = path.relative_to(item_dir / "course").as_posix()
+                there = self.release / rel
+                if path.is_dir() and there.is_dir() and not any(there.iterdir()):
+                    argv += ["--ro-bind", str(path), f"{course}/{rel}"]
+                elif path.is_dir():
+                    folders.append(path)
+                elif there.is_file():
+                    argv += ["--ro-bind", str(path), f"{course}/{rel}"]
+                else:
+                    raise ValueError(f"{rel} is not in the release: it cannot be bound over it")
+        return argv
 
     def _bwrap(self, item_dir: Path, info_fd: int | None) -> list[str]:
         disk = str(int(self.limits.disk_mib * MIB))
@@ -279,6 +330,40 @@ class Sandbox:
         (etc / "hostname").write_text(f"{HOSTNAME}\n")
 
 
+# ---- the seccomp filter
+# A classic BPF program over struct seccomp_data {int nr; u32 arch; ...} (linux/seccomp.h), in the
+# form bubblewrap's --seccomp reads: an array of struct sock_filter {u16 code; u8 jt, jf; u32 k}.
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = {  # the numbers of the calls the filter refuses, per architecture
+    "x86_64": {"sched_setaffinity": 203, "memfd_create": 319, "shmget": 29},
+    "aarch64": {"sched_setaffinity": 122, "memfd_create": 279, "shmget": 194},
+}
+X32_BIT = 0x40000000  # x86-64's x32 calls: never needed here, refused
+BPF_LD_ABS_W, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO_EPERM = 0x00050000 | 1
+
+
+def seccomp_filter(refuse: tuple[str, ...], machine: str | None = None) -> bytes | None:
+    """The program that makes the calls ``refuse`` (and any other architecture's calls) fail with
+    EPERM; None on an architecture this module does not know."""
+    machine = machine or platform.machine()
+    if machine not in AUDIT_ARCH:
+        return None
+    numbers = [SYSCALLS[machine][name] for name in refuse]
+    deny = 4 + len(numbers) + 1  # the index of the last instruction
+    program = [
+        (BPF_LD_ABS_W, 0, 0, 4),  # A = arch
+        (BPF_JEQ_K, 0, deny - 2, AUDIT_ARCH[machine]),  # another architecture: deny
+        (BPF_LD_ABS_W, 0, 0, 0),  # A = nr
+        (BPF_JGE_K, deny - 4, 0, X32_BIT),
+    ]
+    for i, number in enumerate(numbers):
+        program.append((BPF_JEQ_K, deny - (5 + i), 0, number))
+    program += [(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO_EPERM)]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
 def python_prefixes() -> list[Path]:
     """The folders the running Python needs: its prefix (the virtual environment) and base prefix
     (the installation it was made from), and where its executable really lives."""
@@ -297,8 +382,9 @@ def _world_readable(path: Path) -> bool:
     return bool(mode & stat.S_IROTH) and (not stat.S_ISDIR(mode) or bool(mode & stat.S_IXOTH))
 
 
-def check(sandbox: Sandbox, private: Path) -> str | None:
-    """None when an item can run in ``sandbox``; else what went wrong, and how to fix it."""
+def check(sandbox: Sandbox, private: Path, seccomp: bytes | None = None) -> str | None:
+    """None when an item can run in ``sandbox`` (under the seccomp program ``seccomp``); else
+    what went wrong, and how to fix it."""
     if not sandbox.isolated:
         return None
     if bwrap_path() is None:
@@ -311,6 +397,12 @@ def check(sandbox: Sandbox, private: Path) -> str | None:
     item = private / "probe"
     (item / "course").mkdir(parents=True, exist_ok=True)
     pipes = {"results": os.pipe(), "status": os.pipe()}
+    inputs = ()
+    if seccomp is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, seccomp)
+        os.close(write_end)
+        inputs = (read_end,)
     argv = sandbox.command(
         item,
         [sys.executable, "-c", f"import os; assert os.getuid() == {SANDBOX_UID}"],
@@ -318,6 +410,7 @@ def check(sandbox: Sandbox, private: Path) -> str | None:
         results_fd=pipes["results"][1],
         status_fd=pipes["status"][1],
         info_fd=None,
+        seccomp_fd=inputs[0] if inputs else None,
     )
     log = private / "probe.log"
     done = run_item(
@@ -328,6 +421,7 @@ def check(sandbox: Sandbox, private: Path) -> str | None:
         results_limit=0,
         sandboxed=True,
         pipes=pipes,
+        inputs=inputs,
     )
     if done.exit_code != 0:
         why = log.read_text(errors="replace").strip()[-2000:] or f"exit code {done.exit_code}"

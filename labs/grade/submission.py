@@ -9,7 +9,8 @@ and never reads without a bound:
   folder;
 * the walk is iterative and stops ``MAX_DEPTH`` folders down and after ``MAX_ENTRIES`` entries
   (what it did not look at is listed); a file is read only if it is regular and at most
-  ``MAX_FILE_BYTES``;
+  ``MAX_FILE_BYTES``; what it keeps is bounded too (``MAX_KEPT`` links and names listed, each
+  symlink's target only as far as which classmate's folder it points into);
 * names are whatever the file system holds (spaces, unicode, a leading dash, bytes that are not
   UTF-8): they are paths here, never command arguments.
 
@@ -25,9 +26,12 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labs.grade.report import md_code
+
 MAX_DEPTH = 32
 MAX_ENTRIES = 20_000
 MAX_FILE_BYTES = 20 << 20
+MAX_KEPT = 20  # symlinks (with their targets), folders not looked at, odd files: listed ones
 SKIP = {".git", "__pycache__", ".ipynb_checkpoints", ".venv", "venv", ".pytest_cache"}
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -42,9 +46,21 @@ class Scan:
     """What a walk of the student's folder found."""
 
     files: dict[str, os.stat_result] = field(default_factory=dict)  # regular files
-    links: dict[str, str] = field(default_factory=dict)  # symlink -> its target, as written
-    odd: list[str] = field(default_factory=list)  # fifos, sockets, devices
-    not_looked_at: list[str] = field(default_factory=list)  # too deep, or past MAX_ENTRIES
+    links: dict[str, str] = field(default_factory=dict)  # symlink -> target: the first MAX_KEPT
+    odd: list[str] = field(default_factory=list)  # fifos, sockets, devices (the first MAX_KEPT)
+    not_looked_at: list[str] = field(default_factory=list)  # too deep, past MAX_ENTRIES (same)
+    counts: dict[str, int] = field(default_factory=dict)  # "links", "odd", "not_looked_at": all
+    into: dict[str, list[str]] = field(default_factory=dict)  # folder beside root -> links into it
+
+    def keep(self, kind: str, item, value=None) -> None:
+        """Count one more of ``kind``; keep it if fewer than MAX_KEPT are kept."""
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        kept = getattr(self, kind)
+        if len(kept) < MAX_KEPT:
+            if isinstance(kept, dict):
+                kept[item] = value
+            else:
+                kept.append(item)
 
 
 def display(name: str) -> str:
@@ -53,7 +69,9 @@ def display(name: str) -> str:
 
 
 def scan(root: Path) -> Scan:
-    """Walk ``root`` (which must not itself be a link) without following any link."""
+    """Walk ``root`` (which must not itself be a link) without following any link. A link's
+    target is kept for the first MAX_KEPT links; for every link, which folder beside ``root`` (a
+    classmate's) it points into, if it does."""
     found = Scan()
     top = os.open(root, DIR_FLAGS)
     stack = [(top, "", 0)]
@@ -68,9 +86,9 @@ def scan(root: Path) -> Scan:
                         rel = prefix + entry.name
                         entries += 1
                         if entries > MAX_ENTRIES:
-                            found.not_looked_at.append(f"{prefix or './'} (past {MAX_ENTRIES})")
+                            found.keep("not_looked_at", f"{prefix or './'} (past {MAX_ENTRIES})")
                             break
-                        _classify(entry, rel, fd, depth, found, stack)
+                        _classify(entry, rel, fd, depth, found, stack, root)
             finally:
                 os.close(fd)
     finally:
@@ -79,24 +97,35 @@ def scan(root: Path) -> Scan:
     return found
 
 
-def _classify(entry: os.DirEntry, rel: str, parent: int, depth: int, found: Scan, stack) -> None:
+def _classify(
+    entry: os.DirEntry, rel: str, parent: int, depth: int, found: Scan, stack, root: Path
+) -> None:
     mode = entry.stat(follow_symlinks=False).st_mode
     if stat.S_ISLNK(mode):
-        found.links[rel] = os.readlink(entry.name, dir_fd=parent)
+        target = os.readlink(entry.name, dir_fd=parent)
+        found.keep("links", rel, target)
+        pointed = link_target(root, rel, target)
+        beside = root.parent
+        if pointed.is_relative_to(beside) and pointed != beside:
+            other = pointed.relative_to(beside).parts[0]
+            if other != root.name:
+                into = found.into.setdefault(other, [])
+                if len(into) < MAX_KEPT:
+                    into.append(rel)
     elif stat.S_ISDIR(mode):
         if entry.name in SKIP:
             return
         if depth + 1 >= MAX_DEPTH:
-            found.not_looked_at.append(f"{rel}/ (more than {MAX_DEPTH} folders deep)")
+            found.keep("not_looked_at", f"{rel}/ (more than {MAX_DEPTH} folders deep)")
             return
         try:
             stack.append((os.open(entry.name, DIR_FLAGS, dir_fd=parent), rel + "/", depth + 1))
         except OSError:
-            found.odd.append(rel + "/")
+            found.keep("odd", rel + "/")
     elif stat.S_ISREG(mode):
         found.files[rel] = entry.stat(follow_symlinks=False)
     else:
-        found.odd.append(rel)
+        found.keep("odd", rel)
 
 
 def read_file(root: Path, rel: str, limit: int = MAX_FILE_BYTES) -> tuple[bytes, os.stat_result]:
@@ -135,7 +164,8 @@ def read_file(root: Path, rel: str, limit: int = MAX_FILE_BYTES) -> tuple[bytes,
 
 
 def link_notes(links: dict[str, str], root: Path) -> list[str]:
-    """One line per symlink: where it points, and whether that is outside the student's folder."""
+    """One Markdown line per symlink: where it points, and whether that is outside the student's
+    folder (names escaped)."""
     notes = []
     for rel, target in sorted(links.items()):
         inside = os.path.normpath(os.path.join(os.path.dirname(rel), target))
@@ -143,7 +173,8 @@ def link_notes(links: dict[str, str], root: Path) -> list[str]:
         if os.path.isabs(target) and Path(target).is_relative_to(root):
             outside = False
         where = "points outside your folder" if outside else "points inside your folder"
-        notes.append(f"`{display(rel)}` -> `{display(target)}`: a symlink ({where}), not followed")
+        shown = f"{md_code(display(rel))} -> {md_code(display(target))}"
+        notes.append(f"{shown}: a symlink ({where}), not followed")
     return notes
 
 
