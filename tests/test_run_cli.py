@@ -16,6 +16,7 @@ from labs.experiments.common import (
 )
 from labs.experiments.spec import command_labs
 from labs.measure.timing import StepTimer, step_time, time_steps
+from tests import torchrun_labs
 from tests.helpers import TORCHRUN, checks_ok, json_lines, run_cli, run_json
 
 
@@ -178,44 +179,113 @@ def test_unfilled_stub_gives_one_line_naming_the_function():
         (["multimodal", "--nproc", "7"], "use nproc in 2..6"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_message(args, message):
-    proc = run_cli("-m", "labs.run", *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+def test_bad_arguments_exit_2_with_a_message(args, message, capsys):
+    """``labs.run``'s main, in this process (``python -m labs.run`` exits with what it returns, or
+    argparse's exit: ``test_the_command_line_exits_2_on_bad_arguments``)."""
+    from labs.run import main
+
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
 
 
-# Every lab under torchrun, as on a GPU box or across nodes: one torchrun job per lab at N=2 (the
-# lab's own options where N=2 needs them), and at N=4 the labs whose N=4 paths N=2 cannot show:
-# the mesh's subgroups (TP x PP), four pipeline stages, MoE's uneven all-to-all over 4 ranks and
-# placement over 4 stages in inference. On gloo, 2 steps each: 7-14 s a job on 2 busy cores,
-# under 3 minutes for the 15 jobs (measured).
+def test_the_command_line_exits_2_on_bad_arguments():
+    """The exit status of ``python -m labs.run`` itself: argparse's error and ours."""
+    for args, message in [
+        (["nope"], "invalid choice"),
+        (["collectives", "--nproc", "0"], "nproc must be an integer >= 1, got 0"),
+    ]:
+        proc = run_cli("-m", "labs.run", *args)
+        assert proc.returncode == 2
+        assert message in proc.stderr
+
+
+# Every lab under torchrun, as on a GPU box or across nodes: at N=2 every lab (the lab's own options
+# where N=2 needs them), and at N=4 the labs whose N=4 paths N=2 cannot show: the mesh's subgroups
+# (TP x PP), four pipeline stages, MoE's uneven all-to-all over 4 ranks and placement over 4 stages
+# in inference. On gloo, 2 steps each. The labs of one N share one torchrun job
+# (``tests/torchrun_labs.py``: every worker runs ``labs.run``'s main for each lab in turn, as
+# ``python -m labs.run`` does under torchrun), so torch's start-up in every rank is paid once per
+# job, not once per lab: ~60 CPU-seconds for the 15 runs instead of ~250 (measured on 2 cores).
+# ``test_under_torchrun_each_rank_is_a_worker`` runs ``torchrun -m labs.run`` itself.
 TORCHRUN_ARGS = {"mesh": {2: ["--dp", "2"], 4: ["--tp", "2", "--pp", "2"]}}
 TORCHRUN_JOBS = [(lab, 2) for lab in sorted(command_labs())] + [
     (lab, 4) for lab in ("infer", "mesh", "moe", "pp")
 ]
 
 
+class TorchrunJob:
+    """One torchrun job of ``nproc`` workers running the labs of ``TORCHRUN_JOBS`` at ``nproc``:
+    the job's process (its console stderr) and, per lab, what each rank printed and its exit code
+    (read from each rank's own stdout, which torchrun writes to a file: ``--redirects 1``)."""
+
+    def __init__(self, nproc: int, log_dir):
+        labs = [lab for lab, n in TORCHRUN_JOBS if n == nproc]
+        command_lines = [
+            [lab, "--steps", "2", "--json", "--impl", "solutions"]
+            + TORCHRUN_ARGS.get(lab, {}).get(nproc, [])
+            for lab in labs
+        ]
+        self.proc = run_cli(
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--log-dir",
+            str(log_dir),
+            "--redirects",
+            "1",
+            "-m",
+            "tests.torchrun_labs",
+            json.dumps(command_lines),
+            timeout=300 + 120 * len(labs),
+        )
+        # <log_dir>/<run id>/attempt_0/<local rank>/stdout.log
+        logs = {int(p.parent.name): p.read_text() for p in log_dir.glob("*/attempt_*/*/stdout.log")}
+        assert sorted(logs) == list(range(nproc)), (logs, self.proc.stderr[-3000:])
+        self.ranks = [torchrun_labs.split_by_lab(logs[rank]) for rank in range(nproc)]
+
+    def lab(self, lab: str) -> list[tuple[str, int | None]]:
+        """(stdout, exit code) of every rank for ``lab``'s run; the job's stderr if it never ran."""
+        runs = [by_lab.get(lab) for by_lab in self.ranks]
+        assert all(runs), f"{lab} did not run on every rank:\n{self.proc.stderr[-3000:]}"
+        return runs
+
+    def failed(self) -> bool:
+        """Whether the job failed: torchrun's exit status, unless a lab's own exit code (which that
+        lab's test reports) explains it."""
+        explained = any(
+            code not in (0, None) for by_lab in self.ranks for _, code in by_lab.values()
+        )
+        return self.proc.returncode != 0 and not explained
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory):
+    """``torchrun_job(nproc)``: the one torchrun job of the labs at ``nproc``, started on first
+    use."""
+    jobs = {}
+
+    def job(nproc: int) -> TorchrunJob:
+        if nproc not in jobs:
+            jobs[nproc] = TorchrunJob(nproc, tmp_path_factory.mktemp(f"torchrun{nproc}"))
+        return jobs[nproc]
+
+    return job
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lab, nproc", TORCHRUN_JOBS)
-def test_every_lab_runs_under_torchrun(lab, nproc):
-    proc = run_cli(
-        TORCHRUN,
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "labs.run",
-        lab,
-        "--steps",
-        "2",
-        "--json",
-        "--impl",
-        "solutions",
-        *TORCHRUN_ARGS.get(lab, {}).get(nproc, []),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [summary] = json_lines(proc.stdout)  # rank 0 prints, the others do not
+def test_every_lab_runs_under_torchrun(torchrun_job, lab, nproc):
+    job = torchrun_job(nproc)
+    runs = job.lab(lab)
+    assert [code for _, code in runs] == [0] * nproc, job.proc.stderr[-3000:]
+    assert not job.failed(), job.proc.stderr[-3000:]  # e.g. a worker that crashed on its way out
+    [summary] = json_lines(runs[0][0])  # rank 0 prints, the others do not
+    assert [json_lines(stdout) for stdout, _ in runs[1:]] == [[]] * (nproc - 1)
     assert summary["lab"] == lab and summary["nproc"] == nproc and summary["backend"] == "gloo"
     assert summary["matches_reference"] is True, summary
     assert summary["passed"] is True, [c for c in summary["checks"] if not c["ok"]]

@@ -80,6 +80,7 @@ INSTRUCTOR_TESTS = (
     "tests/test_grade.py",
     "tests/test_browser.py",
     "tests/test_run_cli.py",
+    "tests/torchrun_labs.py",  # test_run_cli's driver: several labs in one torchrun job
     "tests/test_readme_figures.py",  # reads the notebooks' outputs, which the release clears
     "tests/classic_bugs.py",  # the catalog of classic mistakes: it quotes solution lines
     "tests/test_classic_bugs.py",
