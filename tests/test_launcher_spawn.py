@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from labs import launch
 from labs.runtime import LaunchTimeout, RankDied, RankError, isolation
+from labs.runtime.device import rank_device
 from labs.runtime.pool import Worker, WorkerPool, worker_pool
 from labs.runtime.proc import child_pids
 from tests.helpers import ROOT, alive
@@ -264,13 +265,23 @@ def test_workers_die_with_their_parent():
     assert not any(alive(p) for p in workers)
 
 
-def test_the_device_audit_runs_in_spawned_ranks(monkeypatch):
-    from tests.test_device_audit import all_reduce_a_host_tensor, everything_on_the_device
+def all_reduce_a_host_tensor():
+    dist.all_reduce(torch.zeros(4))  # the bug: made on the host, not on rank_device()
 
+
+def all_reduce_on_the_device():
+    device = rank_device()
+    buffer = torch.zeros(4, device=device)
+    dist.all_reduce(buffer)
+    return str(device), str(buffer.device)
+
+
+def test_the_device_audit_runs_in_spawned_ranks(monkeypatch):
+    """Spawned ranks audit too (tests/test_device_audit.py, instructor-only, proves the rest)."""
     monkeypatch.setenv("LABS_DEVICE_AUDIT", "1")
     with pytest.raises(RankError, match="dist.all_reduce\\(\\) got a CPU tensor"):
         spawned(all_reduce_a_host_tensor, 2)
-    assert spawned(everything_on_the_device, 2)[1] == ("cpu:1", "cpu:1", torch.Size([4, 4]))
+    assert spawned(all_reduce_on_the_device, 2)[1] == ("cpu:1", "cpu:1")
 
 
 def test_the_launchers_contract_holds_under_labs_start_method(monkeypatch):
