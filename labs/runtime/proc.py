@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 
-def parents() -> dict[int, int]:
-    """Every live (non-zombie) process -> its parent's pid."""
-    parent_of = {}
+def live_processes() -> dict[int, tuple[int, int]]:
+    """Every live (non-zombie) process -> (its parent's pid, its process group), from /proc."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -18,10 +18,15 @@ def parents() -> dict[int, int]:
             stat = (entry / "stat").read_text()
         except OSError:  # the process ended while we looked
             continue
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]  # fields after "pid (comm)"
+        state, ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]  # after "pid (comm)"
         if state != "Z":
-            parent_of[int(entry.name)] = int(ppid)
-    return parent_of
+            found[int(entry.name)] = (int(ppid), int(group))
+    return found
+
+
+def parents() -> dict[int, int]:
+    """Every live (non-zombie) process -> its parent's pid."""
+    return {pid: ppid for pid, (ppid, _) in live_processes().items()}
 
 
 def child_pids(pid: int | None = None) -> set[int]:
@@ -50,18 +55,7 @@ def group_members(pgid: int) -> list[int]:
         out = subprocess.run(["ps", "-A", "-o", "pid=,pgid=,stat="], capture_output=True, text=True)
         rows = [line.split() for line in out.stdout.splitlines()]
         return [int(r[0]) for r in rows if len(r) == 3 and int(r[1]) == pgid and r[2][0] != "Z"]
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # the process ended while we looked
-            continue
-        state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]  # state, ppid, pgrp
-        if state != "Z" and int(group) == pgid:
-            members.append(int(entry.name))
-    return members
+    return [pid for pid, (_, group) in live_processes().items() if group == pgid]
 
 
 def kill_process_group(pid: int) -> None:
