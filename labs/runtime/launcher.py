@@ -54,7 +54,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from multiprocessing import connection
 
 import torch
@@ -75,7 +74,7 @@ from labs.runtime.errors import (
     refused_message,
 )
 from labs.runtime.proc import kill_process_group
-from labs.runtime.rank import RankJob, _bind_device, _to_cpu, report_progress, run_rank
+from labs.runtime.rank import RankJob, _to_cpu, join_group, report_progress, run_rank
 
 __all__ = [
     "BACKENDS",
@@ -455,20 +454,12 @@ def _join_torchrun_job(fn, nprocs, args, backend, timeout) -> RankResults:
     joined_here = not dist.is_initialized()
     with audit.audited(audit.lab_label(fn), local_rank()) if audited else contextlib.nullcontext():
         if joined_here:
-            device = _bind_device(backend)
             store, rank, world_size = next(dist.rendezvous("env://"))
             # Each launch of this job meets under a fresh prefix: the previous launch's group
             # left its keys in torchrun's store, and a rank reading those would connect to a
             # socket that is closed ("Connection refused"), one launch in a few.
             store = dist.PrefixStore(f"labs-launch-{next(_torchrun_launches)}", store)
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout),
-                device_id=device,
-            )
+            join_group(backend, store, rank, world_size, timeout)
         used = dist.get_backend()
         result = fn(*args)
     gathered = [None] * world

@@ -80,7 +80,8 @@ def run_rank(job: RankJob, conn: connection.Connection) -> None:
     audited = audit.audited(job.audit_label, job.rank) if job.audit_label else None
     try:
         with audited or contextlib.nullcontext():
-            _init_rank(job.rank, job.world_size, job.backend, job.timeout, job.store_path)
+            store = dist.FileStore(job.store_path, job.world_size)
+            join_group(job.backend, store, job.rank, job.world_size, job.timeout)
             used = dist.get_backend()  # read now: fn may destroy the process group
             result = job.fn(*job.args)
         message = ("ok", _to_cpu(result), used)
@@ -134,15 +135,16 @@ def _to_cpu(result):
     )
 
 
-def _init_rank(rank, world_size, backend, timeout, store_path):
-    store = dist.FileStore(store_path, world_size)
+def join_group(backend, store, rank, world_size, timeout):
+    """This rank's process group on ``store``, bound to its device (``_bind_device``)."""
+    device = _bind_device(backend)
     dist.init_process_group(
         backend,
         store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
-        device_id=_bind_device(backend),
+        device_id=device,
     )
 
 
