@@ -970,7 +970,7 @@ def test_untouched_stubs_get_no_points_and_say_what_to_write(graded):
     assert "NotImplementedError" in row["notebook_detail"]
     text = feedback(graded, "stubs")
     assert "exercise ring_all_reduce is not written yet" in text
-    assert "hidden checks**: 0 of 3 passed" in text
+    assert "### collectives: hidden checks\n\n0 of 3 passed (their names" in text
 
 
 @pytest.mark.slow
@@ -1436,7 +1436,7 @@ def test_feedback_groups_identical_failures_and_can_conceal_hidden_tests():
         "ann", [r], ["pytest.ini"], {"graded_at": "now", "commit": "abc"}, conceal=True
     )
     assert page.count("NotImplementedError: x") == 1 and "`tests/t.py::a`, `tests/t.py::b`" in page
-    assert "secret" not in page and "hidden checks**: 0 of 1 passed" in page
+    assert "secret" not in page and "hidden checks\n\n0 of 1 passed (their names" in page
     assert "ValueError: bad" in page and "`pytest.ini`" in page and "0/3 checks passed" in page
 
 
