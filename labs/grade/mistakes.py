@@ -2,12 +2,13 @@
 common failing checks with their hints and how many students hit each, so that an instructor
 knows what to re-teach.
 
-A failing check is a test (its function, parameters left out) failing with one kind of message:
-the message's first line with every number written ``N`` (``gpipe P=2 M=2 step 0: loss`` and
-``gpipe P=4 M=4 step 0: loss`` are one mistake). Its hints are the ``hint (check): ...`` lines a
-lab's verdict prints (``labs.experiments.checks.verdict_table``), else the message itself, which
-the course's assertions write as advice. A test that failed with ``NotImplementedError`` is
-unwritten work, not a mistake: those students are counted apart. Hidden tests count when they are
+A failing check is a test, its parameters left out (``test_x[2-gpipe]`` and ``test_x[4-1f1b]``
+are one check), counted once per student; the table quotes the message most of them got (its
+first line, numbers written ``N`` to compare them) and the hints: the ``hint (check): ...`` lines
+a lab's verdict prints (``labs.experiments.checks.verdict_table``), else the message itself, which
+the course's assertions write as advice. A test that failed on unwritten code
+(``NotImplementedError``, "is not written yet") is unwritten work, not a mistake: those students
+are counted apart. Hidden tests count when they are
 not concealed (their failures are not recorded otherwise).
 """
 
@@ -25,7 +26,7 @@ PLOT = "class_scores.png"
 _HINT = re.compile(r"^\s*hint \(([^)]*)\): (.+)$", re.M)
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", re.I)
 _PREFIX = re.compile(r"^(?:E\s+)?(?:[\w.]+(?:Error|Exception|Failed)):\s*")
-UNWRITTEN = "NotImplementedError"
+UNWRITTEN = ("NotImplementedError", "is not written yet")  # what a stub's failure says
 
 
 @dataclass
@@ -33,9 +34,19 @@ class Mistake:
     """One failing check, and the students who hit it."""
 
     test: str  # the test function, e.g. tests/test_ddp.py::test_losses_match
-    message: str  # the first line of one student's message, as it was
     hints: list[str] = field(default_factory=list)  # "check: hint" lines
     students: set = field(default_factory=set)
+    messages: dict = field(default_factory=dict)  # first line, numbers as N -> (line, students)
+
+    @property
+    def message(self) -> str:
+        """The first line of the message most students got (one of them, as it was)."""
+        line, _ = max(self.messages.values(), key=lambda seen: len(seen[1]))
+        return line
+
+
+def is_unwritten(message: str) -> bool:
+    return any(mark in message for mark in UNWRITTEN)
 
 
 def test_function(nodeid: str) -> str:
@@ -53,15 +64,17 @@ def first_line(message: str) -> str:
 
 def common_mistakes(results: list[Result]) -> dict[str, list[Mistake]]:
     """lab -> its failing checks, most students first."""
-    found: dict[str, dict[tuple, Mistake]] = {}
+    found: dict[str, dict[str, Mistake]] = {}
     for r in results:
         for nodeid, message in r.failures:
-            if UNWRITTEN in message:
+            if is_unwritten(message):
                 continue
-            line = first_line(message)
-            key = (test_function(nodeid), _NUMBER.sub("N", line))
-            mistake = found.setdefault(r.lab, {}).setdefault(key, Mistake(key[0], line))
+            test = test_function(nodeid)
+            mistake = found.setdefault(r.lab, {}).setdefault(test, Mistake(test))
             mistake.students.add(r.student)
+            line = first_line(message)
+            seen = mistake.messages.setdefault(_NUMBER.sub("N", line), (line, set()))
+            seen[1].add(r.student)
             for check, hint in _HINT.findall(message):
                 if f"{check}: {hint}" not in mistake.hints:
                     mistake.hints.append(f"{check}: {hint}")
@@ -72,9 +85,9 @@ def common_mistakes(results: list[Result]) -> dict[str, list[Mistake]]:
 
 
 def unwritten(results: list[Result], lab: str) -> int:
-    """How many students left part of ``lab`` unwritten (a test failed on NotImplementedError)."""
+    """How many students left part of ``lab`` unwritten (a test failed on unwritten code)."""
     return sum(
-        r.lab == lab and any(UNWRITTEN in message for _, message in r.failures) for r in results
+        r.lab == lab and any(is_unwritten(message) for _, message in r.failures) for r in results
     )
 
 
@@ -112,8 +125,9 @@ def summary_lines(results: list[Result], plot: str | None) -> list[str]:
     mistakes = common_mistakes(results)
     lines += ["", "### Most common mistakes", ""]
     lines += [
-        "Per lab, the checks most students failed (numbers in a message written N), with the "
-        "hint each check gives. Unwritten work (NotImplementedError) is counted apart.",
+        "Per lab, the checks (tests, parameters left out) most students failed, the message most "
+        "of them got and the hint the check gives. Unwritten work (NotImplementedError) is "
+        "counted apart.",
         "",
         "| lab | students | check | message | hint |",
         "|---|---|---|---|---|",
