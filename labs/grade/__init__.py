@@ -67,8 +67,10 @@ executed notebooks and the logs.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
+import py_compile
 import queue
 import re
 import secrets
@@ -191,11 +193,19 @@ class Student:
 
 def build_template(dst: Path, exclude: tuple[str, ...] = ()) -> None:
     """The instructor's release, plus a ``solutions`` that cannot be imported and an empty
-    ``hidden_tests/`` (where a hidden run's tests are bound)."""
+    ``hidden_tests/`` (where a hidden run's tests are bound), its modules compiled once.
+
+    Every Python process of every item imports the course, and an item cannot write bytecode
+    (its course is read-only): compiled here, once, each import reads it. The bytecode is checked
+    against its source's hash, so a student's module bound over a stub is compiled from its own
+    source, never taken for the stub's."""
     build_release(dst, exclude=exclude)
     (dst / "solutions").mkdir()
     (dst / "solutions" / "__init__.py").write_text(SOLUTIONS_SHIM)
     (dst / "hidden_tests").mkdir(exist_ok=True)
+    compileall.compile_dir(
+        dst, quiet=2, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH
+    )
 
 
 def discover_labs(template: Path, hidden: Path | None = None, stand_ins: bool = True) -> list[Lab]:
