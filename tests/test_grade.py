@@ -977,7 +977,7 @@ def test_untouched_stubs_get_no_points_and_say_what_to_write(graded):
     assert "NotImplementedError" in row["notebook_detail"]
     text = feedback(graded, "stubs")
     assert "exercise ring_all_reduce is not written yet" in text
-    assert "### collectives: hidden checks\n\n0 of 3 passed (their names" in text
+    assert "### collectives: hidden checks\n\n0 of 4 passed (their names" in text
 
 
 @pytest.mark.slow
