@@ -39,6 +39,28 @@ def test_ring_all_reduce_on_a_subgroup_equals_dist_all_reduce(members):
             )
 
 
+def odd_sizes_and_dtypes_case():
+    ring = exercise("collectives")
+    rank = dist.get_rank()
+    out = []
+    # small integers: every partial sum is exact in bfloat16 too, so the ring equals dist.all_reduce
+    for shape, dtype in [((11,), torch.float64), ((3, 7), torch.bfloat16), ((), torch.int32)]:
+        x = (torch.arange(max(1, torch.Size(shape).numel())) % 7 + rank).to(dtype).reshape(shape)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        ring.ring_all_reduce(x)
+        out.append((str(dtype), tuple(shape), torch.equal(x, expected)))
+    return out
+
+
+def test_five_ranks_uneven_chunks_bf16_float64_and_a_scalar():
+    """N = 5: 11 elements split 3+2+2+2+2, 21 bfloat16 elements, and a 0-dim tensor (four empty
+    chunks)."""
+    for rank, cases in enumerate(launch(odd_sizes_and_dtypes_case, 5, timeout=60)):
+        for dtype, shape, equal in cases:
+            assert equal, f"rank {rank}: {dtype} {shape} differs from dist.all_reduce"
+
+
 def single_rank_case():
     ring = exercise("collectives")
     x = torch.arange(6.0).view(2, 3)

@@ -15,6 +15,7 @@ from labs import launch
 from labs.experiments import ddp as lab
 from labs.runtime import exercise
 from labs.train import TrainConfig, data_for
+from tests.helpers import in_child
 
 pytestmark = pytest.mark.exercise
 
@@ -89,6 +90,23 @@ def test_mixed_precision_optimizer_steps_only_the_parameters_with_a_gradient_eac
     """Step 1: c has no gradient; step 2: only c has one. Each master steps in fp32 exactly when its
     parameter has a gradient (a master gradient left over from step 1 would move a and b again)
     and rounds into its bf16 weight."""
+    first, second = in_child(_two_mixed_precision_steps)
+    assert all(m.dtype == torch.float32 for m in first["masters"])
+    expected = [torch.tensor([0.75, 2.25]), torch.tensor([-4.5, -0.5]), torch.tensor([3.0])]
+    for name, m, e in zip("abc", first["masters"], expected):
+        assert torch.equal(m, e), f"step 1: master of {name} is {m.tolist()}, not {e.tolist()}"
+    expected[2] = torch.tensor([2.0])
+    for name, p, m, e, grad in zip(
+        "abc", second["params"], second["masters"], expected, second["master_grads"]
+    ):
+        assert torch.equal(m, e), f"step 2: master of {name} is {m.tolist()}, not {e.tolist()}"
+        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16)), name
+        assert grad is None, "fp32 gradients live only during the step"
+
+
+def _two_mixed_precision_steps():
+    """The learner's MixedPrecisionOptimizer over a, b, c (bf16) for two SGD steps: its masters
+    after each, the parameters and the masters' gradients after the second (in a child)."""
     a = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
     b = torch.nn.Parameter(torch.tensor([-4.0, 0.5], dtype=torch.bfloat16))
     c = torch.nn.Parameter(torch.tensor([3.0], dtype=torch.bfloat16))
@@ -96,15 +114,13 @@ def test_mixed_precision_optimizer_steps_only_the_parameters_with_a_gradient_eac
     a.grad = torch.tensor([1.0, -1.0], dtype=torch.bfloat16)
     b.grad = torch.tensor([2.0, 4.0], dtype=torch.bfloat16)
     opt.step()
-    assert all(m.dtype == torch.float32 for m in opt.masters)
-    expected = [torch.tensor([0.75, 2.25]), torch.tensor([-4.5, -0.5]), torch.tensor([3.0])]
-    for name, m, e in zip("abc", opt.masters, expected):
-        assert torch.equal(m, e), f"step 1: master of {name} is {m.tolist()}, not {e.tolist()}"
+    first = {"masters": [m.detach().clone() for m in opt.masters]}
     a.grad = b.grad = None
     c.grad = torch.tensor([4.0], dtype=torch.bfloat16)
     opt.step()
-    expected[2] = torch.tensor([2.0])
-    for name, p, m, e in zip("abc", (a, b, c), opt.masters, expected):
-        assert torch.equal(m, e), f"step 2: master of {name} is {m.tolist()}, not {e.tolist()}"
-        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16)), name
-        assert m.grad is None, "fp32 gradients live only during the step"
+    second = {
+        "masters": [m.detach().clone() for m in opt.masters],
+        "params": [p.detach().clone() for p in (a, b, c)],
+        "master_grads": [None if m.grad is None else m.grad.detach().clone() for m in opt.masters],
+    }
+    return first, second

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,17 +44,40 @@ def in_child(fn, *args, **kwargs):
     (numbers, detached tensors, containers); the test asserts on that data here."""
     from labs.runtime.launcher import launch
 
-    return launch(_call, 1, fn, args, kwargs, backend="gloo", timeout=600)[0]
+    result = launch(_call, 1, fn, args, kwargs, backend="gloo", timeout=600)[0]
+    if isinstance(result, dict) and result.get(_SUMMARY_TAG):
+        return _summary_from_data(result)
+    return result
+
+
+_SUMMARY_TAG = "__run_summary__"  # a lab run's summary, sent home as plain data
 
 
 def _call(fn, args, kwargs):
     import torch.distributed as dist
 
+    from labs.experiments.common import RunSummary
+
     # fn may launch ranks of its own: they must not inherit a group, nor see a rank's variables
     dist.destroy_process_group()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
-    return fn(*args, **kwargs)
+    result = fn(*args, **kwargs)
+    if isinstance(result, RunSummary):  # a RunSummary is not plain data: its fields are
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        fields["checks"] = [c.to_dict() for c in result.checks]
+        return {_SUMMARY_TAG: True, **fields}
+    return result
+
+
+def _summary_from_data(data: dict):
+    """The ``RunSummary`` a child sent home as its fields (plain data), rebuilt here."""
+    from labs.experiments.checks import Check
+    from labs.experiments.common import RunSummary
+
+    fields = {k: v for k, v in data.items() if k != _SUMMARY_TAG}
+    fields["checks"] = [Check(**c) for c in fields["checks"]]
+    return RunSummary(**fields)
 
 
 def junit_outcomes(path) -> dict[str, str]:

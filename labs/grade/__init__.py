@@ -30,6 +30,11 @@ public tests    ``tests/test_<lab>.py`` and ``tests/test_<lab>_*.py`` as the rel
 hidden tests    ``hidden_tests/test_<lab>.py``, ``hidden_tests/test_<lab>_*.py``
                 (``--hidden-tests``)
 score           tests passed / tests collected, marked ``exercise``, public + hidden
+stand-ins       the exercises the lab builds on (``labs.runtime.impl.builds_on``): their
+                references (the instructor's ``solutions/``) stand in for the student's own,
+                selected by ``LABS_REFERENCE``, so that each exercise is graded on its own (a
+                broken pipeline_parallel costs the pipeline_parallel lab only, not mesh);
+                ``--own-prerequisites`` grades with the student's own instead
 ==============  ==========================================================================
 
 A released notebook that no exercise names is graded as a row of its own (notebook only, no tests).
@@ -37,7 +42,8 @@ A released notebook that no exercise names is graded as a row of its own (notebo
 What an item sees: the instructor's release, with only the student's exercise modules
 (``labs/<exercise>.py``) and, for a notebook, that notebook laid over it; every other file
 (tests, ``labs/runtime``, conftest, pytest config) is the instructor's, and any other file the
-student changed is listed in the feedback as ignored. ``import solutions`` fails there; the
+student changed is listed in the feedback as ignored. ``import solutions`` fails there, but for
+the references standing in for the exercises the lab builds on (the feedback names them); the
 repository, other students, the report and the network are not there at all. Results come back
 on a channel the grader checks against its own list of tests (``labs.grade.results``). The
 submission folders are read without following any link (``labs.grade.submission``). Without
@@ -61,8 +67,10 @@ executed notebooks and the logs.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
+import py_compile
 import queue
 import re
 import secrets
@@ -75,7 +83,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from labs.grade import cgroups, notebooks, sandbox, submission
+from labs.grade import cgroups, lms, notebooks, sandbox, submission
 from labs.grade.processes import (
     LOG_KEEP_BYTES,
     Finished,
@@ -103,10 +111,11 @@ from labs.release import (
     lab_of_test_file,
     source_files,
 )
+from labs.runtime.impl import REFERENCE_ENV, builds_on
 
 GRADING = Path(__file__).resolve().parent  # the pieces copied into the sandbox
 SOLUTIONS_SHIM = 'raise ImportError("the reference solutions are not available while grading")\n'
-REPORT_FILES = ("scores.csv", "scores.json", "summary.md")
+REPORT_FILES = ("scores.csv", "scores.json", "summary.md", "gradebook.csv", "class_scores.png")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
 NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
 RESULTS_LIMIT = 4 << 20  # bytes a test run may send on its results channel
@@ -135,6 +144,7 @@ class Lab:
     name: str  # the exercise, or the notebook's stem for a notebook-only row
     notebook: str | None  # file name in notebooks/
     test_files: tuple[str, ...]  # relative to the graded copy: tests/..., hidden_tests/...
+    stand_ins: tuple[str, ...] = ()  # earlier exercises graded with their reference (builds_on)
 
 
 @dataclass
@@ -147,6 +157,7 @@ class Session:
     report: Path
     submissions: Path
     hidden: Path | None  # the grader's copy of the hidden tests
+    references: Path | None = None  # the grader's copy of solutions/ (the stand-ins' source)
     labs: list[Lab] = field(default_factory=list)
     expected: dict[str, list[str]] = field(default_factory=dict)  # lab -> node ids
     token: str = field(default_factory=lambda: "check_" + secrets.token_hex(6))  # the checks' name
@@ -182,16 +193,25 @@ class Student:
 
 def build_template(dst: Path, exclude: tuple[str, ...] = ()) -> None:
     """The instructor's release, plus a ``solutions`` that cannot be imported and an empty
-    ``hidden_tests/`` (where a hidden run's tests are bound)."""
+    ``hidden_tests/`` (where a hidden run's tests are bound), its modules compiled once.
+
+    Every Python process of every item imports the course, and an item cannot write bytecode
+    (its course is read-only): compiled here, once, each import reads it. The bytecode is checked
+    against its source's hash, so a student's module bound over a stub is compiled from its own
+    source, never taken for the stub's."""
     build_release(dst, exclude=exclude)
     (dst / "solutions").mkdir()
     (dst / "solutions" / "__init__.py").write_text(SOLUTIONS_SHIM)
     (dst / "hidden_tests").mkdir(exist_ok=True)
+    compileall.compile_dir(
+        dst, quiet=2, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH
+    )
 
 
-def discover_labs(template: Path, hidden: Path | None = None) -> list[Lab]:
+def discover_labs(template: Path, hidden: Path | None = None, stand_ins: bool = True) -> list[Lab]:
     """The labs of this course (see the module docstring), in course order, then notebook-only
-    rows. ``hidden``: the hidden tests' folder (default: ``template/hidden_tests``)."""
+    rows. ``hidden``: the hidden tests' folder (default: ``template/hidden_tests``);
+    ``stand_ins``: the references of the exercises a lab builds on stand in for the student's."""
     hidden = hidden if hidden is not None else template / "hidden_tests"
     exercises = exercise_names()
     notebooks_of = {name: exercise_notebook(name) for name in exercises}
@@ -222,7 +242,8 @@ def discover_labs(template: Path, hidden: Path | None = None) -> list[Lab]:
             notebook = None
         if notebook in {lab.notebook for lab in labs}:
             notebook = None  # two exercise modules of one notebook: it is graded with the first
-        labs.append(Lab(name, notebook, tuple(files[name])))
+        earlier = tuple(e for e in builds_on(name) if e in exercises) if stand_ins else ()
+        labs.append(Lab(name, notebook, tuple(files[name]), earlier))
     named = {lab.notebook for lab in labs}
     labs += [
         Lab(p.stem, p.name, ())
@@ -443,14 +464,25 @@ def _release_notes(folder: Path, commit: str | None) -> list[str]:
     return []
 
 
-def _new_item(session: Session, student: Student, kind: str) -> Path:
-    """A fresh item folder holding the student's exercise modules under ``course/labs``."""
+def _new_item(session: Session, student: Student, kind: str, lab: Lab) -> Path:
+    """A fresh item folder holding the student's exercise modules under ``course/labs`` and the
+    references standing in for the exercises ``lab`` builds on under ``course/solutions``."""
     item = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=session.private / "items"))
     labs = item / "course" / "labs"
     labs.mkdir(parents=True)
     for name, data in student.modules.items():
         (labs / f"{name}.py").write_bytes(data)
+    if lab.stand_ins:
+        references = item / "course" / "solutions"
+        references.mkdir()
+        for name in ("__init__", *lab.stand_ins):
+            shutil.copyfile(session.references / f"{name}.py", references / f"{name}.py")
     return item
+
+
+def _stand_in_env(lab: Lab) -> dict[str, str]:
+    """``LABS_REFERENCE`` naming the lab's stand-ins (every rank of the item inherits it)."""
+    return {REFERENCE_ENV: ",".join(lab.stand_ins)} if lab.stand_ins else {}
 
 
 def grade_tests(
@@ -480,7 +512,7 @@ def grade_tests(
         if not concealed:
             res.failures += [[n, why] for n in graded]
         return None
-    item = _new_item(session, student, kind)
+    item = _new_item(session, student, kind, lab)
     try:
         files = [f for f in lab.test_files if f.startswith(folder)]
         if hidden:
@@ -505,6 +537,7 @@ def grade_tests(
             LABS_GRADE_CHECK=session.token,
             LABS_GRADE_MAX_TIMEOUTS=str(args.max_timeouts),
             LABS_GRADE_TIMEOUTS_SO_FAR=str(timeouts_so_far),
+            **_stand_in_env(lab),
         )
     finally:
         shutil.rmtree(item, ignore_errors=True)
@@ -600,7 +633,7 @@ def grade_notebook(
         res.notebook_detail = f"missing: {exc}"
         return
     limit = int(session.sandbox.limits.notebook_output_mib * sandbox.MIB)
-    item = _new_item(session, student, "notebook")
+    item = _new_item(session, student, "notebook", lab)
     try:
         (item / "course" / "notebooks").mkdir()
         theirs = item / "submitted.ipynb"
@@ -630,6 +663,7 @@ def grade_notebook(
             results_limit=limit + 3 * len(mine) + (4 << 20),
             cpus=cpus,
             MPLBACKEND="module://matplotlib_inline.backend_inline",
+            **_stand_in_env(lab),
         )
         results = item / "results"
         results.write_bytes(done.results)
@@ -694,14 +728,34 @@ def grade_student(session: Session, name: str) -> list[Result]:
     except Exception as exc:  # noqa: BLE001 - the page is the grader's; a bug of it costs the page
         page = f"# Feedback\n\nThe grader could not write this page ({type(exc).__name__}).\n"
     write_atomic(out / "feedback.md", page)
+    write_atomic(out / "results.json", json.dumps(_gradescope(session, shown, results), indent=1))
     with session.lock:
         session.fingerprints[name] = (student.fingerprints, student.into)
     _say(session, f"{printable(shown, newlines=False)}: done in {time.perf_counter() - t0:.1f} s")
     return results
 
 
+def _gradescope(session: Session, shown: str, results: list[Result]) -> dict:
+    """The student's ``results.json`` in Gradescope's format (``labs.grade.lms``)."""
+    passed = sum(r.tests_passed for r in results)
+    total = sum(r.tests_total for r in results)
+    ran = sum(r.notebook_executed == "yes" for r in results)
+    notebooks = sum(r.notebook_executed != "-" for r in results)
+    headline = (
+        f"{passed}/{total} checks passed, {ran}/{notebooks} notebooks ran to the end; "
+        "feedback.md beside this file says what failed and why"
+    )
+    return lms.gradescope_results(
+        results,
+        session.expected,
+        lab_points=session.args.lab_points,
+        conceal=session.args.conceal_hidden,
+        headline=headline,
+    )
+
+
 def _grade_lab(session: Session, student: Student, lab: Lab, out: Path, cpus) -> Result:
-    res = Result(student.shown, lab.name, lab.notebook)
+    res = Result(student.shown, lab.name, lab.notebook, stand_ins=list(lab.stand_ins))
     try:
         if session.expected[lab.name]:
             grade_tests(session, student, lab, res, out, hidden=False, cpus=cpus)
@@ -844,11 +898,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--no-notebooks", action="store_true", help="run the tests only")
     add(
+        "--own-prerequisites",
+        action="store_true",
+        help="grade each lab with the student's own earlier exercises (default: the reference "
+        "stands in for each exercise a lab builds on, so each exercise is graded on its own)",
+    )
+    add(
         "--conceal-hidden",
         action="store_true",
         help="only how many hidden tests passed leaves their run: no names, messages or log",
     )
     add("--jobs", type=int, default=1, metavar="N", help="grade N students at once")
+    add(
+        "--lab-points",
+        type=float,
+        default=10.0,
+        metavar="P",
+        help="points of one lab in gradebook.csv and results.json, shared by its tests",
+    )
     defaults = Limits()
     add(
         "--memory-limit",
@@ -951,6 +1018,8 @@ def _validate(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if not args.lab_points > 0:
+        parser.error("--lab-points must be > 0")
     if args.unsafe_no_sandbox and args.jobs > 1:
         parser.error(
             "--jobs > 1 needs the sandbox: without it, the processes of students graded at once "
@@ -1012,7 +1081,11 @@ def main(argv=None) -> int:
         session = Session(args, box, private, report, submissions, None)
         _confine(session)
         _prepare(parser, session, hidden)
-        session.labs = discover_labs(session.release, session.hidden or private / "no-hidden")
+        session.labs = discover_labs(
+            session.release,
+            session.hidden or private / "no-hidden",
+            stand_ins=not args.own_prerequisites,
+        )
         if args.labs:
             valid = [lab.name for lab in session.labs]
             unknown = sorted(set(args.labs) - set(valid))
@@ -1024,6 +1097,7 @@ def main(argv=None) -> int:
         except RuntimeError as exc:
             parser.exit(1, f"error: {exc}\n")
         _drop_idle_labs(session)
+        _copy_references(session)
         session.meta = {
             "graded_at": time.strftime("%Y-%m-%d %H:%M"),
             "commit": json.loads((session.release / ".release.json").read_text())["commit"],
@@ -1033,6 +1107,7 @@ def main(argv=None) -> int:
             "limits": asdict(limits),
             "memory_accounting": _memory_accounting(session),
             "cores_per_job": [sorted(cpus) for cpus in list(session.slots.queue)],
+            "lab_points": args.lab_points,
         }
         try:
             _grade_all(session, students)
@@ -1098,6 +1173,17 @@ def _memory_accounting(session: Session) -> str:
         "watched by each sandbox's init (no cgroup the grader can write: see the README), "
         "memfd and SysV shared memory refused; pipe and socket buffers are not counted"
     )
+
+
+def _copy_references(session: Session) -> None:
+    """The grader's copy of the references its labs' stand-ins need (``solutions/``)."""
+    needed = sorted({name for lab in session.labs for name in lab.stand_ins})
+    if not needed:
+        return
+    session.references = session.private / "references"
+    session.references.mkdir()
+    for name in ("__init__", *needed):
+        shutil.copyfile(ROOT / "solutions" / f"{name}.py", session.references / f"{name}.py")
 
 
 def _drop_idle_labs(session: Session) -> None:

@@ -50,6 +50,7 @@ CSV_FIELDS = (
     "grading_error",
 )
 MAX_QUOTED_LINES = 25
+HIDDEN = "hidden_tests/"  # where a hidden test's node id starts
 NAME_LIMIT = 200  # characters of a name (file, folder, symlink target) as a report shows it
 FEEDBACK_LIMIT = 512_000  # characters of one student's feedback page
 JSON_STRING_LIMIT = 5000  # characters of one string in scores.json
@@ -83,6 +84,7 @@ class Result:
     leftover_processes: int = 0  # processes still running after the item ended (killed)
     notes: list = field(default_factory=list)  # limits hit, output cut: one Markdown line each
     grading_error: str = ""  # "grading error: ..." when the grader could not grade this lab
+    stand_ins: list = field(default_factory=list)  # earlier exercises run from the reference
 
 
 # ---- escaping
@@ -150,24 +152,35 @@ def _clean_json(value):
 # ----------------------------------------------------------------------------------
 
 
-def _failed_checks(r: Result, conceal: bool) -> list[str]:
+def _grouped(failures: list) -> list[str]:
     """Failed tests, grouped by message (a stub fails every test the same way: say it once)."""
     by_message: dict[str, list[str]] = {}
-    for nodeid, message in r.failures:
-        if conceal and nodeid.startswith("hidden_tests/"):
-            continue
+    for nodeid, message in failures:
         by_message.setdefault(message, []).append(nodeid)
     lines = []
     for message, nodeids in by_message.items():
         lines += ["* **failed**: " + ", ".join(md_code(n, limit=300) for n in nodeids), ""]
         lines += md_block(message) + [""]
-    if conceal and r.hidden_total:
-        lines += [
-            f"* **hidden checks**: {r.hidden_passed} of {r.hidden_total} passed "
-            "(their names and messages are not shown)",
+    return lines
+
+
+def _failed_checks(r: Result, conceal: bool) -> list[str]:
+    """The public tests that failed, then the hidden tests in a section of their own: how many
+    passed, and (unless concealed) each failure with its message."""
+    public = [f for f in r.failures if not f[0].startswith(HIDDEN)]
+    hidden = [f for f in r.failures if f[0].startswith(HIDDEN)]
+    lines = _grouped(public)
+    if not r.hidden_total:
+        return lines
+    lines += [f"### {r.lab}: hidden checks", ""]
+    if conceal:
+        return lines + [
+            f"{r.hidden_passed} of {r.hidden_total} passed (their names and messages are not "
+            "shown)",
             "",
         ]
-    return lines
+    lines += [f"{r.hidden_passed} of {r.hidden_total} passed.", ""]
+    return lines + _grouped(hidden)
 
 
 def feedback_page(
@@ -192,14 +205,21 @@ def feedback_page(
         f"**{passed}/{total} checks passed, {ran}/{notebooks} notebooks ran to the end.**",
         "",
         *[f"{printable(note, newlines=False)}\n" for note in notes],
-        "| lab | checks passed | notebook | ran to the end |",
-        "|---|---|---|---|",
+        "| lab | checks passed | notebook | ran to the end | reference standing in for |",
+        "|---|---|---|---|---|",
     ]
     lines += [
         f"| {r.lab} | {r.tests_passed}/{r.tests_total} | {r.notebook or '-'} | "
-        f"{r.notebook_executed} |"
+        f"{r.notebook_executed} | {', '.join(r.stand_ins) or '-'} |"
         for r in results
     ]
+    if any(r.stand_ins for r in results):
+        lines += [
+            "",
+            "Each exercise is graded on its own: where a lab builds on earlier exercises, the "
+            "course's reference for them stood in for yours (last column), so a mistake in an "
+            "earlier exercise costs its own lab only.",
+        ]
     for r in results:
         quiet = not (r.failures or r.leftover_processes or r.cells_changed or r.notes)
         if quiet and r.notebook_executed != "no" and not r.grading_error and not r.hidden_total:
@@ -267,8 +287,11 @@ def write_atomic(path: Path, text: str) -> None:
 
 def write_reports(report: Path, results: list[Result], meta: dict, copies: list[str] = ()) -> None:
     """``scores.csv`` (one row per student and lab), ``scores.json`` (everything), ``summary.md`` (a
-    grid, then the exercise files that look copied: ``copies`` are Markdown lines the grader
-    built, names in them escaped)."""
+    grid, the exercise files that look copied: ``copies`` are Markdown lines the grader built,
+    names in them escaped; then what the class got wrong, ``labs.grade.mistakes``, with its plot
+    ``class_scores.png``) and ``gradebook.csv`` (``labs.grade.lms``)."""
+    from labs.grade import lms, mistakes
+
     rows = io.StringIO(newline="")
     writer = csv.DictWriter(rows, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
@@ -314,4 +337,8 @@ def write_reports(report: Path, results: list[Result], meta: dict, copies: list[
     if copies:
         lines += ["", "## Exercise files that look copied", ""]
         lines += [f"* {printable(line, newlines=False)}" for line in copies]
+    plotted = mistakes.plot_scores(results, report / mistakes.PLOT)
+    lines += mistakes.summary_lines(results, mistakes.PLOT if plotted else None)
     write_atomic(report / "summary.md", "\n".join(lines) + "\n")
+    gradebook = lms.gradebook_csv(results, labs, lab_points=meta.get("lab_points", 10.0))
+    write_atomic(report / "gradebook.csv", gradebook)

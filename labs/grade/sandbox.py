@@ -16,7 +16,9 @@ filesystem          a whitelist, read-only: the system (``/usr`` and its links),
                     base prefix), and the grader's files for this item under ``/grading``:
                     ``tools`` (this package's ``inside.py``, ``run_notebook.py`` and the pytest
                     plugin), ``release`` (the course as released) and ``item`` (the student's
-                    exercise modules and notebook; for a hidden run, that lab's hidden tests).
+                    exercise modules and notebook; for a hidden run, that lab's hidden tests;
+                    for a lab that builds on earlier exercises, their references as
+                    ``solutions/``, which ``LABS_REFERENCE`` selects).
                     Writable: only ``/tmp`` and ``/dev/shm``, tmpfs of
                     ``Limits.disk_mib`` each, gone when the sandbox ends. The course is
                     ``/tmp/course``: for a test run, the release bound read-only with the item's
@@ -85,6 +87,8 @@ ETC_FILES = (
     "mime.types",
     "fonts",
 )
+# folders of the release an item replaces whole when it brings its own (``_course_binds``)
+REPLACED_WHOLE = ("solutions",)
 PASS_THROUGH_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MIB = 1 << 20
 GIB = 1 << 30
@@ -258,7 +262,9 @@ class Sandbox:
     def _course_binds(self, item_dir: Path, course: str) -> list[str]:
         """The release read-only at ``course``, each of the item's files bound over its place:
         a file over the release's (an exercise module over its stub), a folder the release has
-        empty (``hidden_tests/``) whole."""
+        empty (``hidden_tests/``) or that the item replaces (``REPLACED_WHOLE``: the references
+        standing in for earlier exercises, over the release's ``solutions`` that cannot be
+        imported) whole."""
         argv = ["--ro-bind", str(self.release), course]
         folders = [item_dir / "course"]
         while folders:
@@ -266,7 +272,8 @@ class Sandbox:
             for path in sorted(folder.iterdir()):
                 rel = path.relative_to(item_dir / "course").as_posix()
                 there = self.release / rel
-                if path.is_dir() and there.is_dir() and not any(there.iterdir()):
+                whole = rel in REPLACED_WHOLE or (there.is_dir() and not any(there.iterdir()))
+                if path.is_dir() and there.is_dir() and whole:
                     argv += ["--ro-bind", str(path), f"{course}/{rel}"]
                 elif path.is_dir():
                     folders.append(path)
