@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -104,6 +106,35 @@ def run_json(*args, **kw) -> dict:
         f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_lab_main(*argv: str) -> tuple[int, str, str]:
+    """``python -m labs.run <argv>`` as ``labs.run``'s ``main`` runs it, in a child forked from this
+    process (``in_child``: the pytest process never runs a learner's code): its exit status, stdout
+    and stderr. Forked, the run costs no fresh interpreter (``import torch`` alone is ~3
+    CPU-seconds on 2 cores, paid again by the stub check); ``tests/test_run_cli.py`` runs the
+    command itself (``python -m labs.run``, torchrun)."""
+    return in_child(_main_captured, list(argv))
+
+
+def _main_captured(argv: list[str]) -> tuple[int, str, str]:
+    from labs.run import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def lab_json(*argv: str) -> dict:
+    """The summary ``python -m labs.run <argv> --json`` prints (``run_lab_main``); fails unless the
+    run exits 0."""
+    code, out, err = run_lab_main(*argv)
+    assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def check(summary, name: str) -> dict:

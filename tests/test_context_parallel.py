@@ -13,7 +13,7 @@ from labs.experiments import cp as lab
 from labs.runtime import exercise
 from labs.theory import context_parallel as cpt
 from labs.train import max_rel_diff, rule
-from tests.helpers import checks_ok, in_child, run_json
+from tests.helpers import checks_ok, in_child, lab_json
 
 TOL = rule("value", torch.float32).rel  # 1e-5: the ring adds the softmax terms in another order
 RING = ("ring attention output", "ring attention dq", "ring attention dk, dv")
@@ -325,9 +325,7 @@ def test_activation_memory_per_rank_falls_as_one_over_cp():
 @pytest.mark.exercise
 @BACKWARD
 def test_cli_summary_without_a_causal_mask():
-    summary = run_json(
-        "-m",
-        "labs.run",
+    summary = lab_json(
         "cp",
         "--nproc",
         "2",

@@ -15,7 +15,7 @@ from labs.models.transformer import init_weights
 from labs.runtime import RankError, exercise
 from labs.theory.moe import MoESpec, moe_param_counts
 from labs.train import rule
-from tests.helpers import checks_ok, in_child, run_cli, run_json
+from tests.helpers import checks_ok, in_child, lab_json, run_lab_main
 
 TOL = rule("value", torch.float32).rel  # 1e-5: fp32 sums split across ranks add in another order
 exercise_test = pytest.mark.exercise
@@ -214,14 +214,14 @@ def test_bad_settings_are_clear_errors():
 
 
 def test_cli_rejects_bad_settings_in_one_line():
-    proc = run_cli("-m", "labs.run", "moe", "--nproc", "4", "--ep", "4", "--experts", "6")
-    assert proc.returncode == 2 and "n_experts=6" in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    code, _, err = run_lab_main("moe", "--nproc", "4", "--ep", "4", "--experts", "6")
+    assert code == 2 and "n_experts=6" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @exercise_test
 def test_cli_json():
-    s = run_json("-m", "labs.run", "moe", "--nproc", "2", "--steps", "3", "--top-k", "1", "--json")
+    s = lab_json("moe", "--nproc", "2", "--steps", "3", "--top-k", "1", "--json")
     assert set(SUMMARY_KEYS) <= set(s)
     assert s["lab"] == "moe" and s["matches_reference"] and s["passed"] and s["ep"] == 2
 

@@ -13,7 +13,7 @@ from labs.measure import CommLedger
 from labs.models.transformer import build_model, rotary_cos_sin
 from labs.runtime import exercise
 from labs.theory import inference as theory
-from tests.helpers import checks_ok, in_child, run_json
+from tests.helpers import checks_ok, in_child, lab_json
 
 CFG = infer.CONFIG
 PROMPTS = infer.make_prompts(4)  # 6, 11, 16 and 10 tokens: left padding is exercised
@@ -268,9 +268,7 @@ def test_transformers_llama_in_both_modes_matches_its_own_generate():
 @pytest.mark.exercise
 @PLACEMENT
 def test_command_line_reports_tokens_match_latency_and_throughput():
-    s = run_json(
-        "-m",
-        "labs.run",
+    s = lab_json(
         "infer",
         "--mode",
         "placement",

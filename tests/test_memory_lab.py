@@ -15,7 +15,7 @@ from labs.experiments.memory import course_spec, run, saved_activations
 from labs.experiments.memory_report import matches_calculator
 from labs.models.transformer import ModelConfig, build_model
 from labs.theory.activations import stage_activation_bytes
-from tests.helpers import checks_ok, run_cli, run_json
+from tests.helpers import checks_ok, lab_json, run_lab_main
 
 SHAPES = {
     "course": (ModelConfig(), 4, 32),
@@ -97,9 +97,7 @@ def test_two_data_parallel_ranks_and_fp32_gradient_accumulation():
 
 
 def test_cli_summary_and_bad_arguments():
-    summary = run_json(
-        "-m",
-        "labs.run",
+    summary = lab_json(
         "memory",
         "--nproc",
         "2",
@@ -110,13 +108,12 @@ def test_cli_summary_and_bad_arguments():
         "solutions",
         "--precisions",
         "fp32",
-        timeout=240,
     )
     assert set(SUMMARY_KEYS) <= set(summary)
     assert summary["lab"] == "memory" and summary["passed"] and summary["matches_reference"]
     assert [r["recompute"] for r in summary["rows"]] == ["none", "selective", "full"]
-    proc = run_cli("-m", "labs.run", "memory", "--nproc", "1", "--steps", "1", timeout=240)
-    assert proc.returncode == 2 and "steps must be >= 2" in proc.stderr, proc.stderr
+    code, _, err = run_lab_main("memory", "--nproc", "1", "--steps", "1")
+    assert code == 2 and "steps must be >= 2" in err, err
     with pytest.raises(ValueError, match="precisions="):
         run(nproc=1, precisions=("fp16",))
     with pytest.raises(ValueError, match="fp32_grad_accum"):

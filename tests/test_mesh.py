@@ -10,7 +10,7 @@ import torch
 from labs.experiments import mesh as experiment
 from labs.runtime.impl import exercise
 from labs.theory.dims import ParallelDims
-from tests.helpers import TORCHRUN, checks_ok, in_child, json_lines, run_cli, run_json
+from tests.helpers import TORCHRUN, checks_ok, in_child, json_lines, lab_json, run_cli, run_lab_main
 
 BYTES_CHECKS = tuple(f"bytes sent on the {g} group" for g in ("tp", "cp", "pp", "dp_cp", "world"))
 
@@ -112,9 +112,7 @@ def test_a_gradient_off_by_a_constant_factor_is_caught():
 @pytest.mark.exercise
 @pytest.mark.slow
 def test_cli_runs_the_composed_lab():
-    s = run_json(
-        "-m",
-        "labs.run",
+    s = lab_json(
         "mesh",
         "--nproc",
         "8",
@@ -127,7 +125,6 @@ def test_cli_runs_the_composed_lab():
         "--steps",
         "2",
         "--json",
-        timeout=300,
     )
     assert s["lab"] == "mesh" and s["degrees"] == {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
     assert s["matches_reference"] and s["passed"] and checks_ok(s, *BYTES_CHECKS)
@@ -162,11 +159,11 @@ def test_check_mesh_names_the_axes():
 
 
 def test_cli_bad_mesh_exits_2_with_one_line():
-    proc = run_cli(
-        "-m", "labs.run", "mesh", "--nproc", "4", "--dp", "2", "--tp", "2", "--gpus-per-node", "1"
+    code, _, err = run_lab_main(
+        "mesh", "--nproc", "4", "--dp", "2", "--tp", "2", "--gpus-per-node", "1"
     )
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    assert code == 2, err
+    assert err.strip().splitlines() == [
         "error: tp=2 cannot be placed on nodes of gpus_per_node=1: "
         "a TP group must sit inside one node; use tp in {1}"
     ]

@@ -13,7 +13,7 @@ from labs.experiments import multimodal_timeline
 from labs.experiments.common import SUMMARY_KEYS
 from labs.models.vision import MultimodalConfig, build_multimodal, describe, fuse, to_hf_siglip
 from labs.train import TrainConfig, multimodal_data_for, rule, train_multimodal_reference
-from tests.helpers import checks_ok, run_json
+from tests.helpers import checks_ok, lab_json
 
 TOL = rule("value", torch.float32).rel  # 1e-5: fp32; sums split across ranks add in another order
 
@@ -117,9 +117,7 @@ def test_imbalance_measurement_reports_every_stage():
 @pytest.mark.exercise
 @PIPELINE
 def test_command_line_summary():
-    s = run_json(
-        "-m", "labs.run", "multimodal", "--mode", "pp", "--nproc", "2", "--steps", "2", "--json"
-    )
+    s = lab_json("multimodal", "--mode", "pp", "--nproc", "2", "--steps", "2", "--json")
     assert set(SUMMARY_KEYS) <= set(s)
     assert s["lab"] == "multimodal" and s["mode"] == "pp" and s["matches_reference"]
 

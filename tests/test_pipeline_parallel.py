@@ -14,7 +14,7 @@ from labs.experiments import pp as lab
 from labs.models.transformer import ModelConfig, build_model
 from labs.theory import pipeline as th
 from labs.train import TrainConfig, assert_close_tensors, data_for, rule
-from tests.helpers import checks_ok
+from tests.helpers import checks_ok, lab_json
 
 MODEL = ModelConfig(n_layer=8)
 # The lab's parts (PARTS in labs/pipeline_parallel.py): stages, naive placement, GPipe and 1F1B are
@@ -245,11 +245,7 @@ def test_dualpipev_through_torch_matches_the_reference():
 
 @pytest.mark.exercise
 def test_cli_side_by_side_with_torch():
-    from tests.helpers import run_json
-
-    s = run_json(
-        "-m",
-        "labs.run",
+    s = lab_json(
         "pp",
         "--schedule",
         "1f1b",

@@ -16,7 +16,7 @@ from labs.models.transformer import ModelConfig, build_model, rotary_cos_sin
 from labs.runtime import exercise
 from labs.theory import tensor_parallel as theory
 from labs.train import rule
-from tests.helpers import checks_ok, run_json
+from tests.helpers import checks_ok, lab_json
 
 # 1e-5: fp32, a sum over ranks adds in another order than one process
 TOL = rule("value", torch.float32).rel
@@ -358,9 +358,7 @@ def test_torch_comparison_keeps_tied_embeddings_tied():
 @pytest.mark.exercise
 @VOCAB
 def test_cli_reports_both_step_times():
-    s = run_json(
-        "-m", "labs.run", "tp", "--nproc", "4", "--steps", "3", "--vs-torch", "--json", timeout=600
-    )
+    s = lab_json("tp", "--nproc", "4", "--steps", "3", "--vs-torch", "--json")
     assert s["lab"] == "tp" and s["nproc"] == 4 and s["matches_reference"] and s["passed"]
     assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
     assert s["torch_max_rel_logit_diff_vs_ours"] <= TOL

@@ -20,7 +20,7 @@ from labs.measure.async_collectives import AsyncCollectives
 from labs.models.transformer import ModelConfig, build_model
 from labs.runtime import exercise
 from labs.runtime.device import rank_device
-from tests.helpers import run_json
+from tests.helpers import lab_json
 from tests.test_tensor_parallel import summary as sync_summary
 
 CASES = [(2, False), (2, True), (4, False), (4, True)]
@@ -151,9 +151,7 @@ def test_tied_embeddings_stay_tied_in_the_overlapped_model():
 
 @pytest.mark.exercise
 def test_the_cli_runs_the_overlapped_variant_and_profiles_it(tmp_path):
-    s = run_json(
-        "-m",
-        "labs.run",
+    s = lab_json(
         "tp",
         "--nproc",
         "2",
@@ -165,7 +163,6 @@ def test_the_cli_runs_the_overlapped_variant_and_profiles_it(tmp_path):
         "--profile",
         str(tmp_path),
         "--json",
-        timeout=300,
     )
     assert s["async_linear"] is True and s["op_time_s"] == 0.001 and s["passed"]
     assert len(s["profile"]["traces"]) == 2 and len(s["profile"]["steps"]) == 2 * 3

@@ -16,7 +16,7 @@ import pytest
 from labs.experiments.zero import run
 from labs.theory.memory import state_bytes
 from labs.theory.zero import comm_bytes
-from tests.helpers import checks_ok, run_cli, run_json
+from tests.helpers import checks_ok, lab_json, run_lab_main
 
 
 def part(stage: int, *, offload: bool = False, precision: str | None = None):
@@ -110,7 +110,7 @@ def test_zero3_without_prefetch_holds_one_unit_at_a_time():
 @pytest.mark.exercise
 @part(3)
 def test_cli_reports_ours_and_torch_fsdp2_side_by_side():
-    s = run_json("-m", "labs.run", "zero", "--stage", "3", "--nproc", "4", "--vs-torch", "--json")
+    s = lab_json("zero", "--stage", "3", "--nproc", "4", "--vs-torch", "--json")
     assert s["lab"] == "zero" and s["stage"] == 3 and s["nproc"] == 4
     assert s["step_time_s"] > 0 and s["torch_step_time_s"] > 0
     assert s["state_bytes_per_rank"] == [s["theory_state_bytes_per_rank"]] * 4
@@ -236,5 +236,5 @@ def test_bad_arguments_are_value_errors(kwargs, message):
 
 
 def test_cli_bad_stage_exits_2():
-    proc = run_cli("-m", "labs.run", "zero", "--stage", "5")
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    code, _, err = run_lab_main("zero", "--stage", "5")
+    assert code == 2 and "invalid choice" in err
