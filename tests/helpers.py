@@ -46,40 +46,50 @@ def in_child(fn, *args, **kwargs):
     (numbers, detached tensors, containers); the test asserts on that data here."""
     from labs.runtime.launcher import launch
 
-    result = launch(_call, 1, fn, args, kwargs, backend="gloo", timeout=600)[0]
-    if isinstance(result, dict) and result.get(_SUMMARY_TAG):
-        return _summary_from_data(result)
-    return result
+    return _from_plain(launch(_call, 1, fn, args, kwargs, backend="gloo", timeout=600)[0])
 
 
-_SUMMARY_TAG = "__run_summary__"  # a lab run's summary, sent home as plain data
+# A lab's verdict (RunSummary, Check) is not plain data: it travels home as its fields, tagged.
+_TAG = "__course_dataclass__"
 
 
 def _call(fn, args, kwargs):
     import torch.distributed as dist
 
-    from labs.experiments.common import RunSummary
-
     # fn may launch ranks of its own: they must not inherit a group, nor see a rank's variables
     dist.destroy_process_group()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
-    result = fn(*args, **kwargs)
-    if isinstance(result, RunSummary):  # a RunSummary is not plain data: its fields are
-        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-        fields["checks"] = [c.to_dict() for c in result.checks]
-        return {_SUMMARY_TAG: True, **fields}
-    return result
+    return _to_plain(fn(*args, **kwargs))
 
 
-def _summary_from_data(data: dict):
-    """The ``RunSummary`` a child sent home as its fields (plain data), rebuilt here."""
+def _verdict_classes() -> dict:
     from labs.experiments.checks import Check
     from labs.experiments.common import RunSummary
 
-    fields = {k: v for k, v in data.items() if k != _SUMMARY_TAG}
-    fields["checks"] = [Check(**c) for c in fields["checks"]]
-    return RunSummary(**fields)
+    return {"Check": Check, "RunSummary": RunSummary}
+
+
+def _to_plain(x):
+    """``x`` with every RunSummary and Check in it replaced by a tagged dict of its fields."""
+    if type(x) in _verdict_classes().values():
+        fields = {f.name: _to_plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {_TAG: type(x).__name__, **fields}
+    if type(x) is dict:
+        return {k: _to_plain(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_to_plain(v) for v in x)
+    return x
+
+
+def _from_plain(x):
+    """``_to_plain``'s inverse, in the parent."""
+    if type(x) is dict:
+        fields = {k: _from_plain(v) for k, v in x.items() if k != _TAG}
+        return _verdict_classes()[x[_TAG]](**fields) if _TAG in x else fields
+    if type(x) in (list, tuple):
+        return type(x)(_from_plain(v) for v in x)
+    return x
 
 
 def junit_outcomes(path) -> dict[str, str]:
