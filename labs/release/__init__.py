@@ -78,6 +78,7 @@ INSTRUCTOR_TESTS = (
     "tests/test_stubs.py",
     "tests/test_release.py",
     "tests/test_grade.py",
+    "tests/test_grade_class.py",  # grades a synthetic class with the reference solutions
     "tests/test_browser.py",
     "tests/test_run_cli.py",
     "tests/torchrun_labs.py",  # test_run_cli's driver: several labs in one torchrun job
