@@ -311,7 +311,7 @@ while True:
 # honest run
 PICKLER = '''
 import os as _os, pickle as _pickle
-from labs.runtime import launcher as _launcher
+from labs.runtime import rank as _launcher  # where a rank keeps its line to the parent
 
 _CODE = """
 import gc, os, pytest
