@@ -764,13 +764,14 @@ def _remove_deep(folder: Path) -> None:
 
 
 def _start_tmux(socket: Path) -> dict | None:
-    """A tmux server the grader runs 'inside', as an instructor's terminal would be."""
+    """A tmux server the grader runs 'inside', as an instructor's terminal would be; its session
+    lasts until the fixture kills it (a grading run on a loaded machine may take over 15 min)."""
     if shutil.which("tmux") is None:
         if os.environ.get("CI"):
             pytest.fail("tmux is not installed: .ci/run installs it")
         return None  # the escape through tmux is then tried without a server to reach
     subprocess.run(
-        ["tmux", "-S", str(socket), "new-session", "-d", "-s", "grading", "sleep 900"],
+        ["tmux", "-S", str(socket), "new-session", "-d", "-s", "grading", "sleep 86400"],
         check=True,
         timeout=30,
     )
