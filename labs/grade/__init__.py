@@ -116,7 +116,12 @@ from labs.release import (
 from labs.runtime.impl import REFERENCE_ENV, builds_on
 
 GRADING = Path(__file__).resolve().parent  # the pieces copied into the sandbox
-SOLUTIONS_SHIM = 'raise ImportError("the reference solutions are not available while grading")\n'
+# ModuleNotFoundError, as in a release without solutions/: the course asks find_spec whether a
+# reference is there (labs.runtime.prerequisites), and reads a plain ImportError as a failure
+SOLUTIONS_SHIM = (
+    'raise ModuleNotFoundError("the reference solutions are not available while grading", '
+    'name="solutions")\n'
+)
 REPORT_FILES = ("scores.csv", "scores.json", "summary.md", "gradebook.csv", "class_scores.png")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
 NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
