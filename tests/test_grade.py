@@ -24,6 +24,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -1421,6 +1423,70 @@ def test_labs_are_discovered_from_the_course(tmp_path):
     assert {lab.notebook for lab in labs.values()} - {None} == released, (
         "every released notebook is graded"
     )
+
+
+def test_hidden_tests_share_the_public_pytest_unless_concealed(tmp_path, monkeypatch):
+    """Without --conceal-hidden a lab's public and hidden tests run in one pytest (one interpreter
+    less per lab), the hidden ones counted apart; with it, the hidden tests run on their own."""
+    import types
+
+    import labs.grade as grade
+    from labs.grade.processes import Finished
+    from labs.grade.results import TestRun
+
+    public, hidden = "tests/test_x.py::test_a", "hidden_tests/test_x_hidden.py::test_b"
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "test_x_hidden.py").write_text("")
+    runs = []
+
+    def fake_run(session, item, argv_for, **kw):
+        layout = types.SimpleNamespace(course="/c")
+        runs.append((argv_for(layout), sorted(p.name for p in item.rglob("test_*.py"))))
+        return Finished(0, None, False, 1.0, 0, None, b"", False, 0)
+
+    def fake_read(results, graded, token, why, overflow):
+        return TestRun(passed=list(graded))
+
+    monkeypatch.setattr(grade, "run_sandboxed", fake_run)
+    monkeypatch.setattr(grade, "read_test_run", fake_read)
+    monkeypatch.setattr(grade, "_new_item", lambda *a: Path(tempfile.mkdtemp(dir=tmp_path)))
+    lab = grade.Lab("x", None, ("tests/test_x.py", "hidden_tests/test_x_hidden.py"), ())
+    for conceal, expected_runs in ((False, 1), (True, 2)):
+        runs.clear()
+        args = types.SimpleNamespace(
+            conceal_hidden=conceal,
+            no_notebooks=True,
+            lab_timeout=100.0,
+            test_timeout=10.0,
+            max_timeouts=3,
+        )
+        session = types.SimpleNamespace(
+            expected={"x": [public, hidden]},
+            args=args,
+            hidden=tmp_path / "hidden",
+            token="t",
+            lock=threading.Lock(),
+            quiet=True,
+            sandbox=types.SimpleNamespace(
+                limits=sandbox.Limits(),
+                layout=lambda item: types.SimpleNamespace(course="/c", tools="/t"),
+            ),
+        )
+        student = types.SimpleNamespace(shown="ann", modules={})
+        monkeypatch.setattr(grade, "_say", lambda *a: None)
+        res = grade._grade_lab(session, student, lab, tmp_path, None)
+        assert len(runs) == expected_runs, (runs, res.grading_error)
+        assert (res.tests_passed, res.tests_total, res.hidden_passed, res.hidden_total) == (
+            2,
+            2,
+            1,
+            1,
+        )
+        files = [f for argv, _ in runs for f in argv if f.endswith(".py")]
+        assert files == ["tests/test_x.py", "hidden_tests/test_x_hidden.py"], files
+        copied = [names for _, names in runs]
+        # the hidden file reaches only the run that has the hidden tests
+        assert copied == ([["test_x_hidden.py"]] if not conceal else [[], ["test_x_hidden.py"]])
 
 
 def test_feedback_groups_identical_failures_and_can_conceal_hidden_tests():

@@ -11,8 +11,10 @@ items, each in a fresh bubblewrap sandbox (``labs.grade.sandbox``):
 1. **public tests**: the lab's released tests marked ``exercise`` (the instructor's copies) run
    with pytest against the student's ``labs/``, per-test timeout (pytest-timeout), a time budget
    for the lab, and after ``--max-timeouts`` timed-out tests the rest of the lab fails unrun;
-2. **hidden tests**: the lab's hidden tests, the same way, in a run of their own that only they
-   and the student's modules are in; with ``--conceal-hidden`` only how many passed leaves it;
+2. **hidden tests**: the lab's hidden tests, the same way; with ``--conceal-hidden`` in a run of
+   their own that only they and the student's modules are in, and only how many passed leaves it;
+   without it (their names, messages and log are the student's to read anyway), in the public
+   tests' pytest, after them: one interpreter, torch import and collection less per lab;
 3. **notebook**: the student's notebook runs headless (nbclient) with a per-cell and a
    per-notebook timeout; "executed" means every code cell of the release, matched by cell id, ran
    in order to the end with the release's tags (``labs.grade.notebooks``).
@@ -114,7 +116,12 @@ from labs.release import (
 from labs.runtime.impl import REFERENCE_ENV, builds_on
 
 GRADING = Path(__file__).resolve().parent  # the pieces copied into the sandbox
-SOLUTIONS_SHIM = 'raise ImportError("the reference solutions are not available while grading")\n'
+# ModuleNotFoundError, as in a release without solutions/: the course asks find_spec whether a
+# reference is there (labs.runtime.prerequisites), and reads a plain ImportError as a failure
+SOLUTIONS_SHIM = (
+    'raise ModuleNotFoundError("the reference solutions are not available while grading", '
+    'name="solutions")\n'
+)
 REPORT_FILES = ("scores.csv", "scores.json", "summary.md", "gradebook.csv", "class_scores.png")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
 NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
@@ -137,6 +144,7 @@ LIMIT_NOTES = {
 }
 # all a concealed hidden run's grading error says (the grader's own output says why)
 CONCEALED_ERROR = "the hidden tests could not all be graded"
+PUBLIC_DIR, HIDDEN_DIR = "tests/", "hidden_tests/"  # where a lab's node ids start
 
 
 @dataclass(frozen=True)
@@ -493,20 +501,25 @@ def grade_tests(
     out: Path,
     hidden: bool,
     cpus: set[int] | None = None,
+    together: bool = False,
 ) -> Finished | None:
-    """Run the lab's public (or hidden) tests in a sandbox and add what they prove to ``res``.
-    A concealed hidden run adds only how many passed: no message, no count of processes left, no
+    """Run the lab's public (or hidden) tests in a sandbox and add what they prove to ``res``;
+    ``together``: the public tests, then the hidden ones, in one pytest (never concealed). A
+    concealed hidden run adds only how many passed: no message, no count of processes left, no
     note, no time, no detail of why its results could not be used."""
-    folder = "hidden_tests/" if hidden else "tests/"
-    graded = [n for n in session.expected[lab.name] if n.startswith(folder)]
+    folders = (HIDDEN_DIR,) if hidden else (PUBLIC_DIR, HIDDEN_DIR) if together else (PUBLIC_DIR,)
+    graded = [n for n in session.expected[lab.name] if n.startswith(folders)]
     if not graded:
         return None
     args = session.args
     concealed = hidden and args.conceal_hidden
+    if together and args.conceal_hidden:
+        raise ValueError("concealed hidden tests run on their own")
     budget = args.lab_timeout - res.tests_time_s
     kind = "hidden" if hidden else "tests"
+    hidden_graded = [n for n in graded if n.startswith(HIDDEN_DIR)]
     res.tests_total += len(graded)
-    res.hidden_total += len(graded) if hidden else 0
+    res.hidden_total += len(hidden_graded)
     if budget < 1:
         why = f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
         if not concealed:
@@ -514,8 +527,8 @@ def grade_tests(
         return None
     item = _new_item(session, student, kind, lab)
     try:
-        files = [f for f in lab.test_files if f.startswith(folder)]
-        if hidden:
+        files = [f for f in lab.test_files if f.startswith(folders)]
+        if hidden_graded:
             _copy_hidden(session.hidden, item / "course" / "hidden_tests", files)
         log = out / "logs" / f"{lab.name}.{kind}.log"
         if concealed:
@@ -544,7 +557,7 @@ def grade_tests(
     why = _why_unrun(done, args)
     run = read_test_run(done.results, graded, session.token, why, done.results_overflow)
     res.tests_passed += len(run.passed)
-    res.hidden_passed += len(run.passed) if hidden else 0
+    res.hidden_passed += sum(n.startswith(HIDDEN_DIR) for n in run.passed)
     if run.problem or run.guarded:  # the instructor's terminal hears why, whatever is concealed
         why = run.problem or f"the grading guard refused {run.guarded} (a bug in the course)"
         shown = printable(student.shown, newlines=False)
@@ -557,7 +570,8 @@ def grade_tests(
     res.leftover_processes += done.leftover
     if run.problem:
         _add_error(
-            res, f"the {'hidden ' if hidden else ''}tests' results were thrown away: {run.problem}"
+            res,
+            f"the {'hidden ' if hidden else ''}tests' results were thrown away: {run.problem}",
         )
     for refused in run.guarded:
         _add_error(
@@ -757,9 +771,11 @@ def _gradescope(session: Session, shown: str, results: list[Result]) -> dict:
 def _grade_lab(session: Session, student: Student, lab: Lab, out: Path, cpus) -> Result:
     res = Result(student.shown, lab.name, lab.notebook, stand_ins=list(lab.stand_ins))
     try:
-        if session.expected[lab.name]:
+        if session.expected[lab.name] and session.args.conceal_hidden:
             grade_tests(session, student, lab, res, out, hidden=False, cpus=cpus)
             grade_tests(session, student, lab, res, out, hidden=True, cpus=cpus)
+        elif session.expected[lab.name]:  # nothing to conceal: one pytest for both
+            grade_tests(session, student, lab, res, out, hidden=False, cpus=cpus, together=True)
         if lab.notebook and not session.args.no_notebooks:
             grade_notebook(session, student, lab, res, out, cpus)
     except KeyboardInterrupt:

@@ -31,9 +31,18 @@ import time
 from pathlib import Path
 from queue import Empty
 
-import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+# jsonschema (nbformat's validator) imports rfc3987_syntax when installed, for its "iri" format,
+# which compiles a grammar at import: 2 CPU-s of every notebook item, for a format nbformat never
+# checks (it passes no format checker). Missing, jsonschema leaves that format out.
+sys.modules.setdefault("rfc3987_syntax", None)
+
+import nbformat  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
+from nbclient.exceptions import (  # noqa: E402
+    CellExecutionError,
+    CellTimeoutError,
+    DeadKernelError,
+)
 
 PR_SET_DUMPABLE = 4
 EVALUE_LIMIT = 3000
