@@ -55,7 +55,7 @@ from labs.grade.report import (
 )
 from labs.grade.results import check_id, interleave, read_test_run
 from labs.release import build_release
-from tests.helpers import ROOT, junit_outcomes, run_cli
+from tests.helpers import ROOT, junit_outcomes, require_bubblewrap, run_cli
 
 # One grading run of some forty submissions serves the slow tests; on a busy 2-core machine it takes
 # a quarter of an hour: the first test to use it waits that long (its own timeout is 1800 s)
@@ -823,10 +823,7 @@ GRADER_OPTIONS = [
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    if shutil.which("bwrap") is None:
-        if os.environ.get("CI"):
-            pytest.fail("bubblewrap is not installed: .ci/run installs it")
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    require_bubblewrap()
     root = tmp_path_factory.mktemp("grading")
     report = root / "report"
     socket = root / "tmux.sock"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from labs.grade import discover_labs, lms, mistakes
 from labs.grade.report import FORMULA_START, Result
 from labs.release import build_release
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, require_bubblewrap, run_cli
 
 # ---- a synthetic class: each exercise on its own, grades for the LMS, what the class got wrong
 # --------------------------------------------------------------------------------------------
@@ -51,10 +50,7 @@ def make_class(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def graded_class(tmp_path_factory):
-    if shutil.which("bwrap") is None:
-        if os.environ.get("CI"):
-            pytest.fail("bubblewrap is not installed: .ci/run installs it")
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    require_bubblewrap()
     root = tmp_path_factory.mktemp("class")
     subs = make_class(root)
     report = root / "report"
