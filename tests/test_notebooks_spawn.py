@@ -13,9 +13,8 @@ import statistics
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, NudgingNotebookClient
 
 NOTEBOOKS = ("00_setup_and_collectives.ipynb", "07_mixture_of_experts.ipynb")
 CHECK = "# NBVAL_CHECK_OUTPUT"
@@ -48,7 +47,7 @@ def test_notebooks_run_end_to_end_on_the_spawn_path(monkeypatch):
     ]
     cells = [nbformat.from_dict(cell) for cell in committed]
     session = nbformat.v4.new_notebook(cells=cells + [nbformat.v4.new_code_cell(HISTORY)])
-    NotebookClient(
+    NudgingNotebookClient(
         session,
         timeout=600,
         kernel_name="python3",
