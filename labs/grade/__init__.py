@@ -85,7 +85,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from labs.grade import cgroups, lms, notebooks, sandbox, submission
+from labs.grade import cgroups, lms, mistakes, notebooks, sandbox, submission
 from labs.grade.processes import (
     LOG_KEEP_BYTES,
     Finished,
@@ -1231,7 +1231,13 @@ def _grade_all(session: Session, students: list[str]) -> None:
         with session.lock:
             graded[name] = results
             ordered = [r for s in students if s in graded for r in graded[s]]
-            write_reports(session.report, ordered, session.meta, copies(session))
+            plotted = mistakes.plot_scores(ordered, session.report / mistakes.PLOT)
+            class_lines = mistakes.summary_lines(ordered, mistakes.PLOT if plotted else None)
+            write_reports(session.report, ordered, session.meta, copies(session), class_lines)
+            labs = list(dict.fromkeys(r.lab for r in ordered))
+            points = session.meta.get("lab_points", 10.0)
+            gradebook = lms.gradebook_csv(ordered, labs, lab_points=points)
+            write_atomic(session.report / "gradebook.csv", gradebook)
 
     pool = ThreadPoolExecutor(max_workers=session.args.jobs)
     try:

@@ -285,13 +285,17 @@ def write_atomic(path: Path, text: str) -> None:
 # ----------------------------------------------------------------------------
 
 
-def write_reports(report: Path, results: list[Result], meta: dict, copies: list[str] = ()) -> None:
+def write_reports(
+    report: Path,
+    results: list[Result],
+    meta: dict,
+    copies: list[str] = (),
+    class_lines: list[str] = (),
+) -> None:
     """``scores.csv`` (one row per student and lab), ``scores.json`` (everything), ``summary.md`` (a
     grid, the exercise files that look copied: ``copies`` are Markdown lines the grader built,
-    names in them escaped; then what the class got wrong, ``labs.grade.mistakes``, with its plot
-    ``class_scores.png``) and ``gradebook.csv`` (``labs.grade.lms``)."""
-    from labs.grade import lms, mistakes
-
+    names in them escaped; then ``class_lines``, what the class got wrong, which the grader gets
+    from ``labs.grade.mistakes``). The grader writes ``gradebook.csv`` beside them."""
     rows = io.StringIO(newline="")
     writer = csv.DictWriter(rows, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
@@ -337,8 +341,5 @@ def write_reports(report: Path, results: list[Result], meta: dict, copies: list[
     if copies:
         lines += ["", "## Exercise files that look copied", ""]
         lines += [f"* {printable(line, newlines=False)}" for line in copies]
-    plotted = mistakes.plot_scores(results, report / mistakes.PLOT)
-    lines += mistakes.summary_lines(results, mistakes.PLOT if plotted else None)
+    lines += list(class_lines)
     write_atomic(report / "summary.md", "\n".join(lines) + "\n")
-    gradebook = lms.gradebook_csv(results, labs, lab_points=meta.get("lab_points", 10.0))
-    write_atomic(report / "gradebook.csv", gradebook)
