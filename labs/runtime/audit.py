@@ -260,9 +260,17 @@ class _Audit:
 
     def mark_existing_tensors(self) -> None:
         """Every tensor alive now was made before this rank started: a host tensor."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # isinstance() wakes deprecated objects' warnings
-            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        # A forked rank froze the objects it inherited (the launcher), which hides them from
+        # gc.get_objects(): thawed for the look, frozen again after it.
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # isinstance() wakes deprecated objects' warnings
+                tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        finally:
+            if frozen:
+                gc.freeze()
         for t in tensors:
             if t.device.type == "cpu":
                 try:
