@@ -258,16 +258,13 @@ def test_the_reference_layer_keeps_pairs_by_gshards_priority():
     )
 
 
-@exercise_test
-@pytest.mark.parametrize("top_k, capacity_factor, groups", [(2, None, 1), (2, 1.0, 2), (1, 0.5, 4)])
-def test_the_layer_equals_the_reference_layer(top_k, capacity_factor, groups):
-    """Your ``MoELayer`` against the reference the MoE runs are checked with
-    (``ReferenceMoELayer``): the same weights from the same seed (the same parameter names), the
-    same outputs, drops, aux loss and gradients."""
+def layer_against_reference(top_k, capacity_factor, groups) -> dict:
+    """In a child: the learner's ``MoELayer`` and ``ReferenceMoELayer`` from the same seed, one
+    forward and backward each on the same batch; what the test compares."""
     moe = MoEConfig(n_experts=8, top_k=top_k, capacity_factor=capacity_factor)
     ours = _layer(moe, groups=groups)
     ref = init_weights(ReferenceMoELayer(experiment.LAYER_CFG, moe, groups=groups), 0)
-    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    names = [[n for n, _ in layer.named_parameters()] for layer in (ours, ref)]
     x = torch.randn(
         groups, 32, experiment.LAYER_CFG.n_embd, generator=torch.Generator().manual_seed(1)
     )
@@ -278,9 +275,32 @@ def test_the_layer_equals_the_reference_layer(top_k, capacity_factor, groups):
         y = layer(x)
         (y.pow(2).sum() + layer.aux_loss).backward()
         outputs.append(y.detach())
-    assert torch.equal(ours.routing["keep"], ref.routing["keep"])
-    assert capacity_factor is None or not ref.routing["keep"].all()
-    assert (outputs[0] - outputs[1]).abs().max() <= TOL * outputs[1].abs().max()
-    assert ours.aux_loss.item() == pytest.approx(ref.aux_loss.item(), rel=TOL)
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() <= TOL * q.grad.abs().max(), name
+    return {
+        "names": names,
+        "same_keep": torch.equal(ours.routing["keep"], ref.routing["keep"]),
+        "reference_dropped": not ref.routing["keep"].all().item(),
+        "output_diff": (outputs[0] - outputs[1]).abs().max().item(),
+        "output_scale": outputs[1].abs().max().item(),
+        "aux_losses": (ours.aux_loss.item(), ref.aux_loss.item()),
+        "grads": [
+            (name, (p.grad - q.grad).abs().max().item(), q.grad.abs().max().item())
+            for (name, p), q in zip(ours.named_parameters(), ref.parameters())
+        ],
+    }
+
+
+@exercise_test
+@pytest.mark.parametrize("top_k, capacity_factor, groups", [(2, None, 1), (2, 1.0, 2), (1, 0.5, 4)])
+def test_the_layer_equals_the_reference_layer(top_k, capacity_factor, groups):
+    """Your ``MoELayer`` against the reference the MoE runs are checked with
+    (``ReferenceMoELayer``): the same weights from the same seed (the same parameter names), the
+    same outputs, drops, aux loss and gradients."""
+    r = in_child(layer_against_reference, top_k, capacity_factor, groups)
+    assert r["names"][0] == r["names"][1]
+    assert r["same_keep"]
+    assert capacity_factor is None or r["reference_dropped"]
+    assert r["output_diff"] <= TOL * r["output_scale"]
+    ours, ref = r["aux_losses"]
+    assert ours == pytest.approx(ref, rel=TOL)
+    for name, diff, scale in r["grads"]:
+        assert diff <= TOL * scale, name
