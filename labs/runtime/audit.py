@@ -138,7 +138,7 @@ def audited(label: str, local_rank: int) -> Iterator[None]:
     if _audit is not None:
         raise RuntimeError("a device audit is already running in this process")
     audit = _Audit(label, local_rank, os.environ.get(AUDIT_LOG_ENV) or None)
-    audit.mark_existing_tensors()
+    mark_host_tensors()
     _audit = audit
     patches = audit.patch()
     try:
@@ -152,7 +152,26 @@ def audited(label: str, local_rank: int) -> Iterator[None]:
 
 def is_host(t: torch.Tensor) -> bool:
     """True when the audit marked ``t`` as a host tensor (False outside an audit)."""
-    return getattr(t, _MARK, None) is not None
+    return _audit is not None and getattr(t, _MARK, None) is not None
+
+
+def mark_host_tensors() -> None:
+    """Mark every CPU tensor alive now as made before the rank started: a host tensor.
+
+    An audited rank calls it as the audit starts. A forked rank froze the objects it inherited
+    (the launcher), and ``gc.get_objects()`` skips frozen objects: the launcher calls this in the
+    launching process just before it forks audited ranks, so the marks are inherited. Walking the
+    inherited objects in each rank instead would write to every one of them (a reference each)
+    and so copy the parent's whole heap into every rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() wakes deprecated objects' warnings
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for t in tensors:
+        if t.device.type == "cpu":
+            try:
+                _mark(t, BEFORE_RANK)
+            except (AttributeError, RuntimeError):
+                pass
 
 
 # --- where a call comes from ----------------------------------------------------------------
@@ -257,26 +276,6 @@ class _Audit:
             self.logged.add(message)
             with open(self.log_path, "a") as f:
                 f.write(message.replace("\n", " ") + "\n")
-
-    def mark_existing_tensors(self) -> None:
-        """Every tensor alive now was made before this rank started: a host tensor."""
-        # A forked rank froze the objects it inherited (the launcher), which hides them from
-        # gc.get_objects(): thawed for the look, frozen again after it.
-        frozen = gc.get_freeze_count()
-        gc.unfreeze()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # isinstance() wakes deprecated objects' warnings
-                tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-        finally:
-            if frozen:
-                gc.freeze()
-        for t in tensors:
-            if t.device.type == "cpu":
-                try:
-                    _mark(t, BEFORE_RANK)
-                except (AttributeError, RuntimeError):
-                    pass
 
     def check_tensors(self, op: str, args: tuple, kwargs: dict) -> None:
         for value in (*args, *kwargs.values()):

@@ -255,6 +255,8 @@ def _forked_ranks(jobs: list[RankJob]) -> Iterator[list[_ForkedRank]]:
     # Building any torch optimizer imports torch._dynamo: ~1 s, several seconds on a busy
     # 2-core machine. Imported once here, every forked rank inherits it instead of paying it.
     importlib.import_module("torch._dynamo")
+    if jobs[0].audit_label is not None:
+        audit.mark_host_tensors()  # here, once: the ranks inherit the marks (see there)
     ctx = mp.get_context("fork")
     ranks: list[_ForkedRank] = []
     grace = 0.0
