@@ -54,6 +54,7 @@ The rank reported is the stage with the largest total.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from labs.theory.activations import RECOMPUTE, stage_activation_bytes
 from labs.theory.dims import ParallelDims, check_divides, check_positive
@@ -230,6 +231,7 @@ def _check_layout(
         check_divides(dp, "dp", ep, "ep")  # experts are spread over the data-parallel ranks
 
 
+@lru_cache(maxsize=4096)  # the planner asks again for each micro-batch size and schedule
 def _state(
     spec: ModelSpec,
     *,
@@ -363,15 +365,13 @@ def memory_per_rank(
         recompute=recompute,
         fp8=fp8,
     )
-    # stages with the same layers, embedding and head hold the same state and the same
-    # activations per micro-batch; only how many micro-batches they hold differs
-    kinds = {}
-    stages = []
-    for stage in range(pp):
-        layers = layers_on_stage(spec.n_layers, pp, stage)
-        kind = (layers, stage == 0, stage == pp - 1)
-        if kind not in kinds:
-            state = _state(
+    peaks = _stage_peaks(spec, pp, m, schedule, virtual, tuple(size.items()))
+    # stages with the same layers, embedding and head hold the same state
+    states = {}
+    totals = []
+    for stage, (kind, _, activations, _) in enumerate(peaks):
+        if kind not in states:
+            states[kind] = _state(
                 spec,
                 tp=tp,
                 pp=pp,
@@ -386,31 +386,48 @@ def memory_per_rank(
                 exact_shards=exact_shards,
                 optimizer_bytes=optimizer_bytes,
             )
-            parts = _activation_parts(
-                spec, layers=layers, first=kind[1], last=kind[2], virtual=virtual, **size
+        totals.append(states[kind]["total_bytes"] + activations)
+    worst = max(range(pp), key=totals.__getitem__)  # the first of the busiest stages
+    kind, per_mb, activations, in_flight = peaks[worst]
+    state = states[kind]
+    return {
+        "params": state["params"],
+        "param_bytes": state["param_bytes"],
+        "grad_bytes": state["grad_bytes"],
+        "optimizer_bytes": state["optimizer_bytes"],
+        "activation_bytes": activations,
+        "total_bytes": totals[worst],
+        "offloaded_bytes": state["offloaded_bytes"],
+        "stage": worst,
+        "layers": kind[0],
+        "in_flight": in_flight,
+        "activations_per_microbatch": dict(per_mb),
+        "stage_total_bytes": totals,
+    }
+
+
+@lru_cache(maxsize=1024)
+def _stage_peaks(
+    spec: ModelSpec, pp: int, m: int, schedule: str, virtual: int, size: tuple
+) -> tuple[tuple[tuple, dict, float, int], ...]:
+    """Per stage: its kind (layers, has the embedding, has the loss), one micro-batch's activation
+    parts, and the bytes and micro-batches it holds at its peak. ZeRO, dp and the optimizer do not
+    change them: kept for the planner, which asks again for every one of its layouts."""
+    parts = {}
+    peaks = []
+    for stage in range(pp):
+        layers = layers_on_stage(spec.n_layers, pp, stage)
+        kind = (layers, stage == 0, stage == pp - 1)
+        if kind not in parts:
+            parts[kind] = _activation_parts(
+                spec, layers=layers, first=kind[1], last=kind[2], virtual=virtual, **dict(size)
             )
-            kinds[kind] = (state, *parts)
-        state, per_mb, chunk_bytes = kinds[kind]
+        per_mb, chunk_bytes = parts[kind]
         activations, in_flight = _stage_activations(
             per_mb, chunk_bytes, stage=stage, pp=pp, m=m, schedule=schedule
         )
-        stages.append(
-            {
-                "params": state["params"],
-                "param_bytes": state["param_bytes"],
-                "grad_bytes": state["grad_bytes"],
-                "optimizer_bytes": state["optimizer_bytes"],
-                "activation_bytes": activations,
-                "total_bytes": state["total_bytes"] + activations,
-                "offloaded_bytes": state["offloaded_bytes"],
-                "stage": stage,
-                "layers": layers,
-                "in_flight": in_flight,
-                "activations_per_microbatch": dict(per_mb),
-            }
-        )
-    worst = max(stages, key=lambda s: s["total_bytes"])
-    return {**worst, "stage_total_bytes": [s["total_bytes"] for s in stages]}
+        peaks.append((kind, per_mb, activations, in_flight))
+    return tuple(peaks)
 
 
 def fits(total_bytes: float, gpu_mem_gib: float) -> bool:
