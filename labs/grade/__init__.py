@@ -122,6 +122,7 @@ SOLUTIONS_SHIM = (
     'raise ModuleNotFoundError("the reference solutions are not available while grading", '
     'name="solutions")\n'
 )
+PLOT_EVERY_S = 60.0  # the class plot is redrawn at most this often while students are graded
 REPORT_FILES = ("scores.csv", "scores.json", "summary.md", "gradebook.csv", "class_scores.png")
 MODULE_LIMIT = 2 << 20  # bytes of one exercise module
 NOTEBOOK_LIMIT = submission.MAX_FILE_BYTES
@@ -1219,8 +1220,11 @@ def _drop_idle_labs(session: Session) -> None:
 
 
 def _grade_all(session: Session, students: list[str]) -> None:
-    """Every student, ``--jobs`` at a time; the reports rewritten after each one."""
+    """Every student, ``--jobs`` at a time; the reports rewritten after each one, the class plot
+    (a second or two for a course's worth of labs) at most every ``PLOT_EVERY_S`` and after the
+    last."""
     graded: dict[str, list[Result]] = {}
+    plot = {"drawn": False, "at": -PLOT_EVERY_S}
 
     def one(name: str) -> None:
         try:
@@ -1231,8 +1235,11 @@ def _grade_all(session: Session, students: list[str]) -> None:
         with session.lock:
             graded[name] = results
             ordered = [r for s in students if s in graded for r in graded[s]]
-            plotted = mistakes.plot_scores(ordered, session.report / mistakes.PLOT)
-            class_lines = mistakes.summary_lines(ordered, mistakes.PLOT if plotted else None)
+            now = time.monotonic()
+            if len(graded) == len(students) or now - plot["at"] >= PLOT_EVERY_S:
+                plot["drawn"] = mistakes.plot_scores(ordered, session.report / mistakes.PLOT)
+                plot["at"] = now
+            class_lines = mistakes.summary_lines(ordered, mistakes.PLOT if plot["drawn"] else None)
             write_reports(session.report, ordered, session.meta, copies(session), class_lines)
             labs = list(dict.fromkeys(r.lab for r in ordered))
             points = session.meta.get("lab_points", 10.0)
