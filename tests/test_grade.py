@@ -1356,6 +1356,7 @@ def test_hidden_tests_pass_on_the_solutions_and_fail_on_the_stubs(tmp_path):
             "-p",
             "no:cacheprovider",
             "-q",
+            "--tb=line",  # a line per failure: the outcomes are what this reads
             "-m",
             "exercise",
             "--timeout",

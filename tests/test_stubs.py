@@ -117,6 +117,7 @@ def test_exercise_tests_fail_on_the_learner_stubs(tmp_path, request):
         "-p",
         "no:cacheprovider",
         "-q",
+        "--tb=line",  # a line per failure: the outcomes are what this reads
         "--timeout",
         "120",
         f"--junitxml={report}",
