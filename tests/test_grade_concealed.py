@@ -41,9 +41,10 @@ def concealed(tmp_path_factory):
 
 
 def row(concealed, student) -> dict:
-    row = concealed["rows"][student]
-    assert row["tests_passed"] == "0" and row["hidden_passed"] == "0", row
-    return row
+    """``student``'s row, which must score nothing (each is built on the stubs)."""
+    found = concealed["rows"][student]
+    assert found["tests_passed"] == "0" and found["hidden_passed"] == "0", found
+    return found
 
 
 @pytest.mark.slow
