@@ -10,7 +10,7 @@ students:
 * ``TestHostileSubmissions``: one student per attack of issue 21 and a few more, each built on
   the stubs (so the score it deserves is 0) with the attack appended to its module or notebook.
   The attacks on ``--conceal-hidden``'s separate hidden run are graded with it, in
-  tests/test_grade_concealed.py (which runs ``hostile_grading`` too, on another pytest worker).
+  tests/test_grade_concealed.py (which runs ``hostile_grading`` too).
 
 The rest checks the pieces without running a submission.
 """

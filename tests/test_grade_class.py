@@ -1,7 +1,7 @@
 """Grading a synthetic class (issue 28 item 3, issue 30 items 3 and 5): each exercise graded on its
 own with the references of what it builds on standing in, the grades written for Gradescope, Canvas
-and Moodle, and what the class got wrong. Apart from tests/test_grade.py (the hostile submissions)
-so that the two grading runs go to different pytest workers."""
+and Moodle, and what the class got wrong. Apart from tests/test_grade.py (the hostile submissions);
+the grading files run in turn on one pytest worker (../conftest.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`python -m labs.grade --conceal-hidden`: the hidden tests in a pytest of their own, of which a
 student learns only how many passed.
 
-Two grading runs, apart from tests/test_grade.py's so that they go to another pytest worker:
+Two grading runs, in a file of their own (the grading files run in turn: ../conftest.py):
 
 * the reference, the stubs and the attacks on the concealed run (``CONCEALED_RUN``), with the
   checks every hostile student gets there: the score it deserves, nothing outside its sandbox
