@@ -20,8 +20,7 @@ import time
 import pytest
 
 from labs.release import build_release
-from tests.helpers import ROOT, run_cli
-from tests.test_grade import (
+from tests.grading_harness import (
     HIDDEN_SECRET,
     SPINNER,
     exited_0_and_left_nothing_changed_or_running,
@@ -30,6 +29,7 @@ from tests.test_grade import (
     report_texts,
     scores_json,
 )
+from tests.helpers import ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -82,6 +82,7 @@ INSTRUCTOR_TESTS = (
     "tests/test_stubs.py",
     "tests/test_release.py",
     "tests/test_grade.py",
+    "tests/grading_harness.py",  # test_grade's synthetic students: the attacks, the grading run
     "tests/test_grade_concealed.py",  # its second half: the attacks on --conceal-hidden
     "tests/test_grade_class.py",  # grades a synthetic class with the reference solutions
     "tests/test_browser.py",
