@@ -315,16 +315,13 @@ if _launcher._parent_conn is not None:
 # 1b. a forked rank takes the results descriptor and the check token from its environment, finds
 # pytest's items in its own memory, stops its parent, writes a complete "all passed" stream (the
 # checks failing, as they should) and kills pytest
-FD_FORGER = """
-import gc as _gc, json as _json, os as _os, signal as _signal
+FORGED_STREAM = """
+import gc as _gc, json as _json
 
 
-def _forge():
-    fd = _os.environ.get("LABS_GRADE_FD")
-    token = _os.environ.get("LABS_GRADE_CHECK")
-    _say(f"ATTACK fd: LABS_GRADE_FD={fd} token={bool(token)}")
-    if fd is None or not token or _os.environ.get("RANK") != "0":
-        return
+def _forged_stream(token):
+    \"\"\"pytest's items, found in its own memory, as a complete results stream: every test passed
+    but the grader's checks (their names start with ``token``), which failed.\"\"\"
     sessions = [o for o in _gc.get_objects() if type(o).__name__ == "Session"]
     items = [i.nodeid for s in sessions for i in getattr(s, "items", [])]
 
@@ -338,10 +335,23 @@ def _forge():
         lines += [record(nodeid, "setup", "passed")]
         lines += [record(nodeid, "call", "failed" if check else "passed")]
         lines += [record(nodeid, "teardown", "passed")]
+    return "".join(lines)
+"""
+FD_FORGER = """
+import os as _os, signal as _signal
+
+
+def _forge():
+    fd = _os.environ.get("LABS_GRADE_FD")
+    token = _os.environ.get("LABS_GRADE_CHECK")
+    _say(f"ATTACK fd: LABS_GRADE_FD={fd} token={bool(token)}")
+    if fd is None or not token or _os.environ.get("RANK") != "0":
+        return
+    stream = _forged_stream(token)
     parent = _os.getppid()
     _os.kill(parent, _signal.SIGSTOP)
     try:
-        _os.write(int(fd), "".join(lines).encode())
+        _os.write(int(fd), stream.encode())
         _say("ATTACK fd: WROTE the stream")
     except OSError as e:
         _say(f"ATTACK fd: blocked {e.errno}")
@@ -354,7 +364,7 @@ _forge()
 # 1c. without a ptrace restriction, a rank reaches its parent through /proc/<ppid>/fd,
 # /proc/<ppid>/mem or ptrace itself; through the first it writes the same forged stream
 PROC_PARENT = """
-import ctypes as _ctypes, gc as _gc, json as _json, os as _os, signal as _signal
+import ctypes as _ctypes, os as _os, signal as _signal
 
 
 def _reach_parent():
@@ -399,26 +409,14 @@ def _reach_parent():
         token = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"LABS_GRADE_CHECK=")][0]
     except (OSError, IndexError):
         return
-    sessions = [o for o in _gc.get_objects() if type(o).__name__ == "Session"]
-    items = [i.nodeid for s in sessions for i in getattr(s, "items", [])]
-
-    def record(nodeid, when, outcome):
-        fields = {"nodeid": nodeid, "when": when, "outcome": outcome, "message": ""}
-        return _json.dumps({**fields, "duration": 0.1}) + "\\n"
-
-    lines = [record(items[0], "call", "passed"), record(items[0], "teardown", "passed")]
-    for nodeid in items[1:]:
-        check = nodeid.rsplit("::", 1)[-1].startswith(token)
-        lines += [record(nodeid, "setup", "passed")]
-        lines += [record(nodeid, "call", "failed" if check else "passed")]
-        lines += [record(nodeid, "teardown", "passed")]
+    stream = _forged_stream(token)
     _os.kill(parent, _signal.SIGSTOP)
     for fd in fds:  # the results channel is the pipe pytest writes JSON lines to
         try:
             target = _os.readlink(f"/proc/{parent}/fd/{fd}")
             if target.startswith("pipe:") and int(fd) > 2:
                 with open(f"/proc/{parent}/fd/{fd}", "w") as f:
-                    f.write("".join(lines))
+                    f.write(stream)
                 _say(f"ATTACK proc: WROTE through /proc/ppid/fd/{fd}")
         except OSError:
             pass
@@ -570,8 +568,8 @@ def _modules(paths: dict) -> dict[str, str | None]:
         "deep": "",
         # issue 29
         "pickler": PICKLER,
-        "fd_forger": SAY + FD_FORGER,
-        "proc_parent": SAY + PROC_PARENT,
+        "fd_forger": SAY + FORGED_STREAM + FD_FORGER,
+        "proc_parent": SAY + FORGED_STREAM + PROC_PARENT,
         "hidden_outcome": SAY + HIDDEN_OUTCOME,
         "hidden_leftover": HIDDEN_LEFTOVER,
         "zz_surrogate": SURROGATE,  # last: on a grader it crashes, every other row is written
