@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("LABS_IMPL", "solutions")
 
+# `--cpu-profile PATH`: the CPU time of every test, cell and file (where the suite's time goes)
+pytest_plugins = ("tests.cpu_profile",)
+
 # The files that run `python -m labs.grade`. Each grading run keeps both cores busy (--jobs 2)
 # and pins each student to a core; two at once, one on each pytest worker, starved the students
 # pinned beside test_grade_concealed's spinner (30 busy processes on one core, and no CPU cgroup

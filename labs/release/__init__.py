@@ -93,6 +93,8 @@ INSTRUCTOR_TESTS = (
     "tests/test_classic_bugs.py",
     "tests/test_instructors_guide.py",  # reads that catalogue
     "tests/test_wheelhouse.py",  # checks the course's offline setup, and needs a package index
+    "tests/cpu_profile.py",  # the suite's --cpu-profile, which only the instructor's conftest loads
+    "tests/test_cpu_profile.py",
 )
 REWRITTEN = (
     "conftest.py",
