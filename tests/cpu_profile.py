@@ -56,10 +56,9 @@ def pytest_runtest_makereport(item, call):
     if call.when != "teardown" or START not in item.stash:
         return
     user, sys_ = (now - then for now, then in zip(cpu_seconds(), item.stash[START]))
-    report = outcome.get_result()
-    # a new list: the report shares item.user_properties, which --junitxml also writes
-    report.user_properties = [
-        *report.user_properties,
+    # the teardown report's own copy of the test's properties: pytest-xdist sends it to the
+    # controller, and --junitxml writes it
+    outcome.get_result().user_properties += [
         ("cpu_user_s", round(user, 3)),
         ("cpu_sys_s", round(sys_, 3)),
     ]
