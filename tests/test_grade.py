@@ -117,11 +117,19 @@ def test_reference_code_gets_every_point_and_runs_its_notebook(graded):
 
 @pytest.mark.slow
 def test_untouched_stubs_get_no_points_and_say_what_to_write(graded):
+    """The stub, byte for byte: its tests are not run (no log, no time), every one fails saying
+    which functions to write; its notebook still runs, and stops at the first of them."""
     row = graded["rows"]["stubs"]
     assert row["tests_passed"] == "0" and row["notebook_executed"] == "no", row
+    assert row["tests_total"] == graded["rows"]["correct"]["tests_total"], row
+    assert float(row["tests_time_s"]) == 0, row
+    assert not (graded["report"] / "stubs" / "logs" / "collectives.tests.log").exists()
     assert "NotImplementedError" in row["notebook_detail"]
+    assert "is not written yet" in row["notebook_detail"]
     text = feedback(graded, "stubs")
-    assert "exercise ring_all_reduce is not written yet" in text
+    said = "not run: labs/collectives.py is the course's stub, unchanged; write "
+    [line] = {line for line in text.splitlines() if line.startswith(said)}
+    assert "ring_all_reduce" in line and "NotImplementedError" in line, line
     assert "### collectives: hidden checks\n\n0 of 4 passed.\n" in text  # not concealed
 
 
@@ -524,6 +532,7 @@ def test_hidden_tests_share_the_public_pytest_unless_concealed(tmp_path, monkeyp
         session = types.SimpleNamespace(
             expected={"x": [public, hidden]},
             args=args,
+            release=tmp_path,  # labs/x.py: the stub (unwritten_stub)
             hidden=tmp_path / "hidden",
             token="t",
             lock=threading.Lock(),
@@ -533,7 +542,8 @@ def test_hidden_tests_share_the_public_pytest_unless_concealed(tmp_path, monkeyp
                 layout=lambda item: types.SimpleNamespace(course="/c", tools="/t"),
             ),
         )
-        student = types.SimpleNamespace(shown="ann", modules={})
+        unwritten_stub(tmp_path / "labs" / "x.py")
+        student = types.SimpleNamespace(shown="ann", modules={"x": b"def f():\n    return 1\n"})
         monkeypatch.setattr(grade, "_say", lambda *a: None)
         res = grade._grade_lab(session, student, lab, tmp_path, None)
         assert len(runs) == expected_runs, (runs, res.grading_error)
@@ -548,6 +558,37 @@ def test_hidden_tests_share_the_public_pytest_unless_concealed(tmp_path, monkeyp
         copied = [names for _, names in runs]
         # the hidden file reaches only the run that has the hidden tests
         assert copied == ([["test_x_hidden.py"]] if not conceal else [[], ["test_x_hidden.py"]])
+
+
+def unwritten_stub(path: Path) -> bytes:
+    """A stub as ``labs.stubs`` writes one: ``f`` raises that it is not written yet."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        'def f():\n    raise NotImplementedError("exercise f is not written yet: see 00.ipynb")\n'
+    )
+    return path.read_bytes()
+
+
+def test_a_stub_left_unchanged_is_not_run_and_a_changed_one_is(tmp_path):
+    """The stub byte for byte, or no module at all: its tests are not run, and each says which
+    functions to write; a single byte changed and they run."""
+    import types
+
+    import labs.grade as grade
+
+    stub = unwritten_stub(tmp_path / "labs" / "x.py")
+    session = types.SimpleNamespace(release=tmp_path)
+    lab = grade.Lab("x", None, ("tests/test_x.py",), ())
+
+    def why(**modules):
+        return grade.not_started(session, types.SimpleNamespace(modules=modules), lab)
+
+    assert why(x=stub) == (
+        "not run: labs/x.py is the course's stub, unchanged; write f "
+        "(each raises NotImplementedError until then)"
+    )
+    assert why().startswith("not run: your submission has no labs/x.py that could be read")
+    assert why(x=stub + b"\n") == why(x=stub.replace(b"raise", b"return")) == ""
 
 
 def test_feedback_groups_identical_failures_and_can_conceal_hidden_tests():

@@ -89,12 +89,14 @@ def test_each_exercise_is_graded_on_its_own(graded_class):
     assert int(mesh["tests_total"]) > 0 and mesh["tests_passed"] == mesh["tests_total"], mesh
     assert int(mesh["hidden_total"]) > 0 and mesh["hidden_passed"] == mesh["hidden_total"], mesh
     assert pp["tests_passed"] == "0" and int(pp["tests_total"]) > 0, pp
+    assert float(pp["tests_time_s"]) == 0, pp  # the stub, unchanged: its tests are not run
     assert rows["stubs", "mesh"]["tests_passed"] == "0"
     page = (graded_class["report"] / "mesh_without_pp" / "feedback.md").read_text()
     stand_ins = "zero, tensor_parallel, pipeline_parallel, context_parallel"
     assert f"| mesh | {mesh['tests_passed']}/{mesh['tests_total']} | " in page
     assert f"| - | {stand_ins} |" in page, page[:2000]
     assert "| pipeline_parallel | 0/" in page and "| collectives | " in page
+    assert "not run: labs/pipeline_parallel.py is the course's stub, unchanged; write " in page
 
 
 def validate_gradescope(results: dict) -> None:

@@ -32,6 +32,9 @@ public tests    ``tests/test_<lab>.py`` and ``tests/test_<lab>_*.py`` as the rel
 hidden tests    ``hidden_tests/test_<lab>.py``, ``hidden_tests/test_<lab>_*.py``
                 (``--hidden-tests``)
 score           tests passed / tests collected, marked ``exercise``, public + hidden
+not started     a module that is the release's stub byte for byte, or missing: its tests are
+                not run, each fails "not run: ... the course's stub, unchanged" (a stub fails
+                every one: ``tests/test_stubs.py``); its notebook runs
 stand-ins       the exercises the lab builds on (``labs.runtime.impl.builds_on``): their
                 references (the instructor's ``solutions/``) stand in for the student's own,
                 selected by ``LABS_REFERENCE``, so that each exercise is graded on its own (a
@@ -114,6 +117,7 @@ from labs.release import (
     source_files,
 )
 from labs.runtime.impl import REFERENCE_ENV, builds_on
+from labs.runtime.prerequisites import unwritten_in
 
 GRADING = Path(__file__).resolve().parent  # the pieces copied into the sandbox
 # ModuleNotFoundError, as in a release without solutions/: the course asks find_spec whether a
@@ -521,8 +525,10 @@ def grade_tests(
     hidden_graded = [n for n in graded if n.startswith(HIDDEN_DIR)]
     res.tests_total += len(graded)
     res.hidden_total += len(hidden_graded)
-    if budget < 1:
+    why = not_started(session, student, lab)
+    if not why and budget < 1:
         why = f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
+    if why:
         if not concealed:
             res.failures += [[n, why] for n in graded]
         return None
@@ -583,6 +589,24 @@ def grade_tests(
     res.failures += [[n, message] for n, message in run.failed.items()]
     _add_notes(res, _limit_notes(session, done, list(run.failed.values())))
     return done
+
+
+def not_started(session: Session, student: Student, lab: Lab) -> str:
+    """Why ``lab``'s tests are not run, or "" if they are: its module is the course's stub byte for
+    byte, or the submission has none (and the stub stands in). A stub fails every test of its lab
+    (tests/test_stubs.py), so it scores 0 without them: a sandbox, a pytest and a launch per test
+    less, about 10 CPU-s a lab. Its notebook still runs (a student's own cells could fill in the
+    exercise there)."""
+    stub = (session.release / "labs" / f"{lab.name}.py").read_bytes()
+    mine = student.modules.get(lab.name)
+    if mine is None:
+        what = f"your submission has no labs/{lab.name}.py that could be read, so the stub stood in"
+    elif mine == stub:
+        what = f"labs/{lab.name}.py is the course's stub, unchanged"
+    else:
+        return ""
+    functions = ", ".join(unwritten_in(stub.decode()))
+    return f"not run: {what}; write {functions} (each raises NotImplementedError until then)"
 
 
 def _add_error(res: Result, why: str) -> None:

@@ -45,8 +45,13 @@ def unwritten(name: str) -> list[str]:
     not parse gives ``["(does not parse: line N)"]``."""
     impl.parse_exercises([name], what="exercise")
     path = _learner_file(name)
+    return unwritten_in(path.read_text(), str(path))
+
+
+def unwritten_in(source: str, filename: str = "<stub>") -> list[str]:
+    """``unwritten`` of a module's ``source``."""
     try:
-        tree = ast.parse(path.read_text(), str(path))
+        tree = ast.parse(source, filename)
     except SyntaxError as e:
         return [f"(does not parse: line {e.lineno})"]
     found = []
