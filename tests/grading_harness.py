@@ -628,7 +628,9 @@ def make_submissions(root: Path, paths: dict) -> Path:
             (subs / student / "notebooks" / NOTEBOOK).unlink()
     _edit_notebook(subs / "runner_killer", first_cell=KILL_RUNNER)
     _edit_notebook(subs / "output_bomb", first_cell=PRINT_100_MB)
-    _edit_notebook(subs / "all_raises", tag_all=True)
+    # a cell of its own too: with the stub and the course's code only, the notebook would not run
+    # at all (the lab is not started), and the tags would meet no run
+    _edit_notebook(subs / "all_raises", first_cell="tried = True", tag_all=True)
     _edit_notebook(subs / "display_updates", first_cell=DISPLAY_UPDATES)
     _edit_notebook(subs / "cells_replaced", replace_code="pass")
     _notebook_of_empty_cells(subs / "notebook_bomb" / "notebooks" / NOTEBOOK)

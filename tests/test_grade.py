@@ -117,16 +117,20 @@ def test_reference_code_gets_every_point_and_runs_its_notebook(graded):
 
 @pytest.mark.slow
 def test_untouched_stubs_get_no_points_and_say_what_to_write(graded):
-    """The stub, byte for byte: its tests are not run (no log, no time), every one fails saying
-    which functions to write; its notebook still runs, and stops at the first of them."""
+    """The stub, byte for byte, and the course's notebook: the lab is not started. Its tests are not
+    run (no log, no time), every one fails saying which functions to write; nor is its notebook
+    (``all_raises`` has a cell of its own: its notebook runs, and stops at the stub)."""
     row = graded["rows"]["stubs"]
     assert row["tests_passed"] == "0" and row["notebook_executed"] == "no", row
     assert row["tests_total"] == graded["rows"]["correct"]["tests_total"], row
-    assert float(row["tests_time_s"]) == 0, row
+    assert float(row["tests_time_s"]) == 0 and float(row["notebook_time_s"]) == 0, row
     assert not (graded["report"] / "stubs" / "logs" / "collectives.tests.log").exists()
-    assert "NotImplementedError" in row["notebook_detail"]
-    assert "is not written yet" in row["notebook_detail"]
+    assert not (graded["report"] / "stubs" / "notebooks" / NOTEBOOK).exists()
+    assert row["notebook_detail"].startswith(
+        "not run, the lab is not started: labs/collectives.py is the course's stub, unchanged; "
+    ), row
     text = feedback(graded, "stubs")
+    assert "(each raises NotImplementedError until then); the notebook has no code of yours" in text
     said = "not run: labs/collectives.py is the course's stub, unchanged; write "
     [line] = {line for line in text.splitlines() if line.startswith(said)}
     assert "ring_all_reduce" in line and "NotImplementedError" in line, line
@@ -292,6 +296,8 @@ class TestHostileSubmissions:
         row = self.row(graded, "all_raises")
         assert row["notebook_executed"] == "no", row
         assert "NotImplementedError" in row["notebook_detail"], row
+        assert "is not written yet" in row["notebook_detail"], row
+        assert float(row["notebook_time_s"]) > 0, row  # it ran
 
     def test_a_folder_named_scores_csv(self, graded):
         row = graded["rows"]["scores.csv"]
@@ -570,8 +576,9 @@ def unwritten_stub(path: Path) -> bytes:
 
 
 def test_a_stub_left_unchanged_is_not_run_and_a_changed_one_is(tmp_path):
-    """The stub byte for byte, or no module at all: its tests are not run, and each says which
-    functions to write; a single byte changed and they run."""
+    """The stub byte for byte, or no module at all: the lab is not started (its tests are not run,
+    and each says which functions to write); a single byte changed and it is. A notebook-only row
+    has no module to start."""
     import types
 
     import labs.grade as grade
@@ -584,11 +591,13 @@ def test_a_stub_left_unchanged_is_not_run_and_a_changed_one_is(tmp_path):
         return grade.not_started(session, types.SimpleNamespace(modules=modules), lab)
 
     assert why(x=stub) == (
-        "not run: labs/x.py is the course's stub, unchanged; write f "
+        "labs/x.py is the course's stub, unchanged; write f "
         "(each raises NotImplementedError until then)"
     )
-    assert why().startswith("not run: your submission has no labs/x.py that could be read")
+    assert why().startswith("your submission has no labs/x.py that could be read")
     assert why(x=stub + b"\n") == why(x=stub.replace(b"raise", b"return")) == ""
+    notebook_only = grade.Lab("12_x", "12_x.ipynb", ())
+    assert grade.not_started(session, types.SimpleNamespace(modules={}), notebook_only) == ""
 
 
 def test_feedback_groups_identical_failures_and_can_conceal_hidden_tests():
@@ -774,7 +783,11 @@ def test_a_notebook_runs_with_the_releases_tags_matched_by_cell_id():
     extra.metadata["tags"] = ["raises-exception", "skip-execution"]
     mine.cells.insert(1, extra)
     prepared, nb = notebooks.prepare(nbformat.writes(mine).encode(), released)
-    assert prepared.problems == [] and prepared.changed == 0
+    assert prepared.problems == [] and prepared.changed == 0 and prepared.own_code == 1
+    as_released, _ = notebooks.prepare(
+        nbformat.writes(nbformat.from_dict(released)).encode(), released
+    )
+    assert as_released.own_code == 0  # the course's code only: a lab with its stub is not started
     tags = [c["metadata"].get("tags", []) for c in nb["cells"]]
     assert tags == [[], [], ["raises-exception"], []]
     nbformat.validate(nbformat.from_dict(nb))  # what the runner reads

@@ -34,7 +34,8 @@ hidden tests    ``hidden_tests/test_<lab>.py``, ``hidden_tests/test_<lab>_*.py``
 score           tests passed / tests collected, marked ``exercise``, public + hidden
 not started     a module that is the release's stub byte for byte, or missing: its tests are
                 not run, each fails "not run: ... the course's stub, unchanged" (a stub fails
-                every one: ``tests/test_stubs.py``); its notebook runs
+                every one: ``tests/test_stubs.py``); nor is its notebook, unless the student
+                added code cells of their own
 stand-ins       the exercises the lab builds on (``labs.runtime.impl.builds_on``): their
                 references (the instructor's ``solutions/``) stand in for the student's own,
                 selected by ``LABS_REFERENCE``, so that each exercise is graded on its own (a
@@ -526,7 +527,9 @@ def grade_tests(
     res.tests_total += len(graded)
     res.hidden_total += len(hidden_graded)
     why = not_started(session, student, lab)
-    if not why and budget < 1:
+    if why:
+        why = f"not run: {why}"
+    elif budget < 1:
         why = f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
     if why:
         if not concealed:
@@ -592,12 +595,15 @@ def grade_tests(
 
 
 def not_started(session: Session, student: Student, lab: Lab) -> str:
-    """Why ``lab``'s tests are not run, or "" if they are: its module is the course's stub byte for
-    byte, or the submission has none (and the stub stands in). A stub fails every test of its lab
-    (tests/test_stubs.py), so it scores 0 without them: a sandbox, a pytest and a launch per test
-    less, about 10 CPU-s a lab. Its notebook still runs (a student's own cells could fill in the
-    exercise there)."""
-    stub = (session.release / "labs" / f"{lab.name}.py").read_bytes()
+    """How ``lab``'s exercise module shows the lab is not started, or "": it is the course's stub
+    byte for byte, or the submission has none (and the stub stands in). Such a lab is not tested:
+    a stub fails every test of its lab (tests/test_stubs.py), so it scores 0 without them (a
+    sandbox, a pytest and a launch per test less, about 10 CPU-s a lab); and its notebook is not
+    run unless it holds code of the student's own, which could fill the exercise in there."""
+    path = session.release / "labs" / f"{lab.name}.py"
+    if not path.is_file():  # a notebook-only row
+        return ""
+    stub = path.read_bytes()
     mine = student.modules.get(lab.name)
     if mine is None:
         what = f"your submission has no labs/{lab.name}.py that could be read, so the stub stood in"
@@ -606,7 +612,7 @@ def not_started(session: Session, student: Student, lab: Lab) -> str:
     else:
         return ""
     functions = ", ".join(unwritten_in(stub.decode()))
-    return f"not run: {what}; write {functions} (each raises NotImplementedError until then)"
+    return f"{what}; write {functions} (each raises NotImplementedError until then)"
 
 
 def _add_error(res: Result, why: str) -> None:
@@ -662,7 +668,9 @@ def grade_notebook(
 ) -> None:
     """Run the student's notebook in a sandbox; "executed" as ``labs.grade.notebooks`` says. The
     notebook is read, and the runner's report too, by a limited child process
-    (``notebooks.prepare_limited``, ``notebooks.save_limited``), never by the grader itself."""
+    (``notebooks.prepare_limited``, ``notebooks.save_limited``), never by the grader itself. A lab
+    not started (``not_started``) whose notebook holds the course's code and none of the student's
+    is not run: "no"."""
     args = session.args
     rel = f"notebooks/{lab.notebook}"
     res.notebook_executed = "no"
@@ -684,6 +692,12 @@ def grade_notebook(
         res.cells_changed = prepared.changed
         if not prepared.runnable:
             res.notebook_detail = prepared.problems[0]
+            return
+        unstarted = not_started(session, student, lab)
+        if unstarted and not prepared.own_code and not prepared.problems:
+            res.notebook_detail = (
+                f"not run, the lab is not started: {unstarted}; the notebook has no code of yours"
+            )
             return
         done = run_sandboxed(
             session,

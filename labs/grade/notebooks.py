@@ -53,6 +53,7 @@ class Prepared:
     # ^ index in the notebook to run -> (index of the cell in the release, may raise)
     problems: list[str] = field(default_factory=list)  # why it cannot count as executed
     changed: int = 0  # released code cells not in the student's notebook as released
+    own_code: int = 0  # the student's own code cells (not released ones) with code in them
     firsts: list[str] = field(default_factory=list)  # each cell's first line of code, for messages
 
 
@@ -125,6 +126,8 @@ def prepare(mine: bytes, released: dict) -> tuple[Prepared, dict | None]:
             metadata = json.loads(json.dumps(ref.get("metadata", {})))
             raises = "raises-exception" in metadata.get("tags", [])
             prepared.required[len(nb["cells"])] = (index, raises)
+        elif kind == "code" and source.strip():
+            prepared.own_code += 1
         nb["cells"].append(_new_cell(kind, source, cell_id, metadata))
         prepared.firsts.append(first_line(source) if kind == "code" else "")
     found = {index: at for at, (index, _) in prepared.required.items()}
