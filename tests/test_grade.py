@@ -595,6 +595,7 @@ def test_a_stub_left_unchanged_is_not_run_and_a_changed_one_is(tmp_path):
         "(each raises NotImplementedError until then)"
     )
     assert why().startswith("your submission has no labs/x.py that could be read")
+    assert why(x=stub.replace(b"\n", b"\r\n")) == why(x=stub)  # git's Windows line endings
     assert why(x=stub + b"\n") == why(x=stub.replace(b"raise", b"return")) == ""
     notebook_only = grade.Lab("12_x", "12_x.ipynb", ())
     assert grade.not_started(session, types.SimpleNamespace(modules={}), notebook_only) == ""

@@ -32,10 +32,10 @@ public tests    ``tests/test_<lab>.py`` and ``tests/test_<lab>_*.py`` as the rel
 hidden tests    ``hidden_tests/test_<lab>.py``, ``hidden_tests/test_<lab>_*.py``
                 (``--hidden-tests``)
 score           tests passed / tests collected, marked ``exercise``, public + hidden
-not started     a module that is the release's stub byte for byte, or missing: its tests are
-                not run, each fails "not run: ... the course's stub, unchanged" (a stub fails
-                every one: ``tests/test_stubs.py``); nor is its notebook, unless the student
-                added code cells of their own
+not started     a module that is the release's stub byte for byte (line endings aside), or
+                missing: its tests are not run, each fails "not run: ... the course's stub,
+                unchanged" (a stub fails every one: ``tests/test_stubs.py``); nor is its
+                notebook, unless the student added code cells of their own
 stand-ins       the exercises the lab builds on (``labs.runtime.impl.builds_on``): their
                 references (the instructor's ``solutions/``) stand in for the student's own,
                 selected by ``LABS_REFERENCE``, so that each exercise is graded on its own (a
@@ -596,10 +596,11 @@ def grade_tests(
 
 def not_started(session: Session, student: Student, lab: Lab) -> str:
     """How ``lab``'s exercise module shows the lab is not started, or "": it is the course's stub
-    byte for byte, or the submission has none (and the stub stands in). Such a lab is not tested:
-    a stub fails every test of its lab (tests/test_stubs.py), so it scores 0 without them (a
-    sandbox, a pytest and a launch per test less, about 10 CPU-s a lab); and its notebook is not
-    run unless it holds code of the student's own, which could fill the exercise in there."""
+    byte for byte (line endings aside), or the submission has none (and the stub stands in). Such
+    a lab is not tested: a stub fails every test of its lab (tests/test_stubs.py), so it scores 0
+    without them (a sandbox, a pytest and a launch per test less, about 10 CPU-s a lab); and its
+    notebook is not run unless it holds code of the student's own, which could fill the exercise
+    in there."""
     path = session.release / "labs" / f"{lab.name}.py"
     if not path.is_file():  # a notebook-only row
         return ""
@@ -607,7 +608,7 @@ def not_started(session: Session, student: Student, lab: Lab) -> str:
     mine = student.modules.get(lab.name)
     if mine is None:
         what = f"your submission has no labs/{lab.name}.py that could be read, so the stub stood in"
-    elif mine == stub:
+    elif mine.replace(b"\r\n", b"\n") == stub:  # as git on Windows may check it out
         what = f"labs/{lab.name}.py is the course's stub, unchanged"
     else:
         return ""
