@@ -500,6 +500,15 @@ def test_labs_are_discovered_from_the_course(tmp_path):
     )
 
 
+def unwritten_stub(path: Path) -> bytes:
+    """A stub as ``labs.stubs`` writes one: ``f`` raises that it is not written yet."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        'def f():\n    raise NotImplementedError("exercise f is not written yet: see 00.ipynb")\n'
+    )
+    return path.read_bytes()
+
+
 def test_hidden_tests_share_the_public_pytest_unless_concealed(tmp_path, monkeypatch):
     """Without --conceal-hidden a lab's public and hidden tests run in one pytest (one interpreter
     less per lab), the hidden ones counted apart; with it, the hidden tests run on their own."""
@@ -564,15 +573,6 @@ def test_hidden_tests_share_the_public_pytest_unless_concealed(tmp_path, monkeyp
         copied = [names for _, names in runs]
         # the hidden file reaches only the run that has the hidden tests
         assert copied == ([["test_x_hidden.py"]] if not conceal else [[], ["test_x_hidden.py"]])
-
-
-def unwritten_stub(path: Path) -> bytes:
-    """A stub as ``labs.stubs`` writes one: ``f`` raises that it is not written yet."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        'def f():\n    raise NotImplementedError("exercise f is not written yet: see 00.ipynb")\n'
-    )
-    return path.read_bytes()
 
 
 def test_a_stub_left_unchanged_is_not_run_and_a_changed_one_is(tmp_path):
