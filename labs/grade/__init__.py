@@ -508,9 +508,11 @@ def grade_tests(
     hidden: bool,
     cpus: set[int] | None = None,
     together: bool = False,
+    unstarted: str = "",
 ) -> Finished | None:
     """Run the lab's public (or hidden) tests in a sandbox and add what they prove to ``res``;
-    ``together``: the public tests, then the hidden ones, in one pytest (never concealed). A
+    ``together``: the public tests, then the hidden ones, in one pytest (never concealed);
+    ``unstarted``: why the lab is not started (``not_started``), and its tests fail unrun. A
     concealed hidden run adds only how many passed: no message, no count of processes left, no
     note, no time, no detail of why its results could not be used."""
     folders = (HIDDEN_DIR,) if hidden else (PUBLIC_DIR, HIDDEN_DIR) if together else (PUBLIC_DIR,)
@@ -526,10 +528,8 @@ def grade_tests(
     hidden_graded = [n for n in graded if n.startswith(HIDDEN_DIR)]
     res.tests_total += len(graded)
     res.hidden_total += len(hidden_graded)
-    why = not_started(session, student, lab)
-    if why:
-        why = f"not run: {why}"
-    elif budget < 1:
+    why = f"not run: {unstarted}" if unstarted else ""
+    if not why and budget < 1:
         why = f"not run: the lab's time budget of {args.lab_timeout:g} s ran out"
     if why:
         if not concealed:
@@ -666,12 +666,13 @@ def grade_notebook(
     res: Result,
     out: Path,
     cpus: set[int] | None = None,
+    unstarted: str = "",
 ) -> None:
     """Run the student's notebook in a sandbox; "executed" as ``labs.grade.notebooks`` says. The
     notebook is read, and the runner's report too, by a limited child process
     (``notebooks.prepare_limited``, ``notebooks.save_limited``), never by the grader itself. A lab
-    not started (``not_started``) whose notebook holds the course's code and none of the student's
-    is not run: "no"."""
+    not started (``unstarted``: why, from ``not_started``) whose notebook holds the course's code
+    and none of the student's is not run: "no"."""
     args = session.args
     rel = f"notebooks/{lab.notebook}"
     res.notebook_executed = "no"
@@ -694,7 +695,6 @@ def grade_notebook(
         if not prepared.runnable:
             res.notebook_detail = prepared.problems[0]
             return
-        unstarted = not_started(session, student, lab)
         if unstarted and not prepared.own_code and not prepared.problems:
             res.notebook_detail = (
                 f"not run, the lab is not started: {unstarted}; the notebook has no code of yours"
@@ -811,13 +811,26 @@ def _gradescope(session: Session, shown: str, results: list[Result]) -> dict:
 def _grade_lab(session: Session, student: Student, lab: Lab, out: Path, cpus) -> Result:
     res = Result(student.shown, lab.name, lab.notebook, stand_ins=list(lab.stand_ins))
     try:
+        unstarted = not_started(session, student, lab)
         if session.expected[lab.name] and session.args.conceal_hidden:
-            grade_tests(session, student, lab, res, out, hidden=False, cpus=cpus)
-            grade_tests(session, student, lab, res, out, hidden=True, cpus=cpus)
+            for hidden in (False, True):
+                grade_tests(
+                    session, student, lab, res, out, hidden=hidden, cpus=cpus, unstarted=unstarted
+                )
         elif session.expected[lab.name]:  # nothing to conceal: one pytest for both
-            grade_tests(session, student, lab, res, out, hidden=False, cpus=cpus, together=True)
+            grade_tests(
+                session,
+                student,
+                lab,
+                res,
+                out,
+                hidden=False,
+                cpus=cpus,
+                together=True,
+                unstarted=unstarted,
+            )
         if lab.notebook and not session.args.no_notebooks:
-            grade_notebook(session, student, lab, res, out, cpus)
+            grade_notebook(session, student, lab, res, out, cpus, unstarted)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - the grader's own failure costs this row only
