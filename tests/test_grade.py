@@ -39,6 +39,7 @@ from labs.grade import (
     cpu_slots,
     discover_labs,
     notebooks,
+    processes,
     sandbox,
     submission,
 )
@@ -113,6 +114,12 @@ def test_reference_code_gets_every_point_and_runs_its_notebook(graded):
     assert not row["grading_error"], row
     assert "failed" not in feedback(graded, "correct")
     assert (graded["report"] / "correct" / "notebooks" / NOTEBOOK).exists()
+    cost = scores_json(graded)["correct"]  # each item imports torch: more than a CPU second
+    assert cost["tests_cpu_s"] > 1 and cost["notebook_cpu_s"] > 1, cost
+    total = cost["tests_cpu_s"] + cost["notebook_cpu_s"]
+    assert re.search(
+        rf"^correct: done in [0-9.]+ s \({total:.0f} CPU-s", graded["proc"].stdout, re.M
+    )
 
 
 @pytest.mark.slow
@@ -381,7 +388,7 @@ class TestHostileSubmissions:
         before anything runs. (The grader that parsed it itself spent 155 s more.)"""
         row = self.row(graded, "notebook_bomb")
         assert row["notebook_executed"] == "no" and "more than the 2000" in row["notebook_detail"]
-        done = dict(re.findall(r"^(.+): done in ([0-9.]+) s$", graded["proc"].stdout, re.M))
+        done = dict(re.findall(r"^(.+): done in ([0-9.]+) s \(", graded["proc"].stdout, re.M))
         rows = scores_json(graded)
         outside = {
             s: float(t) - rows[s]["tests_time_s"] - rows[s]["notebook_time_s"]
@@ -677,6 +684,48 @@ def test_the_cores_of_each_job():
     assert cpu_slots(2, [0, 1]) == [{0}, {1}]
     assert cpu_slots(2, [0, 1, 2, 3, 4]) == [{0, 1, 2}, {3, 4}]
     assert cpu_slots(3, [0, 1]) == [{0}, {1}, {0}]  # more jobs than cores: shared (warned)
+
+
+BURN_IN_A_GRANDCHILD = """
+import subprocess, sys
+burn = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.5: pass"
+subprocess.run([sys.executable, "-c", burn], check=True)
+"""
+
+
+def test_the_sandbox_init_counts_the_items_cpu_time_and_its_reaped_childrens(tmp_path):
+    """The CPU-s the grader prints per lab and student come from the sandbox's init (inside.py):
+    an item whose child burns 0.5 s of CPU reports at least that, and not much more (two
+    interpreters' start); a report without the figure (the init was killed) counts as unknown."""
+    read_end, write_end = os.pipe()
+    spec = {
+        "sandboxed": False,
+        "copy": [],
+        "mkdir": [],
+        "cwd": str(tmp_path),
+        "argv": [sys.executable, "-I", "-S", "-c", BURN_IN_A_GRANDCHILD],
+        "limits": sandbox.Limits().rlimits(),
+        "watch_memory": False,
+        "poll_s": 0.05,
+        "status_fd": write_end,
+        "results_fd": None,
+    }
+    inside = ROOT / "labs" / "grade" / "inside.py"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", "-S", str(inside), json.dumps(spec)],
+            pass_fds=(write_end,),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as status:
+        report = json.loads(status.readline())
+    assert proc.returncode == 0 and report["exit"] == 0, (proc.stderr, report)
+    assert 0.5 <= processes._cpu(report) < 2.0, report
+    assert processes._cpu({}) is None and processes._cpu({"cpu_s": "1"}) is None
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")

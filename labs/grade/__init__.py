@@ -577,6 +577,7 @@ def grade_tests(
             _add_error(res, CONCEALED_ERROR)
         return done
     res.tests_time_s += done.seconds
+    res.tests_cpu_s += done.cpu_seconds or 0.0
     res.leftover_processes += done.leftover
     if run.problem:
         _add_error(
@@ -726,6 +727,7 @@ def grade_notebook(
     finally:
         shutil.rmtree(item, ignore_errors=True)
     res.notebook_time_s = done.seconds
+    res.notebook_cpu_s = done.cpu_seconds or 0.0
     res.leftover_processes += done.leftover
     executed, detail = notebooks.judge(prepared, report)
     if done.timed_out:
@@ -785,7 +787,12 @@ def grade_student(session: Session, name: str) -> list[Result]:
     write_atomic(out / "results.json", json.dumps(_gradescope(session, shown, results), indent=1))
     with session.lock:
         session.fingerprints[name] = (student.fingerprints, student.into)
-    _say(session, f"{printable(shown, newlines=False)}: done in {time.perf_counter() - t0:.1f} s")
+    cpu = sum(r.tests_cpu_s + r.notebook_cpu_s for r in results)
+    _say(
+        session,
+        f"{printable(shown, newlines=False)}: done in {time.perf_counter() - t0:.1f} s"
+        f" ({cpu:.0f} CPU-s in its sandboxes)",
+    )
     return results
 
 
@@ -839,7 +846,8 @@ def _grade_lab(session: Session, student: Student, lab: Lab, out: Path, cpus) ->
         session,
         f"{printable(student.shown, newlines=False)} · {lab.name}: {res.tests_passed}/"
         f"{res.tests_total} tests, notebook ran: {res.notebook_executed}, "
-        f"{res.tests_time_s + res.notebook_time_s:.1f} s",
+        f"{res.tests_time_s + res.notebook_time_s:.1f} s, "
+        f"{res.tests_cpu_s + res.notebook_cpu_s:.0f} CPU-s",
     )
     return res
 

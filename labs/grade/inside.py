@@ -26,8 +26,11 @@ do:
    and says which limit was hit;
 5. when the item's first process exits, this process writes one JSON line to ``status_fd``:
    ``{"exit": code or null, "signal": number or null, "leftover": processes still running,
-   "limit": null or "memory", "processes", "open files", "cpu time"}`` and exits. The kernel then
-   kills every process left in the namespace, daemons included.
+   "limit": null or "memory", "processes", "open files", "cpu time", "cpu_s": CPU seconds}`` and
+   exits. The kernel then kills every process left in the namespace, daemons included. ``cpu_s``
+   is the item's CPU time, user + sys: this process's and that of every process it reaped (as
+   PID 1 it reaps the orphans too; each process's own reaped children count in it), so all of
+   the item but what is still running at its end.
 
 Outside a sandbox (``labs.grade --unsafe-no-sandbox``: not PID 1), step 2 and the watching of step
 4 are skipped and ``leftover`` is 0: the grader itself kills what is left.
@@ -182,6 +185,12 @@ def over_limit(limits: dict, watch_memory: bool) -> str | None:
     return None
 
 
+def cpu_seconds() -> float:
+    """User + sys CPU seconds of this process and of every process it reaped."""
+    t = os.times()
+    return round(t.user + t.system + t.children_user + t.children_system, 3)
+
+
 def watch(spec: dict, child: int) -> dict:
     """Reap processes until ``child`` exits; as PID 1 of a sandbox, stop everything over a limit."""
     as_init = spec["sandboxed"]
@@ -200,7 +209,13 @@ def watch(spec: dict, child: int) -> dict:
             if hit:
                 os.kill(-1, signal.SIGKILL)  # every process of the namespace but this one
                 os.waitpid(child, 0)
-                return {"exit": None, "signal": signal.SIGKILL, "leftover": 0, "limit": hit}
+                return {
+                    "exit": None,
+                    "signal": signal.SIGKILL,
+                    "leftover": 0,
+                    "limit": hit,
+                    "cpu_s": cpu_seconds(),
+                }
         time.sleep(spec["poll_s"])
     leftover = len(sandbox_processes()) if as_init else 0
     return {
@@ -208,6 +223,7 @@ def watch(spec: dict, child: int) -> dict:
         "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
         "leftover": leftover,
         "limit": None,
+        "cpu_s": cpu_seconds(),
     }
 
 

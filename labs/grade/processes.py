@@ -58,6 +58,7 @@ class Finished:
     results: bytes  # what came on the results channel
     results_overflow: bool  # more than results_limit bytes came: the rest was dropped
     output_bytes: int  # printed in all (the log keeps the start and the end)
+    cpu_seconds: float | None = None  # user + sys of the item (its init's report); None: unknown
 
 
 def become_subreaper() -> bool:
@@ -244,6 +245,7 @@ def run_item(
         results=bytes(run.results),
         results_overflow=run.overflow,
         output_bytes=run.output.total,
+        cpu_seconds=_cpu(report),
     )
 
 
@@ -339,6 +341,13 @@ def _child_pid(info: bytearray) -> int | None:
         return int(json.loads(bytes(info))["child-pid"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _cpu(report: dict) -> float | None:
+    """The item's CPU seconds from its init's report; None when it said none (it was killed:
+    the item timed out)."""
+    cpu = report.get("cpu_s")
+    return float(cpu) if isinstance(cpu, (int, float)) and cpu >= 0 else None
 
 
 def _status(raw: bytearray) -> dict:

@@ -80,6 +80,9 @@ class Result:
     notebook_executed: str = "-"  # yes / no / "-" (no notebook, or notebooks not run)
     notebook_detail: str = ""  # ok, or what stopped it (status: cell N `source`: error)
     notebook_time_s: float = 0.0
+    # CPU seconds (user + sys) of the items' processes, counted as the time is; what a student costs
+    tests_cpu_s: float = 0.0
+    notebook_cpu_s: float = 0.0
     cells_changed: int = 0  # code cells of the released notebook not in the student's as released
     leftover_processes: int = 0  # processes still running after the item ended (killed)
     notes: list = field(default_factory=list)  # limits hit, output cut: one Markdown line each
