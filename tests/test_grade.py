@@ -119,6 +119,8 @@ def test_reference_code_gets_every_point_and_runs_its_notebook(graded):
     total = cost["tests_cpu_s"] + cost["notebook_cpu_s"]
     line = rf"^correct: done in [0-9.]+ s \({total:.0f} CPU-s in its sandboxes\)$"
     assert re.search(line, graded["proc"].stdout, re.M), graded["proc"].stdout[-2000:]
+    summary = (graded["report"] / "summary.md").read_text(encoding="utf-8")
+    assert re.search(rf"^\| `correct` \|.* \| [0-9]+ \| {total:.0f} \|$", summary, re.M), summary
 
 
 @pytest.mark.slow

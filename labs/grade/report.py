@@ -326,8 +326,8 @@ def write_reports(
         f"Graded {meta['graded_at']}, course commit {md_code(meta['commit'] or 'unknown')}. "
         "Each cell: checks passed/total, then whether the notebook ran to the end.",
         "",
-        "| student | " + " | ".join(labs) + " | time (s) |",
-        "|---" * (len(labs) + 2) + "|",
+        "| student | " + " | ".join(labs) + " | time (s) | CPU (s) |",
+        "|---" * (len(labs) + 3) + "|",
     ]
     for student in dict.fromkeys(r.student for r in results):
         mine = {r.lab: r for r in results if r.student == student}
@@ -339,8 +339,9 @@ def write_reports(
             for lab in labs
         ]
         seconds = sum(r.tests_time_s + r.notebook_time_s for r in mine.values())
+        cpu = sum(r.tests_cpu_s + r.notebook_cpu_s for r in mine.values())
         name = md_code(student, table=True)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds:.0f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds:.0f} | {cpu:.0f} |")
     if copies:
         lines += ["", "## Exercise files that look copied", ""]
         lines += [f"* {printable(line, newlines=False)}" for line in copies]
