@@ -295,3 +295,41 @@ def test_a_forked_rank_freezes_what_it_inherits():
 
     inherited = len(gc.get_objects())
     assert all(count > 0.9 * inherited for count in launch(frozen_objects, 2, timeout=60))
+
+
+def thread_priorities() -> list[tuple[str, int]]:
+    """(name, nice) of each thread of this process."""
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of stat
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            found.append((f.read().strip(), nice))
+    return sorted(found)
+
+
+def priorities_before_and_after_a_new_group():
+    from labs.runtime.rank import lower_gloo_loop_priority
+
+    before = thread_priorities()  # the launcher's process group only
+    dist.new_group(list(range(dist.get_world_size())))
+    lowered = lower_gloo_loop_priority()
+    return before, lowered, thread_priorities()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads are read from /proc")
+def test_gloo_loop_threads_run_at_the_lowest_priority_and_the_rest_at_normal():
+    """gloo's event-loop threads spin while a peer's message waits for its buffer; at nice 19
+    they leave the core to the threads that post it (``lower_gloo_loop_priority``): the launch's
+    process group's at once, a new group's when asked again; no other thread."""
+
+    def split(threads):
+        loops = [nice for name, nice in threads if name.startswith("gloo_tcp_loop")]
+        return loops, {nice for name, nice in threads if not name.startswith("gloo_tcp_loop")}
+
+    for before, lowered, after in launch(
+        priorities_before_and_after_a_new_group, 2, backend="gloo", timeout=60
+    ):
+        assert split(before) == ([19], {0}), before
+        assert split(after) == ([19, 19], {0}), after
+        assert lowered == 2

@@ -41,6 +41,7 @@ from labs.models.transformer import ModelConfig
 from labs.runtime.device import rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
+from labs.runtime.rank import lower_gloo_loop_priority
 from labs.theory import context_parallel as cp_theory
 from labs.theory import tensor_parallel as tp_theory
 from labs.theory import zero as zero_theory
@@ -194,6 +195,7 @@ def worker(
     dims = lab.check_mesh(world_size=dist.get_world_size(), **degrees)
     mesh = lab.build_mesh(dims)
     torch_ranks = torch_mesh_ranks(dims)
+    lower_gloo_loop_priority()  # the groups just built each have a gloo loop thread
     c = lab.compose(model_cfg, mesh, cfg, zero=zero, microbatches=microbatches)
     inner = c.optimizer
     probe = GradProbe(inner, c.module)

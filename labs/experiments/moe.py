@@ -53,6 +53,7 @@ from labs.models.transformer import ModelConfig, count_params, init_weights
 from labs.runtime.device import one_thread, rank_device
 from labs.runtime.impl import exercise
 from labs.runtime.launcher import launch, report_progress
+from labs.runtime.rank import lower_gloo_loop_priority
 from labs.theory import moe as theory
 from labs.theory.comm import all_reduce_bytes
 from labs.theory.dims import ParallelDims, check_positive
@@ -86,6 +87,7 @@ def make_groups(ep: int):
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[kind] = group
+    lower_gloo_loop_priority()  # each new group has a gloo loop thread
     return mine["ep"], mine["expert_dp"]
 
 

@@ -146,6 +146,37 @@ def join_group(backend, store, rank, world_size, timeout):
         timeout=timedelta(seconds=timeout),
         device_id=device,
     )
+    lower_gloo_loop_priority()
+
+
+def lower_gloo_loop_priority() -> int:
+    """Give this process's gloo event-loop threads the lowest CPU priority (nice 19); returns how
+    many it found. Call it again after creating process groups: each has its own thread.
+
+    gloo's TCP transport reads every socket of a process group on one thread, "gloo_tcp_loop". A
+    message that arrives before this rank has posted the buffer it goes to stays unread, the socket
+    stays readable, and the thread spins on ``epoll_wait`` until the buffer is posted, taking the
+    core from the threads that would post it: with more ranks than cores (4 ranks on 2 cores),
+    ~840 ``epoll_wait`` calls per all-reduce of 10 floats, 1.2 ms of CPU per rank. At nice 19
+    the loop still runs at once on an idle core, but yields a busy one: 0.6 ms, and the DDP lab's
+    tests take 20 % less CPU time. The cost: a process at normal priority that keeps a core busy
+    (a compile beside the notebook) slows the collectives of the ranks that share its core.
+    Linux only (``/proc/self/task``); elsewhere nothing is changed and it returns 0."""
+    found = 0
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("gloo_tcp_loop"):
+                    continue
+            os.setpriority(os.PRIO_PROCESS, int(tid), 19)  # a thread id: this thread only
+            found += 1
+        except OSError:  # the thread ended while we looked
+            pass
+    return found
 
 
 def _bind_device(backend: str) -> torch.device | None:
