@@ -322,6 +322,9 @@ def test_gloo_loop_threads_run_at_the_lowest_priority_and_the_rest_at_normal():
     """gloo's event-loop threads spin while a peer's message waits for its buffer; at nice 19
     they leave the core to the threads that post it (``lower_gloo_loop_priority``): the launch's
     process group's at once, a new group's when asked again; no other thread."""
+    normal = os.getpriority(os.PRIO_PROCESS, 0)  # what the ranks inherit (0 unless run under nice)
+    if normal == 19:
+        pytest.skip("the suite itself runs at nice 19: nothing to lower")
 
     def split(threads):
         loops = [nice for name, nice in threads if name.startswith("gloo_tcp_loop")]
@@ -330,6 +333,6 @@ def test_gloo_loop_threads_run_at_the_lowest_priority_and_the_rest_at_normal():
     for before, lowered, after in launch(
         priorities_before_and_after_a_new_group, 2, backend="gloo", timeout=60
     ):
-        assert split(before) == ([19], {0}), before
-        assert split(after) == ([19, 19], {0}), after
+        assert split(before) == ([19], {normal}), before
+        assert split(after) == ([19, 19], {normal}), after
         assert lowered == 2
