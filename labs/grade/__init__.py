@@ -787,7 +787,7 @@ def grade_student(session: Session, name: str) -> list[Result]:
     write_atomic(out / "results.json", json.dumps(_gradescope(session, shown, results), indent=1))
     with session.lock:
         session.fingerprints[name] = (student.fingerprints, student.into)
-    cpu = sum(r.tests_cpu_s + r.notebook_cpu_s for r in results)
+    cpu = sum(r.cpu_seconds for r in results)
     _say(
         session,
         f"{printable(shown, newlines=False)}: done in {time.perf_counter() - t0:.1f} s"
@@ -846,8 +846,7 @@ def _grade_lab(session: Session, student: Student, lab: Lab, out: Path, cpus) ->
         session,
         f"{printable(student.shown, newlines=False)} · {lab.name}: {res.tests_passed}/"
         f"{res.tests_total} tests, notebook ran: {res.notebook_executed}, "
-        f"{res.tests_time_s + res.notebook_time_s:.1f} s, "
-        f"{res.tests_cpu_s + res.notebook_cpu_s:.0f} CPU-s",
+        f"{res.seconds:.1f} s, {res.cpu_seconds:.0f} CPU-s",
     )
     return res
 

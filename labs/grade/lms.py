@@ -115,7 +115,7 @@ def gradescope_results(
             )
     return {
         "score": round(sum(lab_score(r, lab_points) for r in results), 2),
-        "execution_time": round(sum(r.tests_time_s + r.notebook_time_s for r in results)),
+        "execution_time": round(sum(r.seconds for r in results)),
         "output": printable(headline),
         "output_format": "text",
         "visibility": "visible",

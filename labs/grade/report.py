@@ -89,6 +89,16 @@ class Result:
     grading_error: str = ""  # "grading error: ..." when the grader could not grade this lab
     stand_ins: list = field(default_factory=list)  # earlier exercises run from the reference
 
+    @property
+    def seconds(self) -> float:
+        """Wall time of the lab's items: its tests and its notebook."""
+        return self.tests_time_s + self.notebook_time_s
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time of the lab's items: its tests and its notebook."""
+        return self.tests_cpu_s + self.notebook_cpu_s
+
 
 # ---- escaping
 # -------------------------------------------------------------------------------------------
@@ -338,8 +348,8 @@ def write_reports(
             else "-"
             for lab in labs
         ]
-        seconds = sum(r.tests_time_s + r.notebook_time_s for r in mine.values())
-        cpu = sum(r.tests_cpu_s + r.notebook_cpu_s for r in mine.values())
+        seconds = sum(r.seconds for r in mine.values())
+        cpu = sum(r.cpu_seconds for r in mine.values())
         name = md_code(student, table=True)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds:.0f} | {cpu:.0f} |")
     if copies:
