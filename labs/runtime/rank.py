@@ -156,14 +156,15 @@ def lower_gloo_loop_priority() -> int:
     gloo's TCP transport reads every socket of a process group on one thread, "gloo_tcp_loop". A
     message that arrives before this rank has posted the buffer it goes to stays unread, the socket
     stays readable, and the thread spins on ``epoll_wait`` until the buffer is posted, taking the
-    core from the threads that would post it: with more ranks than cores (4 ranks on 2 cores),
-    ~840 ``epoll_wait`` calls per all-reduce of 10 floats, 1.2 ms of CPU per rank. At nice 19
-    the loop still runs at once on an idle core, but yields a busy one: 0.6 ms, and the DDP lab's
-    tests take 20 % less CPU time. The cost: a thread that keeps a core busy at normal priority in
-    the same session slows the ranks' messages (two busy loops beside 4 ranks: an all-reduce in
-    37 ms instead of 5); one in another session (another terminal; each grading sandbox is its
-    own) hardly does (6 ms instead of 5), where the kernel shares the CPU between sessions first
-    (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in most distributions).
+    core from the threads that would post it. With more ranks than cores, an all-reduce of 10 floats
+    by 4 ranks costs ~840 ``epoll_wait`` calls per rank on one core, and 1.2 ms of CPU per rank on 2
+    cores. At nice 19 the loop still runs at once on an idle core, but yields a busy one: 0.6 ms on
+    2 cores, and the DDP lab's tests take 20 % less CPU time. The cost: a thread that keeps a core
+    busy at normal priority in the same session slows the ranks' messages (two busy loops beside 4
+    ranks: an all-reduce in 37 ms instead of 5); one in another session (another terminal; each
+    grading sandbox is its own) hardly does (6 ms instead of 5), where the kernel shares the CPU
+    between sessions first (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in most
+    distributions).
     Linux only (``/proc/self/task``); elsewhere nothing is changed and it returns 0."""
     found = 0
     try:
