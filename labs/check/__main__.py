@@ -1,7 +1,7 @@
-"""``python -m labs.check``: see ``labs.check``."""
-
-import sys
+"""``python -m labs.check``: see ``labs.check``. The process ends without the interpreter's teardown
+(``labs.runtime.exit``): with torch loaded, a second of CPU saved."""
 
 from labs.check import main
+from labs.runtime.exit import exit_without_teardown
 
-sys.exit(main())
+exit_without_teardown(main())

@@ -267,14 +267,23 @@ def discover_labs(template: Path, hidden: Path | None = None, stand_ins: bool = 
     return labs
 
 
+# ``python -m pytest``, the process ended without the interpreter's teardown once pytest has
+# returned (``labs.runtime.exit``: a second of CPU a run; the results were streamed before)
+PYTEST_THEN_EXIT = (
+    "import pytest\n"
+    "from labs.runtime.exit import exit_without_teardown\n"
+    "exit_without_teardown(pytest.main())"
+)
+
+
 def _pytest_argv(course: str, files, test_timeout: float, *more: str) -> list[str]:
     """pytest on ``files``, tests marked exercise, with the grader's plugin and pytest-timeout
     only (the items run with PYTEST_DISABLE_PLUGIN_AUTOLOAD: nbval, anyio ... cost a second a
     run and grade nothing)."""
     return [
         sys.executable,
-        "-m",
-        "pytest",
+        "-c",
+        PYTEST_THEN_EXIT,
         *files,
         "-m",
         "exercise",

@@ -47,6 +47,13 @@ from nbclient.exceptions import (  # noqa: E402
 PR_SET_DUMPABLE = 4
 EVALUE_LIMIT = 3000
 NUDGE_S = 5.0  # waiting this long for a reply, the client sends the kernel a kernel_info request
+# The kernel, asked to shut down, ends with os._exit(0) after the atexit handlers registered after
+# this line's (the warm worker pool's shutdown) and before IPython's own: the interpreter's teardown
+# with torch loaded is a second of CPU a notebook and decides nothing (``labs.runtime.exit``). It
+# runs before the first cell, leaves no name in the notebook's namespace and no execution count.
+KERNEL_EXITS_WITHOUT_TEARDOWN = (
+    "--IPKernelApp.exec_lines=__import__('atexit').register(__import__('os')._exit, 0)"
+)
 
 
 RESULTS = {"fd": None}  # the results channel, taken out of the environment by main
@@ -157,6 +164,7 @@ def main(src: str, cell_timeout: float, output_limit: int) -> int:
         timeout=cell_timeout,
         interrupt_on_timeout=True,
         kernel_name="python3",
+        extra_arguments=[KERNEL_EXITS_WITHOUT_TEARDOWN],
         startup_timeout=120,
         resources={"metadata": {"path": str(Path(src).parent)}},
         on_cell_start=on_cell_start,
