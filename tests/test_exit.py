@@ -80,13 +80,6 @@ def test_the_graders_pytest_keeps_pytests_status_and_summary_and_skips_the_teard
     )
 
 
-@pytest.mark.parametrize("module", ["labs.run", "labs.check"])
-def test_a_command_lines_usage_error_keeps_its_status(module):
-    proc = run_python("-m", module, "no-such-lab")
-    assert proc.returncode == 2  # argparse's, raised inside main
-    assert "invalid choice" in proc.stderr
-
-
 def test_the_graders_notebook_kernel_runs_atexit_and_skips_the_teardown(tmp_path):
     import nbformat
     from nbclient import NotebookClient

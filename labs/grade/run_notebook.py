@@ -47,10 +47,11 @@ from nbclient.exceptions import (  # noqa: E402
 PR_SET_DUMPABLE = 4
 EVALUE_LIMIT = 3000
 NUDGE_S = 5.0  # waiting this long for a reply, the client sends the kernel a kernel_info request
-# The kernel, asked to shut down, ends with os._exit(0) after the atexit handlers registered after
-# this line's (the warm worker pool's shutdown) and before IPython's own: the interpreter's teardown
-# with torch loaded is a second of CPU a notebook and decides nothing (``labs.runtime.exit``). It
-# runs before the first cell, leaves no name in the notebook's namespace and no execution count.
+# The kernel, asked to shut down, ends with os._exit(0): the interpreter's teardown with torch
+# loaded is a second of CPU a notebook and decides nothing (``labs.runtime.exit``). The line runs
+# once the kernel has started, before the first cell, leaving no name and no execution count;
+# atexit runs its handler after those registered later (the warm worker pool's shutdown), before
+# IPython's own.
 KERNEL_EXITS_WITHOUT_TEARDOWN = (
     "--IPKernelApp.exec_lines=__import__('atexit').register(__import__('os')._exit, 0)"
 )

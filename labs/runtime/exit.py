@@ -1,9 +1,9 @@
 """Ending a process that loaded torch without the interpreter's teardown.
 
 At exit Python frees every module and object one by one. With torch loaded (and ``torch._dynamo``,
-which building any optimizer imports) that is 0.6 to 1.2 CPU-seconds a process, measured on
-2 cores: ``python -m labs.run ddp --json`` 3.2 -> 2.6 CPU-s, a lab's tests under pytest about
-1.0 less, a notebook's kernel 1.0 to 1.4 less. Once the output is written it decides nothing, so
+which building any optimizer imports) that is 0.6 to 1.4 CPU-seconds a process, measured on one
+core: ``python -m labs.run ddp --json`` 3.2 -> 2.6 CPU-s, a lab's tests under pytest 1.0 to 1.4
+less, a notebook's kernel 1.0 to 1.4 less. Once the output is written it decides nothing, so
 the course's command lines that load torch end with ``exit_without_teardown``, and so does the
 grader's pytest; the grader's notebook kernels end the same way (``labs.grade.run_notebook``).
 """
