@@ -67,17 +67,14 @@ def test_the_graders_pytest_keeps_pytests_status_and_summary_and_skips_the_teard
     (tmp_path / "test_one.py").write_text(
         "def test_a():\n    pass\n\ndef test_b():\n    assert 0\n"
     )
-    proc = run_python("-c", PYTEST_THEN_EXIT, "-q", "-p", "no:cacheprovider", ".", cwd=tmp_path)
+    pytest_args = ("-c", PYTEST_THEN_EXIT, "-q", "-p", "no:cacheprovider", ".")
+    proc = run_python(*pytest_args, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # pytest's "tests failed"
     assert "1 failed, 1 passed" in proc.stdout
     assert "atexit ran" in proc.stdout and "teardown ran" not in proc.stdout
     (tmp_path / "test_one.py").write_text("def test_a():\n    pass\n")
-    assert (
-        run_python(
-            "-c", PYTEST_THEN_EXIT, "-q", "-p", "no:cacheprovider", ".", cwd=tmp_path
-        ).returncode
-        == 0
-    )
+    proc = run_python(*pytest_args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_the_graders_notebook_kernel_runs_atexit_and_skips_the_teardown(tmp_path):
